@@ -1,0 +1,125 @@
+//! Bearer-token authentication with two roles. Tokens are stored as SHA-256 hashes only.
+
+use axum::extract::FromRequestParts;
+use axum::http::header;
+use axum::http::request::Parts;
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+
+use super::error::ApiError;
+use super::AdminState;
+use crate::model::{Role, Token, TokenSpec};
+use crate::store::{Store, StoreError};
+
+const TOKEN_PREFIX: &str = "raahi_";
+
+/// A new random secret: 32 bytes from the OS generator, hex encoded.
+pub fn generate_token() -> String {
+    let mut secret = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    format!("{TOKEN_PREFIX}{}", hex::encode(secret))
+}
+
+pub fn hash_token(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// Creates a token, returning the stored record and the secret (shown once).
+pub async fn create_token(store: &Store, spec: &TokenSpec) -> Result<(Token, String), StoreError> {
+    let secret = generate_token();
+    let token = store.create_token(spec, &hash_token(&secret)).await?;
+    Ok((token, secret))
+}
+
+/// How the first start got its admin token.
+pub enum Bootstrap {
+    /// No token existed: a new admin token was generated; print it once.
+    Generated(String),
+    /// The configured `admin.token` is (now) a stored admin token.
+    Configured,
+    /// Tokens exist already and none is configured.
+    Existing,
+}
+
+/// Makes sure an admin can log in: registers the configured token, or generates one on a
+/// store without tokens.
+pub async fn bootstrap(store: &Store, configured: Option<&str>) -> Result<Bootstrap, StoreError> {
+    if let Some(secret) = configured {
+        let hash = hash_token(secret);
+        if store.find_token_by_hash(&hash).await?.is_none() {
+            let spec = TokenSpec {
+                name: format!("configured-admin-{}", &hash[..8]),
+                role: Role::Admin,
+            };
+            store.create_token(&spec, &hash).await?;
+        }
+        return Ok(Bootstrap::Configured);
+    }
+    if store.count_tokens().await? > 0 {
+        return Ok(Bootstrap::Existing);
+    }
+    let spec = TokenSpec {
+        name: "initial-admin".to_owned(),
+        role: Role::Admin,
+    };
+    let (_, secret) = create_token(store, &spec).await?;
+    Ok(Bootstrap::Generated(secret))
+}
+
+async fn caller_role(parts: &Parts, state: &AdminState) -> Result<Role, ApiError> {
+    let secret = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| {
+            let (scheme, token) = value.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        })
+        .filter(|token| !token.is_empty())
+        .ok_or(ApiError::Unauthorized)?;
+    match state.store.find_token_by_hash(&hash_token(secret)).await? {
+        Some(token) => Ok(token.role),
+        None => Err(ApiError::Unauthorized),
+    }
+}
+
+/// Any valid token (viewer or admin).
+pub struct Viewer;
+
+/// A token with the admin role.
+pub struct Admin;
+
+impl FromRequestParts<AdminState> for Viewer {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AdminState) -> Result<Self, ApiError> {
+        caller_role(parts, state).await.map(|_| Viewer)
+    }
+}
+
+impl FromRequestParts<AdminState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AdminState) -> Result<Self, ApiError> {
+        match caller_role(parts, state).await? {
+            Role::Admin => Ok(Admin),
+            Role::Viewer => Err(ApiError::Forbidden),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_random_and_hashes_stable() {
+        let a = generate_token();
+        let b = generate_token();
+        assert_ne!(a, b);
+        assert!(a.starts_with(TOKEN_PREFIX));
+        assert_eq!(hash_token(&a), hash_token(&a));
+        assert_ne!(hash_token(&a), hash_token(&b));
+        assert_eq!(hash_token(&a).len(), 64);
+    }
+}

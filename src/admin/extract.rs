@@ -1,0 +1,270 @@
+//! Request extractors that turn every kind of bad input into an [`ApiError`] naming the field.
+
+use axum::body::Body;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::request::Parts;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::error::ApiError;
+use crate::model::Id;
+use crate::store::Page;
+
+/// Largest admin request body accepted.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+const DEFAULT_PAGE: u32 = 100;
+const MAX_PAGE: u32 = 1000;
+
+/// A JSON body deserialised into `T`: malformed JSON is a 400, a well-formed document that does
+/// not fit `T` (wrong type, unknown or missing field, out of range) a 422 naming the field.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, _state: &S) -> Result<Self, ApiError> {
+        let bytes = read_body(request.into_body()).await?;
+        parse_json(&bytes).map(ApiJson)
+    }
+}
+
+async fn read_body(body: Body) -> Result<bytes::Bytes, ApiError> {
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| ApiError::PayloadTooLarge {
+            limit: MAX_BODY_BYTES,
+        })
+}
+
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::Malformed {
+            message: "request body is empty; expected a JSON object".to_owned(),
+        });
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(json_error)?;
+    deserializer.end().map_err(|error| ApiError::Malformed {
+        message: format!("invalid JSON: {error}"),
+    })?;
+    Ok(value)
+}
+
+/// Deserialises an already parsed document (a merged PATCH) into `T`.
+pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(json_error)
+}
+
+fn json_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = error.path().to_string();
+    let inner = error.into_inner();
+    if inner.is_syntax() || inner.is_eof() || inner.is_io() {
+        return ApiError::Malformed {
+            message: format!("invalid JSON: {inner}"),
+        };
+    }
+    let message = strip_position(&inner.to_string());
+    ApiError::Validation {
+        field: field_name(&path, &message),
+        message,
+    }
+}
+
+/// serde_json appends " at line L column C", which says nothing to someone reading a field error.
+fn strip_position(message: &str) -> String {
+    match message.rfind(" at line ") {
+        Some(index) => message[..index].to_owned(),
+        None => message.to_owned(),
+    }
+}
+
+/// serde reports unknown and missing fields at the parent's path; name the field itself.
+fn field_name(path: &str, message: &str) -> String {
+    let named = message
+        .split('`')
+        .nth(1)
+        .filter(|_| message.starts_with("unknown field") || message.starts_with("missing field"));
+    match (path, named) {
+        (".", Some(name)) => name.to_owned(),
+        (".", None) => "body".to_owned(),
+        (_, Some(name)) => format!("{path}.{name}"),
+        _ => path.to_owned(),
+    }
+}
+
+/// A JSON object for PATCH (RFC 7396 merge patch).
+pub struct MergePatch(pub serde_json::Map<String, serde_json::Value>);
+
+impl<S: Send + Sync> FromRequest<S> for MergePatch {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, _state: &S) -> Result<Self, ApiError> {
+        let bytes = read_body(request.into_body()).await?;
+        match parse_json::<serde_json::Value>(&bytes)? {
+            serde_json::Value::Object(map) => Ok(MergePatch(map)),
+            _ => Err(ApiError::validation(
+                "body",
+                "a PATCH body must be a JSON object",
+            )),
+        }
+    }
+}
+
+impl MergePatch {
+    /// Applies the patch to `current` and reads the result back as `T`.
+    pub fn apply<T: Serialize + DeserializeOwned>(self, current: &T) -> Result<T, ApiError> {
+        let mut document = serde_json::to_value(current).map_err(|e| ApiError::Unavailable {
+            message: format!("cannot serialise the current object: {e}"),
+        })?;
+        merge(&mut document, serde_json::Value::Object(self.0));
+        from_value(document)
+    }
+}
+
+fn merge(target: &mut serde_json::Value, patch: serde_json::Value) {
+    match (target, patch) {
+        (serde_json::Value::Object(target), serde_json::Value::Object(patch)) => {
+            for (key, value) in patch {
+                if value.is_null() {
+                    target.remove(&key);
+                } else {
+                    merge(target.entry(key).or_insert(serde_json::Value::Null), value);
+                }
+            }
+        }
+        (target, patch) => *target = patch,
+    }
+}
+
+/// An `{id}` path segment.
+pub struct IdPath(pub Id);
+
+impl<S: Send + Sync> FromRequestParts<S> for IdPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::Malformed {
+                message: e.body_text(),
+            })?;
+        match raw.parse::<Id>() {
+            Ok(id) if id > 0 => Ok(IdPath(id)),
+            _ => Err(ApiError::NotFound {
+                message: format!("{raw:?} is not a valid id"),
+            }),
+        }
+    }
+}
+
+/// `?limit=` (1..=1000, default 100) and `?after=` (an id).
+/// Describes the query for the OpenAPI document; [`Pagination`] parses it with field-named errors.
+#[derive(Debug, Clone, Copy, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[allow(dead_code)]
+pub struct PageQuery {
+    /// Objects per page, 1 to 1000 (default 100).
+    pub limit: Option<u32>,
+    /// Return objects whose id is greater than this cursor (the previous page's `next`).
+    pub after: Option<Id>,
+}
+
+pub struct Pagination(pub Page);
+
+impl<S: Send + Sync> FromRequestParts<S> for Pagination {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        let query = parts.uri.query().unwrap_or("");
+        let mut page = Page {
+            limit: DEFAULT_PAGE,
+            after: None,
+        };
+        for (key, value) in form_urlencoded_pairs(query) {
+            match key.as_str() {
+                "limit" => match value.parse::<u32>() {
+                    Ok(limit) if (1..=MAX_PAGE).contains(&limit) => page.limit = limit,
+                    _ => {
+                        return Err(ApiError::validation(
+                            "limit",
+                            format!("limit must be an integer from 1 to {MAX_PAGE}"),
+                        ))
+                    }
+                },
+                "after" => match value.parse::<Id>() {
+                    Ok(after) if after >= 0 => page.after = Some(after),
+                    _ => {
+                        return Err(ApiError::validation(
+                            "after",
+                            "after must be an id from a previous page's `next`",
+                        ))
+                    }
+                },
+                _ => {}
+            }
+        }
+        Ok(Pagination(page))
+    }
+}
+
+fn form_urlencoded_pairs(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (key.to_owned(), value.to_owned())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TargetSpec;
+
+    #[test]
+    fn malformed_json_is_a_400() {
+        let error = parse_json::<TargetSpec>(b"{\"host\": ").unwrap_err();
+        assert!(matches!(error, ApiError::Malformed { .. }), "{error:?}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_field() {
+        let error =
+            parse_json::<TargetSpec>(br#"{"host": "127.0.0.1", "port": "eighty"}"#).unwrap_err();
+        match error {
+            ApiError::Validation { field, .. } => assert_eq!(field, "port"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn out_of_range_port_names_the_field() {
+        let error =
+            parse_json::<TargetSpec>(br#"{"host": "127.0.0.1", "port": 70000}"#).unwrap_err();
+        match error {
+            ApiError::Validation { field, message } => {
+                assert_eq!(field, "port");
+                assert!(message.contains("70000"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_and_missing_fields_are_named() {
+        let unknown =
+            parse_json::<TargetSpec>(br#"{"host": "h", "port": 1, "colour": 1}"#).unwrap_err();
+        assert!(matches!(unknown, ApiError::Validation { ref field, .. } if field == "colour"));
+        let missing = parse_json::<TargetSpec>(br#"{"host": "h"}"#).unwrap_err();
+        assert!(matches!(missing, ApiError::Validation { ref field, .. } if field == "port"));
+    }
+
+    #[test]
+    fn merge_patch_replaces_and_removes() {
+        let mut document = serde_json::json!({"a": 1, "b": {"c": 2, "d": 3}});
+        merge(&mut document, serde_json::json!({"a": 5, "b": {"d": null}}));
+        assert_eq!(document, serde_json::json!({"a": 5, "b": {"c": 2}}));
+    }
+}

@@ -1,0 +1,136 @@
+//! The admin REST API (axum): services, targets, routes and tokens under `/api/v1`, plus
+//! `/healthz` and `/readyz`. The OpenAPI document is generated from the handlers.
+
+pub mod auth;
+mod error;
+mod extract;
+mod routes;
+mod services;
+mod targets;
+mod tokens;
+mod validate;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+
+pub use error::{ApiError, ErrorBody};
+
+use crate::control::ControlHandle;
+use crate::model::Id;
+use crate::store::{Page, Store};
+
+#[derive(Clone)]
+pub struct AdminState {
+    pub store: Store,
+    pub control: ControlHandle,
+}
+
+impl AdminState {
+    /// Makes a stored change live; returns when the new snapshot is published.
+    async fn apply(&self) -> Result<(), ApiError> {
+        self.control.apply().await?;
+        Ok(())
+    }
+}
+
+/// One page of a list; `next` is the cursor for `?after=`, null on the last page.
+#[derive(Serialize, ToSchema)]
+pub struct List<T> {
+    pub items: Vec<T>,
+    pub next: Option<Id>,
+}
+
+impl<T> List<T> {
+    fn new(items: Vec<T>, page: Page, id_of: impl Fn(&T) -> Id) -> List<T> {
+        let next = (items.len() == page.limit as usize)
+            .then(|| items.last().map(&id_of))
+            .flatten();
+        List { items, next }
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Raahi admin API", description = "Services, targets, routes and tokens of a Raahi gateway."),
+    servers((url = "/api/v1")),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    components(schemas(ErrorBody))
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The whole admin application.
+pub fn router(state: AdminState) -> Router {
+    let (api, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(services::router())
+        .merge(targets::router())
+        .merge(routes::router())
+        .merge(tokens::router())
+        .split_for_parts();
+    let openapi = std::sync::Arc::new(openapi);
+    let api = api
+        .route(
+            "/openapi.json",
+            get(move || {
+                let openapi = openapi.clone();
+                async move { Json(openapi.as_ref().clone()) }
+            }),
+        )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed);
+    Router::new()
+        .nest("/api/v1", api)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::NotFound {
+        message: format!("no such admin resource: {}", uri.path()),
+    }
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        message: format!("{method} is not allowed on {}", uri.path()),
+    }
+}
+
+async fn healthz() -> impl IntoResponse {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// Ready when the store answers.
+async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
+    match state.store.ping().await {
+        Ok(()) => (
+            StatusCode::OK,
+            Json(serde_json::json!({ "status": "ready" })),
+        ),
+        Err(error) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "status": "not_ready", "reason": error.to_string() })),
+        ),
+    }
+}

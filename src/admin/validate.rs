@@ -1,0 +1,328 @@
+//! Checks on what operators write, beyond what the JSON types already guarantee. Each check
+//! names the field it refuses; accepted input comes back normalised (lower-case hosts,
+//! upper-case methods).
+
+use std::net::IpAddr;
+
+use http::uri::Authority;
+
+use super::error::ApiError;
+use crate::model::{Protocol, RouteSpec, ServiceSpec, TargetSpec, TokenSpec};
+
+const MAX_NAME_LEN: usize = 100;
+const MAX_TIMEOUT_MS: u64 = 3_600_000;
+const MAX_ATTEMPTS: u32 = 10;
+pub const MAX_WEIGHT: u32 = 65_535;
+const MAX_METADATA_BYTES: usize = 16 * 1024;
+const MAX_HOSTS: usize = 100;
+const MAX_METHODS: usize = 16;
+const MAX_PATH_PREFIX_LEN: usize = 1024;
+
+fn name(field: &str, value: &str) -> Result<(), ApiError> {
+    let valid_chars = value
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if value.is_empty() || value.len() > MAX_NAME_LEN || !valid_chars {
+        return Err(ApiError::validation(
+            field,
+            format!("{field} must be 1 to {MAX_NAME_LEN} characters of letters, digits, '-', '_' or '.'"),
+        ));
+    }
+    Ok(())
+}
+
+/// A DNS host name (RFC 1123 labels).
+fn is_host_name(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= 253
+        && value.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
+    name("name", &spec.name)?;
+    if spec.protocol != Protocol::Http {
+        return Err(ApiError::validation(
+            "protocol",
+            format!(
+                "protocol {:?} is not supported by this version; use \"http\"",
+                spec.protocol.as_str()
+            ),
+        ));
+    }
+    if let Some(authority) = &spec.upstream_authority {
+        let parsed = Authority::try_from(authority.as_str()).ok();
+        let valid = parsed.as_ref().is_some_and(|parsed| {
+            !parsed.as_str().contains('@')
+                && (is_host_name(parsed.host())
+                    || parsed.host().parse::<IpAddr>().is_ok()
+                    || parsed.host().starts_with('['))
+        });
+        if !valid {
+            return Err(ApiError::validation(
+                "upstream_authority",
+                "upstream_authority must be a host name or IP address with an optional :port",
+            ));
+        }
+        spec.upstream_authority = parsed.map(|a| a.as_str().to_ascii_lowercase());
+    }
+    if let Some(sni) = &spec.tls_sni {
+        if !is_host_name(sni) {
+            return Err(ApiError::validation(
+                "tls_sni",
+                "tls_sni must be a DNS host name",
+            ));
+        }
+    }
+    for (field, value) in [
+        ("timeouts.connect_ms", spec.timeouts.connect_ms),
+        (
+            "timeouts.response_header_ms",
+            spec.timeouts.response_header_ms,
+        ),
+        ("timeouts.idle_ms", spec.timeouts.idle_ms),
+    ] {
+        if value == 0 || value > MAX_TIMEOUT_MS {
+            return Err(ApiError::validation(
+                field,
+                format!("{field} must be from 1 to {MAX_TIMEOUT_MS}"),
+            ));
+        }
+    }
+    if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
+        return Err(ApiError::validation(
+            "max_attempts",
+            format!("max_attempts must be from 1 to {MAX_ATTEMPTS}"),
+        ));
+    }
+    Ok(spec)
+}
+
+pub fn target(spec: TargetSpec) -> Result<TargetSpec, ApiError> {
+    if spec.host.parse::<IpAddr>().is_err() {
+        return Err(ApiError::validation(
+            "host",
+            "host must be an IP address (the request path never resolves names); add a dns discovery source to follow a host name",
+        ));
+    }
+    if spec.port == 0 {
+        return Err(ApiError::validation("port", "port must be from 1 to 65535"));
+    }
+    if spec.weight > MAX_WEIGHT {
+        return Err(ApiError::validation(
+            "weight",
+            format!("weight must be from 0 to {MAX_WEIGHT}"),
+        ));
+    }
+    if !spec.metadata.is_object() {
+        return Err(ApiError::validation(
+            "metadata",
+            "metadata must be a JSON object",
+        ));
+    }
+    if spec.metadata.to_string().len() > MAX_METADATA_BYTES {
+        return Err(ApiError::validation(
+            "metadata",
+            format!("metadata must serialise to at most {MAX_METADATA_BYTES} bytes"),
+        ));
+    }
+    Ok(spec)
+}
+
+pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
+    name("name", &spec.name)?;
+    if spec.hosts.len() > MAX_HOSTS {
+        return Err(ApiError::validation(
+            "hosts",
+            format!("at most {MAX_HOSTS} hosts"),
+        ));
+    }
+    for (index, host) in spec.hosts.iter_mut().enumerate() {
+        *host = host.to_ascii_lowercase();
+        let plain = host.strip_prefix("*.").unwrap_or(host);
+        if !is_host_name(plain) && plain.parse::<IpAddr>().is_err() {
+            return Err(ApiError::validation(
+                format!("hosts[{index}]"),
+                format!("{host:?} is not a host name, an IP address or a *.suffix wildcard"),
+            ));
+        }
+    }
+    spec.hosts.sort();
+    spec.hosts.dedup();
+    let prefix = &spec.path_prefix;
+    if !prefix.starts_with('/')
+        || prefix.len() > MAX_PATH_PREFIX_LEN
+        || prefix
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '?' | '#'))
+    {
+        return Err(ApiError::validation(
+            "path_prefix",
+            "path_prefix must start with '/' and contain no spaces, '?' or '#'",
+        ));
+    }
+    if spec.methods.len() > MAX_METHODS {
+        return Err(ApiError::validation(
+            "methods",
+            format!("at most {MAX_METHODS} methods"),
+        ));
+    }
+    for (index, method) in spec.methods.iter_mut().enumerate() {
+        *method = method.to_ascii_uppercase();
+        if method.is_empty() || !method.chars().all(|c| c.is_ascii_alphabetic()) {
+            return Err(ApiError::validation(
+                format!("methods[{index}]"),
+                format!("{method:?} is not an HTTP method"),
+            ));
+        }
+    }
+    spec.methods.sort();
+    spec.methods.dedup();
+    Ok(spec)
+}
+
+pub fn token(spec: TokenSpec) -> Result<TokenSpec, ApiError> {
+    name("name", &spec.name)?;
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{LbPolicy, Role, Timeouts};
+
+    fn service_spec() -> ServiceSpec {
+        ServiceSpec {
+            name: "web".into(),
+            protocol: Protocol::Http,
+            upstream_authority: Some("Shop.Example:8443".into()),
+            tls_sni: None,
+            tls_verify: true,
+            lb_policy: LbPolicy::RoundRobin,
+            timeouts: Timeouts::default(),
+            max_attempts: 3,
+        }
+    }
+
+    fn field_of(result: Result<impl std::fmt::Debug, ApiError>) -> String {
+        match result {
+            Err(ApiError::Validation { field, .. }) => field,
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn service_checks_name_authority_timeouts_attempts() {
+        let accepted = service(service_spec()).unwrap();
+        assert_eq!(
+            accepted.upstream_authority.as_deref(),
+            Some("shop.example:8443")
+        );
+        let mut bad = service_spec();
+        bad.name = "has space".into();
+        assert_eq!(field_of(service(bad)), "name");
+        let mut bad = service_spec();
+        bad.upstream_authority = Some("user@host".into());
+        assert_eq!(field_of(service(bad)), "upstream_authority");
+        let mut bad = service_spec();
+        bad.timeouts.connect_ms = 0;
+        assert_eq!(field_of(service(bad)), "timeouts.connect_ms");
+        let mut bad = service_spec();
+        bad.max_attempts = 0;
+        assert_eq!(field_of(service(bad)), "max_attempts");
+        let mut bad = service_spec();
+        bad.protocol = Protocol::Tcp;
+        assert_eq!(field_of(service(bad)), "protocol");
+    }
+
+    #[test]
+    fn target_needs_ip_port_and_sane_weight() {
+        let spec = TargetSpec {
+            host: "127.0.0.1".into(),
+            port: 80,
+            weight: 100,
+            priority: 0,
+            enabled: true,
+            metadata: serde_json::json!({}),
+        };
+        assert!(target(spec.clone()).is_ok());
+        assert_eq!(
+            field_of(target(TargetSpec {
+                host: "example.com".into(),
+                ..spec.clone()
+            })),
+            "host"
+        );
+        assert_eq!(
+            field_of(target(TargetSpec {
+                port: 0,
+                ..spec.clone()
+            })),
+            "port"
+        );
+        assert_eq!(
+            field_of(target(TargetSpec {
+                weight: 70_000,
+                ..spec.clone()
+            })),
+            "weight"
+        );
+        assert_eq!(
+            field_of(target(TargetSpec {
+                metadata: serde_json::json!([1]),
+                ..spec
+            })),
+            "metadata"
+        );
+    }
+
+    #[test]
+    fn route_normalises_and_names_bad_entries() {
+        let spec = RouteSpec {
+            name: "r".into(),
+            hosts: vec!["API.Example.com".into(), "*.example.com".into()],
+            path_prefix: "/api".into(),
+            methods: vec!["get".into()],
+            service_id: 1,
+            preserve_host: false,
+            strip_prefix: false,
+            priority: 0,
+        };
+        let accepted = route(spec.clone()).unwrap();
+        assert_eq!(accepted.hosts, vec!["*.example.com", "api.example.com"]);
+        assert_eq!(accepted.methods, vec!["GET"]);
+        assert_eq!(
+            field_of(route(RouteSpec {
+                hosts: vec!["ok.test".into(), "bad host".into()],
+                ..spec.clone()
+            })),
+            "hosts[1]"
+        );
+        assert_eq!(
+            field_of(route(RouteSpec {
+                path_prefix: "api".into(),
+                ..spec.clone()
+            })),
+            "path_prefix"
+        );
+        assert_eq!(
+            field_of(route(RouteSpec {
+                methods: vec!["G3T".into()],
+                ..spec
+            })),
+            "methods[0]"
+        );
+        assert_eq!(
+            field_of(token(TokenSpec {
+                name: String::new(),
+                role: Role::Viewer
+            })),
+            "name"
+        );
+    }
+}

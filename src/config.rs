@@ -1,0 +1,367 @@
+//! Bootstrap configuration: a TOML file whose every key can be overridden by an environment
+//! variable named after its path (`proxy.listen` → `RAAHI_PROXY_LISTEN`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+pub const DEFAULT_CONFIG_PATH: &str = "config/raahi.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {reason}")]
+    Unreadable { file: String, reason: String },
+    #[error("{file}: not valid TOML: {reason}")]
+    Syntax { file: String, reason: String },
+    #[error("{file}: {key}: {reason}")]
+    InvalidKey {
+        file: String,
+        key: String,
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub proxy: ProxyConfig,
+    #[serde(default)]
+    pub admin: AdminConfig,
+    #[serde(default)]
+    pub database: DatabaseConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// HTTP/1.1 and HTTP/2 prior-knowledge (h2c) on one port.
+    #[serde(default = "ProxyConfig::default_listen")]
+    pub listen: SocketAddr,
+    /// How long a client may take to send a request's headers, and how long an idle keep-alive
+    /// client connection is kept.
+    #[serde(default = "ProxyConfig::default_client_header_timeout_ms")]
+    pub client_header_timeout_ms: u64,
+}
+
+impl ProxyConfig {
+    fn default_listen() -> SocketAddr {
+        "0.0.0.0:8080".parse().expect("valid literal")
+    }
+    fn default_client_header_timeout_ms() -> u64 {
+        30_000
+    }
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            listen: Self::default_listen(),
+            client_header_timeout_ms: Self::default_client_header_timeout_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    #[serde(default = "AdminConfig::default_listen")]
+    pub listen: SocketAddr,
+    /// An admin token accepted in addition to stored ones; unset, the first start generates one.
+    #[serde(default)]
+    pub token: Option<String>,
+}
+
+impl AdminConfig {
+    fn default_listen() -> SocketAddr {
+        "127.0.0.1:9080".parse().expect("valid literal")
+    }
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: Self::default_listen(),
+            token: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    #[serde(default = "DatabaseConfig::default_url")]
+    pub url: String,
+}
+
+impl DatabaseConfig {
+    fn default_url() -> String {
+        "sqlite://data/raahi.db".to_owned()
+    }
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: Self::default_url(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Json,
+    Text,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    #[serde(default)]
+    pub format: LogFormat,
+    #[serde(default = "LogConfig::default_level")]
+    pub level: String,
+}
+
+impl LogConfig {
+    fn default_level() -> String {
+        "info".to_owned()
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: LogFormat::Json,
+            level: Self::default_level(),
+        }
+    }
+}
+
+/// Environment variables that override config keys. `RUST_LOG` overrides `log.level`.
+const ENV_OVERRIDES: &[(&str, &str)] = &[
+    ("RAAHI_PROXY_LISTEN", "proxy.listen"),
+    (
+        "RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS",
+        "proxy.client_header_timeout_ms",
+    ),
+    ("RAAHI_ADMIN_LISTEN", "admin.listen"),
+    ("RAAHI_ADMIN_TOKEN", "admin.token"),
+    ("RAAHI_DATABASE_URL", "database.url"),
+    ("RAAHI_LOG_FORMAT", "log.format"),
+    ("RUST_LOG", "log.level"),
+];
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            proxy: ProxyConfig::default(),
+            admin: AdminConfig::default(),
+            database: DatabaseConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Loads `path` (or, when `path` is None, the default path if it exists, else built-in
+    /// defaults), then applies environment overrides, then validates.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let (file, text) = match path {
+            Some(path) => (path.to_path_buf(), Some(read(path)?)),
+            None => {
+                let default = PathBuf::from(DEFAULT_CONFIG_PATH);
+                let text = default.exists().then(|| read(&default)).transpose()?;
+                (default, text)
+            }
+        };
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Self::from_parts(&file.display().to_string(), text.as_deref(), &env)
+    }
+
+    /// Parses TOML text (None: empty), applies the given environment, validates.
+    pub fn from_parts(
+        file: &str,
+        text: Option<&str>,
+        env: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = match text {
+            Some(text) => text
+                .parse()
+                .map_err(|e: toml::de::Error| ConfigError::Syntax {
+                    file: file.to_owned(),
+                    reason: e.message().to_owned(),
+                })?,
+            None => toml::Table::new(),
+        };
+        for (variable, key) in ENV_OVERRIDES {
+            if let Some((_, value)) = env.iter().find(|(name, _)| name == variable) {
+                set_key(&mut table, key, value);
+            }
+        }
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|error| {
+                ConfigError::InvalidKey {
+                    file: file.to_owned(),
+                    key: key_name(error.path().to_string(), error.inner().message()),
+                    reason: error.inner().message().to_owned(),
+                }
+            })?;
+        config.validate(file)?;
+        Ok(config)
+    }
+
+    fn validate(&self, file: &str) -> Result<(), ConfigError> {
+        let invalid = |key: &str, reason: &str| ConfigError::InvalidKey {
+            file: file.to_owned(),
+            key: key.to_owned(),
+            reason: reason.to_owned(),
+        };
+        if !self.database.url.starts_with("sqlite:") {
+            return Err(invalid(
+                "database.url",
+                "expected sqlite://PATH (PostgreSQL is not supported yet)",
+            ));
+        }
+        if self.proxy.client_header_timeout_ms == 0 {
+            return Err(invalid(
+                "proxy.client_header_timeout_ms",
+                "must be greater than 0",
+            ));
+        }
+        if let Some(token) = &self.admin.token {
+            if token.len() < 16 {
+                return Err(invalid("admin.token", "must be at least 16 characters"));
+            }
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            return Err(invalid(
+                "log.level",
+                "not a valid level or filter directive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError::Unreadable {
+        file: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Environment values are strings; durations (`*_ms` keys) are stored as integers so they can be
+/// overridden too.
+fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
+    let mut parts = dotted.split('.').peekable();
+    let mut current = table;
+    while let Some(part) = parts.next() {
+        if parts.peek().is_none() {
+            let parsed = match value.parse::<i64>() {
+                Ok(number) if part.ends_with("_ms") => toml::Value::Integer(number),
+                _ => toml::Value::String(value.to_owned()),
+            };
+            current.insert(part.to_owned(), parsed);
+            return;
+        }
+        let entry = current
+            .entry(part.to_owned())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if !entry.is_table() {
+            *entry = toml::Value::Table(toml::Table::new());
+        }
+        current = entry.as_table_mut().expect("made a table above");
+    }
+}
+
+/// serde reports unknown and missing keys at their parent's path; name the key itself.
+fn key_name(path: String, message: &str) -> String {
+    let quoted = message
+        .split('`')
+        .nth(1)
+        .filter(|_| message.starts_with("unknown field") || message.starts_with("missing field"));
+    match (path.as_str(), quoted) {
+        (".", Some(name)) => name.to_owned(),
+        (_, Some(name)) => format!("{path}.{name}"),
+        _ => path,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_without_file() {
+        let config = Config::from_parts("x.toml", None, &[]).unwrap();
+        assert_eq!(config.proxy.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(config.admin.listen.to_string(), "127.0.0.1:9080");
+        assert_eq!(config.database.url, "sqlite://data/raahi.db");
+        assert_eq!(config.log.format, LogFormat::Json);
+    }
+
+    #[test]
+    fn environment_overrides_file() {
+        let text = "[proxy]\nlisten = \"127.0.0.1:1000\"\n";
+        let config = Config::from_parts(
+            "x.toml",
+            Some(text),
+            &env(&[
+                ("RAAHI_PROXY_LISTEN", "127.0.0.1:2000"),
+                ("RAAHI_LOG_FORMAT", "text"),
+                ("RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS", "1500"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.proxy.listen.to_string(), "127.0.0.1:2000");
+        assert_eq!(config.log.format, LogFormat::Text);
+        assert_eq!(config.proxy.client_header_timeout_ms, 1500);
+    }
+
+    #[test]
+    fn invalid_value_names_file_and_key() {
+        let error = Config::from_parts("conf.toml", Some("[admin]\nlisten = \"nope\"\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(error.starts_with("conf.toml: admin.listen: "), "{error}");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let error = Config::from_parts("conf.toml", Some("[proxy]\nlisen = \"x\"\n"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with("conf.toml: proxy.lisen: unknown field"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn syntax_error_names_file() {
+        let error = Config::from_parts("conf.toml", Some("[proxy\n"), &[]).unwrap_err();
+        assert!(matches!(error, ConfigError::Syntax { .. }));
+        assert!(error.to_string().starts_with("conf.toml: not valid TOML"));
+    }
+
+    #[test]
+    fn short_admin_token_refused() {
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_ADMIN_TOKEN", "short")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("admin.token"), "{error}");
+    }
+}

@@ -1,0 +1,75 @@
+//! Turns the stored configuration into a routing snapshot.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use http::uri::Authority;
+use http::HeaderValue;
+
+use crate::balance::{Balancer, Member, TargetLoad};
+use crate::model::{Id, RoutingConfig, Target};
+use crate::snapshot::{authority_text, ServiceRuntime, Snapshot, TargetRuntime};
+
+/// Builds a snapshot, reusing each surviving target's load counters and forgetting those of
+/// targets that no longer exist.
+pub fn build_snapshot(
+    config: &RoutingConfig,
+    loads: &mut HashMap<Id, Arc<TargetLoad>>,
+    generation: u64,
+) -> Snapshot {
+    let mut targets_by_service: HashMap<Id, Vec<&Target>> = HashMap::new();
+    for target in &config.targets {
+        targets_by_service
+            .entry(target.service_id)
+            .or_default()
+            .push(target);
+    }
+    let existing: HashSet<Id> = config.targets.iter().map(|target| target.id).collect();
+    loads.retain(|id, _| existing.contains(id));
+
+    let services = config
+        .services
+        .iter()
+        .map(|service| {
+            let mut runtimes = Vec::new();
+            let mut members = Vec::new();
+            let eligible = targets_by_service
+                .get(&service.id)
+                .into_iter()
+                .flatten()
+                .filter(|target| target.takes_new_traffic());
+            for target in eligible {
+                let Some(authority) = target_authority(target) else {
+                    tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
+                    continue;
+                };
+                let load = loads.entry(target.id).or_default().clone();
+                members.push(Member {
+                    weight: target.weight,
+                    priority: target.priority,
+                    load: load.clone(),
+                });
+                runtimes.push(TargetRuntime {
+                    id: target.id,
+                    authority,
+                    load,
+                });
+            }
+            let upstream_host = service
+                .upstream_authority
+                .as_deref()
+                .and_then(|authority| HeaderValue::from_str(authority).ok());
+            ServiceRuntime {
+                service: service.clone(),
+                upstream_host,
+                targets: runtimes,
+                balancer: Balancer::new(service.lb_policy, members),
+            }
+        })
+        .collect();
+    Snapshot::new(generation, services, config.routes.clone())
+}
+
+fn target_authority(target: &Target) -> Option<Authority> {
+    Authority::try_from(authority_text(&target.host, target.port)).ok()
+}

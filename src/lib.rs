@@ -1,0 +1,12 @@
+#![forbid(unsafe_code)]
+//! Raahi: a Layer-4/7 reverse-proxy gateway whose upstream targets come from service discovery.
+
+pub mod admin;
+pub mod balance;
+pub mod config;
+pub mod control;
+pub mod gateway;
+pub mod model;
+pub mod proxy;
+pub mod snapshot;
+pub mod store;

@@ -1,0 +1,174 @@
+//! The `raahi` command: serve, migrate, token, check-config.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use raahi::admin::auth;
+use raahi::config::{Config, LogFormat};
+use raahi::gateway::Gateway;
+use raahi::model::{Role, TokenSpec};
+use raahi::store::Store;
+
+#[derive(Parser)]
+#[command(
+    name = "raahi",
+    version,
+    about = "A Layer-4/7 reverse-proxy gateway fed by service discovery"
+)]
+struct Cli {
+    /// Bootstrap configuration file (default: config/raahi.toml when it exists, else built-in defaults).
+    #[arg(long, global = true, env = "RAAHI_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway: proxy listener, admin API and control loop.
+    Serve,
+    /// Create or upgrade the database schema, then exit.
+    Migrate,
+    /// Manage admin API tokens.
+    Token {
+        #[command(subcommand)]
+        action: TokenAction,
+    },
+    /// Validate the configuration file and environment, then exit.
+    CheckConfig,
+}
+
+#[derive(Subcommand)]
+enum TokenAction {
+    /// Create a token and print its secret (shown only this once).
+    Create {
+        #[arg(long, value_enum)]
+        role: RoleArg,
+        /// A unique name for the token (default: generated from the role and time).
+        #[arg(long)]
+        name: Option<String>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RoleArg {
+    Admin,
+    Viewer,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("raahi: invalid configuration: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Command::CheckConfig = cli.command {
+        println!("configuration is valid");
+        return ExitCode::SUCCESS;
+    }
+    init_tracing(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("raahi: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command, config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("raahi: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::new(&config.log.level);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn run(command: Command, config: Config) -> anyhow::Result<()> {
+    match command {
+        Command::Serve => serve(config).await,
+        Command::Migrate => {
+            Store::connect(&config.database.url)
+                .await
+                .with_context(|| format!("migrating {}", config.database.url))?;
+            println!("database {} is up to date", config.database.url);
+            Ok(())
+        }
+        Command::Token {
+            action: TokenAction::Create { role, name },
+        } => {
+            let store = Store::connect(&config.database.url).await?;
+            let role = match role {
+                RoleArg::Admin => Role::Admin,
+                RoleArg::Viewer => Role::Viewer,
+            };
+            let name = name.unwrap_or_else(|| {
+                format!(
+                    "{}-{}",
+                    role.as_str(),
+                    chrono::Utc::now().format("%Y%m%d%H%M%S%3f")
+                )
+            });
+            let (token, secret) = auth::create_token(&store, &TokenSpec { name, role })
+                .await
+                .context("creating the token")?;
+            println!("{secret}");
+            eprintln!(
+                "created {} token {:?} (id {})",
+                role.as_str(),
+                token.name,
+                token.id
+            );
+            Ok(())
+        }
+        Command::CheckConfig => Ok(()),
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let gateway = Gateway::start(&config).await?;
+    if let Some(token) = &gateway.generated_admin_token {
+        println!("Generated the first admin token (shown once, store it now):\n{token}");
+    }
+    println!(
+        "raahi: proxy on {}, admin API on {}",
+        gateway.proxy_addr, gateway.admin_addr
+    );
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    gateway.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(stream) => stream,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}

@@ -1,0 +1,143 @@
+//! Body wrappers on the forwarding path.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::sync::oneshot;
+
+use crate::balance::TargetLoad;
+
+/// Counts a request against its target from pick until the response body is finished or dropped.
+pub struct InFlight {
+    load: Arc<TargetLoad>,
+}
+
+impl InFlight {
+    pub fn start(load: &Arc<TargetLoad>) -> InFlight {
+        load.start_request();
+        InFlight { load: load.clone() }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.load.finish_request();
+    }
+}
+
+/// The upstream response body, holding the target's in-flight count until it ends.
+pub struct UpstreamResponseBody {
+    inner: Incoming,
+    _in_flight: InFlight,
+}
+
+impl UpstreamResponseBody {
+    pub fn new(inner: Incoming, in_flight: InFlight) -> Self {
+        UpstreamResponseBody {
+            inner,
+            _in_flight: in_flight,
+        }
+    }
+}
+
+impl Body for UpstreamResponseBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The request body sent upstream. A streaming body that the upstream client never started to
+/// read (the connection failed first) is handed back, so the request can go to another target.
+pub enum UpstreamRequestBody {
+    Empty,
+    Streaming(UntouchedBody),
+}
+
+pub struct UntouchedBody {
+    inner: Option<Incoming>,
+    polled: bool,
+    give_back: Option<oneshot::Sender<Incoming>>,
+}
+
+impl UpstreamRequestBody {
+    /// Wraps `body`; the receiver yields it back if it is dropped before its first read.
+    pub fn streaming(body: Incoming) -> (UpstreamRequestBody, oneshot::Receiver<Incoming>) {
+        let (give_back, returned) = oneshot::channel();
+        let body = UntouchedBody {
+            inner: Some(body),
+            polled: false,
+            give_back: Some(give_back),
+        };
+        (UpstreamRequestBody::Streaming(body), returned)
+    }
+}
+
+impl Drop for UntouchedBody {
+    fn drop(&mut self) {
+        if self.polled {
+            return;
+        }
+        if let (Some(body), Some(give_back)) = (self.inner.take(), self.give_back.take()) {
+            let _ = give_back.send(body);
+        }
+    }
+}
+
+impl Body for UpstreamRequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut *self {
+            UpstreamRequestBody::Empty => Poll::Ready(None),
+            UpstreamRequestBody::Streaming(body) => {
+                body.polled = true;
+                match body.inner.as_mut() {
+                    Some(inner) => Pin::new(inner).poll_frame(cx),
+                    None => Poll::Ready(None),
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamRequestBody::Empty => true,
+            UpstreamRequestBody::Streaming(body) => {
+                body.inner.as_ref().is_none_or(Body::is_end_stream)
+            }
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamRequestBody::Empty => SizeHint::with_exact(0),
+            UpstreamRequestBody::Streaming(body) => body
+                .inner
+                .as_ref()
+                .map(Body::size_hint)
+                .unwrap_or_else(|| SizeHint::with_exact(0)),
+        }
+    }
+}

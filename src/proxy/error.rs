@@ -1,0 +1,112 @@
+//! Why a proxied request failed, and the one place that turns that into a status and a body.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::Full;
+
+/// Who caused a failure, for logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blame {
+    Client,
+    Upstream,
+    Gateway,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no route matches host {host:?} and path {path:?}")]
+    NoRoute { host: String, path: String },
+    #[error("no available target for service {service}")]
+    NoAvailableTarget { service: String },
+    #[error("could not connect to a target of service {service}: {reason}")]
+    ConnectFailed { service: String, reason: String },
+    #[error("connecting to target {target} of service {service} timed out after {timeout_ms} ms")]
+    ConnectTimeout {
+        service: String,
+        target: String,
+        timeout_ms: u64,
+    },
+    #[error(
+        "target {target} of service {service} sent no response headers within {timeout_ms} ms"
+    )]
+    ResponseTimeout {
+        service: String,
+        target: String,
+        timeout_ms: u64,
+    },
+    #[error("target {target} of service {service} failed before responding: {reason}")]
+    UpstreamFailed {
+        service: String,
+        target: String,
+        reason: String,
+    },
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
+            ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::ConnectFailed { .. } | ProxyError::UpstreamFailed { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
+            ProxyError::ConnectTimeout { .. } | ProxyError::ResponseTimeout { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProxyError::NoRoute { .. } => "no_route",
+            ProxyError::NoAvailableTarget { .. } => "no_available_target",
+            ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
+            ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
+            ProxyError::ResponseTimeout { .. } => "upstream_timeout",
+            ProxyError::UpstreamFailed { .. } => "upstream_failed",
+        }
+    }
+
+    pub fn blame(&self) -> Blame {
+        match self {
+            ProxyError::NoRoute { .. } => Blame::Client,
+            ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
+            _ => Blame::Upstream,
+        }
+    }
+
+    /// `{"error": {"code": ..., "message": ...}}` with the status this error maps to.
+    pub fn to_response(&self) -> Response<Full<Bytes>> {
+        let body = serde_json::json!({
+            "error": { "code": self.code(), "message": self.to_string() }
+        });
+        let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_error_has_its_status_and_code() {
+        let no_target = ProxyError::NoAvailableTarget {
+            service: "web".into(),
+        };
+        assert_eq!(no_target.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(no_target.to_string(), "no available target for service web");
+        let timeout = ProxyError::ResponseTimeout {
+            service: "web".into(),
+            target: "10.0.0.1:80".into(),
+            timeout_ms: 5,
+        };
+        assert_eq!(timeout.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(timeout.code(), "upstream_timeout");
+    }
+}

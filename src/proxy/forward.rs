@@ -1,0 +1,401 @@
+//! One HTTP request: route, pick, forward, retry within bounds, answer.
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::{PathAndQuery, Scheme};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use tokio::sync::oneshot;
+
+use super::body::{InFlight, UpstreamRequestBody, UpstreamResponseBody};
+use super::error::ProxyError;
+use super::headers::{self, X_REQUEST_ID};
+use super::ProxyState;
+use crate::model::Id;
+use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
+
+pub type ProxyBody = Either<UpstreamResponseBody, Full<Bytes>>;
+
+/// Upper bound on attempts whatever a service asks for.
+const MAX_ATTEMPTS: usize = 10;
+
+pub async fn handle(
+    state: &ProxyState,
+    request: Request<Incoming>,
+    client: SocketAddr,
+) -> Response<ProxyBody> {
+    let request_id = headers::request_id(request.headers());
+    let method = request.method().clone();
+    let mut response = match forward(state, request, client, &request_id).await {
+        Ok(response) => response,
+        Err(error) => {
+            tracing::debug!(request_id = ?request_id, %method, code = error.code(), %error, "request failed");
+            error.to_response().map(Either::Right)
+        }
+    };
+    response
+        .headers_mut()
+        .insert(X_REQUEST_ID.clone(), request_id);
+    response
+}
+
+/// The host a request is for: lower case, without port.
+fn request_host(request: &Request<Incoming>) -> Cow<'_, str> {
+    let raw = request
+        .uri()
+        .authority()
+        .map(|authority| authority.as_str())
+        .or_else(|| {
+            request
+                .headers()
+                .get(header::HOST)
+                .and_then(|value| value.to_str().ok())
+        })
+        .unwrap_or("");
+    let host = strip_port(raw);
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
+}
+
+fn strip_port(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        // IPv6 literal: keep the brackets off, as route hosts are written without them.
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.split(':').next().unwrap_or(authority)
+}
+
+/// What the client sent, kept so the request can be sent again to another target.
+struct Outgoing {
+    method: Method,
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+    /// No Host was chosen for the whole request: each attempt sends its target's authority.
+    host_from_target: bool,
+    body: PendingBody,
+}
+
+enum PendingBody {
+    Empty,
+    Streaming(Incoming),
+    /// Sent (at least partly) to a target that then failed: the request cannot be repeated.
+    Consumed,
+}
+
+async fn forward(
+    state: &ProxyState,
+    mut request: Request<Incoming>,
+    client: SocketAddr,
+    request_id: &HeaderValue,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let route = {
+        let snapshot = state.snapshots.load();
+        let host = request_host(&request);
+        let path = request.uri().path();
+        snapshot
+            .find_route(&host, path, request.method())
+            .cloned()
+            .ok_or_else(|| ProxyError::NoRoute {
+                host: host.into_owned(),
+                path: path.to_owned(),
+            })?
+    };
+    let service = route.service.clone();
+
+    let upgrade = headers::is_upgrade_request(request.version(), request.headers()).then(|| {
+        let protocol = request.headers().get(header::UPGRADE).cloned();
+        (hyper::upgrade::on(&mut request), protocol)
+    });
+    let outgoing = prepare(
+        &route,
+        &service,
+        request,
+        client,
+        request_id,
+        upgrade.as_ref().and_then(|(_, p)| p.clone()),
+    );
+    let (upstream, in_flight) = send_with_retries(state, &service, outgoing).await?;
+    Ok(respond(
+        upstream,
+        in_flight,
+        upgrade.map(|(on_upgrade, _)| on_upgrade),
+    ))
+}
+
+fn prepare(
+    route: &RouteEntry,
+    service: &ServiceRuntime,
+    request: Request<Incoming>,
+    client: SocketAddr,
+    request_id: &HeaderValue,
+    upgrade_protocol: Option<HeaderValue>,
+) -> Outgoing {
+    let (parts, body) = request.into_parts();
+    let mut headers = parts.headers;
+    let original_host = headers.get(header::HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+    });
+    headers::strip_hop_by_hop(&mut headers);
+    headers::add_forwarding_headers(
+        &mut headers,
+        client.ip(),
+        original_host.as_ref(),
+        parts.version,
+    );
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+    if let Some(protocol) = upgrade_protocol {
+        headers.insert(header::UPGRADE, protocol);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    let chosen_host = match (route.route.preserve_host, &original_host) {
+        (true, Some(host)) => Some(host.clone()),
+        _ => service.upstream_host.clone(),
+    };
+    let host_from_target = chosen_host.is_none();
+    match chosen_host {
+        Some(host) => headers.insert(header::HOST, host),
+        None => headers.remove(header::HOST),
+    };
+    Outgoing {
+        method: parts.method,
+        path_and_query: upstream_path_and_query(route, &parts.uri),
+        headers,
+        host_from_target,
+        body: if http_body::Body::is_end_stream(&body) {
+            PendingBody::Empty
+        } else {
+            PendingBody::Streaming(body)
+        },
+    }
+}
+
+fn upstream_path_and_query(route: &RouteEntry, uri: &Uri) -> PathAndQuery {
+    let original = uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    if !route.route.strip_prefix {
+        return original;
+    }
+    let path = route.upstream_path(original.path());
+    let rewritten = match original.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.into_owned(),
+    };
+    PathAndQuery::try_from(rewritten).unwrap_or(original)
+}
+
+fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
+    )
+}
+
+/// Sends the request to picked targets until one answers or retrying is no longer allowed:
+/// a connect failure may always go elsewhere (nothing reached the upstream); another failure
+/// before a response only for idempotent methods whose body can still be sent in full.
+async fn send_with_retries(
+    state: &ProxyState,
+    service: &ServiceRuntime,
+    mut outgoing: Outgoing,
+) -> Result<(Response<Incoming>, InFlight), ProxyError> {
+    let client = state.clients.for_timeouts(&service.service.timeouts);
+    let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
+    let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
+    let mut tried: Vec<Id> = Vec::new();
+    let mut last_error = None;
+
+    for attempt in 1..=attempts {
+        let Some(target) = service.pick(|candidate| tried.contains(&candidate.id)) else {
+            break;
+        };
+        tried.push(target.id);
+        let may_retry_later = attempt < attempts;
+        let (request, returned_body) = build_attempt(&mut outgoing, target, may_retry_later);
+        let in_flight = InFlight::start(&target.load);
+        let outcome = tokio::time::timeout(response_timeout, client.request(request)).await;
+        let error = match outcome {
+            Ok(Ok(response)) => return Ok((response, in_flight)),
+            Ok(Err(error)) => error,
+            Err(_elapsed) => {
+                return Err(ProxyError::ResponseTimeout {
+                    service: service.service.name.clone(),
+                    target: target.authority.to_string(),
+                    timeout_ms: service.service.timeouts.response_header_ms,
+                })
+            }
+        };
+        drop(in_flight);
+        if let Some(returned) = returned_body {
+            outgoing.body = reclaim(returned);
+        }
+        let connect_failed = error.is_connect();
+        let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
+        let failure = classify(service, target, &error);
+        tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
+        last_error = Some(failure);
+        let retry_allowed = body_repeatable && (connect_failed || is_idempotent(&outgoing.method));
+        if !retry_allowed {
+            break;
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ProxyError::NoAvailableTarget {
+        service: service.service.name.clone(),
+    }))
+}
+
+/// One attempt's request. Headers are copied only while another attempt may follow.
+fn build_attempt(
+    outgoing: &mut Outgoing,
+    target: &TargetRuntime,
+    may_retry_later: bool,
+) -> (
+    Request<UpstreamRequestBody>,
+    Option<oneshot::Receiver<Incoming>>,
+) {
+    let (body, returned) = match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
+        PendingBody::Empty => {
+            outgoing.body = PendingBody::Empty;
+            (UpstreamRequestBody::Empty, None)
+        }
+        PendingBody::Streaming(body) => {
+            let (body, returned) = UpstreamRequestBody::streaming(body);
+            (body, Some(returned))
+        }
+        PendingBody::Consumed => (UpstreamRequestBody::Empty, None),
+    };
+    let headers = if may_retry_later {
+        outgoing.headers.clone()
+    } else {
+        std::mem::take(&mut outgoing.headers)
+    };
+    let mut request = Request::new(body);
+    *request.method_mut() = outgoing.method.clone();
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = headers;
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTP);
+    uri.authority = Some(target.authority.clone());
+    uri.path_and_query = Some(outgoing.path_and_query.clone());
+    *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
+    if outgoing.host_from_target {
+        if let Ok(value) = HeaderValue::from_str(target.authority.as_str()) {
+            request.headers_mut().insert(header::HOST, value);
+        }
+    }
+    (request, returned)
+}
+
+fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
+    match returned.try_recv() {
+        Ok(body) => PendingBody::Streaming(body),
+        Err(_) => PendingBody::Consumed,
+    }
+}
+
+fn classify(
+    service: &ServiceRuntime,
+    target: &TargetRuntime,
+    error: &hyper_util::client::legacy::Error,
+) -> ProxyError {
+    let reason = error_chain(error);
+    if error.is_connect() {
+        if is_timeout(error) {
+            return ProxyError::ConnectTimeout {
+                service: service.service.name.clone(),
+                target: target.authority.to_string(),
+                timeout_ms: service.service.timeouts.connect_ms,
+            };
+        }
+        return ProxyError::ConnectFailed {
+            service: service.service.name.clone(),
+            reason: format!("{}: {reason}", target.authority),
+        };
+    }
+    ProxyError::UpstreamFailed {
+        service: service.service.name.clone(),
+        target: target.authority.to_string(),
+        reason,
+    }
+}
+
+fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return true;
+            }
+        }
+        current = error.source();
+    }
+    false
+}
+
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut current = error.source();
+    while let Some(source) = current {
+        text.push_str(": ");
+        text.push_str(&source.to_string());
+        current = source.source();
+    }
+    text
+}
+
+fn respond(
+    upstream: Response<Incoming>,
+    in_flight: InFlight,
+    client_upgrade: Option<OnUpgrade>,
+) -> Response<ProxyBody> {
+    let mut upstream = upstream;
+    if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client_upgrade) = client_upgrade {
+            let upstream_upgrade = hyper::upgrade::on(&mut upstream);
+            tokio::spawn(tunnel(client_upgrade, upstream_upgrade, in_flight));
+            let (parts, _) = upstream.into_parts();
+            let mut response = Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
+            headers::add_via(response.headers_mut(), Version::HTTP_11);
+            return response;
+        }
+    }
+    let (mut parts, body) = upstream.into_parts();
+    headers::strip_hop_by_hop(&mut parts.headers);
+    headers::add_via(&mut parts.headers, parts.version);
+    // The client connection keeps its own protocol whatever the upstream spoke.
+    parts.version = Version::default();
+    Response::from_parts(
+        parts,
+        Either::Left(UpstreamResponseBody::new(body, in_flight)),
+    )
+}
+
+/// Copies bytes both ways between the upgraded client and upstream connections.
+async fn tunnel(client: OnUpgrade, upstream: OnUpgrade, in_flight: InFlight) {
+    let (client, upstream) = match tokio::try_join!(client, upstream) {
+        Ok(both) => both,
+        Err(error) => {
+            tracing::debug!(%error, "protocol upgrade failed");
+            return;
+        }
+    };
+    let mut client = TokioIo::new(client);
+    let mut upstream = TokioIo::new(upstream);
+    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+        tracing::debug!(%error, "upgraded connection ended with an error");
+    }
+    drop(in_flight);
+}

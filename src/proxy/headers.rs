@@ -1,0 +1,179 @@
+//! Header rewriting between client and upstream (RFC 9110 §7.6).
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Version;
+
+/// Headers that describe one connection and must not be forwarded (RFC 9110 §7.6.1), beside
+/// those the `Connection` header names.
+const HOP_BY_HOP: [HeaderName; 7] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Removes hop-by-hop headers, including every header the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// An HTTP/1.1 request asking to switch protocols (e.g. WebSocket).
+pub fn is_upgrade_request(version: Version, headers: &HeaderMap) -> bool {
+    version == Version::HTTP_11
+        && headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+fn via_value(version: Version) -> HeaderValue {
+    HeaderValue::from_static(match version {
+        Version::HTTP_10 => "1.0 raahi",
+        Version::HTTP_2 => "2 raahi",
+        _ => "1.1 raahi",
+    })
+}
+
+/// Appends to an existing list header (`a, b`) or sets it.
+fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &str) {
+    let combined = match headers
+        .get(name)
+        .and_then(|existing| existing.to_str().ok())
+    {
+        Some(existing) if !existing.is_empty() => format!("{existing}, {value}"),
+        _ => value.to_owned(),
+    };
+    if let Ok(combined) = HeaderValue::from_str(&combined) {
+        headers.insert(name.clone(), combined);
+    }
+}
+
+/// Adds what the upstream needs to know about the original request.
+pub fn add_forwarding_headers(
+    headers: &mut HeaderMap,
+    client_ip: IpAddr,
+    original_host: Option<&HeaderValue>,
+    version: Version,
+) {
+    append_to_list(headers, &X_FORWARDED_FOR, &client_ip.to_string());
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    match original_host {
+        Some(host) => {
+            headers.insert(X_FORWARDED_HOST.clone(), host.clone());
+        }
+        None => {
+            headers.remove(&X_FORWARDED_HOST);
+        }
+    }
+    add_via(headers, version);
+}
+
+pub fn add_via(headers: &mut HeaderMap, version: Version) {
+    let via = via_value(version);
+    append_to_list(headers, &header::VIA, via.to_str().unwrap_or("1.1 raahi"));
+}
+
+/// The client's `X-Request-Id` when it is a sane token, else a new one.
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    headers
+        .get(&X_REQUEST_ID)
+        .filter(|value| {
+            let bytes = value.as_bytes();
+            !bytes.is_empty() && bytes.len() <= 128 && bytes.iter().all(|b| b.is_ascii_graphic())
+        })
+        .cloned()
+        .unwrap_or_else(|| {
+            let mut buffer = uuid::Uuid::encode_buffer();
+            let text = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut buffer);
+            HeaderValue::from_str(text).expect("a uuid is a valid header value")
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_fixed_and_connection_named_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, X-Secret"),
+        );
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert("x-secret", HeaderValue::from_static("1"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        headers.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn forwarded_for_appends() {
+        let mut headers = HeaderMap::new();
+        headers.insert(&X_FORWARDED_FOR, HeaderValue::from_static("1.2.3.4"));
+        let host = HeaderValue::from_static("shop.test");
+        add_forwarding_headers(
+            &mut headers,
+            "127.0.0.1".parse().unwrap(),
+            Some(&host),
+            Version::HTTP_11,
+        );
+        assert_eq!(headers[&X_FORWARDED_FOR], "1.2.3.4, 127.0.0.1");
+        assert_eq!(headers[&X_FORWARDED_HOST], "shop.test");
+        assert_eq!(headers[&X_FORWARDED_PROTO], "http");
+        assert_eq!(headers[header::VIA], "1.1 raahi");
+    }
+
+    #[test]
+    fn request_id_kept_or_generated() {
+        let mut headers = HeaderMap::new();
+        let generated = request_id(&headers);
+        assert_eq!(generated.len(), 36);
+        headers.insert(&X_REQUEST_ID, HeaderValue::from_static("abc-123"));
+        assert_eq!(request_id(&headers), "abc-123");
+        headers.insert(&X_REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_ne!(request_id(&headers), "has space");
+    }
+
+    #[test]
+    fn upgrade_needs_connection_token() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert!(!is_upgrade_request(Version::HTTP_11, &headers));
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        assert!(is_upgrade_request(Version::HTTP_11, &headers));
+        assert!(!is_upgrade_request(Version::HTTP_2, &headers));
+    }
+}

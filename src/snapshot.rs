@@ -1,0 +1,401 @@
+//! The immutable routing table the data path reads, and its publish/load wrapper.
+//!
+//! The control task builds a whole new [`Snapshot`] for every change and publishes it with one
+//! atomic pointer swap; a request does one lock-free load and never sees a half-applied change.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, Guard};
+use http::uri::Authority;
+use http::{HeaderValue, Method};
+
+use crate::balance::{Balancer, TargetLoad};
+use crate::model::{Id, Route, Service};
+
+/// One target that may take new traffic, as the data path needs it.
+#[derive(Debug)]
+pub struct TargetRuntime {
+    pub id: Id,
+    /// `host:port` (IPv6 hosts in brackets), used for the upstream URI and as the default Host.
+    pub authority: Authority,
+    /// Carried across snapshots by target id, so in-flight counts survive rebuilds.
+    pub load: Arc<TargetLoad>,
+}
+
+/// A service with the targets its balancer picks from.
+pub struct ServiceRuntime {
+    pub service: Service,
+    /// `Host` sent upstream unless the route preserves the client's; None: the target's authority.
+    pub upstream_host: Option<HeaderValue>,
+    /// Aligned with the balancer's member indices.
+    pub targets: Vec<TargetRuntime>,
+    pub balancer: Balancer,
+}
+
+impl ServiceRuntime {
+    /// Picks a target for a new request or connection; `skip` excludes ones already tried.
+    pub fn pick(&self, skip: impl Fn(&TargetRuntime) -> bool) -> Option<&TargetRuntime> {
+        self.balancer
+            .pick(|index| skip(&self.targets[index]))
+            .map(|index| &self.targets[index])
+    }
+}
+
+/// A route with its service resolved.
+pub struct RouteEntry {
+    pub route: Route,
+    pub service: Arc<ServiceRuntime>,
+    methods: Vec<Method>,
+}
+
+impl RouteEntry {
+    fn matches(&self, path: &str, method: &Method) -> bool {
+        path_has_prefix(path, &self.route.path_prefix)
+            && (self.methods.is_empty() || self.methods.contains(method))
+    }
+
+    /// The upstream path after `strip_prefix`, always starting with `/`.
+    pub fn upstream_path<'a>(&self, path: &'a str) -> std::borrow::Cow<'a, str> {
+        if !self.route.strip_prefix {
+            return path.into();
+        }
+        let prefix = self.route.path_prefix.trim_end_matches('/');
+        let rest = path.get(prefix.len()..).unwrap_or("");
+        if rest.starts_with('/') {
+            rest.into()
+        } else {
+            format!("/{rest}").into()
+        }
+    }
+}
+
+/// A path matches a prefix on whole segments: `/api` matches `/api` and `/api/x`, not `/apix`.
+pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
+    if prefix.ends_with('/') {
+        return path.starts_with(prefix);
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// Routes indexed by host. Within a host class, entries are ordered by path prefix length
+/// (longest first), then route priority (highest first), then id.
+#[derive(Default)]
+struct RouteTable {
+    exact: HashMap<String, Vec<Arc<RouteEntry>>>,
+    /// `(".example.com", routes)`, longest suffix first.
+    wildcard: Vec<(String, Vec<Arc<RouteEntry>>)>,
+    any_host: Vec<Arc<RouteEntry>>,
+}
+
+impl RouteTable {
+    fn build(entries: Vec<Arc<RouteEntry>>) -> RouteTable {
+        let mut table = RouteTable::default();
+        let mut wildcard: HashMap<String, Vec<Arc<RouteEntry>>> = HashMap::new();
+        for entry in entries {
+            if entry.route.hosts.is_empty() {
+                table.any_host.push(entry.clone());
+            }
+            for host in &entry.route.hosts {
+                let host = host.to_ascii_lowercase();
+                match host.strip_prefix('*') {
+                    Some(suffix) => wildcard
+                        .entry(suffix.to_owned())
+                        .or_default()
+                        .push(entry.clone()),
+                    None => table.exact.entry(host).or_default().push(entry.clone()),
+                }
+            }
+        }
+        table.wildcard = wildcard.into_iter().collect();
+        table
+            .wildcard
+            .sort_by(|(a, _), (b, _)| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        for list in table
+            .exact
+            .values_mut()
+            .chain(table.wildcard.iter_mut().map(|(_, list)| list))
+            .chain(std::iter::once(&mut table.any_host))
+        {
+            list.sort_by(|a, b| {
+                b.route
+                    .path_prefix
+                    .len()
+                    .cmp(&a.route.path_prefix.len())
+                    .then_with(|| b.route.priority.cmp(&a.route.priority))
+                    .then_with(|| a.route.id.cmp(&b.route.id))
+            });
+        }
+        table
+    }
+
+    /// Exact host first, then the longest matching wildcard, then routes for any host.
+    fn find(&self, host: &str, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
+        if let Some(found) = self
+            .exact
+            .get(host)
+            .and_then(|list| first_match(list, path, method))
+        {
+            return Some(found);
+        }
+        for (suffix, list) in &self.wildcard {
+            if host.len() > suffix.len() && host.ends_with(suffix.as_str()) {
+                if let Some(found) = first_match(list, path, method) {
+                    return Some(found);
+                }
+            }
+        }
+        first_match(&self.any_host, path, method)
+    }
+}
+
+fn first_match<'a>(
+    list: &'a [Arc<RouteEntry>],
+    path: &str,
+    method: &Method,
+) -> Option<&'a Arc<RouteEntry>> {
+    list.iter().find(|entry| entry.matches(path, method))
+}
+
+pub struct Snapshot {
+    pub generation: u64,
+    services: HashMap<Id, Arc<ServiceRuntime>>,
+    routes: RouteTable,
+}
+
+impl Snapshot {
+    pub fn empty() -> Snapshot {
+        Snapshot {
+            generation: 0,
+            services: HashMap::new(),
+            routes: RouteTable::default(),
+        }
+    }
+
+    /// Assembles a snapshot; routes whose service is missing are left out.
+    pub fn new(generation: u64, services: Vec<ServiceRuntime>, routes: Vec<Route>) -> Snapshot {
+        let services: HashMap<Id, Arc<ServiceRuntime>> = services
+            .into_iter()
+            .map(|runtime| (runtime.service.id, Arc::new(runtime)))
+            .collect();
+        let entries = routes
+            .into_iter()
+            .filter_map(|route| {
+                let service = services.get(&route.service_id)?.clone();
+                let methods = route
+                    .methods
+                    .iter()
+                    .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                    .collect();
+                Some(Arc::new(RouteEntry {
+                    route,
+                    service,
+                    methods,
+                }))
+            })
+            .collect();
+        Snapshot {
+            generation,
+            services,
+            routes: RouteTable::build(entries),
+        }
+    }
+
+    /// `host` must be lower case and without port.
+    pub fn find_route(&self, host: &str, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
+        self.routes.find(host, path, method)
+    }
+
+    pub fn service(&self, id: Id) -> Option<&Arc<ServiceRuntime>> {
+        self.services.get(&id)
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = &Arc<ServiceRuntime>> {
+        self.services.values()
+    }
+}
+
+/// Shared access to the current snapshot. Cloning is cheap; every clone sees the same table.
+#[derive(Clone)]
+pub struct SnapshotHandle {
+    current: Arc<ArcSwap<Snapshot>>,
+}
+
+impl SnapshotHandle {
+    pub fn new(initial: Snapshot) -> SnapshotHandle {
+        SnapshotHandle {
+            current: Arc::new(ArcSwap::from_pointee(initial)),
+        }
+    }
+
+    /// Lock-free; drop the guard before awaiting.
+    pub fn load(&self) -> Guard<Arc<Snapshot>> {
+        self.current.load()
+    }
+
+    /// Only the control task publishes.
+    pub fn publish(&self, snapshot: Snapshot) {
+        self.current.store(Arc::new(snapshot));
+    }
+}
+
+/// `host:port` for a URI authority, with IPv6 literals in brackets.
+pub fn authority_text(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{LbPolicy, Protocol, Timeouts};
+    use chrono::Utc;
+
+    fn service(id: Id) -> ServiceRuntime {
+        ServiceRuntime {
+            service: Service {
+                id,
+                name: format!("s{id}"),
+                protocol: Protocol::Http,
+                upstream_authority: None,
+                tls_sni: None,
+                tls_verify: true,
+                lb_policy: LbPolicy::RoundRobin,
+                timeouts: Timeouts::default(),
+                max_attempts: 3,
+                created_at: Utc::now(),
+                updated_at: Utc::now(),
+            },
+            upstream_host: None,
+            targets: Vec::new(),
+            balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
+        }
+    }
+
+    fn route(id: Id, hosts: &[&str], prefix: &str, methods: &[&str], priority: i32) -> Route {
+        Route {
+            id,
+            name: format!("r{id}"),
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            path_prefix: prefix.to_owned(),
+            methods: methods.iter().map(|m| m.to_string()).collect(),
+            service_id: 1,
+            preserve_host: false,
+            strip_prefix: false,
+            priority,
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        }
+    }
+
+    fn found(snapshot: &Snapshot, host: &str, path: &str, method: Method) -> Option<Id> {
+        snapshot
+            .find_route(host, path, &method)
+            .map(|entry| entry.route.id)
+    }
+
+    #[test]
+    fn prefix_matches_whole_segments() {
+        assert!(path_has_prefix("/api", "/api"));
+        assert!(path_has_prefix("/api/x", "/api"));
+        assert!(!path_has_prefix("/apix", "/api"));
+        assert!(path_has_prefix("/api/x", "/api/"));
+        assert!(!path_has_prefix("/api", "/api/"));
+        assert!(path_has_prefix("/anything", "/"));
+    }
+
+    #[test]
+    fn exact_host_then_wildcard_then_any() {
+        let snapshot = Snapshot::new(
+            1,
+            vec![service(1)],
+            vec![
+                route(1, &[], "/", &[], 0),
+                route(2, &["*.example.com"], "/", &[], 0),
+                route(3, &["api.example.com"], "/", &[], 0),
+                route(4, &["*.eu.example.com"], "/", &[], 0),
+            ],
+        );
+        assert_eq!(
+            found(&snapshot, "api.example.com", "/", Method::GET),
+            Some(3)
+        );
+        assert_eq!(
+            found(&snapshot, "www.example.com", "/", Method::GET),
+            Some(2)
+        );
+        assert_eq!(
+            found(&snapshot, "a.eu.example.com", "/", Method::GET),
+            Some(4)
+        );
+        assert_eq!(found(&snapshot, "example.com", "/", Method::GET), Some(1));
+        assert_eq!(found(&snapshot, "other.org", "/x", Method::GET), Some(1));
+    }
+
+    #[test]
+    fn longest_prefix_then_priority_then_methods() {
+        let snapshot = Snapshot::new(
+            1,
+            vec![service(1)],
+            vec![
+                route(1, &[], "/api", &[], 0),
+                route(2, &[], "/api/v2", &[], 0),
+                route(3, &[], "/api", &[], 5),
+                route(4, &[], "/api/v2", &["POST"], 9),
+            ],
+        );
+        assert_eq!(found(&snapshot, "h", "/api/v2/x", Method::POST), Some(4));
+        assert_eq!(found(&snapshot, "h", "/api/v2/x", Method::GET), Some(2));
+        assert_eq!(found(&snapshot, "h", "/api/v1", Method::GET), Some(3));
+        assert_eq!(found(&snapshot, "h", "/other", Method::GET), None);
+    }
+
+    #[test]
+    fn falls_through_to_any_host_when_host_routes_do_not_match_path() {
+        let snapshot = Snapshot::new(
+            1,
+            vec![service(1)],
+            vec![
+                route(1, &["a.test"], "/only", &[], 0),
+                route(2, &[], "/", &[], 0),
+            ],
+        );
+        assert_eq!(found(&snapshot, "a.test", "/else", Method::GET), Some(2));
+        assert_eq!(found(&snapshot, "a.test", "/only/x", Method::GET), Some(1));
+    }
+
+    #[test]
+    fn route_to_missing_service_is_left_out() {
+        let mut orphan = route(1, &[], "/", &[], 0);
+        orphan.service_id = 99;
+        let snapshot = Snapshot::new(1, vec![service(1)], vec![orphan]);
+        assert_eq!(found(&snapshot, "h", "/", Method::GET), None);
+    }
+
+    #[test]
+    fn strip_prefix_keeps_a_leading_slash() {
+        let mut stripped = route(1, &[], "/api", &[], 0);
+        stripped.strip_prefix = true;
+        let snapshot = Snapshot::new(1, vec![service(1)], vec![stripped]);
+        let entry = snapshot.find_route("h", "/api/x", &Method::GET).unwrap();
+        assert_eq!(entry.upstream_path("/api/x"), "/x");
+        assert_eq!(entry.upstream_path("/api"), "/");
+        let mut slash = route(2, &[], "/api/", &[], 0);
+        slash.strip_prefix = true;
+        let snapshot = Snapshot::new(1, vec![service(1)], vec![slash]);
+        let entry = snapshot.find_route("h", "/api/x", &Method::GET).unwrap();
+        assert_eq!(entry.upstream_path("/api/x"), "/x");
+    }
+
+    #[test]
+    fn ipv6_authority_is_bracketed() {
+        assert_eq!(authority_text("::1", 80), "[::1]:80");
+        assert_eq!(authority_text("10.0.0.1", 80), "10.0.0.1:80");
+    }
+}

@@ -1,0 +1,173 @@
+//! Database rows and their conversion into model types.
+
+use chrono::{DateTime, TimeZone, Utc};
+
+use super::StoreError;
+use crate::model::{
+    Health, LbPolicy, Protocol, Role, Route, Service, Target, TargetState, Timeouts, Token,
+};
+
+fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .ok_or_else(|| StoreError::Corrupt(format!("timestamp {ms} out of range")))
+}
+
+fn parse_text<T>(text: &str, what: &str, parse: fn(&str) -> Option<T>) -> Result<T, StoreError> {
+    parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown {what} {text:?}")))
+}
+
+fn non_negative(value: i64, what: &str) -> Result<u64, StoreError> {
+    u64::try_from(value).map_err(|_| StoreError::Corrupt(format!("negative {what} {value}")))
+}
+
+fn string_list(text: &str, what: &str) -> Result<Vec<String>, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
+}
+
+#[derive(sqlx::FromRow)]
+pub(super) struct ServiceRow {
+    id: i64,
+    name: String,
+    protocol: String,
+    upstream_authority: Option<String>,
+    tls_sni: Option<String>,
+    tls_verify: bool,
+    lb_policy: String,
+    connect_timeout_ms: i64,
+    response_header_timeout_ms: i64,
+    idle_timeout_ms: i64,
+    max_attempts: i64,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl TryFrom<ServiceRow> for Service {
+    type Error = StoreError;
+    fn try_from(row: ServiceRow) -> Result<Self, StoreError> {
+        Ok(Service {
+            id: row.id,
+            name: row.name,
+            protocol: parse_text(&row.protocol, "protocol", Protocol::parse)?,
+            upstream_authority: row.upstream_authority,
+            tls_sni: row.tls_sni,
+            tls_verify: row.tls_verify,
+            lb_policy: parse_text(&row.lb_policy, "lb_policy", LbPolicy::parse)?,
+            timeouts: Timeouts {
+                connect_ms: non_negative(row.connect_timeout_ms, "connect timeout")?,
+                response_header_ms: non_negative(
+                    row.response_header_timeout_ms,
+                    "response timeout",
+                )?,
+                idle_ms: non_negative(row.idle_timeout_ms, "idle timeout")?,
+            },
+            max_attempts: u32::try_from(row.max_attempts)
+                .map_err(|_| StoreError::Corrupt(format!("max_attempts {}", row.max_attempts)))?,
+            created_at: time(row.created_at)?,
+            updated_at: time(row.updated_at)?,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+pub(super) struct TargetRow {
+    id: i64,
+    service_id: i64,
+    source_id: Option<i64>,
+    host: String,
+    port: i64,
+    weight: i64,
+    priority: i64,
+    enabled: bool,
+    metadata: String,
+    provider_key: Option<String>,
+    state: String,
+    health: String,
+    ejected_until: Option<i64>,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl TryFrom<TargetRow> for Target {
+    type Error = StoreError;
+    fn try_from(row: TargetRow) -> Result<Self, StoreError> {
+        Ok(Target {
+            id: row.id,
+            service_id: row.service_id,
+            source_id: row.source_id,
+            host: row.host,
+            port: u16::try_from(row.port)
+                .map_err(|_| StoreError::Corrupt(format!("port {}", row.port)))?,
+            weight: u32::try_from(row.weight)
+                .map_err(|_| StoreError::Corrupt(format!("weight {}", row.weight)))?,
+            priority: i32::try_from(row.priority)
+                .map_err(|_| StoreError::Corrupt(format!("priority {}", row.priority)))?,
+            enabled: row.enabled,
+            metadata: serde_json::from_str(&row.metadata)
+                .map_err(|e| StoreError::Corrupt(format!("target metadata: {e}")))?,
+            provider_key: row.provider_key,
+            state: parse_text(&row.state, "target state", TargetState::parse)?,
+            health: parse_text(&row.health, "target health", Health::parse)?,
+            ejected_until: row.ejected_until.map(time).transpose()?,
+            created_at: time(row.created_at)?,
+            updated_at: time(row.updated_at)?,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+pub(super) struct RouteRow {
+    id: i64,
+    name: String,
+    hosts: String,
+    path_prefix: String,
+    methods: String,
+    service_id: i64,
+    preserve_host: bool,
+    strip_prefix: bool,
+    priority: i64,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl TryFrom<RouteRow> for Route {
+    type Error = StoreError;
+    fn try_from(row: RouteRow) -> Result<Self, StoreError> {
+        Ok(Route {
+            id: row.id,
+            name: row.name,
+            hosts: string_list(&row.hosts, "route hosts")?,
+            path_prefix: row.path_prefix,
+            methods: string_list(&row.methods, "route methods")?,
+            service_id: row.service_id,
+            preserve_host: row.preserve_host,
+            strip_prefix: row.strip_prefix,
+            priority: i32::try_from(row.priority)
+                .map_err(|_| StoreError::Corrupt(format!("route priority {}", row.priority)))?,
+            created_at: time(row.created_at)?,
+            updated_at: time(row.updated_at)?,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+pub(super) struct TokenRow {
+    id: i64,
+    name: String,
+    role: String,
+    #[allow(dead_code)] // selected with `*`, compared in SQL only
+    token_hash: String,
+    created_at: i64,
+}
+
+impl TryFrom<TokenRow> for Token {
+    type Error = StoreError;
+    fn try_from(row: TokenRow) -> Result<Self, StoreError> {
+        Ok(Token {
+            id: row.id,
+            name: row.name,
+            role: parse_text(&row.role, "token role", Role::parse)?,
+            created_at: time(row.created_at)?,
+        })
+    }
+}
