@@ -1,70 +1,222 @@
-//! PLACEHOLDER until the real balancer lands (being written in parallel).
-use crate::model::LbPolicy;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+//! Choosing one member of a service: priority tiers, weights within a tier, and a policy
+//! (DESIGN.md §5).
+//!
+//! Everything costly (round-robin schedules, alias tables) is built once in [`Balancer::new`],
+//! i.e. once per routing snapshot. [`Balancer::pick`] is then O(1) in the number of members while
+//! the preferred tier has an available member, allocates nothing and takes no lock: the only
+//! shared write is round-robin's cursor step.
+
+mod alias;
+mod schedule;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+
+use crate::model::LbPolicy;
+
+use alias::AliasTable;
+use schedule::Schedule;
+
+/// Random schedule entries tried after the cursor's entry is skipped, before scanning the tier.
+const PROBES: usize = 16;
+/// Weighted draws tried for a non-skipped member (Random, LeastRequest's first choice).
+const DRAWS: usize = 8;
+/// Draws tried for LeastRequest's second choice, which must be another, non-skipped member.
+const SECOND_DRAWS: usize = 4;
+
+/// Per-target load counters shared across routing snapshots (the caller keeps one Arc per target
+/// id and passes the same Arc into every new Balancer).
 #[derive(Debug, Default)]
 pub struct TargetLoad {
     in_flight: AtomicU32,
 }
+
 impl TargetLoad {
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
     }
+
     pub fn start_request(&self) {
+        // 2^32 requests in flight to one target cannot happen; a plain add keeps this one instruction.
         self.in_flight.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Saturates at zero: a finish that outlives a counter reset (or is reported twice) must not
+    /// wrap to 4 billion and starve the target under least-request.
     pub fn finish_request(&self) {
+        // Err only means the counter was already zero, which is the saturation we want.
         let _ = self
             .in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 }
+
+#[derive(Debug, Clone)]
 pub struct Member {
     pub weight: u32,
     pub priority: i32,
     pub load: Arc<TargetLoad>,
 }
+
+/// All members of one priority value, with the policy's structure over them.
+struct Tier {
+    priority: i32,
+    /// Member ids (indices into the `members` given to `Balancer::new`), for the fallback scan.
+    members: Box<[u32]>,
+    chooser: Chooser,
+}
+
+enum Chooser {
+    RoundRobin(Schedule),
+    Random(AliasTable),
+    LeastRequest(AliasTable),
+}
+
 pub struct Balancer {
     policy: LbPolicy,
-    members: Vec<Member>,
-    cursor: AtomicUsize,
+    /// Ascending priority value, i.e. most preferred first; only weight > 0 members.
+    tiers: Box<[Tier]>,
+    /// Indexed by member id, like `loads`; least-request compares load per weight.
+    weights: Box<[u32]>,
+    loads: Box<[Arc<TargetLoad>]>,
+    len: usize,
 }
+
 impl Balancer {
+    /// Members with weight 0 are never picked. Lower `priority` value = preferred tier.
     pub fn new(policy: LbPolicy, members: Vec<Member>) -> Balancer {
-        Balancer {
-            policy,
-            members,
-            cursor: AtomicUsize::new(0),
-        }
-    }
-    pub fn pick(&self, skip: impl Fn(usize) -> bool) -> Option<usize> {
-        let mut prios: Vec<i32> = self
-            .members
-            .iter()
-            .filter(|m| m.weight > 0)
-            .map(|m| m.priority)
-            .collect();
-        prios.sort();
-        prios.dedup();
-        for p in prios {
-            let idx: Vec<usize> = (0..self.members.len())
-                .filter(|&i| {
-                    self.members[i].priority == p && self.members[i].weight > 0 && !skip(i)
-                })
-                .collect();
-            if !idx.is_empty() {
-                return Some(idx[self.cursor.fetch_add(1, Ordering::Relaxed) % idx.len()]);
+        let mut by_priority: BTreeMap<i32, Vec<u32>> = BTreeMap::new();
+        for (id, member) in members.iter().enumerate() {
+            if member.weight > 0 {
+                let id = u32::try_from(id).expect("a service has fewer than 2^32 targets");
+                by_priority.entry(member.priority).or_default().push(id);
             }
         }
-        None
+        let weights: Box<[u32]> = members.iter().map(|m| m.weight).collect();
+        let tiers: Box<[Tier]> = by_priority
+            .into_iter()
+            .map(|(priority, ids)| Tier::new(policy, priority, ids, &weights))
+            .collect();
+        Balancer {
+            policy,
+            len: tiers.iter().map(|t| t.members.len()).sum(),
+            tiers,
+            weights,
+            loads: members.into_iter().map(|m| m.load).collect(),
+        }
     }
+
+    /// Returns the index (into the `members` vector given to `new`) of the chosen member, or None.
+    /// `skip(i)` true means member i is unavailable right now (unhealthy, already tried by this
+    /// request...). Tiers are tried lowest priority value first; the next tier only when every
+    /// member of the lower tier is skipped. Weight applies within a tier, never across tiers.
+    ///
+    /// O(1) while the preferred tier's fast path finds a member; proving a whole tier skipped
+    /// costs one `skip` call per member of that tier, since `skip` is opaque.
+    pub fn pick(&self, skip: impl Fn(usize) -> bool) -> Option<usize> {
+        self.tiers.iter().find_map(|tier| {
+            self.pick_fast(tier, &skip)
+                .or_else(|| tier.first_available(&skip))
+        })
+    }
+
     pub fn policy(&self) -> LbPolicy {
         self.policy
     }
+
+    /// Members with weight > 0.
     pub fn len(&self) -> usize {
-        self.members.len()
+        self.len
     }
+
     pub fn is_empty(&self) -> bool {
-        self.members.is_empty()
+        self.len == 0
+    }
+
+    /// The policy's O(1) attempt; None when it only met skipped members.
+    fn pick_fast(&self, tier: &Tier, skip: &impl Fn(usize) -> bool) -> Option<usize> {
+        match &tier.chooser {
+            Chooser::RoundRobin(schedule) => {
+                let next = schedule.next();
+                if !skip(next) {
+                    return Some(next);
+                }
+                (0..PROBES).map(|_| schedule.sample()).find(|&id| !skip(id))
+            }
+            Chooser::Random(table) => (0..DRAWS).map(|_| table.draw()).find(|&id| !skip(id)),
+            Chooser::LeastRequest(table) => {
+                let first = (0..DRAWS).map(|_| table.draw()).find(|&id| !skip(id))?;
+                if tier.members.len() == 1 {
+                    return Some(first);
+                }
+                let second = (0..SECOND_DRAWS)
+                    .map(|_| table.draw())
+                    .find(|&id| id != first && !skip(id));
+                Some(second.map_or(first, |second| self.lighter(first, second)))
+            }
+        }
+    }
+
+    /// Power of two choices: the member with less load per weight, counting the request about
+    /// to be sent (hence +1, so an idle heavy member beats an idle light one). Ties keep `a`, the
+    /// first draw, so equal loads follow the weighted draw.
+    fn lighter(&self, a: usize, b: usize) -> usize {
+        let load = |id: usize| u64::from(self.loads[id].in_flight()) + 1;
+        let weight = |id: usize| u64::from(self.weights[id]);
+        // (2^32)·(2^32 − 1) < 2^64: no overflow.
+        if load(b) * weight(a) < load(a) * weight(b) {
+            b
+        } else {
+            a
+        }
     }
 }
+
+impl Tier {
+    fn new(policy: LbPolicy, priority: i32, members: Vec<u32>, all_weights: &[u32]) -> Tier {
+        let weights: Vec<u32> = members.iter().map(|&id| all_weights[id as usize]).collect();
+        let chooser = match policy {
+            LbPolicy::RoundRobin => Chooser::RoundRobin(Schedule::new(&members, &weights)),
+            LbPolicy::Random => Chooser::Random(AliasTable::new(&members, &weights)),
+            LbPolicy::LeastRequest => Chooser::LeastRequest(AliasTable::new(&members, &weights)),
+        };
+        Tier {
+            priority,
+            members: members.into_boxed_slice(),
+            chooser,
+        }
+    }
+
+    /// Fallback once the policy kept meeting skipped members: the first available member from a
+    /// random start (a fixed start would pile every fallback onto the same member).
+    fn first_available(&self, skip: &impl Fn(usize) -> bool) -> Option<usize> {
+        let start = fastrand::usize(..self.members.len());
+        let (before, after) = self.members.split_at(start);
+        after
+            .iter()
+            .chain(before)
+            .map(|&id| id as usize)
+            .find(|&id| !skip(id))
+    }
+}
+
+impl fmt::Debug for Balancer {
+    /// A summary: the schedules and tables are too large to be worth printing.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tiers: Vec<(i32, usize)> = self
+            .tiers
+            .iter()
+            .map(|t| (t.priority, t.members.len()))
+            .collect();
+        f.debug_struct("Balancer")
+            .field("policy", &self.policy)
+            .field("len", &self.len)
+            .field("tiers (priority, members)", &tiers)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests;

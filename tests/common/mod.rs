@@ -1,0 +1,438 @@
+//! Test harness: the gateway in-process on 127.0.0.1:0 with a temporary SQLite store, real
+//! upstream HTTP servers, and condition waits with deadlines.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use raahi::config::Config;
+use raahi::gateway::Gateway;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
+
+pub struct TestGateway {
+    pub gateway: Option<Gateway>,
+    pub dir: Arc<tempfile::TempDir>,
+    pub http: reqwest::Client,
+    pub proxy: SocketAddr,
+    pub admin: SocketAddr,
+    config: Config,
+}
+
+pub fn test_config(dir: &std::path::Path) -> Config {
+    let env: Vec<(String, String)> = vec![
+        ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
+        (
+            "RAAHI_DATABASE_URL".into(),
+            format!("sqlite://{}/raahi.db", dir.display()),
+        ),
+    ];
+    Config::from_parts("test.toml", None, &env).expect("test config is valid")
+}
+
+impl TestGateway {
+    pub async fn start() -> TestGateway {
+        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+        let config = test_config(dir.path());
+        Self::start_with(dir, config).await
+    }
+
+    pub async fn start_with(dir: Arc<tempfile::TempDir>, config: Config) -> TestGateway {
+        let gateway = Gateway::start(&config).await.expect("gateway starts");
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(16)
+            .build()
+            .unwrap();
+        TestGateway {
+            proxy: gateway.proxy_addr,
+            admin: gateway.admin_addr,
+            gateway: Some(gateway),
+            dir,
+            http,
+            config,
+        }
+    }
+
+    /// Stops this gateway and starts a new one on the same store (new ports).
+    pub async fn restart(mut self) -> TestGateway {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.shutdown().await;
+        }
+        Self::start_with(self.dir.clone(), self.config.clone()).await
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    pub fn proxy_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.proxy, path)
+    }
+
+    /// An admin API call with the admin token; returns status and JSON body (Null when empty).
+    pub async fn api(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        self.api_as(Some(ADMIN_TOKEN), method, path, body).await
+    }
+
+    pub async fn api_as(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self.http.request(method, self.admin_url(path));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("admin API answers");
+        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+        let text = response.text().await.unwrap();
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or(Value::String(text))
+        };
+        (status, value)
+    }
+
+    /// An admin call with a raw body (for malformed input).
+    pub async fn api_raw(&self, method: &str, path: &str, body: &'static str) -> (StatusCode, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let response = self
+            .http
+            .request(method, self.admin_url(path))
+            .bearer_auth(ADMIN_TOKEN)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+        let value = response.json().await.unwrap_or(Value::Null);
+        (status, value)
+    }
+
+    /// Creates an object and returns its id, failing the test on anything but 201.
+    pub async fn create(&self, path: &str, body: Value) -> i64 {
+        let (status, value) = self.api("POST", path, Some(body)).await;
+        assert_eq!(status, StatusCode::CREATED, "POST {path}: {value}");
+        value["id"].as_i64().expect("created object has an id")
+    }
+
+    /// A service with one route (`/` on any host unless given) and the given targets.
+    pub async fn service_with_targets(&self, name: &str, targets: &[Value]) -> i64 {
+        let service = self.create("/api/v1/services", json!({ "name": name })).await;
+        for target in targets {
+            self.create(&format!("/api/v1/services/{service}/targets"), target.clone())
+                .await;
+        }
+        service
+    }
+
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.http.get(self.proxy_url(path)).send().await.expect("proxy answers")
+    }
+}
+
+/// A target body for an upstream.
+pub fn target(upstream: &Upstream, weight: u32, priority: i32) -> Value {
+    json!({
+        "host": upstream.addr.ip().to_string(),
+        "port": upstream.addr.port(),
+        "weight": weight,
+        "priority": priority,
+    })
+}
+
+/// What an upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub path: String,
+    pub headers: BTreeMap<String, Vec<String>>,
+    pub body_len: usize,
+}
+
+impl Seen {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.first()).map(String::as_str)
+    }
+}
+
+/// A real HTTP/1.1 upstream on 127.0.0.1:0. It answers `200` with its name as the body and
+/// records what it saw. `/slow/MS` waits MS milliseconds before answering; `/status/N` answers N.
+pub struct Upstream {
+    pub name: String,
+    pub addr: SocketAddr,
+    pub hits: Arc<AtomicUsize>,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    /// Bytes of request bodies received, streamed and counted.
+    pub body_bytes: Arc<AtomicU64>,
+    stop: watch::Sender<bool>,
+}
+
+impl Upstream {
+    pub async fn start(name: &str) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve(name, listener)
+    }
+
+    /// Serves on a given address (to bring an upstream back on the same port).
+    pub async fn start_on(name: &str, addr: SocketAddr) -> Upstream {
+        let listener = TcpListener::bind(addr).await.unwrap();
+        Self::serve(name, listener)
+    }
+
+    fn serve(name: &str, listener: TcpListener) -> Upstream {
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let body_bytes = Arc::new(AtomicU64::new(0));
+        let (stop, mut stopped) = watch::channel(false);
+        let upstream = Upstream {
+            name: name.to_owned(),
+            addr,
+            hits: hits.clone(),
+            seen: seen.clone(),
+            body_bytes: body_bytes.clone(),
+            stop,
+        };
+        let name = Arc::new(name.to_owned());
+        tokio::spawn(async move {
+            let mut connections = Vec::new();
+            loop {
+                let (stream, _) = tokio::select! {
+                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+                    _ = stopped.wait_for(|s| *s) => break,
+                };
+                let name = name.clone();
+                let hits = hits.clone();
+                let seen = seen.clone();
+                let body_bytes = body_bytes.clone();
+                let service = service_fn(move |request| {
+                    answer(request, name.clone(), hits.clone(), seen.clone(), body_bytes.clone())
+                });
+                connections.push(tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .with_upgrades()
+                        .await;
+                }));
+            }
+            // Stopping closes every open connection too, as a killed process would.
+            for connection in connections {
+                connection.abort();
+            }
+        });
+        upstream
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    pub fn last_seen(&self) -> Seen {
+        self.seen.lock().unwrap().last().cloned().expect("upstream saw a request")
+    }
+
+    /// Stops listening and drops open connections.
+    pub fn stop(&self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn answer(
+    request: Request<Incoming>,
+    name: Arc<String>,
+    hits: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    body_bytes: Arc<AtomicU64>,
+) -> Result<Response<http_body_util::combinators::BoxBody<Bytes, Infallible>>, Infallible> {
+    hits.fetch_add(1, Ordering::SeqCst);
+    let path = request.uri().path().to_owned();
+    let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (key, value) in request.headers() {
+        headers
+            .entry(key.as_str().to_owned())
+            .or_default()
+            .push(value.to_str().unwrap_or("").to_owned());
+    }
+    let method = request.method().to_string();
+
+    if path == "/ws" {
+        return Ok(upgrade_echo(request));
+    }
+    let mut body = request.into_body();
+    let mut body_len = 0usize;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Some(data) = frame.data_ref() {
+                    body_len += data.len();
+                    body_bytes.fetch_add(data.len() as u64, Ordering::SeqCst);
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    seen.lock().unwrap().push(Seen {
+        method,
+        path: path.clone(),
+        headers,
+        body_len,
+    });
+    if let Some(ms) = path.strip_prefix("/slow/").and_then(|ms| ms.parse::<u64>().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(size) = path.strip_prefix("/bytes/").and_then(|n| n.parse::<u64>().ok()) {
+        return Ok(Response::new(streamed_bytes(size)));
+    }
+    let status = path
+        .strip_prefix("/status/")
+        .and_then(|code| code.parse::<u16>().ok())
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .unwrap_or(StatusCode::OK);
+    let mut response = Response::new(Full::new(Bytes::from(name.as_str().to_owned())).map_err(|e| match e {}).boxed());
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert("x-upstream", name.as_str().parse().unwrap());
+    response
+        .headers_mut()
+        .insert("connection", "keep-alive, x-hop".parse().unwrap());
+    response.headers_mut().insert("x-hop", "secret".parse().unwrap());
+    Ok(response)
+}
+
+/// `size` bytes in 64 KiB chunks, generated as they are sent (memory stays flat).
+fn streamed_bytes(size: u64) -> http_body_util::combinators::BoxBody<Bytes, Infallible> {
+    GeneratedBody {
+        remaining: size,
+        chunk: Bytes::from(vec![b'x'; 64 * 1024]),
+    }
+    .boxed()
+}
+
+pub struct GeneratedBody {
+    pub remaining: u64,
+    pub chunk: Bytes,
+}
+
+impl GeneratedBody {
+    pub fn new(size: u64) -> GeneratedBody {
+        GeneratedBody {
+            remaining: size,
+            chunk: Bytes::from(vec![b'x'; 64 * 1024]),
+        }
+    }
+}
+
+impl hyper::body::Body for GeneratedBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        if self.remaining == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        let take = self.remaining.min(self.chunk.len() as u64) as usize;
+        self.remaining -= take as u64;
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(self.chunk.slice(..take)))))
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.remaining)
+    }
+}
+
+/// Answers a WebSocket-style upgrade with 101, then echoes bytes on the upgraded connection.
+fn upgrade_echo(
+    mut request: Request<Incoming>,
+) -> Response<http_body_util::combinators::BoxBody<Bytes, Infallible>> {
+    let on_upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        if let Ok(upgraded) = on_upgrade.await {
+            let mut io = TokioIo::new(upgraded);
+            let (mut reader, mut writer) = tokio::io::split(&mut io);
+            let _ = tokio::io::copy(&mut reader, &mut writer).await;
+        }
+    });
+    let mut response = Response::new(Full::new(Bytes::new()).map_err(|e| match e {}).boxed());
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    response.headers_mut().insert("upgrade", "echo".parse().unwrap());
+    response.headers_mut().insert("connection", "upgrade".parse().unwrap());
+    response
+}
+
+/// Polls `condition` until it holds or `deadline` passes; panics with `what` on timeout.
+pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + deadline;
+    loop {
+        if condition().await {
+            return;
+        }
+        if tokio::time::Instant::now() > end {
+            panic!("timed out after {deadline:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A raw HTTP/1.1 exchange over a fresh TCP connection (for requests reqwest will not send).
+pub async fn raw_http(addr: SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response)).await;
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Resident memory of this process in KiB (Linux).
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmRSS:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
