@@ -19,6 +19,8 @@ pub struct TargetRuntime {
     pub id: Id,
     /// `host:port` (IPv6 hosts in brackets), used for the upstream URI and as the default Host.
     pub authority: Authority,
+    /// The same authority as a `Host` header value, sent when no other Host is chosen.
+    pub host_header: HeaderValue,
     /// Carried across snapshots by target id, so in-flight counts survive rebuilds.
     pub load: Arc<TargetLoad>,
 }

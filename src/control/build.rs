@@ -39,7 +39,7 @@ pub fn build_snapshot(
                 .flatten()
                 .filter(|target| target.takes_new_traffic());
             for target in eligible {
-                let Some(authority) = target_authority(target) else {
+                let Some((authority, host_header)) = target_authority(target) else {
                     tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
                     continue;
                 };
@@ -52,6 +52,7 @@ pub fn build_snapshot(
                 runtimes.push(TargetRuntime {
                     id: target.id,
                     authority,
+                    host_header,
                     load,
                 });
             }
@@ -70,6 +71,8 @@ pub fn build_snapshot(
     Snapshot::new(generation, services, config.routes.clone())
 }
 
-fn target_authority(target: &Target) -> Option<Authority> {
-    Authority::try_from(authority_text(&target.host, target.port)).ok()
+fn target_authority(target: &Target) -> Option<(Authority, HeaderValue)> {
+    let text = authority_text(&target.host, target.port);
+    let header = HeaderValue::from_str(&text).ok()?;
+    Some((Authority::try_from(text).ok()?, header))
 }

@@ -215,11 +215,11 @@ async fn send_with_retries(
     let client = state.clients.for_timeouts(&service.service.timeouts);
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
     let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
-    let mut tried: Vec<Id> = Vec::new();
+    let mut tried = Tried::default();
     let mut last_error = None;
 
     for attempt in 1..=attempts {
-        let Some(target) = service.pick(|candidate| tried.contains(&candidate.id)) else {
+        let Some(target) = service.pick(|candidate| tried.contains(candidate.id)) else {
             break;
         };
         tried.push(target.id);
@@ -257,6 +257,26 @@ async fn send_with_retries(
     }))
 }
 
+/// Targets this request already tried, without allocating.
+#[derive(Default)]
+struct Tried {
+    ids: [Id; MAX_ATTEMPTS],
+    len: usize,
+}
+
+impl Tried {
+    fn contains(&self, id: Id) -> bool {
+        self.ids[..self.len].contains(&id)
+    }
+
+    fn push(&mut self, id: Id) {
+        if self.len < MAX_ATTEMPTS {
+            self.ids[self.len] = id;
+            self.len += 1;
+        }
+    }
+}
+
 /// One attempt's request. Headers are copied only while another attempt may follow.
 fn build_attempt(
     outgoing: &mut Outgoing,
@@ -292,9 +312,9 @@ fn build_attempt(
     uri.path_and_query = Some(outgoing.path_and_query.clone());
     *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
     if outgoing.host_from_target {
-        if let Ok(value) = HeaderValue::from_str(target.authority.as_str()) {
-            request.headers_mut().insert(header::HOST, value);
-        }
+        request
+            .headers_mut()
+            .insert(header::HOST, target.host_header.clone());
     }
     (request, returned)
 }
