@@ -117,7 +117,12 @@ impl TestGateway {
     }
 
     /// An admin call with a raw body (for malformed input).
-    pub async fn api_raw(&self, method: &str, path: &str, body: &'static str) -> (StatusCode, Value) {
+    pub async fn api_raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: &'static str,
+    ) -> (StatusCode, Value) {
         let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let response = self
             .http
@@ -142,16 +147,25 @@ impl TestGateway {
 
     /// A service with one route (`/` on any host unless given) and the given targets.
     pub async fn service_with_targets(&self, name: &str, targets: &[Value]) -> i64 {
-        let service = self.create("/api/v1/services", json!({ "name": name })).await;
+        let service = self
+            .create("/api/v1/services", json!({ "name": name }))
+            .await;
         for target in targets {
-            self.create(&format!("/api/v1/services/{service}/targets"), target.clone())
-                .await;
+            self.create(
+                &format!("/api/v1/services/{service}/targets"),
+                target.clone(),
+            )
+            .await;
         }
         service
     }
 
     pub async fn get(&self, path: &str) -> reqwest::Response {
-        self.http.get(self.proxy_url(path)).send().await.expect("proxy answers")
+        self.http
+            .get(self.proxy_url(path))
+            .send()
+            .await
+            .expect("proxy answers")
     }
 }
 
@@ -176,7 +190,10 @@ pub struct Seen {
 
 impl Seen {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.first()).map(String::as_str)
+        self.headers
+            .get(name)
+            .and_then(|v| v.first())
+            .map(String::as_str)
     }
 }
 
@@ -231,7 +248,13 @@ impl Upstream {
                 let seen = seen.clone();
                 let body_bytes = body_bytes.clone();
                 let service = service_fn(move |request| {
-                    answer(request, name.clone(), hits.clone(), seen.clone(), body_bytes.clone())
+                    answer(
+                        request,
+                        name.clone(),
+                        hits.clone(),
+                        seen.clone(),
+                        body_bytes.clone(),
+                    )
                 });
                 connections.push(tokio::spawn(async move {
                     let _ = hyper::server::conn::http1::Builder::new()
@@ -253,7 +276,12 @@ impl Upstream {
     }
 
     pub fn last_seen(&self) -> Seen {
-        self.seen.lock().unwrap().last().cloned().expect("upstream saw a request")
+        self.seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("upstream saw a request")
     }
 
     /// Stops listening and drops open connections.
@@ -308,10 +336,16 @@ async fn answer(
         headers,
         body_len,
     });
-    if let Some(ms) = path.strip_prefix("/slow/").and_then(|ms| ms.parse::<u64>().ok()) {
+    if let Some(ms) = path
+        .strip_prefix("/slow/")
+        .and_then(|ms| ms.parse::<u64>().ok())
+    {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    if let Some(size) = path.strip_prefix("/bytes/").and_then(|n| n.parse::<u64>().ok()) {
+    if let Some(size) = path
+        .strip_prefix("/bytes/")
+        .and_then(|n| n.parse::<u64>().ok())
+    {
         return Ok(Response::new(streamed_bytes(size)));
     }
     let status = path
@@ -319,7 +353,11 @@ async fn answer(
         .and_then(|code| code.parse::<u16>().ok())
         .and_then(|code| StatusCode::from_u16(code).ok())
         .unwrap_or(StatusCode::OK);
-    let mut response = Response::new(Full::new(Bytes::from(name.as_str().to_owned())).map_err(|e| match e {}).boxed());
+    let mut response = Response::new(
+        Full::new(Bytes::from(name.as_str().to_owned()))
+            .map_err(|e| match e {})
+            .boxed(),
+    );
     *response.status_mut() = status;
     response
         .headers_mut()
@@ -327,7 +365,9 @@ async fn answer(
     response
         .headers_mut()
         .insert("connection", "keep-alive, x-hop".parse().unwrap());
-    response.headers_mut().insert("x-hop", "secret".parse().unwrap());
+    response
+        .headers_mut()
+        .insert("x-hop", "secret".parse().unwrap());
     Ok(response)
 }
 
@@ -389,8 +429,12 @@ fn upgrade_echo(
     });
     let mut response = Response::new(Full::new(Bytes::new()).map_err(|e| match e {}).boxed());
     *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    response.headers_mut().insert("upgrade", "echo".parse().unwrap());
-    response.headers_mut().insert("connection", "upgrade".parse().unwrap());
+    response
+        .headers_mut()
+        .insert("upgrade", "echo".parse().unwrap());
+    response
+        .headers_mut()
+        .insert("connection", "upgrade".parse().unwrap());
     response
 }
 
@@ -435,4 +479,3 @@ pub fn rss_kib() -> u64 {
         })
         .unwrap_or(0)
 }
-
