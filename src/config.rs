@@ -22,7 +22,7 @@ pub enum ConfigError {
     },
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     #[serde(default)]
@@ -157,17 +157,6 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RUST_LOG", "log.level"),
 ];
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            proxy: ProxyConfig::default(),
-            admin: AdminConfig::default(),
-            database: DatabaseConfig::default(),
-            log: LogConfig::default(),
-        }
-    }
-}
-
 impl Config {
     /// Loads `path` (or, when `path` is None, the default path if it exists, else built-in
     /// defaults), then applies environment overrides, then validates.
@@ -280,13 +269,14 @@ fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
     }
 }
 
-/// serde reports unknown and missing keys at their parent's path; name the key itself.
+/// serde reports a missing key at its parent's path; name the key itself. (An unknown key's
+/// path already ends with its name.)
 fn key_name(path: String, message: &str) -> String {
-    let quoted = message
+    let missing = message
         .split('`')
         .nth(1)
-        .filter(|_| message.starts_with("unknown field") || message.starts_with("missing field"));
-    match (path.as_str(), quoted) {
+        .filter(|_| message.starts_with("missing field"));
+    match (path.as_str(), missing) {
         (".", Some(name)) => name.to_owned(),
         (_, Some(name)) => format!("{path}.{name}"),
         _ => path,

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod balance;
 pub mod config;
 pub mod control;
+pub mod discovery;
 pub mod gateway;
 pub mod model;
 pub mod proxy;

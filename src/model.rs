@@ -70,6 +70,14 @@ text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequ
 text_enum!(TargetState { Active => "active", Draining => "draining", Stale => "stale" });
 text_enum!(Health { Unknown => "unknown", Healthy => "healthy", Unhealthy => "unhealthy" });
 text_enum!(Role { Admin => "admin", Viewer => "viewer" });
+text_enum!(ProviderKind { Dns => "dns", DnsSrv => "dns-srv", Http => "http" });
+text_enum!(SourceState {
+    Pending => "pending",
+    Healthy => "healthy",
+    Failing => "failing",
+    Stale => "stale",
+    Disabled => "disabled",
+});
 
 /// Upstream timeouts of a service, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -142,6 +150,8 @@ pub struct Target {
     pub state: TargetState,
     pub health: Health,
     pub ejected_until: Option<DateTime<Utc>>,
+    /// While `draining`: when the target is deleted (its source's removal grace ends).
+    pub remove_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -177,6 +187,141 @@ pub struct Token {
     pub name: String,
     pub role: Role,
     pub created_at: DateTime<Utc>,
+}
+
+/// The discovery providers Raahi knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+pub enum ProviderKind {
+    #[serde(rename = "dns")]
+    Dns,
+    #[serde(rename = "dns-srv")]
+    DnsSrv,
+    #[serde(rename = "http")]
+    Http,
+}
+
+/// Lifecycle of a discovery source (DESIGN §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceState {
+    /// Created; the first refresh has not finished.
+    #[default]
+    Pending,
+    /// The last refresh succeeded.
+    Healthy,
+    /// Refreshes fail; the last known good targets are still trusted.
+    Failing,
+    /// Failing for longer than `stale_after_ms`: its targets take no new traffic.
+    Stale,
+    /// `enabled=false`: no refreshes.
+    Disabled,
+}
+
+pub const DEFAULT_STALE_AFTER_MS: u64 = 300_000;
+pub const DEFAULT_REMOVAL_GRACE_MS: u64 = 60_000;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DiscoverySource {
+    pub id: Id,
+    pub service_id: Id,
+    pub name: String,
+    pub provider: ProviderKind,
+    /// Provider configuration, as given (see `GET /api/v1/discovery/providers`).
+    #[schema(value_type = Object)]
+    pub config: serde_json::Value,
+    pub enabled: bool,
+    pub stale_after_ms: u64,
+    pub removal_grace_ms: u64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoverySourceSpec {
+    pub name: String,
+    pub provider: ProviderKind,
+    #[serde(default = "empty_object")]
+    #[schema(value_type = Object)]
+    pub config: serde_json::Value,
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default = "default_stale_after_ms")]
+    pub stale_after_ms: u64,
+    #[serde(default = "default_removal_grace_ms")]
+    pub removal_grace_ms: u64,
+}
+
+impl DiscoverySource {
+    pub fn spec(&self) -> DiscoverySourceSpec {
+        DiscoverySourceSpec {
+            name: self.name.clone(),
+            provider: self.provider,
+            config: self.config.clone(),
+            enabled: self.enabled,
+            stale_after_ms: self.stale_after_ms,
+            removal_grace_ms: self.removal_grace_ms,
+        }
+    }
+}
+
+/// The persisted part of a source's status: what its refreshes did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SourceProgress {
+    pub state: SourceState,
+    pub last_error: Option<String>,
+    pub last_refresh_at: Option<DateTime<Utc>>,
+    pub last_success_at: Option<DateTime<Utc>>,
+    pub next_refresh_at: Option<DateTime<Utc>>,
+    /// Opaque token of the last successful result; null until the first success.
+    pub revision: Option<String>,
+    /// Start of the current run of failed refreshes (null while healthy).
+    pub failing_since: Option<DateTime<Utc>>,
+}
+
+/// Targets of one source by lifecycle state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct EndpointCounts {
+    pub active: u64,
+    pub draining: u64,
+    pub stale: u64,
+}
+
+/// `GET /api/v1/discovery-sources/{id}/status`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SourceStatus {
+    pub source_id: Id,
+    #[serde(flatten)]
+    pub progress: SourceProgress,
+    pub endpoints: EndpointCounts,
+}
+
+/// One endpoint as a discovery provider reports it. `key` is its identity across refreshes
+/// (`host:port` for the DNS providers, the registry's `key` for http).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Endpoint {
+    pub key: String,
+    /// An IP address: the request path never resolves names.
+    pub host: String,
+    pub port: u16,
+    pub weight: u32,
+    pub priority: i32,
+    pub enabled: bool,
+    pub metadata: serde_json::Value,
+}
+
+/// One change to a source's targets, decided by reconcile and written by the store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TargetChange {
+    /// A new endpoint: a new target, `active`, health `unknown`.
+    Create(Endpoint),
+    /// A known endpoint: update its fields and make it `active` again, keeping its id.
+    Refresh { id: Id, endpoint: Endpoint },
+    /// Gone from the source: no new traffic; deleted at `remove_at`.
+    Drain { id: Id, remove_at: DateTime<Utc> },
+    /// The source is stale: visible, no new traffic, until a success brings it back.
+    MarkStale { id: Id },
+    Delete { id: Id },
 }
 
 /// Everything the data path is built from, read from the store in one go.
@@ -264,6 +409,12 @@ fn default_max_attempts() -> u32 {
 }
 fn default_path_prefix() -> String {
     "/".to_owned()
+}
+fn default_stale_after_ms() -> u64 {
+    DEFAULT_STALE_AFTER_MS
+}
+fn default_removal_grace_ms() -> u64 {
+    DEFAULT_REMOVAL_GRACE_MS
 }
 fn empty_object() -> serde_json::Value {
     serde_json::Value::Object(Default::default())

@@ -24,7 +24,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
 
     async fn from_request(request: Request, _state: &S) -> Result<Self, ApiError> {
         let bytes = read_body(request.into_body()).await?;
-        parse_json(&bytes).map(ApiJson)
+        object_from_slice(&bytes).map(ApiJson)
     }
 }
 
@@ -42,12 +42,20 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             message: "request body is empty; expected a JSON object".to_owned(),
         });
     }
-    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(json_error)?;
-    deserializer.end().map_err(|error| ApiError::Malformed {
-        message: format!("invalid JSON: {error}"),
-    })?;
-    Ok(value)
+    let document: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|error| ApiError::Malformed {
+            message: format!("invalid JSON: {error}"),
+        })?;
+    from_value(document)
+}
+
+/// An object body: serde would otherwise fill a struct's fields from a JSON array in order.
+pub fn object_from_slice<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let document: serde_json::Value = parse_json(bytes)?;
+    if !document.is_object() {
+        return Err(ApiError::validation("body", "the request body must be a JSON object"));
+    }
+    from_value(document)
 }
 
 /// Deserialises an already parsed document (a merged PATCH) into `T`.
@@ -63,7 +71,7 @@ fn json_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError 
             message: format!("invalid JSON: {inner}"),
         };
     }
-    let message = strip_position(&inner.to_string());
+    let message = readable(&strip_position(&inner.to_string()));
     ApiError::Validation {
         field: field_name(&path, &message),
         message,
@@ -78,12 +86,21 @@ fn strip_position(message: &str) -> String {
     }
 }
 
-/// serde reports unknown and missing fields at the parent's path; name the field itself.
+/// Rust type names mean nothing to an API user.
+fn readable(message: &str) -> String {
+    match message.find("expected struct ") {
+        Some(index) => format!("{}expected a JSON object", &message[..index]),
+        None => message.to_owned(),
+    }
+}
+
+/// serde reports a missing field at its parent's path; name the field itself. (An unknown
+/// field's path already ends with its name.)
 fn field_name(path: &str, message: &str) -> String {
     let named = message
         .split('`')
         .nth(1)
-        .filter(|_| message.starts_with("unknown field") || message.starts_with("missing field"));
+        .filter(|_| message.starts_with("missing field"));
     match (path, named) {
         (".", Some(name)) => name.to_owned(),
         (".", None) => "body".to_owned(),
@@ -222,6 +239,16 @@ fn form_urlencoded_pairs(query: &str) -> Vec<(String, String)> {
 mod tests {
     use super::*;
     use crate::model::TargetSpec;
+
+    fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+        object_from_slice(bytes)
+    }
+
+    #[test]
+    fn an_array_is_not_an_object() {
+        let error = parse_json::<TargetSpec>(br#"["127.0.0.1", 80]"#).unwrap_err();
+        assert!(matches!(error, ApiError::Validation { ref field, .. } if field == "body"));
+    }
 
     #[test]
     fn malformed_json_is_a_400() {

@@ -84,6 +84,7 @@ pub(super) struct TargetRow {
     state: String,
     health: String,
     ejected_until: Option<i64>,
+    remove_at: Option<i64>,
     created_at: i64,
     updated_at: i64,
 }
@@ -109,6 +110,7 @@ impl TryFrom<TargetRow> for Target {
             state: parse_text(&row.state, "target state", TargetState::parse)?,
             health: parse_text(&row.health, "target health", Health::parse)?,
             ejected_until: row.ejected_until.map(time).transpose()?,
+            remove_at: row.remove_at.map(time).transpose()?,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })
