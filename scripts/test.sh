@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the tests use (none beyond the Rust toolchain yet); installed only when missing.
-required_packages=()
+# System packages the tests use (Knot DNS for the dns and dns-srv discovery tests), installed
+# only when missing.
+required_packages=(knot knot-dnsutils)
 missing=()
 for package in "${required_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
