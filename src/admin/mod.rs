@@ -6,6 +6,7 @@ mod error;
 mod extract;
 mod routes;
 mod services;
+mod sources;
 mod targets;
 mod tokens;
 mod validate;
@@ -58,7 +59,7 @@ impl<T> List<T> {
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "Raahi admin API", description = "Services, targets, routes and tokens of a Raahi gateway."),
+    info(title = "Raahi admin API", description = "Services, targets, routes, discovery sources and tokens of a Raahi gateway."),
     servers((url = "/api/v1")),
     modifiers(&BearerAuth),
     security(("bearer" = [])),
@@ -85,6 +86,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(targets::router())
         .merge(routes::router())
         .merge(tokens::router())
+        .merge(sources::router())
         .split_for_parts();
     let openapi = std::sync::Arc::new(openapi);
     let api = api
@@ -121,16 +123,40 @@ async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
-/// Ready when the store answers.
+/// Ready when the store answers and every enabled discovery source has finished its first
+/// refresh or had the time of one attempt to do so.
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
-    match state.store.ping().await {
-        Ok(()) => (
-            StatusCode::OK,
-            Json(serde_json::json!({ "status": "ready" })),
-        ),
-        Err(error) => (
+    let not_ready = |reason: String| {
+        (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "status": "not_ready", "reason": error.to_string() })),
-        ),
+            Json(serde_json::json!({ "status": "not_ready", "reason": reason })),
+        )
+    };
+    let sources = match state.store.all_sources().await {
+        Ok(sources) => sources,
+        Err(error) => return not_ready(error.to_string()),
+    };
+    let now = chrono::Utc::now();
+    let waiting: Vec<String> = sources
+        .iter()
+        .filter(|(source, progress)| {
+            let timeout_ms = source
+                .config
+                .get("timeout_ms")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(crate::discovery::providers::DEFAULT_TIMEOUT_MS);
+            let first_attempt = chrono::Duration::milliseconds(timeout_ms as i64);
+            source.enabled
+                && progress.state == crate::model::SourceState::Pending
+                && now - source.updated_at < first_attempt
+        })
+        .map(|(source, _)| source.name.clone())
+        .collect();
+    if !waiting.is_empty() {
+        return not_ready(format!(
+            "discovery sources still on their first refresh: {}",
+            waiting.join(", ")
+        ));
     }
+    (StatusCode::OK, Json(serde_json::json!({ "status": "ready" })))
 }

@@ -7,7 +7,8 @@ use std::net::IpAddr;
 use http::uri::Authority;
 
 use super::error::ApiError;
-use crate::model::{Protocol, RouteSpec, ServiceSpec, TargetSpec, TokenSpec};
+use crate::discovery::providers;
+use crate::model::{DiscoverySourceSpec, Protocol, RouteSpec, ServiceSpec, TargetSpec, TokenSpec};
 
 const MAX_NAME_LEN: usize = 100;
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
@@ -183,6 +184,32 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
     }
     spec.methods.sort();
     spec.methods.dedup();
+    Ok(spec)
+}
+
+const MAX_STALE_AFTER_MS: u64 = 30 * 24 * 3_600_000;
+const MAX_REMOVAL_GRACE_MS: u64 = 24 * 3_600_000;
+
+/// Checks a source; its `config` comes back normalised with every provider default filled in.
+pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiError> {
+    name("name", &spec.name)?;
+    if !spec.config.is_object() {
+        return Err(ApiError::validation("config", "config must be a JSON object"));
+    }
+    spec.config = providers::validate(spec.provider, &spec.config)
+        .map_err(|error| ApiError::validation(format!("config.{}", error.field), error.message))?;
+    if !(100..=MAX_STALE_AFTER_MS).contains(&spec.stale_after_ms) {
+        return Err(ApiError::validation(
+            "stale_after_ms",
+            format!("stale_after_ms must be from 100 to {MAX_STALE_AFTER_MS}"),
+        ));
+    }
+    if spec.removal_grace_ms > MAX_REMOVAL_GRACE_MS {
+        return Err(ApiError::validation(
+            "removal_grace_ms",
+            format!("removal_grace_ms must be from 0 to {MAX_REMOVAL_GRACE_MS}"),
+        ));
+    }
     Ok(spec)
 }
 

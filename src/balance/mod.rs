@@ -151,9 +151,26 @@ impl Balancer {
                 if tier.members.len() == 1 {
                     return Some(first);
                 }
+                // Small tiers often draw `first` again; a uniform pick among the others then keeps
+                // the comparison (two members: always the other one).
                 let second = (0..SECOND_DRAWS)
                     .map(|_| table.draw())
-                    .find(|&id| id != first && !skip(id));
+                    .find(|&id| id != first && !skip(id))
+                    .or_else(|| {
+                        let others = tier.members.len() - 1;
+                        let start = fastrand::usize(..others);
+                        (0..others.min(SECOND_DRAWS))
+                            .map(|step| {
+                                let index = (start + step) % others;
+                                let id = tier.members[index] as usize;
+                                if id == first {
+                                    tier.members[others] as usize
+                                } else {
+                                    id
+                                }
+                            })
+                            .find(|&id| id != first && !skip(id))
+                    });
                 Some(second.map_or(first, |second| self.lighter(first, second)))
             }
         }

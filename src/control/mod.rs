@@ -1,10 +1,13 @@
 //! The control task: the only writer of routing snapshots.
 //!
 //! The admin API writes the store, then asks the control task (through [`ControlHandle`]) to
-//! apply; the task reloads the desired state, builds a new snapshot and publishes it. Requests
-//! that arrive while a rebuild runs are coalesced into the next one.
+//! apply; the task reloads the desired state, (re)starts discovery refresh loops, builds a new
+//! snapshot and publishes it. Refresh outcomes, removal-grace and stale timers arrive here too,
+//! so every change to targets and every snapshot has one writer. Requests that arrive while a
+//! rebuild runs are coalesced into the next one.
 
 mod build;
+mod sources;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,11 +16,13 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::balance::TargetLoad;
+use crate::discovery::runner::{Clock, RefreshOutcome};
 use crate::model::Id;
 use crate::snapshot::SnapshotHandle;
 use crate::store::{Store, StoreError};
 
 pub use build::build_snapshot;
+use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -27,20 +32,51 @@ pub enum ControlError {
     Store(#[from] StoreError),
 }
 
-type ApplyReply = oneshot::Sender<Result<u64, Arc<ControlError>>>;
+/// What became of a request to refresh a source now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefreshAnswer {
+    /// A refresh starts now.
+    Queued,
+    /// A refresh was already running; its result answers this request too.
+    Joined,
+    /// The source is disabled and does not refresh.
+    Disabled,
+    /// No such source (deleted meanwhile).
+    Unknown,
+}
 
-/// Asks the control task to apply the stored configuration.
+type Reply<T> = oneshot::Sender<Result<T, Arc<ControlError>>>;
+
+enum Command {
+    Apply(Reply<u64>),
+    Refresh { source_id: Id, reply: Reply<RefreshAnswer> },
+}
+
+/// Asks the control task to apply the stored configuration or to refresh a source.
 #[derive(Clone)]
 pub struct ControlHandle {
-    requests: mpsc::Sender<ApplyReply>,
+    commands: mpsc::Sender<Command>,
 }
 
 impl ControlHandle {
     /// Returns once a snapshot built after this call has been published; its generation.
     pub async fn apply(&self) -> Result<u64, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
-        self.requests
-            .send(reply)
+        self.send(Command::Apply(reply), done).await
+    }
+
+    pub async fn refresh_source(&self, source_id: Id) -> Result<RefreshAnswer, Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.send(Command::Refresh { source_id, reply }, done).await
+    }
+
+    async fn send<T>(
+        &self,
+        command: Command,
+        done: oneshot::Receiver<Result<T, Arc<ControlError>>>,
+    ) -> Result<T, Arc<ControlError>> {
+        self.commands
+            .send(command)
             .await
             .map_err(|_| Arc::new(ControlError::Stopped))?;
         done.await.map_err(|_| Arc::new(ControlError::Stopped))?
@@ -50,9 +86,13 @@ impl ControlHandle {
 struct ControlTask {
     store: Store,
     snapshots: SnapshotHandle,
+    clock: Clock,
     /// Per-target runtime state carried from snapshot to snapshot by target id.
     loads: HashMap<Id, Arc<TargetLoad>>,
     generation: u64,
+    sources: HashMap<Id, SourceEntry>,
+    next_runner_generation: u64,
+    outcomes: mpsc::Sender<RefreshOutcome>,
 }
 
 impl ControlTask {
@@ -65,36 +105,103 @@ impl ControlTask {
         Ok(self.generation)
     }
 
-    async fn run(mut self, mut requests: mpsc::Receiver<ApplyReply>) {
-        while let Some(first) = requests.recv().await {
-            let mut waiting = vec![first];
-            while let Ok(more) = requests.try_recv() {
-                waiting.push(more);
+    /// Re-reads sources (starting, restarting or stopping their loops), then rebuilds.
+    async fn apply(&mut self) -> Result<u64, ControlError> {
+        self.sync_sources().await?;
+        self.rebuild().await
+    }
+
+
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut outcomes: mpsc::Receiver<RefreshOutcome>,
+    ) {
+        loop {
+            let wake_at = self.next_timer().map(|time| self.clock.instant_of(time));
+            tokio::select! {
+                command = commands.recv() => {
+                    let Some(command) = command else { return };
+                    self.handle_commands(command, &mut commands).await;
+                }
+                Some(outcome) = outcomes.recv() => {
+                    let mut changed = self.handle_outcome(outcome).await;
+                    while let Ok(more) = outcomes.try_recv() {
+                        changed |= self.handle_outcome(more).await;
+                    }
+                    if changed {
+                        self.rebuild_logged().await;
+                    }
+                }
+                _ = sleep_until_or_forever(wake_at) => {
+                    if self.run_timers().await {
+                        self.rebuild_logged().await;
+                    }
+                }
             }
-            let outcome = self.rebuild().await.map_err(Arc::new);
-            if let Err(error) = &outcome {
-                tracing::error!(%error, "routing snapshot not rebuilt; the previous one stays live");
+        }
+    }
+
+    async fn handle_commands(&mut self, first: Command, commands: &mut mpsc::Receiver<Command>) {
+        let mut apply_waiting = Vec::new();
+        let mut next = Some(first);
+        while let Some(command) = next {
+            match command {
+                Command::Apply(reply) => apply_waiting.push(reply),
+                Command::Refresh { source_id, reply } => {
+                    let _ = reply.send(Ok(self.request_refresh(source_id)));
+                }
             }
-            for reply in waiting {
-                let _ = reply.send(outcome.clone());
-            }
+            next = commands.try_recv().ok();
+        }
+        if apply_waiting.is_empty() {
+            return;
+        }
+        let outcome = self.apply().await.map_err(Arc::new);
+        if let Err(error) = &outcome {
+            tracing::error!(%error, "routing snapshot not rebuilt; the previous one stays live");
+        }
+        for reply in apply_waiting {
+            let _ = reply.send(outcome.clone());
+        }
+    }
+
+    async fn rebuild_logged(&mut self) {
+        if let Err(error) = self.rebuild().await {
+            tracing::error!(%error, "routing snapshot not rebuilt; the previous one stays live");
         }
     }
 }
 
-/// Publishes the first snapshot from the store, then starts the control task.
+async fn sleep_until_or_forever(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Publishes the first snapshot from the store (so traffic flows to the last known targets
+/// before any refresh), starts the discovery loops, then runs the control task.
 pub async fn start(
     store: Store,
     snapshots: SnapshotHandle,
 ) -> Result<(ControlHandle, JoinHandle<()>), ControlError> {
+    let (outcome_sender, outcome_receiver) = mpsc::channel(1024);
     let mut task = ControlTask {
         store,
         snapshots,
+        clock: Clock::new(),
         loads: HashMap::new(),
         generation: 0,
+        sources: HashMap::new(),
+        next_runner_generation: 1,
+        outcomes: outcome_sender,
     };
     task.rebuild().await?;
+    if task.sync_sources().await? {
+        task.rebuild().await?;
+    }
     let (sender, receiver) = mpsc::channel(256);
-    let join = tokio::spawn(task.run(receiver));
-    Ok((ControlHandle { requests: sender }, join))
+    let join = tokio::spawn(task.run(receiver, outcome_receiver));
+    Ok((ControlHandle { commands: sender }, join))
 }

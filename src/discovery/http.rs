@@ -1,1 +1,763 @@
-//! (being written)
+//! The `http` provider: GET a registry URL and read a JSON array of endpoints from it.
+//!
+//! Only a 2xx with a complete, valid document is a success; every other outcome is a failed
+//! refresh whose error names the exact place (`endpoints[3].host`), so an operator can fix the
+//! registry from the source's `last_error` alone.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, ETAG};
+use serde_json::{Map, Value};
+
+use crate::discovery::dns::address_key;
+use crate::discovery::providers::{inner_budget, HttpConfig};
+use crate::discovery::{
+    revision_of, ConfigError, Discovered, DiscoveryError, Provider, RefreshFuture,
+};
+use crate::model::Endpoint;
+
+/// Largest registry document read; a bigger one is a failed refresh, not a memory spike.
+pub const MAX_DOCUMENT_BYTES: u64 = 10 * 1024 * 1024;
+const MAX_WEIGHT: u64 = 65_535;
+
+pub struct HttpProvider {
+    url: String,
+    client: reqwest::Client,
+    headers: HeaderMap,
+    endpoints_path: Option<Vec<String>>,
+    defaults: Defaults,
+    budget: Duration,
+}
+
+/// What an endpoint gets for a field it leaves out.
+#[derive(Debug, Clone, Copy)]
+struct Defaults {
+    port: Option<u16>,
+    weight: u32,
+    priority: i32,
+}
+
+impl HttpProvider {
+    /// `config` has passed `providers::validate`. The client (and its connection pool) is built
+    /// once here and reused by every refresh.
+    pub fn new(config: &HttpConfig) -> Result<Self, ConfigError> {
+        let budget = inner_budget(Duration::from_millis(config.timeout_ms));
+        let client = reqwest::Client::builder()
+            .timeout(budget)
+            .user_agent(concat!("raahi/", env!("CARGO_PKG_VERSION")))
+            .danger_accept_invalid_certs(!config.tls_verify)
+            .build()
+            .map_err(|err| ConfigError {
+                field: "tls_verify".to_owned(),
+                message: format!("cannot build the HTTP client: {}", error_chain(&err)),
+            })?;
+        Ok(HttpProvider {
+            url: config.url.clone(),
+            client,
+            headers: request_headers(config)?,
+            endpoints_path: config
+                .endpoints_path
+                .as_ref()
+                .map(|path| path.split('.').map(str::to_owned).collect()),
+            defaults: Defaults {
+                port: config.port.and_then(|port| u16::try_from(port).ok()),
+                weight: config.weight,
+                priority: config.priority,
+            },
+            budget,
+        })
+    }
+
+    async fn discover(&self) -> Result<Discovered, DiscoveryError> {
+        let response = self
+            .client
+            .get(&self.url)
+            .headers(self.headers.clone())
+            .send()
+            .await
+            .map_err(|err| self.request_error(err))?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(DiscoveryError::HttpStatus {
+                url: self.url.clone(),
+                status: status.as_u16(),
+            });
+        }
+        let etag = response
+            .headers()
+            .get(ETAG)
+            .and_then(|value| value.to_str().ok())
+            .filter(|value| !value.is_empty())
+            .map(str::to_owned);
+        let body = self.read_body(response).await?;
+        let document: Value =
+            serde_json::from_slice(&body).map_err(|err| DiscoveryError::BadJson {
+                url: self.url.clone(),
+                reason: err.to_string(),
+            })?;
+        let endpoints = self.endpoints_in(&document)?;
+        Ok(Discovered {
+            revision: etag.unwrap_or_else(|| revision_of(&endpoints)),
+            endpoints,
+            ttl: None,
+        })
+    }
+
+    /// The body, refusing more than `MAX_DOCUMENT_BYTES`: a declared length is checked before
+    /// reading, and a chunked body is counted as it arrives and abandoned at the limit.
+    async fn read_body(&self, mut response: reqwest::Response) -> Result<Vec<u8>, DiscoveryError> {
+        let too_large = || DiscoveryError::TooLarge {
+            url: self.url.clone(),
+            limit: MAX_DOCUMENT_BYTES,
+        };
+        let declared = response.content_length().unwrap_or(0);
+        if declared > MAX_DOCUMENT_BYTES {
+            return Err(too_large());
+        }
+        let mut body = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|err| self.request_error(err))?
+        {
+            if (body.len() + chunk.len()) as u64 > MAX_DOCUMENT_BYTES {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body)
+    }
+
+    fn endpoints_in(&self, document: &Value) -> Result<Vec<Endpoint>, DiscoveryError> {
+        let bad = |(location, reason): (String, String)| DiscoveryError::BadDocument {
+            url: self.url.clone(),
+            location,
+            reason,
+        };
+        let items = locate(document, self.endpoints_path.as_deref()).map_err(bad)?;
+        let mut endpoints = Vec::with_capacity(items.len());
+        let mut keys = HashSet::new();
+        for (index, item) in items.iter().enumerate() {
+            let endpoint = parse_endpoint(item, self.defaults)
+                .map_err(|(field, reason)| bad((endpoint_location(index, field), reason)))?;
+            // The registry's first word on a key wins; later duplicates are ignored.
+            if keys.insert(endpoint.key.clone()) {
+                endpoints.push(endpoint);
+            }
+        }
+        Ok(endpoints)
+    }
+
+    fn request_error(&self, err: reqwest::Error) -> DiscoveryError {
+        let reason = if err.is_timeout() {
+            format!("no complete response within {} ms", self.budget.as_millis())
+        } else {
+            // The URL is already in the message; the causes say what went wrong.
+            error_chain(&err.without_url())
+        };
+        DiscoveryError::HttpRequest {
+            url: self.url.clone(),
+            reason,
+        }
+    }
+}
+
+impl Provider for HttpProvider {
+    fn refresh(&self) -> RefreshFuture<'_> {
+        Box::pin(self.discover())
+    }
+}
+
+/// `Accept: application/json` unless the config says otherwise, plus the configured headers.
+fn request_headers(config: &HttpConfig) -> Result<HeaderMap, ConfigError> {
+    let mut headers = HeaderMap::new();
+    headers.insert(ACCEPT, HeaderValue::from_static("application/json"));
+    for (name, value) in &config.headers {
+        let invalid = || ConfigError {
+            field: format!("headers.{name}"),
+            message: "is not a valid HTTP header".to_owned(),
+        };
+        let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| invalid())?;
+        let value = HeaderValue::from_str(value).map_err(|_| invalid())?;
+        headers.insert(name, value);
+    }
+    Ok(headers)
+}
+
+/// An error and its causes, "a: b: c", skipping a cause that repeats its parent's words.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let words = cause.to_string();
+        if !text.contains(&words) {
+            text.push_str(": ");
+            text.push_str(&words);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The endpoint array: the document itself, or the value at the dotted path (numeric parts
+/// index arrays). Errors are (location, reason).
+fn locate<'a>(
+    document: &'a Value,
+    path: Option<&[String]>,
+) -> Result<&'a [Value], (String, String)> {
+    let Some(path) = path else {
+        return match document {
+            Value::Array(items) => Ok(items),
+            other => Err((
+                "document".to_owned(),
+                format!(
+                    "expected a JSON array of endpoints, got {}; set endpoints_path if the array \
+                     is inside an object",
+                    kind_of(other)
+                ),
+            )),
+        };
+    };
+    let mut current = document;
+    for (depth, part) in path.iter().enumerate() {
+        let location = path[..=depth].join(".");
+        let next = match current {
+            Value::Object(map) => map.get(part),
+            Value::Array(items) => part
+                .parse::<usize>()
+                .ok()
+                .and_then(|index| items.get(index)),
+            _ => None,
+        };
+        current = next.ok_or_else(|| {
+            (
+                location,
+                format!(
+                    "not found in the document (the parent is {})",
+                    kind_of(current)
+                ),
+            )
+        })?;
+    }
+    match current {
+        Value::Array(items) => Ok(items),
+        other => Err((
+            path.join("."),
+            format!("expected an array of endpoints, got {}", kind_of(other)),
+        )),
+    }
+}
+
+/// `endpoints[3]` or `endpoints[3].host`.
+fn endpoint_location(index: usize, field: Option<&str>) -> String {
+    match field {
+        Some(field) => format!("endpoints[{index}].{field}"),
+        None => format!("endpoints[{index}]"),
+    }
+}
+
+/// One endpoint object; errors are (field, reason). Unknown fields are ignored so registries
+/// can carry more than Raahi reads.
+fn parse_endpoint(
+    item: &Value,
+    defaults: Defaults,
+) -> Result<Endpoint, (Option<&'static str>, String)> {
+    let Value::Object(fields) = item else {
+        return Err((None, format!("expected an object, got {}", kind_of(item))));
+    };
+    let host = parse_host(fields).map_err(|reason| (Some("host"), reason))?;
+    let port = parse_port(fields, defaults.port).map_err(|reason| (Some("port"), reason))?;
+    let weight = match present(fields, "weight") {
+        None => defaults.weight,
+        Some(value) => value
+            .as_u64()
+            .filter(|weight| *weight <= MAX_WEIGHT)
+            .and_then(|weight| u32::try_from(weight).ok())
+            .ok_or((
+                Some("weight"),
+                format!("must be an integer from 0 to {MAX_WEIGHT}, got {value}"),
+            ))?,
+    };
+    let priority = match present(fields, "priority") {
+        None => defaults.priority,
+        Some(value) => value
+            .as_i64()
+            .and_then(|priority| i32::try_from(priority).ok())
+            .ok_or((
+                Some("priority"),
+                format!("must be a 32-bit integer, got {value}"),
+            ))?,
+    };
+    let enabled = match present(fields, "enabled") {
+        None => true,
+        Some(value) => value.as_bool().ok_or((
+            Some("enabled"),
+            format!("must be true or false, got {value}"),
+        ))?,
+    };
+    let key = match present(fields, "key") {
+        None => address_key(host, port),
+        Some(Value::String(key)) if !key.is_empty() => key.clone(),
+        Some(value) => {
+            return Err((
+                Some("key"),
+                format!("must be a non-empty string, got {value}"),
+            ))
+        }
+    };
+    let metadata = match present(fields, "metadata") {
+        None => Value::Object(Map::new()),
+        Some(value @ Value::Object(_)) => value.clone(),
+        Some(value) => {
+            return Err((
+                Some("metadata"),
+                format!("must be an object, got {}", kind_of(value)),
+            ))
+        }
+    };
+    Ok(Endpoint {
+        key,
+        host: host.to_string(),
+        port,
+        weight,
+        priority,
+        enabled,
+        metadata,
+    })
+}
+
+/// A field's value, with JSON null meaning "not given" as many registries write it.
+fn present<'a>(fields: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    fields.get(name).filter(|value| !value.is_null())
+}
+
+fn parse_host(fields: &Map<String, Value>) -> Result<IpAddr, String> {
+    let text = match present(fields, "host") {
+        None => return Err("is required".to_owned()),
+        Some(Value::String(text)) => text,
+        Some(other) => return Err(format!("must be a string, got {}", kind_of(other))),
+    };
+    // "[fd00::1]" is how IPv6 hosts are often written next to a port.
+    let bare = text
+        .strip_prefix('[')
+        .and_then(|inner| inner.strip_suffix(']'))
+        .unwrap_or(text);
+    bare.parse::<IpAddr>().map_err(|_| {
+        format!("must be an IP address (the request path never resolves names), got {text:?}")
+    })
+}
+
+fn parse_port(fields: &Map<String, Value>, default: Option<u16>) -> Result<u16, String> {
+    match present(fields, "port") {
+        None => {
+            default.ok_or_else(|| "is required (the source config sets no default port)".to_owned())
+        }
+        Some(value) => value
+            .as_u64()
+            .and_then(|port| u16::try_from(port).ok())
+            .filter(|port| *port != 0)
+            .ok_or_else(|| format!("must be an integer from 1 to 65535, got {value}")),
+    }
+}
+
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use http_body_util::combinators::BoxBody;
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use hyper::body::{Frame, Incoming};
+    use hyper::{Request, Response};
+    use hyper_util::rt::TokioIo;
+    use serde_json::json;
+    use tokio::net::TcpListener;
+    use tokio::task::JoinHandle;
+
+    use super::*;
+    use crate::discovery::providers;
+    use crate::model::ProviderKind;
+
+    type Body = BoxBody<Bytes, Infallible>;
+    type Handler = Arc<dyn Fn(&Request<Incoming>) -> Response<Body> + Send + Sync>;
+
+    /// An in-process HTTP/1.1 registry answering every request with `handler`.
+    struct Registry {
+        addr: SocketAddr,
+        task: JoinHandle<()>,
+    }
+
+    impl Drop for Registry {
+        fn drop(&mut self) {
+            self.task.abort();
+        }
+    }
+
+    impl Registry {
+        async fn start(
+            handler: impl Fn(&Request<Incoming>) -> Response<Body> + Send + Sync + 'static,
+        ) -> Registry {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let handler: Handler = Arc::new(handler);
+            let task = tokio::spawn(async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let handler = handler.clone();
+                    tokio::spawn(async move {
+                        let service =
+                            hyper::service::service_fn(move |request: Request<Incoming>| {
+                                let response = handler(&request);
+                                async move { Ok::<_, Infallible>(response) }
+                            });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    });
+                }
+            });
+            Registry { addr, task }
+        }
+
+        /// A registry answering `document` with status 200.
+        async fn json(document: Value) -> Registry {
+            Registry::start(move |_| json_response(200, &document)).await
+        }
+
+        fn url(&self) -> String {
+            format!("http://{}/v1/endpoints", self.addr)
+        }
+    }
+
+    fn full(bytes: impl Into<Bytes>) -> Body {
+        Full::new(bytes.into()).boxed()
+    }
+
+    fn json_response(status: u16, document: &Value) -> Response<Body> {
+        Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .body(full(document.to_string()))
+            .unwrap()
+    }
+
+    fn provider(registry: &Registry, extra: Value) -> HttpProvider {
+        let mut config = json!({ "url": registry.url(), "timeout_ms": 2000 });
+        config
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let config = providers::validate(ProviderKind::Http, &config).unwrap();
+        HttpProvider::new(&serde_json::from_value(config).unwrap()).unwrap()
+    }
+
+    fn bad_document(err: DiscoveryError) -> (String, String) {
+        match err {
+            DiscoveryError::BadDocument {
+                location, reason, ..
+            } => (location, reason),
+            other => panic!("expected BadDocument, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn array_document_becomes_endpoints() {
+        let registry = Registry::json(json!([
+            {"host": "10.0.0.1", "port": 8080, "weight": 5, "priority": 1, "enabled": false,
+             "key": "node-a", "metadata": {"zone": "a"}, "extra": "ignored"},
+            {"host": "fd00::2", "port": 8081},
+            {"host": "[fd00::3]", "port": 8082},
+        ]))
+        .await;
+        let discovered = provider(&registry, json!({})).discover().await.unwrap();
+        assert_eq!(
+            discovered.endpoints[0],
+            Endpoint {
+                key: "node-a".into(),
+                host: "10.0.0.1".into(),
+                port: 8080,
+                weight: 5,
+                priority: 1,
+                enabled: false,
+                metadata: json!({"zone": "a"}),
+            }
+        );
+        assert_eq!(discovered.endpoints[1].key, "[fd00::2]:8081");
+        assert_eq!(discovered.endpoints[2].host, "fd00::3");
+        assert_eq!(discovered.revision, revision_of(&discovered.endpoints));
+        assert_eq!(discovered.ttl, None);
+    }
+
+    #[tokio::test]
+    async fn defaults_come_from_the_config() {
+        let registry =
+            Registry::json(json!([{"host": "10.0.0.1"}, {"host": "10.0.0.2", "port": null}])).await;
+        let discovered = provider(
+            &registry,
+            json!({"port": 9000, "weight": 42, "priority": 3}),
+        )
+        .discover()
+        .await
+        .unwrap();
+        let endpoint = &discovered.endpoints[0];
+        assert_eq!(endpoint.key, "10.0.0.1:9000");
+        assert_eq!(
+            (
+                endpoint.port,
+                endpoint.weight,
+                endpoint.priority,
+                endpoint.enabled
+            ),
+            (9000, 42, 3, true)
+        );
+        assert_eq!(endpoint.metadata, json!({}));
+        assert_eq!(discovered.endpoints[1].port, 9000);
+    }
+
+    #[tokio::test]
+    async fn endpoints_path_finds_the_array() {
+        let registry =
+            Registry::json(json!({"data": {"items": [{"host": "10.0.0.1", "port": 80}]}})).await;
+        let discovered = provider(&registry, json!({"endpoints_path": "data.items"}))
+            .discover()
+            .await
+            .unwrap();
+        assert_eq!(discovered.endpoints.len(), 1);
+
+        let err = provider(&registry, json!({"endpoints_path": "data.nodes"}))
+            .discover()
+            .await
+            .unwrap_err();
+        assert_eq!(bad_document(err).0, "data.nodes");
+        let err = provider(&registry, json!({"endpoints_path": "data"}))
+            .discover()
+            .await
+            .unwrap_err();
+        let (location, reason) = bad_document(err);
+        assert_eq!(location, "data");
+        assert!(reason.contains("expected an array"), "{reason}");
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(bad_document(err).0, "document");
+    }
+
+    #[tokio::test]
+    async fn configured_headers_are_sent() {
+        let registry = Registry::start(|request| {
+            let headers = request.headers();
+            let authorized = headers
+                .get("authorization")
+                .is_some_and(|v| v == "Bearer s3cret")
+                && headers.get("x-tenant").is_some_and(|v| v == "blue")
+                && headers
+                    .get("accept")
+                    .is_some_and(|v| v == "application/json");
+            if authorized {
+                json_response(200, &json!([{"host": "10.0.0.1", "port": 80}]))
+            } else {
+                json_response(401, &json!({"error": "unauthorized"}))
+            }
+        })
+        .await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(
+            err,
+            DiscoveryError::HttpStatus {
+                url: registry.url(),
+                status: 401
+            }
+        );
+        let discovered = provider(
+            &registry,
+            json!({"headers": {"Authorization": "Bearer s3cret", "X-Tenant": "blue"}}),
+        )
+        .discover()
+        .await
+        .unwrap();
+        assert_eq!(discovered.endpoints.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn server_error_is_http_status() {
+        let registry = Registry::start(|_| json_response(500, &json!({"error": "boom"}))).await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(
+            err,
+            DiscoveryError::HttpStatus {
+                url: registry.url(),
+                status: 500
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn invalid_json_is_bad_json() {
+        let registry = Registry::start(|_| Response::new(full("[{\"host\": "))).await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert!(matches!(err, DiscoveryError::BadJson { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn oversized_document_with_content_length_is_refused() {
+        let big = Bytes::from(vec![b' '; MAX_DOCUMENT_BYTES as usize + 1]);
+        let registry = Registry::start(move |_| Response::new(full(big.clone()))).await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(
+            err,
+            DiscoveryError::TooLarge {
+                url: registry.url(),
+                limit: MAX_DOCUMENT_BYTES
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn oversized_chunked_document_is_refused() {
+        const CHUNK: usize = 64 * 1024;
+        let registry = Registry::start(|_| {
+            // 12 MiB without a Content-Length: only counting while reading can catch it.
+            let chunks =
+                (0..192).map(|_| Ok::<_, Infallible>(Frame::data(Bytes::from(vec![b' '; CHUNK]))));
+            Response::new(StreamBody::new(futures_util::stream::iter(chunks)).boxed())
+        })
+        .await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(
+            err,
+            DiscoveryError::TooLarge {
+                url: registry.url(),
+                limit: MAX_DOCUMENT_BYTES
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn endpoint_without_host_names_its_index() {
+        let registry =
+            Registry::json(json!([{"host": "10.0.0.1", "port": 80}, {"port": 81}])).await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        let (location, reason) = bad_document(err.clone());
+        assert_eq!(location, "endpoints[1].host");
+        assert_eq!(reason, "is required");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "registry {}: endpoints[1].host: is required",
+                registry.url()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn hostname_host_is_refused() {
+        let registry = Registry::json(json!([{"host": "backend.internal", "port": 80}])).await;
+        let (location, reason) =
+            bad_document(provider(&registry, json!({})).discover().await.unwrap_err());
+        assert_eq!(location, "endpoints[0].host");
+        assert!(reason.contains("must be an IP address"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn bad_ports_are_refused() {
+        for (document, config) in [
+            (json!([{"host": "10.0.0.1", "port": 0}]), json!({})),
+            (json!([{"host": "10.0.0.1", "port": 65536}]), json!({})),
+            (json!([{"host": "10.0.0.1", "port": "80"}]), json!({})),
+            (json!([{"host": "10.0.0.1"}]), json!({})),
+        ] {
+            let registry = Registry::json(document.clone()).await;
+            let err = provider(&registry, config).discover().await.unwrap_err();
+            assert_eq!(bad_document(err).0, "endpoints[0].port", "{document}");
+        }
+        let registry =
+            Registry::json(json!([{"host": "10.0.0.1", "port": 80, "weight": 70000}])).await;
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert_eq!(bad_document(err).0, "endpoints[0].weight");
+    }
+
+    #[tokio::test]
+    async fn duplicate_keys_keep_the_first() {
+        let registry = Registry::json(json!([
+            {"host": "10.0.0.1", "port": 80, "weight": 1},
+            {"host": "10.0.0.1", "port": 80, "weight": 2},
+        ]))
+        .await;
+        let discovered = provider(&registry, json!({})).discover().await.unwrap();
+        assert_eq!(discovered.endpoints.len(), 1);
+        assert_eq!(discovered.endpoints[0].weight, 1);
+    }
+
+    #[tokio::test]
+    async fn etag_is_the_revision() {
+        let registry = Registry::start(|_| {
+            Response::builder()
+                .header("etag", "\"v42\"")
+                .body(full(json!([{"host": "10.0.0.1", "port": 80}]).to_string()))
+                .unwrap()
+        })
+        .await;
+        let discovered = provider(&registry, json!({})).discover().await.unwrap();
+        assert_eq!(discovered.revision, "\"v42\"");
+    }
+
+    #[tokio::test]
+    async fn refused_connection_is_a_request_error() {
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let config = providers::validate(
+            ProviderKind::Http,
+            &json!({"url": format!("http://{closed}/")}),
+        )
+        .unwrap();
+        let provider = HttpProvider::new(&serde_json::from_value(config).unwrap()).unwrap();
+        match provider.discover().await.unwrap_err() {
+            DiscoveryError::HttpRequest { reason, .. } => assert!(!reason.is_empty()),
+            other => panic!("expected HttpRequest, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn slow_registry_times_out_within_the_budget() {
+        // Headers arrive, the body never does: the per-attempt timeout must still end it.
+        let registry = Registry::start(|_| {
+            let pending = futures_util::stream::pending::<Result<Frame<Bytes>, Infallible>>();
+            Response::new(StreamBody::new(pending).boxed())
+        })
+        .await;
+        let started = std::time::Instant::now();
+        let err = provider(&registry, json!({"timeout_ms": 1000}))
+            .discover()
+            .await
+            .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_millis(1000),
+            "{:?}",
+            started.elapsed()
+        );
+        match err {
+            DiscoveryError::HttpRequest { reason, .. } => {
+                assert!(reason.contains("within 900 ms"), "{reason}")
+            }
+            other => panic!("expected HttpRequest, got {other:?}"),
+        }
+    }
+}

@@ -61,15 +61,19 @@ fn via_value(version: Version) -> HeaderValue {
     })
 }
 
-/// Appends to an existing list header (`a, b`) or sets it.
+/// Appends to a list header, keeping every field line the client sent (RFC 9110 §5.3: several
+/// lines are one comma-separated list).
 fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &str) {
-    let combined = match headers
-        .get(name)
-        .and_then(|existing| existing.to_str().ok())
-    {
-        Some(existing) if !existing.is_empty() => format!("{existing}, {value}"),
-        _ => value.to_owned(),
-    };
+    let mut combined = String::new();
+    for existing in headers.get_all(name) {
+        if let Ok(existing) = existing.to_str() {
+            if !existing.trim().is_empty() {
+                combined.push_str(existing);
+                combined.push_str(", ");
+            }
+        }
+    }
+    combined.push_str(value);
     if let Ok(combined) = HeaderValue::from_str(&combined) {
         headers.insert(name.clone(), combined);
     }
@@ -151,6 +155,16 @@ mod tests {
         assert_eq!(headers[&X_FORWARDED_HOST], "shop.test");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
         assert_eq!(headers[header::VIA], "1.1 raahi");
+    }
+
+    #[test]
+    fn every_forwarded_for_line_is_kept() {
+        let mut headers = HeaderMap::new();
+        headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.1"));
+        headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.2"));
+        add_forwarding_headers(&mut headers, "127.0.0.1".parse().unwrap(), None, Version::HTTP_11);
+        assert_eq!(headers[&X_FORWARDED_FOR], "198.51.100.1, 198.51.100.2, 127.0.0.1");
+        assert_eq!(headers.get_all(&X_FORWARDED_FOR).iter().count(), 1);
     }
 
     #[test]

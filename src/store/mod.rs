@@ -4,6 +4,7 @@
 //! concurrent admin calls queue instead of failing with "database is locked".
 
 mod rows;
+mod sources;
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -61,7 +62,7 @@ pub struct Store {
     pool: SqlitePool,
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     Utc::now().timestamp_millis()
 }
 

@@ -4,7 +4,8 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::StoreError;
 use crate::model::{
-    Health, LbPolicy, Protocol, Role, Route, Service, Target, TargetState, Timeouts, Token,
+    DiscoverySource, Health, LbPolicy, Protocol, ProviderKind, Role, Route, Service, SourceProgress,
+    SourceState, Target, TargetState, Timeouts, Token,
 };
 
 fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
@@ -171,5 +172,61 @@ impl TryFrom<TokenRow> for Token {
             role: parse_text(&row.role, "token role", Role::parse)?,
             created_at: time(row.created_at)?,
         })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+pub(super) struct SourceRow {
+    id: i64,
+    service_id: i64,
+    name: String,
+    provider: String,
+    config: String,
+    enabled: bool,
+    stale_after_ms: i64,
+    removal_grace_ms: i64,
+    state: String,
+    last_error: Option<String>,
+    last_refresh_at: Option<i64>,
+    last_success_at: Option<i64>,
+    next_refresh_at: Option<i64>,
+    revision: Option<String>,
+    failing_since: Option<i64>,
+    created_at: i64,
+    updated_at: i64,
+}
+
+impl SourceRow {
+    pub(super) fn into_parts(self) -> Result<(DiscoverySource, SourceProgress), StoreError> {
+        let progress = SourceProgress {
+            state: parse_text(&self.state, "source state", SourceState::parse)?,
+            last_error: self.last_error,
+            last_refresh_at: self.last_refresh_at.map(time).transpose()?,
+            last_success_at: self.last_success_at.map(time).transpose()?,
+            next_refresh_at: self.next_refresh_at.map(time).transpose()?,
+            revision: self.revision,
+            failing_since: self.failing_since.map(time).transpose()?,
+        };
+        let source = DiscoverySource {
+            id: self.id,
+            service_id: self.service_id,
+            name: self.name,
+            provider: parse_text(&self.provider, "provider", ProviderKind::parse)?,
+            config: serde_json::from_str(&self.config)
+                .map_err(|e| StoreError::Corrupt(format!("source config: {e}")))?,
+            enabled: self.enabled,
+            stale_after_ms: non_negative(self.stale_after_ms, "stale_after_ms")?,
+            removal_grace_ms: non_negative(self.removal_grace_ms, "removal_grace_ms")?,
+            created_at: time(self.created_at)?,
+            updated_at: time(self.updated_at)?,
+        };
+        Ok((source, progress))
+    }
+}
+
+impl TryFrom<SourceRow> for DiscoverySource {
+    type Error = StoreError;
+    fn try_from(row: SourceRow) -> Result<Self, StoreError> {
+        row.into_parts().map(|(source, _)| source)
     }
 }

@@ -2,6 +2,9 @@
 //! upstream HTTP servers, and condition waits with deadlines.
 #![allow(dead_code)]
 
+pub mod knot;
+pub mod registry;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;

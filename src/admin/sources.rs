@@ -1,0 +1,155 @@
+//! Discovery sources: `/api/v1/services/{id}/discovery-sources`, `/api/v1/discovery-sources/{id}`
+//! (admin only: configs can hold registry credentials) and `/api/v1/discovery/providers`.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::auth::{Admin, Viewer};
+use super::error::{ApiError, ErrorBody};
+use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
+use super::{validate, AdminState, List};
+use crate::control::RefreshAnswer;
+use crate::discovery::providers::{self, ProviderDescriptor};
+use crate::model::{DiscoverySource, DiscoverySourceSpec, Id, SourceStatus};
+
+pub fn router() -> OpenApiRouter<AdminState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_sources, create_source))
+        .routes(routes!(get_source, replace_source, patch_source, delete_source))
+        .routes(routes!(source_status))
+        .routes(routes!(refresh_source))
+        .routes(routes!(list_providers))
+}
+
+#[utoipa::path(get, path = "/services/{id}/discovery-sources", tag = "discovery", params(PageQuery),
+    responses((status = 200, body = List<DiscoverySource>), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn list_sources(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(service_id): IdPath,
+    Pagination(page): Pagination,
+) -> Result<Json<List<DiscoverySource>>, ApiError> {
+    let items = state.store.list_sources(service_id, page).await?;
+    Ok(Json(List::new(items, page, |s| s.id)))
+}
+
+#[utoipa::path(post, path = "/services/{id}/discovery-sources", tag = "discovery", request_body = DiscoverySourceSpec,
+    responses((status = 201, body = DiscoverySource), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn create_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(service_id): IdPath,
+    ApiJson(spec): ApiJson<DiscoverySourceSpec>,
+) -> Result<(StatusCode, Json<DiscoverySource>), ApiError> {
+    let spec = validate::source(spec)?;
+    let source = state.store.create_source(service_id, &spec).await?;
+    state.apply().await?;
+    Ok((StatusCode::CREATED, Json(source)))
+}
+
+#[utoipa::path(get, path = "/discovery-sources/{id}", tag = "discovery",
+    responses((status = 200, body = DiscoverySource), (status = 404, body = ErrorBody)))]
+async fn get_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<Json<DiscoverySource>, ApiError> {
+    Ok(Json(state.store.get_source(id).await?))
+}
+
+#[utoipa::path(put, path = "/discovery-sources/{id}", tag = "discovery", request_body = DiscoverySourceSpec,
+    responses((status = 200, body = DiscoverySource), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn replace_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+    ApiJson(spec): ApiJson<DiscoverySourceSpec>,
+) -> Result<Json<DiscoverySource>, ApiError> {
+    let spec = validate::source(spec)?;
+    let source = state.store.update_source(id, &spec).await?;
+    state.apply().await?;
+    Ok(Json(source))
+}
+
+#[utoipa::path(patch, path = "/discovery-sources/{id}", tag = "discovery", request_body = Object,
+    responses((status = 200, body = DiscoverySource), (status = 404, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn patch_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+    patch: MergePatch,
+) -> Result<Json<DiscoverySource>, ApiError> {
+    let current = state.store.get_source(id).await?;
+    let spec = validate::source(patch.apply(&current.spec())?)?;
+    let source = state.store.update_source(id, &spec).await?;
+    state.apply().await?;
+    Ok(Json(source))
+}
+
+#[utoipa::path(delete, path = "/discovery-sources/{id}", tag = "discovery",
+    responses((status = 204), (status = 404, body = ErrorBody)))]
+async fn delete_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<StatusCode, ApiError> {
+    state.store.delete_source(id).await?;
+    state.apply().await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError> {
+    let (_, progress) = state.store.get_source_with_progress(id).await?;
+    let endpoints = state.store.endpoint_counts(id).await?;
+    Ok(SourceStatus {
+        source_id: id,
+        progress,
+        endpoints,
+    })
+}
+
+#[utoipa::path(get, path = "/discovery-sources/{id}/status", tag = "discovery",
+    responses((status = 200, body = SourceStatus), (status = 404, body = ErrorBody)))]
+async fn source_status(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<Json<SourceStatus>, ApiError> {
+    Ok(Json(status_of(&state, id).await?))
+}
+
+/// Queues an immediate refresh (joined with one already running) and answers at once with the
+/// current status; poll the status endpoint for the result.
+#[utoipa::path(post, path = "/discovery-sources/{id}/refresh", tag = "discovery",
+    responses((status = 202, body = SourceStatus), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+async fn refresh_source(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<(StatusCode, Json<SourceStatus>), ApiError> {
+    state.store.get_source(id).await?;
+    match state.control.refresh_source(id).await? {
+        RefreshAnswer::Queued | RefreshAnswer::Joined => {}
+        RefreshAnswer::Disabled => {
+            return Err(ApiError::Conflict {
+                field: Some("enabled".to_owned()),
+                message: format!("discovery source {id} is disabled; enable it to refresh"),
+            })
+        }
+        RefreshAnswer::Unknown => {
+            return Err(ApiError::NotFound {
+                message: format!("discovery source {id} not found"),
+            })
+        }
+    }
+    Ok((StatusCode::ACCEPTED, Json(status_of(&state, id).await?)))
+}
+
+#[utoipa::path(get, path = "/discovery/providers", tag = "discovery",
+    responses((status = 200, body = Vec<ProviderDescriptor>)))]
+async fn list_providers(_: Viewer) -> Json<Vec<ProviderDescriptor>> {
+    Json(providers::descriptors())
+}

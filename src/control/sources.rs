@@ -1,0 +1,309 @@
+//! The control task's side of discovery: refresh loops per source, applying their outcomes,
+//! removal-grace and stale timers.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use super::{ControlError, ControlTask, RefreshAnswer};
+use crate::discovery::lifecycle::{self, Transition};
+use crate::discovery::runner::{self, RefreshOutcome, RunnerHandle, RunnerSpec};
+use crate::discovery::{providers, reconcile};
+use crate::model::{DiscoverySource, Id, SourceProgress, SourceState, TargetChange};
+use crate::store::StoreError;
+
+pub(super) struct SourceEntry {
+    source: DiscoverySource,
+    progress: SourceProgress,
+    /// None while disabled (or when its config cannot build a provider).
+    runner: Option<RunnerHandle>,
+    /// Earliest removal deadline among its draining targets.
+    next_removal: Option<DateTime<Utc>>,
+}
+
+impl SourceEntry {
+    fn removal_grace(&self) -> Duration {
+        Duration::from_millis(self.source.removal_grace_ms)
+    }
+
+    fn stale_after(&self) -> Duration {
+        Duration::from_millis(self.source.stale_after_ms)
+    }
+}
+
+impl ControlTask {
+    /// Brings the running loops in line with the stored sources. Returns whether targets changed.
+    pub(super) async fn sync_sources(&mut self) -> Result<bool, ControlError> {
+        let stored = self.store.all_sources().await?;
+        let mut present = HashSet::new();
+        let mut changed = false;
+        for (source, stored_progress) in stored {
+            present.insert(source.id);
+            match self.sources.get(&source.id) {
+                Some(entry) if entry.source == source => continue,
+                Some(_) => changed |= self.reconfigure(source).await?,
+                None => changed |= self.adopt(source, stored_progress).await?,
+            }
+        }
+        // Deleted sources: their targets went with them in the store; dropping the entry stops
+        // the loop.
+        self.sources.retain(|id, _| present.contains(id));
+        Ok(changed)
+    }
+
+    /// A source seen for the first time (created, or found at start with its saved progress).
+    async fn adopt(
+        &mut self,
+        source: DiscoverySource,
+        progress: SourceProgress,
+    ) -> Result<bool, ControlError> {
+        let targets = self.store.source_targets(source.id).await?;
+        let mut entry = SourceEntry {
+            next_removal: reconcile::next_removal(&targets),
+            source,
+            progress,
+            runner: None,
+        };
+        let changed = self.enforce_enabled(&mut entry, true).await?;
+        self.sources.insert(entry.source.id, entry);
+        Ok(changed)
+    }
+
+    /// A source whose settings changed: restart its loop with the new settings.
+    async fn reconfigure(&mut self, source: DiscoverySource) -> Result<bool, ControlError> {
+        let Some(mut entry) = self.sources.remove(&source.id) else {
+            return Ok(false);
+        };
+        let was_enabled = entry.source.enabled;
+        entry.source = source;
+        entry.runner = None;
+        let changed = self.enforce_enabled(&mut entry, was_enabled).await?;
+        self.sources.insert(entry.source.id, entry);
+        Ok(changed)
+    }
+
+    /// Starts the loop of an enabled source; drains and stops a disabled one.
+    async fn enforce_enabled(
+        &mut self,
+        entry: &mut SourceEntry,
+        was_enabled: bool,
+    ) -> Result<bool, ControlError> {
+        let now = self.clock.now();
+        if entry.source.enabled {
+            if entry.progress.state == SourceState::Disabled || !was_enabled {
+                lifecycle::enable(&mut entry.progress, now);
+            }
+            entry.progress.next_refresh_at = Some(now);
+            self.start_runner(entry);
+            self.store.save_progress(entry.source.id, &entry.progress).await?;
+            return Ok(false);
+        }
+        let mut changed = false;
+        if entry.progress.state != SourceState::Disabled {
+            let targets = self.store.source_targets(entry.source.id).await?;
+            let changes = reconcile::drain_all(&targets, now, entry.removal_grace());
+            changed = self.write_changes(entry, &changes).await?;
+            lifecycle::disable(&mut entry.progress);
+            self.store.save_progress(entry.source.id, &entry.progress).await?;
+            tracing::info!(source_id = entry.source.id, drained = changes.len(), "discovery source disabled");
+        }
+        Ok(changed)
+    }
+
+    fn start_runner(&mut self, entry: &mut SourceEntry) {
+        match providers::build(entry.source.provider, &entry.source.config) {
+            Ok((provider, schedule)) => {
+                let generation = self.next_runner_generation;
+                self.next_runner_generation += 1;
+                entry.runner = Some(runner::spawn(
+                    RunnerSpec {
+                        source_id: entry.source.id,
+                        generation,
+                        provider,
+                        schedule,
+                        first_delay: Duration::ZERO,
+                    },
+                    self.clock,
+                    self.outcomes.clone(),
+                ));
+            }
+            Err(error) => {
+                // Validated on write, so only a store edited by hand gets here.
+                entry.runner = None;
+                entry.progress.state = SourceState::Failing;
+                entry.progress.last_error = Some(format!("invalid provider config: {error}"));
+                tracing::error!(source_id = entry.source.id, %error, "discovery source cannot start");
+            }
+        }
+    }
+
+    pub(super) fn request_refresh(&self, source_id: Id) -> RefreshAnswer {
+        match self.sources.get(&source_id) {
+            None => RefreshAnswer::Unknown,
+            Some(entry) => match &entry.runner {
+                None => RefreshAnswer::Disabled,
+                Some(runner) if runner.request_refresh() => RefreshAnswer::Queued,
+                Some(_) => RefreshAnswer::Joined,
+            },
+        }
+    }
+
+    /// Applies one refresh result. Returns whether targets changed (a rebuild is due).
+    pub(super) async fn handle_outcome(&mut self, outcome: RefreshOutcome) -> bool {
+        let Some(mut entry) = self.sources.remove(&outcome.source_id) else {
+            return false;
+        };
+        let current = entry.runner.as_ref().map(|runner| runner.generation);
+        let changed = if current == Some(outcome.generation) {
+            match self.apply_outcome(&mut entry, outcome).await {
+                Ok(changed) => changed,
+                Err(error) => {
+                    // Reconcile reads the stored targets each time, so the next refresh repairs this.
+                    tracing::error!(source_id = entry.source.id, %error, "refresh result not stored");
+                    false
+                }
+            }
+        } else {
+            false
+        };
+        self.sources.insert(entry.source.id, entry);
+        changed
+    }
+
+    async fn apply_outcome(
+        &mut self,
+        entry: &mut SourceEntry,
+        outcome: RefreshOutcome,
+    ) -> Result<bool, StoreError> {
+        let now = outcome.finished_at;
+        let mut changed = false;
+        match outcome.result {
+            Ok(discovered) => {
+                let targets = self.store.source_targets(entry.source.id).await?;
+                let changes =
+                    reconcile::reconcile(&targets, &discovered.endpoints, now, entry.removal_grace());
+                changed = self.write_changes(entry, &changes).await?;
+                let transition = lifecycle::record_success(
+                    &mut entry.progress,
+                    now,
+                    discovered.revision,
+                    outcome.next_refresh_at,
+                );
+                if transition != Transition::Unchanged || changed {
+                    tracing::info!(
+                        source_id = entry.source.id,
+                        endpoints = discovered.endpoints.len(),
+                        changes = changes.len(),
+                        "discovery refresh applied"
+                    );
+                }
+            }
+            Err(error) => {
+                let stale_after = entry.stale_after();
+                let repeated = entry.progress.last_error.as_deref() == Some(&error.to_string());
+                let transition = lifecycle::record_failure(
+                    &mut entry.progress,
+                    now,
+                    &error,
+                    stale_after,
+                    outcome.next_refresh_at,
+                );
+                // Once per change of error or state, not on every retry of the same failure.
+                if repeated && transition == Transition::Unchanged {
+                    tracing::debug!(source_id = entry.source.id, %error, "discovery refresh failed again");
+                } else {
+                    tracing::warn!(source_id = entry.source.id, %error, state = entry.progress.state.as_str(), "discovery refresh failed");
+                }
+                if transition == Transition::BecameStale {
+                    changed = self.mark_stale(entry).await?;
+                }
+            }
+        }
+        self.store.save_progress(entry.source.id, &entry.progress).await?;
+        Ok(changed)
+    }
+
+    async fn mark_stale(&mut self, entry: &mut SourceEntry) -> Result<bool, StoreError> {
+        let targets = self.store.source_targets(entry.source.id).await?;
+        let changes = reconcile::mark_stale(&targets);
+        tracing::warn!(source_id = entry.source.id, targets = changes.len(), "discovery source is stale; its targets take no new traffic");
+        self.write_changes(entry, &changes).await
+    }
+
+    /// Writes changes and refreshes the entry's removal deadline. Returns whether anything changed.
+    async fn write_changes(
+        &self,
+        entry: &mut SourceEntry,
+        changes: &[TargetChange],
+    ) -> Result<bool, StoreError> {
+        if changes.is_empty() {
+            return Ok(false);
+        }
+        self.store
+            .apply_target_changes(entry.source.service_id, entry.source.id, changes)
+            .await?;
+        let targets = self.store.source_targets(entry.source.id).await?;
+        entry.next_removal = reconcile::next_removal(&targets);
+        Ok(true)
+    }
+
+    /// The earliest removal deadline or stale deadline of any source.
+    pub(super) fn next_timer(&self) -> Option<DateTime<Utc>> {
+        self.sources
+            .values()
+            .flat_map(|entry| {
+                [
+                    entry.next_removal,
+                    lifecycle::stale_deadline(&entry.progress, entry.stale_after()),
+                ]
+            })
+            .flatten()
+            .min()
+    }
+
+    /// Deletes targets whose removal grace ended and turns failing sources stale on time.
+    /// Returns whether targets changed.
+    pub(super) async fn run_timers(&mut self) -> bool {
+        let now = self.clock.now();
+        let ids: Vec<Id> = self.sources.keys().copied().collect();
+        let mut changed = false;
+        for id in ids {
+            let Some(mut entry) = self.sources.remove(&id) else { continue };
+            match self.run_source_timers(&mut entry, now).await {
+                Ok(source_changed) => changed |= source_changed,
+                Err(error) => {
+                    tracing::error!(source_id = id, %error, "discovery timers not applied");
+                    // Retry soon instead of spinning on a failing store.
+                    entry.next_removal = entry
+                        .next_removal
+                        .map(|_| now + chrono::Duration::seconds(1));
+                }
+            }
+            self.sources.insert(id, entry);
+        }
+        changed
+    }
+
+    async fn run_source_timers(
+        &mut self,
+        entry: &mut SourceEntry,
+        now: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let mut changed = false;
+        if entry.next_removal.is_some_and(|due| due <= now) {
+            let targets = self.store.source_targets(entry.source.id).await?;
+            let changes = reconcile::expire(&targets, now);
+            changed |= self.write_changes(entry, &changes).await?;
+            if changes.is_empty() {
+                entry.next_removal = reconcile::next_removal(&targets);
+            }
+        }
+        let stale_after = entry.stale_after();
+        if lifecycle::check_stale(&mut entry.progress, now, stale_after) == Transition::BecameStale {
+            changed |= self.mark_stale(entry).await?;
+            self.store.save_progress(entry.source.id, &entry.progress).await?;
+        }
+        Ok(changed)
+    }
+}

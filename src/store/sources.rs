@@ -1,0 +1,282 @@
+//! Discovery sources, their progress (what the status endpoint shows) and the targets they own.
+
+use chrono::{DateTime, Utc};
+
+use super::rows::{SourceRow, TargetRow};
+use super::{convert_all, now_ms, Page, Store, StoreError};
+use crate::model::{
+    DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
+};
+
+fn millis(time: Option<DateTime<Utc>>) -> Option<i64> {
+    time.map(|time| time.timestamp_millis())
+}
+
+fn unique_source_name(error: sqlx::Error, name: &str) -> StoreError {
+    match &error {
+        sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict {
+            field: "name",
+            message: format!("this service already has a discovery source named {name:?}"),
+        },
+        _ => StoreError::Database(error),
+    }
+}
+
+impl Store {
+    pub async fn list_sources(
+        &self,
+        service_id: Id,
+        page: Page,
+    ) -> Result<Vec<DiscoverySource>, StoreError> {
+        self.get_service(service_id).await?;
+        let rows = sqlx::query_as::<_, SourceRow>(
+            "SELECT * FROM discovery_sources WHERE service_id = ? AND id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(service_id)
+        .bind(page.after_id())
+        .bind(page.limit)
+        .fetch_all(&self.pool)
+        .await?;
+        convert_all(rows)
+    }
+
+    /// Every source with its progress, for the control task.
+    pub async fn all_sources(&self) -> Result<Vec<(DiscoverySource, SourceProgress)>, StoreError> {
+        sqlx::query_as::<_, SourceRow>("SELECT * FROM discovery_sources ORDER BY id")
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(SourceRow::into_parts)
+            .collect()
+    }
+
+    pub async fn get_source_with_progress(
+        &self,
+        id: Id,
+    ) -> Result<(DiscoverySource, SourceProgress), StoreError> {
+        sqlx::query_as::<_, SourceRow>("SELECT * FROM discovery_sources WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or(StoreError::NotFound {
+                kind: "discovery source",
+                id,
+            })?
+            .into_parts()
+    }
+
+    pub async fn get_source(&self, id: Id) -> Result<DiscoverySource, StoreError> {
+        self.get_source_with_progress(id).await.map(|(source, _)| source)
+    }
+
+    /// `spec.config` must already be validated and normalised by its provider.
+    pub async fn create_source(
+        &self,
+        service_id: Id,
+        spec: &DiscoverySourceSpec,
+    ) -> Result<DiscoverySource, StoreError> {
+        self.get_service(service_id).await?;
+        let now = now_ms();
+        let state = if spec.enabled { "pending" } else { "disabled" };
+        let result = sqlx::query(
+            "INSERT INTO discovery_sources (service_id, name, provider, config, enabled,
+                stale_after_ms, removal_grace_ms, state, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(service_id)
+        .bind(&spec.name)
+        .bind(spec.provider.as_str())
+        .bind(spec.config.to_string())
+        .bind(spec.enabled)
+        .bind(spec.stale_after_ms as i64)
+        .bind(spec.removal_grace_ms as i64)
+        .bind(state)
+        .bind(now)
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| unique_source_name(e, &spec.name))?;
+        self.get_source(result.last_insert_rowid()).await
+    }
+
+    pub async fn update_source(
+        &self,
+        id: Id,
+        spec: &DiscoverySourceSpec,
+    ) -> Result<DiscoverySource, StoreError> {
+        let result = sqlx::query(
+            "UPDATE discovery_sources SET name = ?, provider = ?, config = ?, enabled = ?,
+                stale_after_ms = ?, removal_grace_ms = ?, updated_at = ?
+             WHERE id = ?",
+        )
+        .bind(&spec.name)
+        .bind(spec.provider.as_str())
+        .bind(spec.config.to_string())
+        .bind(spec.enabled)
+        .bind(spec.stale_after_ms as i64)
+        .bind(spec.removal_grace_ms as i64)
+        .bind(now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| unique_source_name(e, &spec.name))?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound {
+                kind: "discovery source",
+                id,
+            });
+        }
+        self.get_source(id).await
+    }
+
+    /// Deletes a source; its targets go with it at once.
+    pub async fn delete_source(&self, id: Id) -> Result<(), StoreError> {
+        let result = sqlx::query("DELETE FROM discovery_sources WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::NotFound {
+                kind: "discovery source",
+                id,
+            });
+        }
+        Ok(())
+    }
+
+    pub async fn save_progress(&self, id: Id, progress: &SourceProgress) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE discovery_sources SET state = ?, last_error = ?, last_refresh_at = ?,
+                last_success_at = ?, next_refresh_at = ?, revision = ?, failing_since = ?
+             WHERE id = ?",
+        )
+        .bind(progress.state.as_str())
+        .bind(&progress.last_error)
+        .bind(millis(progress.last_refresh_at))
+        .bind(millis(progress.last_success_at))
+        .bind(millis(progress.next_refresh_at))
+        .bind(&progress.revision)
+        .bind(millis(progress.failing_since))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn endpoint_counts(&self, source_id: Id) -> Result<EndpointCounts, StoreError> {
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT state, COUNT(*) FROM targets WHERE source_id = ? GROUP BY state",
+        )
+        .bind(source_id)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut counts = EndpointCounts::default();
+        for (state, count) in rows {
+            let count = count.max(0) as u64;
+            match state.as_str() {
+                "active" => counts.active = count,
+                "draining" => counts.draining = count,
+                "stale" => counts.stale = count,
+                other => return Err(StoreError::Corrupt(format!("target state {other:?}"))),
+            }
+        }
+        Ok(counts)
+    }
+
+    pub async fn source_targets(&self, source_id: Id) -> Result<Vec<Target>, StoreError> {
+        let rows = sqlx::query_as::<_, TargetRow>(
+            "SELECT * FROM targets WHERE source_id = ? ORDER BY id",
+        )
+        .bind(source_id)
+        .fetch_all(&self.pool)
+        .await?;
+        convert_all(rows)
+    }
+
+    /// Writes one reconcile's changes to a source's targets in a single transaction.
+    pub async fn apply_target_changes(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+    ) -> Result<(), StoreError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let now = now_ms();
+        let mut transaction = self.pool.begin().await?;
+        for change in changes {
+            match change {
+                TargetChange::Create(endpoint) => {
+                    sqlx::query(
+                        "INSERT INTO targets (service_id, source_id, host, port, weight, priority,
+                            enabled, metadata, provider_key, state, health, created_at, updated_at)
+                         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'active', 'unknown', ?, ?)",
+                    )
+                    .bind(service_id)
+                    .bind(source_id)
+                    .bind(&endpoint.host)
+                    .bind(endpoint.port)
+                    .bind(endpoint.weight)
+                    .bind(endpoint.priority)
+                    .bind(endpoint.enabled)
+                    .bind(endpoint.metadata.to_string())
+                    .bind(&endpoint.key)
+                    .bind(now)
+                    .bind(now)
+                    .execute(&mut *transaction)
+                    .await?;
+                }
+                TargetChange::Refresh { id, endpoint } => {
+                    sqlx::query(
+                        "UPDATE targets SET host = ?, port = ?, weight = ?, priority = ?, enabled = ?,
+                            metadata = ?, state = 'active', remove_at = NULL, updated_at = ?
+                         WHERE id = ? AND source_id = ?",
+                    )
+                    .bind(&endpoint.host)
+                    .bind(endpoint.port)
+                    .bind(endpoint.weight)
+                    .bind(endpoint.priority)
+                    .bind(endpoint.enabled)
+                    .bind(endpoint.metadata.to_string())
+                    .bind(now)
+                    .bind(id)
+                    .bind(source_id)
+                    .execute(&mut *transaction)
+                    .await?;
+                }
+                TargetChange::Drain { id, remove_at } => {
+                    sqlx::query(
+                        "UPDATE targets SET state = 'draining', remove_at = ?, updated_at = ?
+                         WHERE id = ? AND source_id = ?",
+                    )
+                    .bind(remove_at.timestamp_millis())
+                    .bind(now)
+                    .bind(id)
+                    .bind(source_id)
+                    .execute(&mut *transaction)
+                    .await?;
+                }
+                TargetChange::MarkStale { id } => {
+                    sqlx::query(
+                        "UPDATE targets SET state = 'stale', updated_at = ? WHERE id = ? AND source_id = ?",
+                    )
+                    .bind(now)
+                    .bind(id)
+                    .bind(source_id)
+                    .execute(&mut *transaction)
+                    .await?;
+                }
+                TargetChange::Delete { id } => {
+                    sqlx::query("DELETE FROM targets WHERE id = ? AND source_id = ?")
+                        .bind(id)
+                        .bind(source_id)
+                        .execute(&mut *transaction)
+                        .await?;
+                }
+            }
+        }
+        transaction.commit().await?;
+        Ok(())
+    }
+}
