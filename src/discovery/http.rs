@@ -50,7 +50,7 @@ impl HttpProvider {
             .danger_accept_invalid_certs(!config.tls_verify)
             .build()
             .map_err(|err| ConfigError {
-                field: "tls_verify".to_owned(),
+                field: String::new(),
                 message: format!("cannot build the HTTP client: {}", error_chain(&err)),
             })?;
         Ok(HttpProvider {
@@ -399,6 +399,7 @@ mod tests {
     /// An in-process HTTP/1.1 registry answering every request with `handler`.
     struct Registry {
         addr: SocketAddr,
+        scheme: &'static str,
         task: JoinHandle<()>,
     }
 
@@ -412,28 +413,68 @@ mod tests {
         async fn start(
             handler: impl Fn(&Request<Incoming>) -> Response<Body> + Send + Sync + 'static,
         ) -> Registry {
+            Registry::serve(handler, None).await
+        }
+
+        /// Serves `handler` over TLS with a fresh self-signed certificate no client trusts.
+        async fn start_tls(
+            handler: impl Fn(&Request<Incoming>) -> Response<Body> + Send + Sync + 'static,
+        ) -> Registry {
+            use tokio_rustls::rustls;
+            let certified =
+                rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+            let key =
+                rustls::pki_types::PrivatePkcs8KeyDer::from(certified.signing_key.serialize_der());
+            let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![certified.cert.der().clone()], key.into())
+            .unwrap();
+            Registry::serve(
+                handler,
+                Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+            )
+            .await
+        }
+
+        async fn serve(
+            handler: impl Fn(&Request<Incoming>) -> Response<Body> + Send + Sync + 'static,
+            tls: Option<tokio_rustls::TlsAcceptor>,
+        ) -> Registry {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             let handler: Handler = Arc::new(handler);
+            let scheme = if tls.is_some() { "https" } else { "http" };
             let task = tokio::spawn(async move {
                 loop {
                     let Ok((stream, _)) = listener.accept().await else {
                         continue;
                     };
                     let handler = handler.clone();
+                    let tls = tls.clone();
                     tokio::spawn(async move {
                         let service =
                             hyper::service::service_fn(move |request: Request<Incoming>| {
                                 let response = handler(&request);
                                 async move { Ok::<_, Infallible>(response) }
                             });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
+                        let http = hyper::server::conn::http1::Builder::new();
+                        let _ = match tls {
+                            None => http.serve_connection(TokioIo::new(stream), service).await,
+                            Some(acceptor) => {
+                                let Ok(stream) = acceptor.accept(stream).await else {
+                                    return;
+                                };
+                                http.serve_connection(TokioIo::new(stream), service).await
+                            }
+                        };
                     });
                 }
             });
-            Registry { addr, task }
+            Registry { addr, scheme, task }
         }
 
         /// A registry answering `document` with status 200.
@@ -442,7 +483,7 @@ mod tests {
         }
 
         fn url(&self) -> String {
-            format!("http://{}/v1/endpoints", self.addr)
+            format!("{}://{}/v1/endpoints", self.scheme, self.addr)
         }
     }
 
@@ -759,5 +800,21 @@ mod tests {
             }
             other => panic!("expected HttpRequest, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn tls_verify_false_accepts_any_certificate() {
+        let document = json!([{"host": "10.0.0.1", "port": 443}]);
+        let registry = Registry::start_tls(move |_| json_response(200, &document)).await;
+        let discovered = provider(&registry, json!({"tls_verify": false}))
+            .discover()
+            .await
+            .unwrap();
+        assert_eq!(discovered.endpoints.len(), 1);
+        let err = provider(&registry, json!({})).discover().await.unwrap_err();
+        assert!(
+            matches!(err, DiscoveryError::HttpRequest { .. }),
+            "an untrusted certificate must fail: {err:?}"
+        );
     }
 }
