@@ -182,7 +182,7 @@ fn is_discovered(target: &Target) -> bool {
 /// Already draining with a deadline: draining it again would only push the deadline back. A
 /// draining target without a deadline (a damaged row) is not leaving: it would never be deleted.
 fn is_leaving(target: &Target) -> bool {
-    let _ = target; false
+    draining_deadline(target).is_some()
 }
 
 fn draining_deadline(target: &Target) -> Option<DateTime<Utc>> {
@@ -679,6 +679,19 @@ mod tests {
         }
     }
 
+    /// The endpoint a target was made from.
+    fn endpoint_of(target: &Target) -> Endpoint {
+        Endpoint {
+            key: target.provider_key.clone().unwrap(),
+            host: target.host.clone(),
+            port: target.port,
+            weight: target.weight,
+            priority: target.priority,
+            enabled: target.enabled,
+            metadata: target.metadata.clone(),
+        }
+    }
+
     fn random_target(rng: &mut fastrand::Rng, id: Id, key: String) -> Target {
         let ep = random_endpoint(rng, key.clone());
         let state = [
@@ -718,11 +731,18 @@ mod tests {
             model.insert(operator_id, operator(operator_id));
             let before = model.clone();
 
-            // Endpoints: a random subset of the pool and some new keys, with repeats.
+            // Endpoints: a random subset of the pool and some new keys, with repeats. Half of
+            // the known keys come back unchanged, so that state alone must decide the refresh.
             let endpoints: Vec<Endpoint> = (0..rng.usize(0..30))
                 .map(|_| {
                     let key = format!("k{}", rng.usize(0..pool + 5));
-                    random_endpoint(&mut rng, key)
+                    let known = before
+                        .values()
+                        .find(|t| t.provider_key.as_ref() == Some(&key));
+                    match known {
+                        Some(t) if rng.bool() => endpoint_of(t),
+                        _ => random_endpoint(&mut rng, key),
+                    }
                 })
                 .collect();
 
