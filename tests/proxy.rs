@@ -1247,3 +1247,86 @@ async fn upgrade_tunnels_bytes_both_ways() {
         .expect("read to end");
     assert!(rest.is_empty(), "unexpected bytes after close: {rest:?}");
 }
+
+/// A request body that sends `chunks` small chunks, one every `gap`.
+struct SlowBody {
+    chunks: usize,
+    gap: Duration,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl SlowBody {
+    fn new(chunks: usize, gap: Duration) -> SlowBody {
+        SlowBody {
+            chunks,
+            gap,
+            sleep: Box::pin(tokio::time::sleep(gap)),
+        }
+    }
+}
+
+impl hyper::body::Body for SlowBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        if self.chunks == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        std::task::ready!(std::future::Future::poll(self.sleep.as_mut(), cx));
+        self.chunks -= 1;
+        let next = tokio::time::Instant::now() + self.gap;
+        self.sleep.as_mut().reset(next);
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(
+            b"0123456789",
+        )))))
+    }
+}
+
+/// The response-header timeout counts from the end of the request body: an upload slower than
+/// the timeout is the client's pace and must not turn into a 504.
+#[tokio::test]
+async fn a_slow_upload_is_not_a_response_timeout() {
+    let gateway = TestGateway::start().await;
+    let sink = Upstream::start("sink").await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "uploads", "timeouts": {"response_header_ms": 300}}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            target(&sink, 1, 0),
+        )
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<SlowBody>();
+    let started = Instant::now();
+    let request = hyper::Request::post(gateway.proxy_url("/upload"))
+        .body(SlowBody::new(10, Duration::from_millis(100)))
+        .unwrap();
+    let response = client.request(request).await.expect("upload answered");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "the body really was slow"
+    );
+    assert_eq!(
+        response.status(),
+        200,
+        "a 1 s upload under a 300 ms header timeout"
+    );
+    assert_eq!(sink.last_seen().body_len, 100);
+
+    // The timeout still applies once the body is in: a slow answer is a 504.
+    let request = hyper::Request::post(gateway.proxy_url("/slow/2000"))
+        .body(SlowBody::new(2, Duration::from_millis(10)))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), 504);
+}

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::balance::TargetLoad;
 
@@ -75,18 +75,33 @@ pub struct UntouchedBody {
     inner: Option<Incoming>,
     polled: bool,
     give_back: Option<oneshot::Sender<Incoming>>,
+    /// Told when the last byte has been handed to the upstream connection.
+    sent: Arc<Notify>,
+}
+
+/// The caller's side of a streaming request body.
+pub struct StreamingBody {
+    /// Yields the body back if the attempt dropped it unread.
+    pub returned: oneshot::Receiver<Incoming>,
+    /// Notified once the whole body has been sent.
+    pub sent: Arc<Notify>,
 }
 
 impl UpstreamRequestBody {
     /// Wraps `body`; the receiver yields it back if it is dropped before its first read.
-    pub fn streaming(body: Incoming) -> (UpstreamRequestBody, oneshot::Receiver<Incoming>) {
+    pub fn streaming(body: Incoming) -> (UpstreamRequestBody, StreamingBody) {
         let (give_back, returned) = oneshot::channel();
+        let sent = Arc::new(Notify::new());
         let body = UntouchedBody {
             inner: Some(body),
             polled: false,
             give_back: Some(give_back),
+            sent: sent.clone(),
         };
-        (UpstreamRequestBody::Streaming(body), returned)
+        (
+            UpstreamRequestBody::Streaming(body),
+            StreamingBody { returned, sent },
+        )
     }
 }
 
@@ -113,10 +128,19 @@ impl Body for UpstreamRequestBody {
             UpstreamRequestBody::Empty => Poll::Ready(None),
             UpstreamRequestBody::Streaming(body) => {
                 body.polled = true;
-                match body.inner.as_mut() {
-                    Some(inner) => Pin::new(inner).poll_frame(cx),
-                    None => Poll::Ready(None),
+                let Some(inner) = body.inner.as_mut() else {
+                    return Poll::Ready(None);
+                };
+                let polled = Pin::new(&mut *inner).poll_frame(cx);
+                let finished = match &polled {
+                    Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
+                    Poll::Ready(_) => true,
+                    Poll::Pending => false,
+                };
+                if finished {
+                    body.sent.notify_one();
                 }
+                polled
             }
         }
     }

@@ -13,7 +13,7 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
 
-use super::body::{InFlight, UpstreamRequestBody, UpstreamResponseBody};
+use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponseBody};
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
@@ -224,9 +224,10 @@ async fn send_with_retries(
         };
         tried.push(target.id);
         let may_retry_later = attempt < attempts;
-        let (request, returned_body) = build_attempt(&mut outgoing, target, may_retry_later);
+        let (request, streaming) = build_attempt(&mut outgoing, target, may_retry_later);
         let in_flight = InFlight::start(&target.load);
-        let outcome = tokio::time::timeout(response_timeout, client.request(request)).await;
+        let body_sent = streaming.as_ref().map(|streaming| streaming.sent.clone());
+        let outcome = await_response(client.request(request), body_sent, response_timeout).await;
         let error = match outcome {
             Ok(Ok(response)) => return Ok((response, in_flight)),
             Ok(Err(error)) => error,
@@ -239,8 +240,8 @@ async fn send_with_retries(
             }
         };
         drop(in_flight);
-        if let Some(returned) = returned_body {
-            outgoing.body = reclaim(returned);
+        if let Some(streaming) = streaming {
+            outgoing.body = reclaim(streaming.returned);
         }
         let connect_failed = error.is_connect();
         let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
@@ -255,6 +256,25 @@ async fn send_with_retries(
     Err(last_error.unwrap_or_else(|| ProxyError::NoAvailableTarget {
         service: service.service.name.clone(),
     }))
+}
+
+/// Waits for the upstream's response headers. Their timeout starts once the request body has
+/// been sent in full: a slow upload is the client's pace, not a slow upstream. An upstream may
+/// still answer early (e.g. 413) while the body is streaming.
+async fn await_response<F: std::future::Future>(
+    response: F,
+    body_sent: Option<std::sync::Arc<tokio::sync::Notify>>,
+    timeout: Duration,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    tokio::pin!(response);
+    if let Some(body_sent) = body_sent {
+        tokio::select! {
+            biased;
+            result = &mut response => return Ok(result),
+            _ = body_sent.notified() => {}
+        }
+    }
+    tokio::time::timeout(timeout, response).await
 }
 
 /// Targets this request already tried, without allocating.
@@ -282,18 +302,15 @@ fn build_attempt(
     outgoing: &mut Outgoing,
     target: &TargetRuntime,
     may_retry_later: bool,
-) -> (
-    Request<UpstreamRequestBody>,
-    Option<oneshot::Receiver<Incoming>>,
-) {
+) -> (Request<UpstreamRequestBody>, Option<StreamingBody>) {
     let (body, returned) = match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
         PendingBody::Empty => {
             outgoing.body = PendingBody::Empty;
             (UpstreamRequestBody::Empty, None)
         }
         PendingBody::Streaming(body) => {
-            let (body, returned) = UpstreamRequestBody::streaming(body);
-            (body, Some(returned))
+            let (body, streaming) = UpstreamRequestBody::streaming(body);
+            (body, Some(streaming))
         }
         PendingBody::Consumed => (UpstreamRequestBody::Empty, None),
     };
