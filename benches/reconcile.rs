@@ -76,6 +76,7 @@ fn target(id: i64, endpoint: &Endpoint) -> Target {
         health: Health::Healthy,
         ejected_until: None,
         remove_at: None,
+        last_check: None,
         created_at: now(),
         updated_at: now(),
     }

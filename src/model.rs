@@ -79,6 +79,162 @@ text_enum!(SourceState {
     Disabled => "disabled",
 });
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthCheckKind {
+    /// A GET of `path`, healthy when the status is one of `expected_statuses`.
+    #[default]
+    Http,
+    /// A TCP connect.
+    Tcp,
+}
+
+/// Active health checks of a service's targets, run by the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HealthCheck {
+    #[serde(rename = "type", default)]
+    pub kind: HealthCheckKind,
+    #[serde(default = "HealthCheck::default_path")]
+    pub path: String,
+    #[serde(default = "HealthCheck::default_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "HealthCheck::default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Consecutive passed checks that make a target healthy.
+    #[serde(default = "HealthCheck::default_healthy_threshold")]
+    pub healthy_threshold: u32,
+    /// Consecutive failed checks that make a target unhealthy.
+    #[serde(default = "HealthCheck::default_unhealthy_threshold")]
+    pub unhealthy_threshold: u32,
+    /// Status codes or ranges that pass, e.g. `["200-299", "301"]`.
+    #[serde(default = "HealthCheck::default_expected_statuses")]
+    pub expected_statuses: Vec<String>,
+    /// `Host` of the check request; null: the service's `upstream_authority`, else the target.
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+impl HealthCheck {
+    fn default_path() -> String {
+        "/".to_owned()
+    }
+    fn default_interval_ms() -> u64 {
+        10_000
+    }
+    fn default_timeout_ms() -> u64 {
+        2_000
+    }
+    fn default_healthy_threshold() -> u32 {
+        2
+    }
+    fn default_unhealthy_threshold() -> u32 {
+        3
+    }
+    fn default_expected_statuses() -> Vec<String> {
+        vec!["200-399".to_owned()]
+    }
+
+    /// Whether `status` is one of `expected_statuses` (validated on write).
+    pub fn expects(&self, status: u16) -> bool {
+        self.expected_statuses.iter().any(|range| {
+            let (low, high) = range.split_once('-').unwrap_or((range, range));
+            match (low.trim().parse::<u16>(), high.trim().parse::<u16>()) {
+                (Ok(low), Ok(high)) => (low..=high).contains(&status),
+                _ => false,
+            }
+        })
+    }
+}
+
+/// Passive outlier ejection: targets that keep failing real requests are taken out for a while.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Ejection {
+    pub enabled: bool,
+    /// Failures within `window_ms` that eject a target.
+    pub failures: u32,
+    pub window_ms: u64,
+    /// First ejection time; the n-th ejection in a row lasts n times as long...
+    pub base_ejection_ms: u64,
+    /// ...but never longer than this.
+    pub max_ejection_ms: u64,
+    /// At most this share of a service's targets is ejected at once (at least one may be).
+    pub max_ejection_percent: u32,
+    /// Upstream statuses that count as failures (beside connect errors and timeouts).
+    pub failure_statuses: Vec<u16>,
+}
+
+impl Default for Ejection {
+    fn default() -> Self {
+        Ejection {
+            enabled: true,
+            failures: 5,
+            window_ms: 30_000,
+            base_ejection_ms: 30_000,
+            max_ejection_ms: 300_000,
+            max_ejection_percent: 50,
+            failure_statuses: vec![502, 503, 504],
+        }
+    }
+}
+
+/// The object form of [`Ejection`]; omitted keys take the defaults.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EjectionFields {
+    enabled: Option<bool>,
+    failures: Option<u32>,
+    window_ms: Option<u64>,
+    base_ejection_ms: Option<u64>,
+    max_ejection_ms: Option<u64>,
+    max_ejection_percent: Option<u32>,
+    failure_statuses: Option<Vec<u16>>,
+}
+
+impl<'de> Deserialize<'de> for Ejection {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct EjectionVisitor;
+        impl<'de> serde::de::Visitor<'de> for EjectionVisitor {
+            type Value = Ejection;
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("an ejection object, or false to turn ejection off")
+            }
+            fn visit_bool<E: serde::de::Error>(self, enabled: bool) -> Result<Ejection, E> {
+                Ok(Ejection {
+                    enabled,
+                    ..Ejection::default()
+                })
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Ejection, A::Error> {
+                let fields =
+                    EjectionFields::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                let defaults = Ejection::default();
+                Ok(Ejection {
+                    enabled: fields.enabled.unwrap_or(defaults.enabled),
+                    failures: fields.failures.unwrap_or(defaults.failures),
+                    window_ms: fields.window_ms.unwrap_or(defaults.window_ms),
+                    base_ejection_ms: fields.base_ejection_ms.unwrap_or(defaults.base_ejection_ms),
+                    max_ejection_ms: fields.max_ejection_ms.unwrap_or(defaults.max_ejection_ms),
+                    max_ejection_percent: fields
+                        .max_ejection_percent
+                        .unwrap_or(defaults.max_ejection_percent),
+                    failure_statuses: fields.failure_statuses.unwrap_or(defaults.failure_statuses),
+                })
+            }
+        }
+        deserializer.deserialize_any(EjectionVisitor)
+    }
+}
+
+/// The outcome of one active health check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct CheckResult {
+    pub at: DateTime<Utc>,
+    pub passed: bool,
+    /// e.g. `HTTP 200`, `connect: connection refused`, `timed out after 2000 ms`.
+    pub detail: String,
+}
+
 /// Upstream timeouts of a service, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -129,6 +285,10 @@ pub struct Service {
     pub timeouts: Timeouts,
     /// Attempts per request, the first included (a retry goes to another target).
     pub max_attempts: u32,
+    /// Active health checks; null: off (every target counts as available).
+    pub health_check: Option<HealthCheck>,
+    /// Passive outlier ejection.
+    pub ejection: Ejection,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -152,6 +312,8 @@ pub struct Target {
     pub ejected_until: Option<DateTime<Utc>>,
     /// While `draining`: when the target is deleted (its source's removal grace ends).
     pub remove_at: Option<DateTime<Utc>>,
+    /// The latest active health check of this target.
+    pub last_check: Option<CheckResult>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -316,12 +478,22 @@ pub enum TargetChange {
     /// A new endpoint: a new target, `active`, health `unknown`.
     Create(Endpoint),
     /// A known endpoint: update its fields and make it `active` again, keeping its id.
-    Refresh { id: Id, endpoint: Endpoint },
+    Refresh {
+        id: Id,
+        endpoint: Endpoint,
+    },
     /// Gone from the source: no new traffic; deleted at `remove_at`.
-    Drain { id: Id, remove_at: DateTime<Utc> },
+    Drain {
+        id: Id,
+        remove_at: DateTime<Utc>,
+    },
     /// The source is stale: visible, no new traffic, until a success brings it back.
-    MarkStale { id: Id },
-    Delete { id: Id },
+    MarkStale {
+        id: Id,
+    },
+    Delete {
+        id: Id,
+    },
 }
 
 /// Everything the data path is built from, read from the store in one go.
@@ -351,6 +523,11 @@ pub struct ServiceSpec {
     pub timeouts: Timeouts,
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
+    #[serde(default)]
+    pub health_check: Option<HealthCheck>,
+    /// An object, or `false` to turn ejection off (`true`: the defaults).
+    #[serde(default)]
+    pub ejection: Ejection,
 }
 
 /// What an operator writes for a target of their own.
@@ -431,6 +608,8 @@ impl Service {
             lb_policy: self.lb_policy,
             timeouts: self.timeouts,
             max_attempts: self.max_attempts,
+            health_check: self.health_check.clone(),
+            ejection: self.ejection.clone(),
         }
     }
 }

@@ -10,7 +10,9 @@ use arc_swap::{ArcSwap, Guard};
 use http::uri::Authority;
 use http::{HeaderValue, Method};
 
-use crate::balance::{Balancer, TargetLoad};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::balance::{unix_ms, Balancer, TargetHealth, TargetLoad};
 use crate::model::{Id, Route, Service};
 
 /// One target that may take new traffic, as the data path needs it.
@@ -23,6 +25,15 @@ pub struct TargetRuntime {
     pub host_header: HeaderValue,
     /// Carried across snapshots by target id, so in-flight counts survive rebuilds.
     pub load: Arc<TargetLoad>,
+    /// Health-check verdict and ejection, carried by target id like `load`.
+    pub health: Arc<TargetHealth>,
+}
+
+/// Per-service counters, carried across snapshots by service id.
+#[derive(Debug, Default)]
+pub struct ServiceCounters {
+    /// Picks made from unhealthy or ejected targets because no tier had an available one.
+    pub panic_picks: AtomicU64,
 }
 
 /// A service with the targets its balancer picks from.
@@ -33,14 +44,43 @@ pub struct ServiceRuntime {
     /// Aligned with the balancer's member indices.
     pub targets: Vec<TargetRuntime>,
     pub balancer: Balancer,
+    pub counters: Arc<ServiceCounters>,
+}
+
+/// How a target was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickKind {
+    /// An available target (not unhealthy, not ejected).
+    Available,
+    /// No tier had an available target only because of health or ejection: like Envoy's panic
+    /// mode, the pick ignores them rather than fail every request.
+    Panic,
 }
 
 impl ServiceRuntime {
     /// Picks a target for a new request or connection; `skip` excludes ones already tried.
-    pub fn pick(&self, skip: impl Fn(&TargetRuntime) -> bool) -> Option<&TargetRuntime> {
-        self.balancer
-            .pick(|index| skip(&self.targets[index]))
-            .map(|index| &self.targets[index])
+    pub fn pick(
+        &self,
+        skip: impl Fn(&TargetRuntime) -> bool,
+    ) -> Option<(&TargetRuntime, PickKind)> {
+        // Read the clock at most once per pick, and only when some target has an ejection.
+        let now_ms = std::cell::Cell::new(0);
+        let clock = || {
+            if now_ms.get() == 0 {
+                now_ms.set(unix_ms());
+            }
+            now_ms.get()
+        };
+        let available = self.balancer.pick(|index| {
+            let target = &self.targets[index];
+            skip(target) || !target.health.is_available(clock)
+        });
+        if let Some(index) = available {
+            return Some((&self.targets[index], PickKind::Available));
+        }
+        let index = self.balancer.pick(|index| skip(&self.targets[index]))?;
+        self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
+        Some((&self.targets[index], PickKind::Panic))
     }
 }
 
@@ -238,6 +278,11 @@ impl SnapshotHandle {
         self.current.load()
     }
 
+    /// An owned reference, for readers that keep it across awaits (not the request path).
+    pub fn load_full(&self) -> Arc<Snapshot> {
+        self.current.load_full()
+    }
+
     /// Only the control task publishes.
     pub fn publish(&self, snapshot: Snapshot) {
         self.current.store(Arc::new(snapshot));
@@ -271,12 +316,15 @@ mod tests {
                 lb_policy: LbPolicy::RoundRobin,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
+                health_check: None,
+                ejection: Default::default(),
                 created_at: Utc::now(),
                 updated_at: Utc::now(),
             },
             upstream_host: None,
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
+            counters: Default::default(),
         }
     }
 

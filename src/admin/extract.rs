@@ -53,7 +53,10 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 pub fn object_from_slice<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let document: serde_json::Value = parse_json(bytes)?;
     if !document.is_object() {
-        return Err(ApiError::validation("body", "the request body must be a JSON object"));
+        return Err(ApiError::validation(
+            "body",
+            "the request body must be a JSON object",
+        ));
     }
     from_value(document)
 }

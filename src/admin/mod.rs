@@ -158,5 +158,8 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
             waiting.join(", ")
         ));
     }
-    (StatusCode::OK, Json(serde_json::json!({ "status": "ready" })))
+    (
+        StatusCode::OK,
+        Json(serde_json::json!({ "status": "ready" })),
+    )
 }

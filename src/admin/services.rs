@@ -10,7 +10,13 @@ use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
 use super::{validate, AdminState, List};
-use crate::model::{Service, ServiceSpec};
+use std::sync::atomic::Ordering;
+
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::balance::unix_ms;
+use crate::model::{Health, Id, Service, ServiceSpec};
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -21,6 +27,7 @@ pub fn router() -> OpenApiRouter<AdminState> {
             patch_service,
             delete_service
         ))
+        .routes(routes!(service_runtime))
 }
 
 #[utoipa::path(get, path = "/services", tag = "services", params(PageQuery),
@@ -96,4 +103,63 @@ async fn delete_service(
     state.store.delete_service(id).await?;
     state.apply().await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// What the data path sees of a service right now.
+#[derive(Serialize, ToSchema)]
+pub struct ServiceRuntimeView {
+    pub service_id: Id,
+    /// Picks that ignored health and ejection because no tier had an available target.
+    pub panic_picks: u64,
+    /// Targets in rotation (active, enabled, weight > 0).
+    pub targets: Vec<TargetRuntimeView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct TargetRuntimeView {
+    pub id: Id,
+    pub address: String,
+    pub health: Health,
+    pub ejected_until: Option<chrono::DateTime<chrono::Utc>>,
+    pub in_flight: u32,
+    pub available: bool,
+}
+
+#[utoipa::path(get, path = "/services/{id}/runtime", tag = "services",
+    responses((status = 200, body = ServiceRuntimeView), (status = 404, body = ErrorBody)))]
+async fn service_runtime(
+    _: Viewer,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<Json<ServiceRuntimeView>, ApiError> {
+    state.store.get_service(id).await?;
+    let snapshot = state.control.snapshot();
+    let now = unix_ms();
+    let view = match snapshot.service(id) {
+        None => ServiceRuntimeView {
+            service_id: id,
+            panic_picks: 0,
+            targets: Vec::new(),
+        },
+        Some(service) => ServiceRuntimeView {
+            service_id: id,
+            panic_picks: service.counters.panic_picks.load(Ordering::Relaxed),
+            targets: service
+                .targets
+                .iter()
+                .map(|target| TargetRuntimeView {
+                    id: target.id,
+                    address: target.authority.to_string(),
+                    health: target.health.health(),
+                    ejected_until: target
+                        .health
+                        .ejected_until(now)
+                        .and_then(|ms| chrono::DateTime::from_timestamp_millis(ms as i64)),
+                    in_flight: target.load.in_flight(),
+                    available: target.health.is_available(|| now),
+                })
+                .collect(),
+        },
+    };
+    Ok(Json(view))
 }

@@ -18,7 +18,12 @@ use crate::model::{DiscoverySource, DiscoverySourceSpec, Id, SourceStatus};
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
         .routes(routes!(list_sources, create_source))
-        .routes(routes!(get_source, replace_source, patch_source, delete_source))
+        .routes(routes!(
+            get_source,
+            replace_source,
+            patch_source,
+            delete_source
+        ))
         .routes(routes!(source_status))
         .routes(routes!(refresh_source))
         .routes(routes!(list_providers))

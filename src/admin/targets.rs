@@ -10,7 +10,11 @@ use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
 use super::{validate, AdminState, List};
-use crate::model::{Target, TargetSpec};
+use std::collections::HashMap;
+
+use crate::balance::unix_ms;
+use crate::model::{Id, Target, TargetSpec};
+use crate::snapshot::TargetRuntime;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -31,7 +35,8 @@ async fn list_targets(
     IdPath(service_id): IdPath,
     Pagination(page): Pagination,
 ) -> Result<Json<List<Target>>, ApiError> {
-    let items = state.store.list_targets(service_id, page).await?;
+    let mut items = state.store.list_targets(service_id, page).await?;
+    with_live_health(&state, &mut items);
     Ok(Json(List::new(items, page, |t| t.id)))
 }
 
@@ -56,11 +61,37 @@ async fn get_target(
     State(state): State<AdminState>,
     IdPath(id): IdPath,
 ) -> Result<Json<Target>, ApiError> {
-    Ok(Json(state.store.get_target(id).await?))
+    let mut target = state.store.get_target(id).await?;
+    with_live_health(&state, std::slice::from_mut(&mut target));
+    Ok(Json(target))
+}
+
+/// Health and ejection change on the request path and in the checker faster than the store is
+/// written; show the live values of targets in rotation.
+fn with_live_health(state: &AdminState, targets: &mut [Target]) {
+    let snapshot = state.control.snapshot();
+    let now = unix_ms();
+    let mut live: HashMap<Id, &TargetRuntime> = HashMap::new();
+    for target in targets.iter() {
+        if let Some(service) = snapshot.service(target.service_id) {
+            if !live.contains_key(&target.id) {
+                live.extend(service.targets.iter().map(|runtime| (runtime.id, runtime)));
+            }
+        }
+    }
+    for target in targets {
+        if let Some(runtime) = live.get(&target.id) {
+            target.health = runtime.health.health();
+            target.ejected_until = runtime
+                .health
+                .ejected_until(now)
+                .and_then(|ms| chrono::DateTime::from_timestamp_millis(ms as i64));
+        }
+    }
 }
 
 /// Discovered targets belong to their source; operators change the source instead.
-async fn operator_target(state: &AdminState, id: crate::model::Id) -> Result<Target, ApiError> {
+async fn operator_target(state: &AdminState, id: Id) -> Result<Target, ApiError> {
     let target = state.store.get_target(id).await?;
     if let Some(source_id) = target.source_id {
         return Err(ApiError::Conflict {

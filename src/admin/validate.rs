@@ -95,6 +95,10 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
             ));
         }
     }
+    if let Some(check) = &spec.health_check {
+        health_check(check)?;
+    }
+    ejection(&spec.ejection)?;
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
         return Err(ApiError::validation(
             "max_attempts",
@@ -102,6 +106,123 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
         ));
     }
     Ok(spec)
+}
+
+fn in_range(field: &str, value: u64, low: u64, high: u64) -> Result<(), ApiError> {
+    if (low..=high).contains(&value) {
+        return Ok(());
+    }
+    Err(ApiError::validation(
+        field,
+        format!("{field} must be from {low} to {high}"),
+    ))
+}
+
+fn status_range(text: &str) -> Option<(u16, u16)> {
+    let (low, high) = text.split_once('-').unwrap_or((text, text));
+    let low: u16 = low.trim().parse().ok()?;
+    let high: u16 = high.trim().parse().ok()?;
+    ((100..=599).contains(&low) && (low..=599).contains(&high)).then_some((low, high))
+}
+
+fn health_check(check: &crate::model::HealthCheck) -> Result<(), ApiError> {
+    if !check.path.starts_with('/')
+        || check
+            .path
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(ApiError::validation(
+            "health_check.path",
+            "health_check.path must start with '/' and contain no spaces",
+        ));
+    }
+    in_range(
+        "health_check.interval_ms",
+        check.interval_ms,
+        100,
+        MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "health_check.timeout_ms",
+        check.timeout_ms,
+        10,
+        MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "health_check.healthy_threshold",
+        check.healthy_threshold.into(),
+        1,
+        100,
+    )?;
+    in_range(
+        "health_check.unhealthy_threshold",
+        check.unhealthy_threshold.into(),
+        1,
+        100,
+    )?;
+    if check.expected_statuses.is_empty() {
+        return Err(ApiError::validation(
+            "health_check.expected_statuses",
+            "health_check.expected_statuses needs at least one status or range",
+        ));
+    }
+    for (index, range) in check.expected_statuses.iter().enumerate() {
+        if status_range(range).is_none() {
+            return Err(ApiError::validation(
+                format!("health_check.expected_statuses[{index}]"),
+                format!("{range:?} is not a status (e.g. \"200\") or range (e.g. \"200-399\") within 100-599"),
+            ));
+        }
+    }
+    if let Some(host) = &check.host {
+        let valid = Authority::try_from(host.as_str())
+            .is_ok_and(|authority| !authority.as_str().contains('@'));
+        if !valid {
+            return Err(ApiError::validation(
+                "health_check.host",
+                "health_check.host must be a host name with an optional :port",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn ejection(ejection: &crate::model::Ejection) -> Result<(), ApiError> {
+    in_range("ejection.failures", ejection.failures.into(), 1, 10_000)?;
+    in_range(
+        "ejection.window_ms",
+        ejection.window_ms,
+        100,
+        MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "ejection.base_ejection_ms",
+        ejection.base_ejection_ms,
+        100,
+        MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "ejection.max_ejection_ms",
+        ejection.max_ejection_ms,
+        ejection.base_ejection_ms,
+        MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "ejection.max_ejection_percent",
+        ejection.max_ejection_percent.into(),
+        0,
+        100,
+    )?;
+    for (index, status) in ejection.failure_statuses.iter().enumerate() {
+        in_range(
+            &format!("ejection.failure_statuses[{index}]"),
+            (*status).into(),
+            100,
+            599,
+        )?;
+    }
+    Ok(())
 }
 
 pub fn target(spec: TargetSpec) -> Result<TargetSpec, ApiError> {
@@ -194,7 +315,10 @@ const MAX_REMOVAL_GRACE_MS: u64 = 24 * 3_600_000;
 pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiError> {
     name("name", &spec.name)?;
     if !spec.config.is_object() {
-        return Err(ApiError::validation("config", "config must be a JSON object"));
+        return Err(ApiError::validation(
+            "config",
+            "config must be a JSON object",
+        ));
     }
     spec.config = providers::validate(spec.provider, &spec.config)
         .map_err(|error| ApiError::validation(format!("config.{}", error.field), error.message))?;
@@ -233,6 +357,8 @@ mod tests {
             lb_policy: LbPolicy::RoundRobin,
             timeouts: Timeouts::default(),
             max_attempts: 3,
+            health_check: None,
+            ejection: Default::default(),
         }
     }
 

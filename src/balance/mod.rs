@@ -7,6 +7,7 @@
 //! shared write is round-robin's cursor step.
 
 mod alias;
+mod health;
 mod schedule;
 
 use std::collections::BTreeMap;
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use crate::model::LbPolicy;
 
 use alias::AliasTable;
+pub use health::{unix_ms, TargetHealth};
 use schedule::Schedule;
 
 /// Random schedule entries tried after the cursor's entry is skipped, before scanning the tier.

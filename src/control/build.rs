@@ -6,15 +6,34 @@ use std::sync::Arc;
 use http::uri::Authority;
 use http::HeaderValue;
 
-use crate::balance::{Balancer, Member, TargetLoad};
+use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
 use crate::model::{Id, RoutingConfig, Target};
-use crate::snapshot::{authority_text, ServiceRuntime, Snapshot, TargetRuntime};
+use crate::snapshot::{authority_text, ServiceCounters, ServiceRuntime, Snapshot, TargetRuntime};
 
-/// Builds a snapshot, reusing each surviving target's load counters and forgetting those of
-/// targets that no longer exist.
+/// Runtime state that outlives snapshots: per target id (in-flight, health, ejection) and per
+/// service id (counters).
+#[derive(Default)]
+pub struct CarriedState {
+    loads: HashMap<Id, Arc<TargetLoad>>,
+    health: HashMap<Id, Arc<TargetHealth>>,
+    counters: HashMap<Id, Arc<ServiceCounters>>,
+}
+
+impl CarriedState {
+    /// The live health of a target, created from its stored health the first time.
+    pub fn health_of(&mut self, target: &Target) -> Arc<TargetHealth> {
+        self.health
+            .entry(target.id)
+            .or_insert_with(|| Arc::new(TargetHealth::new(target.health)))
+            .clone()
+    }
+}
+
+/// Builds a snapshot, reusing each surviving target's and service's runtime state and
+/// forgetting that of ones that no longer exist.
 pub fn build_snapshot(
     config: &RoutingConfig,
-    loads: &mut HashMap<Id, Arc<TargetLoad>>,
+    carried: &mut CarriedState,
     generation: u64,
 ) -> Snapshot {
     let mut targets_by_service: HashMap<Id, Vec<&Target>> = HashMap::new();
@@ -25,7 +44,10 @@ pub fn build_snapshot(
             .push(target);
     }
     let existing: HashSet<Id> = config.targets.iter().map(|target| target.id).collect();
-    loads.retain(|id, _| existing.contains(id));
+    carried.loads.retain(|id, _| existing.contains(id));
+    carried.health.retain(|id, _| existing.contains(id));
+    let services: HashSet<Id> = config.services.iter().map(|service| service.id).collect();
+    carried.counters.retain(|id, _| services.contains(id));
 
     let services = config
         .services
@@ -43,7 +65,8 @@ pub fn build_snapshot(
                     tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
                     continue;
                 };
-                let load = loads.entry(target.id).or_default().clone();
+                let load = carried.loads.entry(target.id).or_default().clone();
+                let health = carried.health_of(target);
                 members.push(Member {
                     weight: target.weight,
                     priority: target.priority,
@@ -54,6 +77,7 @@ pub fn build_snapshot(
                     authority,
                     host_header,
                     load,
+                    health,
                 });
             }
             let upstream_host = service
@@ -65,6 +89,7 @@ pub fn build_snapshot(
                 upstream_host,
                 targets: runtimes,
                 balancer: Balancer::new(service.lb_policy, members),
+                counters: carried.counters.entry(service.id).or_default().clone(),
             }
         })
         .collect();

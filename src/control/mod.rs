@@ -7,6 +7,7 @@
 //! rebuild runs are coalesced into the next one.
 
 mod build;
+mod health;
 mod sources;
 
 use std::collections::HashMap;
@@ -15,13 +16,12 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::balance::TargetLoad;
 use crate::discovery::runner::{Clock, RefreshOutcome};
 use crate::model::Id;
 use crate::snapshot::SnapshotHandle;
 use crate::store::{Store, StoreError};
 
-pub use build::build_snapshot;
+pub use build::{build_snapshot, CarriedState};
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -49,16 +49,25 @@ type Reply<T> = oneshot::Sender<Result<T, Arc<ControlError>>>;
 
 enum Command {
     Apply(Reply<u64>),
-    Refresh { source_id: Id, reply: Reply<RefreshAnswer> },
+    Refresh {
+        source_id: Id,
+        reply: Reply<RefreshAnswer>,
+    },
 }
 
 /// Asks the control task to apply the stored configuration or to refresh a source.
 #[derive(Clone)]
 pub struct ControlHandle {
     commands: mpsc::Sender<Command>,
+    snapshots: SnapshotHandle,
 }
 
 impl ControlHandle {
+    /// The live routing snapshot, for read-only views of runtime state (health, ejection).
+    pub fn snapshot(&self) -> Arc<crate::snapshot::Snapshot> {
+        self.snapshots.load_full()
+    }
+
     /// Returns once a snapshot built after this call has been published; its generation.
     pub async fn apply(&self) -> Result<u64, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
@@ -87,10 +96,11 @@ struct ControlTask {
     store: Store,
     snapshots: SnapshotHandle,
     clock: Clock,
-    /// Per-target runtime state carried from snapshot to snapshot by target id.
-    loads: HashMap<Id, Arc<TargetLoad>>,
+    /// Runtime state carried from snapshot to snapshot by target and service id.
+    carried: CarriedState,
     generation: u64,
     sources: HashMap<Id, SourceEntry>,
+    health_checkers: health::HealthCheckers,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
 }
@@ -99,8 +109,10 @@ impl ControlTask {
     async fn rebuild(&mut self) -> Result<u64, ControlError> {
         let config = self.store.load_routing_config().await?;
         self.generation += 1;
-        let snapshot = build_snapshot(&config, &mut self.loads, self.generation);
+        let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
         self.snapshots.publish(snapshot);
+        self.health_checkers
+            .sync(&config.services, &self.snapshots, &self.store);
         tracing::debug!(generation = self.generation, "published routing snapshot");
         Ok(self.generation)
     }
@@ -110,7 +122,6 @@ impl ControlTask {
         self.sync_sources().await?;
         self.rebuild().await
     }
-
 
     async fn run(
         mut self,
@@ -191,9 +202,10 @@ pub async fn start(
         store,
         snapshots,
         clock: Clock::new(),
-        loads: HashMap::new(),
+        carried: CarriedState::default(),
         generation: 0,
         sources: HashMap::new(),
+        health_checkers: health::HealthCheckers::default(),
         next_runner_generation: 1,
         outcomes: outcome_sender,
     };
@@ -202,6 +214,13 @@ pub async fn start(
         task.rebuild().await?;
     }
     let (sender, receiver) = mpsc::channel(256);
+    let snapshots = task.snapshots.clone();
     let join = tokio::spawn(task.run(receiver, outcome_receiver));
-    Ok((ControlHandle { commands: sender }, join))
+    Ok((
+        ControlHandle {
+            commands: sender,
+            snapshots,
+        },
+        join,
+    ))
 }

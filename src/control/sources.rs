@@ -96,7 +96,9 @@ impl ControlTask {
             }
             entry.progress.next_refresh_at = Some(now);
             self.start_runner(entry);
-            self.store.save_progress(entry.source.id, &entry.progress).await?;
+            self.store
+                .save_progress(entry.source.id, &entry.progress)
+                .await?;
             return Ok(false);
         }
         let mut changed = false;
@@ -105,8 +107,14 @@ impl ControlTask {
             let changes = reconcile::drain_all(&targets, now, entry.removal_grace());
             changed = self.write_changes(entry, &changes).await?;
             lifecycle::disable(&mut entry.progress);
-            self.store.save_progress(entry.source.id, &entry.progress).await?;
-            tracing::info!(source_id = entry.source.id, drained = changes.len(), "discovery source disabled");
+            self.store
+                .save_progress(entry.source.id, &entry.progress)
+                .await?;
+            tracing::info!(
+                source_id = entry.source.id,
+                drained = changes.len(),
+                "discovery source disabled"
+            );
         }
         Ok(changed)
     }
@@ -181,8 +189,12 @@ impl ControlTask {
         match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
-                let changes =
-                    reconcile::reconcile(&targets, &discovered.endpoints, now, entry.removal_grace());
+                let changes = reconcile::reconcile(
+                    &targets,
+                    &discovered.endpoints,
+                    now,
+                    entry.removal_grace(),
+                );
                 changed = self.write_changes(entry, &changes).await?;
                 let transition = lifecycle::record_success(
                     &mut entry.progress,
@@ -220,14 +232,20 @@ impl ControlTask {
                 }
             }
         }
-        self.store.save_progress(entry.source.id, &entry.progress).await?;
+        self.store
+            .save_progress(entry.source.id, &entry.progress)
+            .await?;
         Ok(changed)
     }
 
     async fn mark_stale(&mut self, entry: &mut SourceEntry) -> Result<bool, StoreError> {
         let targets = self.store.source_targets(entry.source.id).await?;
         let changes = reconcile::mark_stale(&targets);
-        tracing::warn!(source_id = entry.source.id, targets = changes.len(), "discovery source is stale; its targets take no new traffic");
+        tracing::warn!(
+            source_id = entry.source.id,
+            targets = changes.len(),
+            "discovery source is stale; its targets take no new traffic"
+        );
         self.write_changes(entry, &changes).await
     }
 
@@ -269,7 +287,9 @@ impl ControlTask {
         let ids: Vec<Id> = self.sources.keys().copied().collect();
         let mut changed = false;
         for id in ids {
-            let Some(mut entry) = self.sources.remove(&id) else { continue };
+            let Some(mut entry) = self.sources.remove(&id) else {
+                continue;
+            };
             match self.run_source_timers(&mut entry, now).await {
                 Ok(source_changed) => changed |= source_changed,
                 Err(error) => {
@@ -300,9 +320,12 @@ impl ControlTask {
             }
         }
         let stale_after = entry.stale_after();
-        if lifecycle::check_stale(&mut entry.progress, now, stale_after) == Transition::BecameStale {
+        if lifecycle::check_stale(&mut entry.progress, now, stale_after) == Transition::BecameStale
+        {
             changed |= self.mark_stale(entry).await?;
-            self.store.save_progress(entry.source.id, &entry.progress).await?;
+            self.store
+                .save_progress(entry.source.id, &entry.progress)
+                .await?;
         }
         Ok(changed)
     }

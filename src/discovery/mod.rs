@@ -139,7 +139,10 @@ mod tests {
         let a = vec![endpoint("a", 1), endpoint("b", 2)];
         let b = vec![endpoint("b", 2), endpoint("a", 1)];
         assert_eq!(revision_of(&a), revision_of(&b));
-        assert_ne!(revision_of(&a), revision_of(&[endpoint("a", 1), endpoint("b", 3)]));
+        assert_ne!(
+            revision_of(&a),
+            revision_of(&[endpoint("a", 1), endpoint("b", 3)])
+        );
         assert_ne!(revision_of(&a), revision_of(&[]));
     }
 }

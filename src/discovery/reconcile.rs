@@ -255,6 +255,7 @@ mod tests {
             health: Health::Healthy,
             ejected_until: None,
             remove_at: None,
+            last_check: None,
             created_at: at(1_600_000_000_000),
             updated_at: at(1_600_000_000_000),
         }

@@ -119,7 +119,11 @@ pub struct RunnerSpec {
     pub first_delay: Duration,
 }
 
-pub fn spawn(spec: RunnerSpec, clock: Clock, outcomes: mpsc::Sender<RefreshOutcome>) -> RunnerHandle {
+pub fn spawn(
+    spec: RunnerSpec,
+    clock: Clock,
+    outcomes: mpsc::Sender<RefreshOutcome>,
+) -> RunnerHandle {
     let wake = Arc::new(Notify::new());
     let refreshing = Arc::new(AtomicBool::new(false));
     let generation = spec.generation;
@@ -146,12 +150,13 @@ async fn run(
             _ = wake.notified() => {}
         }
         refreshing.store(true, Ordering::Release);
-        let result = match tokio::time::timeout(spec.schedule.timeout, spec.provider.refresh()).await {
-            Ok(result) => result,
-            Err(_) => Err(DiscoveryError::Timeout {
-                timeout_ms: spec.schedule.timeout.as_millis() as u64,
-            }),
-        };
+        let result =
+            match tokio::time::timeout(spec.schedule.timeout, spec.provider.refresh()).await {
+                Ok(result) => result,
+                Err(_) => Err(DiscoveryError::Timeout {
+                    timeout_ms: spec.schedule.timeout.as_millis() as u64,
+                }),
+            };
         refreshing.store(false, Ordering::Release);
         let ttl = result.as_ref().ok().and_then(|discovered| discovered.ttl);
         delay = next_delay(&spec.schedule, ttl, fastrand::f64());
@@ -256,13 +261,19 @@ mod tests {
         let schedule = schedule(30_000, 5_000);
         assert_eq!(next_delay(&schedule, None, 0.0), Duration::from_secs(30));
         assert_eq!(next_delay(&schedule, None, 0.999_999).as_millis(), 27_000);
-        assert_eq!(next_delay(&schedule, None, 0.5), Duration::from_millis(28_500));
+        assert_eq!(
+            next_delay(&schedule, None, 0.5),
+            Duration::from_millis(28_500)
+        );
     }
 
     #[test]
     fn short_ttl_refreshes_earlier_with_a_floor() {
         let schedule = schedule(30_000, 5_000);
-        assert_eq!(next_delay(&schedule, Some(Duration::from_secs(5)), 0.0), Duration::from_secs(5));
+        assert_eq!(
+            next_delay(&schedule, Some(Duration::from_secs(5)), 0.0),
+            Duration::from_secs(5)
+        );
         assert_eq!(next_delay(&schedule, Some(Duration::ZERO), 0.0), TTL_FLOOR);
         assert_eq!(
             next_delay(&schedule, Some(Duration::from_secs(300)), 0.0),
@@ -297,17 +308,27 @@ mod tests {
         let started = tokio::time::Instant::now();
         let outcome = harness.outcomes.recv().await.unwrap();
         assert_eq!(started.elapsed(), Duration::from_millis(500));
-        assert_eq!(outcome.result, Err(DiscoveryError::Timeout { timeout_ms: 500 }));
+        assert_eq!(
+            outcome.result,
+            Err(DiscoveryError::Timeout { timeout_ms: 500 })
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn ttl_shortens_the_wait() {
-        let mut harness = start(schedule(60_000, 1_000), Duration::ZERO, Some(Duration::from_secs(2)));
+        let mut harness = start(
+            schedule(60_000, 1_000),
+            Duration::ZERO,
+            Some(Duration::from_secs(2)),
+        );
         harness.outcomes.recv().await.unwrap();
         let started = tokio::time::Instant::now();
         harness.outcomes.recv().await.unwrap();
         let waited = started.elapsed();
-        assert!(waited <= Duration::from_secs(2) && waited >= Duration::from_millis(1_800), "{waited:?}");
+        assert!(
+            waited <= Duration::from_secs(2) && waited >= Duration::from_millis(1_800),
+            "{waited:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -332,7 +353,10 @@ mod tests {
         let mut harness = start(schedule(1_000, 500), Duration::ZERO, None);
         *harness.fail.lock().unwrap() = true;
         let failed = harness.outcomes.recv().await.unwrap();
-        assert!(matches!(failed.result, Err(DiscoveryError::HttpStatus { status: 500, .. })));
+        assert!(matches!(
+            failed.result,
+            Err(DiscoveryError::HttpStatus { status: 500, .. })
+        ));
         *harness.fail.lock().unwrap() = false;
         let recovered = harness.outcomes.recv().await.unwrap();
         assert!(recovered.result.is_ok());
@@ -343,6 +367,9 @@ mod tests {
         let mut harness = start(schedule(1_000, 500), Duration::ZERO, None);
         harness.outcomes.recv().await.unwrap();
         drop(harness.handle);
-        assert!(harness.outcomes.recv().await.is_none(), "the loop ended and closed its sender");
+        assert!(
+            harness.outcomes.recv().await.is_none(),
+            "the loop ended and closed its sender"
+        );
     }
 }

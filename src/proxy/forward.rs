@@ -17,6 +17,7 @@ use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponse
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
+use crate::balance::unix_ms;
 use crate::model::Id;
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
 
@@ -219,7 +220,7 @@ async fn send_with_retries(
     let mut last_error = None;
 
     for attempt in 1..=attempts {
-        let Some(target) = service.pick(|candidate| tried.contains(candidate.id)) else {
+        let Some((target, _)) = service.pick(|candidate| tried.contains(candidate.id)) else {
             break;
         };
         tried.push(target.id);
@@ -229,16 +230,26 @@ async fn send_with_retries(
         let body_sent = streaming.as_ref().map(|streaming| streaming.sent.clone());
         let outcome = await_response(client.request(request), body_sent, response_timeout).await;
         let error = match outcome {
-            Ok(Ok(response)) => return Ok((response, in_flight)),
+            Ok(Ok(response)) => {
+                let failed = service
+                    .service
+                    .ejection
+                    .failure_statuses
+                    .contains(&response.status().as_u16());
+                record_outcome(service, target, failed);
+                return Ok((response, in_flight));
+            }
             Ok(Err(error)) => error,
             Err(_elapsed) => {
+                record_outcome(service, target, true);
                 return Err(ProxyError::ResponseTimeout {
                     service: service.service.name.clone(),
                     target: target.authority.to_string(),
                     timeout_ms: service.service.timeouts.response_header_ms,
-                })
+                });
             }
         };
+        record_outcome(service, target, true);
         drop(in_flight);
         if let Some(streaming) = streaming {
             outgoing.body = reclaim(streaming.returned);
@@ -275,6 +286,46 @@ async fn await_response<F: std::future::Future>(
         }
     }
     tokio::time::timeout(timeout, response).await
+}
+
+/// Feeds passive ejection: a failure (connect error, timeout, a failure status) may take the
+/// target out; a success clears its record.
+fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
+    let policy = &service.service.ejection;
+    if !policy.enabled {
+        return;
+    }
+    if !failed {
+        target.health.record_success();
+        return;
+    }
+    let now = unix_ms();
+    if !target.health.record_failure(now, policy) || !ejection_allowed(service, now) {
+        return;
+    }
+    if let Some(until) = target.health.eject(now, policy) {
+        tracing::warn!(
+            service = %service.service.name,
+            target = %target.authority,
+            ejected_for_ms = until.saturating_sub(now),
+            "target ejected after failures"
+        );
+    }
+}
+
+/// `max_ejection_percent` of the service's targets may be out at once, and always at least one.
+fn ejection_allowed(service: &ServiceRuntime, now: u64) -> bool {
+    let percent = service.service.ejection.max_ejection_percent as usize;
+    if percent == 0 {
+        return false;
+    }
+    let allowed = (service.targets.len() * percent / 100).max(1);
+    let ejected = service
+        .targets
+        .iter()
+        .filter(|target| target.health.ejected_until(now).is_some())
+        .count();
+    ejected < allowed
 }
 
 /// Targets this request already tried, without allocating.

@@ -162,8 +162,16 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.1"));
         headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.2"));
-        add_forwarding_headers(&mut headers, "127.0.0.1".parse().unwrap(), None, Version::HTTP_11);
-        assert_eq!(headers[&X_FORWARDED_FOR], "198.51.100.1, 198.51.100.2, 127.0.0.1");
+        add_forwarding_headers(
+            &mut headers,
+            "127.0.0.1".parse().unwrap(),
+            None,
+            Version::HTTP_11,
+        );
+        assert_eq!(
+            headers[&X_FORWARDED_FOR],
+            "198.51.100.1, 198.51.100.2, 127.0.0.1"
+        );
         assert_eq!(headers.get_all(&X_FORWARDED_FOR).iter().count(), 1);
     }
 

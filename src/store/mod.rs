@@ -146,8 +146,8 @@ impl Store {
         let result = sqlx::query(
             "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, lb_policy,
                 connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms, max_attempts,
-                created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                health_check, ejection, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&spec.name)
         .bind(spec.protocol.as_str())
@@ -159,6 +159,8 @@ impl Store {
         .bind(spec.timeouts.response_header_ms as i64)
         .bind(spec.timeouts.idle_ms as i64)
         .bind(spec.max_attempts)
+        .bind(spec.health_check.as_ref().map(json_value))
+        .bind(json_value(&spec.ejection))
         .bind(now)
         .bind(now)
         .execute(&self.pool)
@@ -171,7 +173,7 @@ impl Store {
         let result = sqlx::query(
             "UPDATE services SET name = ?, protocol = ?, upstream_authority = ?, tls_sni = ?,
                 tls_verify = ?, lb_policy = ?, connect_timeout_ms = ?, response_header_timeout_ms = ?,
-                idle_timeout_ms = ?, max_attempts = ?, updated_at = ?
+                idle_timeout_ms = ?, max_attempts = ?, health_check = ?, ejection = ?, updated_at = ?
              WHERE id = ?",
         )
         .bind(&spec.name)
@@ -184,6 +186,8 @@ impl Store {
         .bind(spec.timeouts.response_header_ms as i64)
         .bind(spec.timeouts.idle_ms as i64)
         .bind(spec.max_attempts)
+        .bind(spec.health_check.as_ref().map(json_value))
+        .bind(json_value(&spec.ejection))
         .bind(now_ms())
         .bind(id)
         .execute(&self.pool)
@@ -477,6 +481,10 @@ where
     T: TryFrom<R, Error = StoreError>,
 {
     rows.into_iter().map(T::try_from).collect()
+}
+
+fn json_value<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("plain data always serialises")
 }
 
 fn json_text(values: &[String]) -> String {

@@ -4,8 +4,8 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::StoreError;
 use crate::model::{
-    DiscoverySource, Health, LbPolicy, Protocol, ProviderKind, Role, Route, Service, SourceProgress,
-    SourceState, Target, TargetState, Timeouts, Token,
+    DiscoverySource, Health, LbPolicy, Protocol, ProviderKind, Role, Route, Service,
+    SourceProgress, SourceState, Target, TargetState, Timeouts, Token,
 };
 
 fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
@@ -20,6 +20,10 @@ fn parse_text<T>(text: &str, what: &str, parse: fn(&str) -> Option<T>) -> Result
 
 fn non_negative(value: i64, what: &str) -> Result<u64, StoreError> {
     u64::try_from(value).map_err(|_| StoreError::Corrupt(format!("negative {what} {value}")))
+}
+
+fn json<T: serde::de::DeserializeOwned>(text: &str, what: &str) -> Result<T, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
 fn string_list(text: &str, what: &str) -> Result<Vec<String>, StoreError> {
@@ -39,6 +43,8 @@ pub(super) struct ServiceRow {
     response_header_timeout_ms: i64,
     idle_timeout_ms: i64,
     max_attempts: i64,
+    health_check: Option<String>,
+    ejection: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -64,6 +70,17 @@ impl TryFrom<ServiceRow> for Service {
             },
             max_attempts: u32::try_from(row.max_attempts)
                 .map_err(|_| StoreError::Corrupt(format!("max_attempts {}", row.max_attempts)))?,
+            health_check: row
+                .health_check
+                .as_deref()
+                .map(|text| json(text, "health_check"))
+                .transpose()?,
+            ejection: row
+                .ejection
+                .as_deref()
+                .map(|text| json(text, "ejection"))
+                .transpose()?
+                .unwrap_or_default(),
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })
@@ -86,6 +103,7 @@ pub(super) struct TargetRow {
     health: String,
     ejected_until: Option<i64>,
     remove_at: Option<i64>,
+    last_check: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -112,6 +130,11 @@ impl TryFrom<TargetRow> for Target {
             health: parse_text(&row.health, "target health", Health::parse)?,
             ejected_until: row.ejected_until.map(time).transpose()?,
             remove_at: row.remove_at.map(time).transpose()?,
+            last_check: row
+                .last_check
+                .as_deref()
+                .map(|text| json(text, "last_check"))
+                .transpose()?,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })

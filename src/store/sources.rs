@@ -66,7 +66,9 @@ impl Store {
     }
 
     pub async fn get_source(&self, id: Id) -> Result<DiscoverySource, StoreError> {
-        self.get_source_with_progress(id).await.map(|(source, _)| source)
+        self.get_source_with_progress(id)
+            .await
+            .map(|(source, _)| source)
     }
 
     /// `spec.config` must already be validated and normalised by its provider.
@@ -184,12 +186,11 @@ impl Store {
     }
 
     pub async fn source_targets(&self, source_id: Id) -> Result<Vec<Target>, StoreError> {
-        let rows = sqlx::query_as::<_, TargetRow>(
-            "SELECT * FROM targets WHERE source_id = ? ORDER BY id",
-        )
-        .bind(source_id)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows =
+            sqlx::query_as::<_, TargetRow>("SELECT * FROM targets WHERE source_id = ? ORDER BY id")
+                .bind(source_id)
+                .fetch_all(&self.pool)
+                .await?;
         convert_all(rows)
     }
 
@@ -275,6 +276,30 @@ impl Store {
                         .await?;
                 }
             }
+        }
+        transaction.commit().await?;
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Stores one round of health checks: each target's health and latest result.
+    pub async fn record_health_checks(
+        &self,
+        records: &[(Id, crate::model::Health, crate::model::CheckResult)],
+    ) -> Result<(), StoreError> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut transaction = self.pool.begin().await?;
+        for (id, health, result) in records {
+            let last_check = serde_json::to_string(result).expect("plain data always serialises");
+            sqlx::query("UPDATE targets SET health = ?, last_check = ? WHERE id = ?")
+                .bind(health.as_str())
+                .bind(last_check)
+                .bind(id)
+                .execute(&mut *transaction)
+                .await?;
         }
         transaction.commit().await?;
         Ok(())

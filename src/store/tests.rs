@@ -17,6 +17,8 @@ fn service_spec(name: &str) -> ServiceSpec {
         lb_policy: LbPolicy::LeastRequest,
         timeouts: Timeouts::default(),
         max_attempts: 2,
+        health_check: None,
+        ejection: Default::default(),
     }
 }
 
