@@ -78,7 +78,9 @@ impl ServiceRuntime {
         if let Some(index) = available {
             return Some((&self.targets[index], PickKind::Available));
         }
-        let index = self.balancer.pick(|index| skip(&self.targets[index]))?;
+        let index = self
+            .balancer
+            .pick_random(|index| skip(&self.targets[index]))?;
         self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
         Some((&self.targets[index], PickKind::Panic))
     }

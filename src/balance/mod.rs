@@ -124,6 +124,21 @@ impl Balancer {
         })
     }
 
+    /// Like [`Balancer::pick`] but weighted-random within the tier and without moving the
+    /// round-robin cursor: for a second pass over the same request (panic fallback), which must
+    /// not bend the rotation of ordinary picks.
+    pub fn pick_random(&self, skip: impl Fn(usize) -> bool) -> Option<usize> {
+        self.tiers.iter().find_map(|tier| {
+            let sampled = (0..PROBES)
+                .map(|_| match &tier.chooser {
+                    Chooser::RoundRobin(schedule) => schedule.sample(),
+                    Chooser::Random(table) | Chooser::LeastRequest(table) => table.draw(),
+                })
+                .find(|&id| !skip(id));
+            sampled.or_else(|| tier.first_available(&skip))
+        })
+    }
+
     pub fn policy(&self) -> LbPolicy {
         self.policy
     }

@@ -337,3 +337,25 @@ fn debug_is_a_summary() {
         "{text}"
     );
 }
+
+#[test]
+fn pick_random_spreads_by_weight_and_leaves_the_rotation_alone() {
+    let balancer = Balancer::new(LbPolicy::RoundRobin, members(&[(1, 0), (1, 0), (1, 10)]));
+    let mut seen = [0usize; 3];
+    for _ in 0..2_000 {
+        seen[balancer.pick_random(|_| false).unwrap()] += 1;
+    }
+    assert_eq!(seen[2], 0, "the preferred tier wins");
+    assert!(seen[0] > 800 && seen[1] > 800, "spread over both: {seen:?}");
+    // Ordinary picks keep alternating whatever pick_random did in between.
+    let first = balancer.pick(|_| false).unwrap();
+    balancer.pick_random(|_| false);
+    let second = balancer.pick(|_| false).unwrap();
+    assert_ne!(first, second);
+    assert_eq!(
+        balancer.pick_random(|id| id != 2),
+        Some(2),
+        "failover to the next tier"
+    );
+    assert_eq!(balancer.pick_random(|_| true), None);
+}

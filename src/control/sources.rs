@@ -185,8 +185,7 @@ impl ControlTask {
         outcome: RefreshOutcome,
     ) -> Result<bool, StoreError> {
         let now = outcome.finished_at;
-        let mut changed = false;
-        match outcome.result {
+        let changes = match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
                 let changes = reconcile::reconcile(
@@ -195,14 +194,13 @@ impl ControlTask {
                     now,
                     entry.removal_grace(),
                 );
-                changed = self.write_changes(entry, &changes).await?;
                 let transition = lifecycle::record_success(
                     &mut entry.progress,
                     now,
                     discovered.revision,
                     outcome.next_refresh_at,
                 );
-                if transition != Transition::Unchanged || changed {
+                if transition != Transition::Unchanged || !changes.is_empty() {
                     tracing::info!(
                         source_id = entry.source.id,
                         endpoints = discovered.endpoints.len(),
@@ -210,6 +208,7 @@ impl ControlTask {
                         "discovery refresh applied"
                     );
                 }
+                changes
             }
             Err(error) => {
                 let stale_after = entry.stale_after();
@@ -228,17 +227,25 @@ impl ControlTask {
                     tracing::warn!(source_id = entry.source.id, %error, state = entry.progress.state.as_str(), "discovery refresh failed");
                 }
                 if transition == Transition::BecameStale {
-                    changed = self.mark_stale(entry).await?;
+                    self.stale_changes(entry).await?
+                } else {
+                    Vec::new()
                 }
             }
-        }
+        };
         self.store
-            .save_progress(entry.source.id, &entry.progress)
+            .apply_refresh(
+                entry.source.service_id,
+                entry.source.id,
+                &changes,
+                Some(&entry.progress),
+            )
             .await?;
-        Ok(changed)
+        self.after_changes(entry, &changes).await
     }
 
-    async fn mark_stale(&mut self, entry: &mut SourceEntry) -> Result<bool, StoreError> {
+    /// Stale targets of a source that just turned stale.
+    async fn stale_changes(&self, entry: &SourceEntry) -> Result<Vec<TargetChange>, StoreError> {
         let targets = self.store.source_targets(entry.source.id).await?;
         let changes = reconcile::mark_stale(&targets);
         tracing::warn!(
@@ -246,7 +253,26 @@ impl ControlTask {
             targets = changes.len(),
             "discovery source is stale; its targets take no new traffic"
         );
+        Ok(changes)
+    }
+
+    async fn mark_stale(&mut self, entry: &mut SourceEntry) -> Result<bool, StoreError> {
+        let changes = self.stale_changes(entry).await?;
         self.write_changes(entry, &changes).await
+    }
+
+    /// Refreshes the entry's removal deadline after written changes. Returns whether any.
+    async fn after_changes(
+        &self,
+        entry: &mut SourceEntry,
+        changes: &[TargetChange],
+    ) -> Result<bool, StoreError> {
+        if changes.is_empty() {
+            return Ok(false);
+        }
+        let targets = self.store.source_targets(entry.source.id).await?;
+        entry.next_removal = reconcile::next_removal(&targets);
+        Ok(true)
     }
 
     /// Writes changes and refreshes the entry's removal deadline. Returns whether anything changed.
@@ -261,9 +287,7 @@ impl ControlTask {
         self.store
             .apply_target_changes(entry.source.service_id, entry.source.id, changes)
             .await?;
-        let targets = self.store.source_targets(entry.source.id).await?;
-        entry.next_removal = reconcile::next_removal(&targets);
-        Ok(true)
+        self.after_changes(entry, changes).await
     }
 
     /// The earliest removal deadline or stale deadline of any source.

@@ -86,7 +86,13 @@ impl RunnerHandle {
     /// Asks for an immediate refresh; false when one is already running (the caller's request
     /// is served by it).
     pub fn request_refresh(&self) -> bool {
-        if self.refreshing.load(Ordering::Acquire) {
+        // Claiming the flag here, not when the loop wakes, makes a second request that arrives
+        // before the loop runs join the first instead of queueing another refresh.
+        if self
+            .refreshing
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return false;
         }
         self.wake.notify_one();
@@ -337,7 +343,9 @@ mod tests {
         harness.outcomes.recv().await.unwrap();
         assert!(harness.handle.request_refresh());
         let asked = tokio::time::Instant::now();
-        // While that refresh runs, another request joins it instead of queueing a second.
+        // A second request before the loop even woke joins the first.
+        assert!(!harness.handle.request_refresh());
+        // So does one while that refresh runs.
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!harness.handle.request_refresh());
         harness.outcomes.recv().await.unwrap();

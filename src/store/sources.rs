@@ -147,22 +147,8 @@ impl Store {
     }
 
     pub async fn save_progress(&self, id: Id, progress: &SourceProgress) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE discovery_sources SET state = ?, last_error = ?, last_refresh_at = ?,
-                last_success_at = ?, next_refresh_at = ?, revision = ?, failing_since = ?
-             WHERE id = ?",
-        )
-        .bind(progress.state.as_str())
-        .bind(&progress.last_error)
-        .bind(millis(progress.last_refresh_at))
-        .bind(millis(progress.last_success_at))
-        .bind(millis(progress.next_refresh_at))
-        .bind(&progress.revision)
-        .bind(millis(progress.failing_since))
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let mut connection = self.pool.acquire().await?;
+        save_progress_in(&mut connection, id, progress).await
     }
 
     pub async fn endpoint_counts(&self, source_id: Id) -> Result<EndpointCounts, StoreError> {
@@ -201,11 +187,27 @@ impl Store {
         source_id: Id,
         changes: &[TargetChange],
     ) -> Result<(), StoreError> {
-        if changes.is_empty() {
+        self.apply_refresh(service_id, source_id, changes, None)
+            .await
+    }
+
+    /// Writes a refresh's target changes and, when given, the source's new progress in one
+    /// transaction, so the status never shows new counts beside an old revision.
+    pub async fn apply_refresh(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+        progress: Option<&SourceProgress>,
+    ) -> Result<(), StoreError> {
+        if changes.is_empty() && progress.is_none() {
             return Ok(());
         }
         let now = now_ms();
         let mut transaction = self.pool.begin().await?;
+        if let Some(progress) = progress {
+            save_progress_in(&mut transaction, source_id, progress).await?;
+        }
         for change in changes {
             match change {
                 TargetChange::Create(endpoint) => {
@@ -304,4 +306,27 @@ impl Store {
         transaction.commit().await?;
         Ok(())
     }
+}
+
+async fn save_progress_in(
+    connection: &mut sqlx::SqliteConnection,
+    id: Id,
+    progress: &SourceProgress,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE discovery_sources SET state = ?, last_error = ?, last_refresh_at = ?,
+            last_success_at = ?, next_refresh_at = ?, revision = ?, failing_since = ?
+         WHERE id = ?",
+    )
+    .bind(progress.state.as_str())
+    .bind(&progress.last_error)
+    .bind(millis(progress.last_refresh_at))
+    .bind(millis(progress.last_success_at))
+    .bind(millis(progress.next_refresh_at))
+    .bind(&progress.revision)
+    .bind(millis(progress.failing_since))
+    .bind(id)
+    .execute(connection)
+    .await?;
+    Ok(())
 }
