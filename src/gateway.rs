@@ -94,6 +94,7 @@ impl Gateway {
         let admin_app = admin::router(AdminState {
             store: store.clone(),
             control: control.clone(),
+            started_at: chrono::Utc::now(),
         });
         let mut admin_shutdown = shutdown_signal;
         let admin_task = tokio::spawn(async move {

@@ -59,9 +59,11 @@ pub enum PickKind {
 
 impl ServiceRuntime {
     /// Picks a target for a new request or connection; `skip` excludes ones already tried.
+    /// Without `allow_panic` (a retry), only available targets are picked.
     pub fn pick(
         &self,
         skip: impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
     ) -> Option<(&TargetRuntime, PickKind)> {
         // Read the clock at most once per pick, and only when some target has an ejection.
         let now_ms = std::cell::Cell::new(0);
@@ -77,6 +79,9 @@ impl ServiceRuntime {
         });
         if let Some(index) = available {
             return Some((&self.targets[index], PickKind::Available));
+        }
+        if !allow_panic {
+            return None;
         }
         let index = self
             .balancer

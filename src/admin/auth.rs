@@ -12,6 +12,8 @@ use crate::model::{Role, Token, TokenSpec};
 use crate::store::{Store, StoreError};
 
 const TOKEN_PREFIX: &str = "raahi_";
+/// The stored record of the token given as `admin.token` / `RAAHI_ADMIN_TOKEN`.
+const CONFIGURED_TOKEN_NAME: &str = "configured-admin";
 
 /// A new random secret: 32 bytes from the OS generator, hex encoded.
 pub fn generate_token() -> String {
@@ -45,13 +47,15 @@ pub enum Bootstrap {
 /// store without tokens.
 pub async fn bootstrap(store: &Store, configured: Option<&str>) -> Result<Bootstrap, StoreError> {
     if let Some(secret) = configured {
+        // One configured token at a time: a new `admin.token` replaces (and so revokes) the
+        // previous one.
         let hash = hash_token(secret);
         if store.find_token_by_hash(&hash).await?.is_none() {
             let spec = TokenSpec {
-                name: format!("configured-admin-{}", &hash[..8]),
+                name: CONFIGURED_TOKEN_NAME.to_owned(),
                 role: Role::Admin,
             };
-            store.create_token(&spec, &hash).await?;
+            store.upsert_token_by_name(&spec, &hash).await?;
         }
         return Ok(Bootstrap::Configured);
     }

@@ -31,6 +31,9 @@ use crate::store::{Page, Store};
 pub struct AdminState {
     pub store: Store,
     pub control: ControlHandle,
+    /// When this process started serving: a source still pending from before a restart gets a
+    /// first refresh's time from here.
+    pub started_at: chrono::DateTime<chrono::Utc>,
 }
 
 impl AdminState {
@@ -148,7 +151,7 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
             let first_attempt = chrono::Duration::milliseconds(timeout_ms as i64);
             source.enabled
                 && progress.state == crate::model::SourceState::Pending
-                && now - source.updated_at < first_attempt
+                && now - source.updated_at.max(state.started_at) < first_attempt
         })
         .map(|(source, _)| source.name.clone())
         .collect();

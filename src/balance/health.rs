@@ -80,18 +80,23 @@ impl TargetHealth {
         until == 0 || until <= now_ms()
     }
 
-    /// A request it served succeeded: its failure window starts over and any ejection ends.
-    pub fn record_success(&self) {
+    /// A request it served succeeded: its failure window starts over, and a trial after an
+    /// ejection restores it. A success that arrives while the ejection still runs (a request
+    /// started before it) does not cut the ejection short.
+    pub fn record_success(&self, now_ms: impl FnOnce() -> u64) {
         if self.window_failures.load(Ordering::Relaxed) != 0 {
             self.window_failures.store(0, Ordering::Relaxed);
         }
-        if self.ejected_until_ms.load(Ordering::Relaxed) != 0
-            || self.probation.load(Ordering::Relaxed)
-        {
-            self.ejected_until_ms.store(0, Ordering::Relaxed);
-            self.probation.store(false, Ordering::Relaxed);
-            self.ejections.store(0, Ordering::Relaxed);
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        if until == 0 && !self.probation.load(Ordering::Relaxed) {
+            return;
         }
+        if until > now_ms() {
+            return;
+        }
+        self.ejected_until_ms.store(0, Ordering::Relaxed);
+        self.probation.store(false, Ordering::Relaxed);
+        self.ejections.store(0, Ordering::Relaxed);
     }
 
     /// A request it served failed. Returns whether this failure calls for an ejection: the
@@ -178,7 +183,7 @@ mod tests {
         let target = TargetHealth::default();
         target.record_failure(100, &policy());
         target.record_failure(200, &policy());
-        target.record_success();
+        target.record_success(|| 250);
         assert!(!target.record_failure(300, &policy()));
     }
 
@@ -203,10 +208,18 @@ mod tests {
     }
 
     #[test]
+    fn a_success_during_the_ejection_does_not_end_it() {
+        let target = TargetHealth::default();
+        target.eject(0, &policy());
+        target.record_success(|| 5_000);
+        assert!(!target.is_available(|| 5_001), "still ejected");
+    }
+
+    #[test]
     fn a_successful_trial_restores_the_target() {
         let target = TargetHealth::default();
         target.eject(0, &policy());
-        target.record_success();
+        target.record_success(|| 10_000);
         assert!(target.is_available(|| 1));
         assert!(
             !target.record_failure(20_000, &policy()),

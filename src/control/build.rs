@@ -7,7 +7,7 @@ use http::uri::Authority;
 use http::HeaderValue;
 
 use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
-use crate::model::{Id, RoutingConfig, Target};
+use crate::model::{Health, Id, RoutingConfig, Target};
 use crate::snapshot::{authority_text, ServiceCounters, ServiceRuntime, Snapshot, TargetRuntime};
 
 /// Runtime state that outlives snapshots: per target id (in-flight, health, ejection) and per
@@ -67,6 +67,10 @@ pub fn build_snapshot(
                 };
                 let load = carried.loads.entry(target.id).or_default().clone();
                 let health = carried.health_of(target);
+                if service.health_check.is_none() {
+                    // Checks turned off: an old verdict must not keep the target out forever.
+                    health.set_health(Health::Unknown);
+                }
                 members.push(Member {
                     weight: target.weight,
                     priority: target.priority,

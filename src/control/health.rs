@@ -134,7 +134,7 @@ impl ServiceChecker {
                 });
             }
             let mut records = Vec::new();
-            let mut seen = Vec::new();
+            let mut seen = std::collections::HashSet::new();
             while let Some(joined) = checks.join_next().await {
                 let Ok((probe, result)) = joined else {
                     continue;
@@ -151,7 +151,7 @@ impl ServiceChecker {
                     );
                     probe.health.set_health(health);
                 }
-                seen.push(probe.target_id);
+                seen.insert(probe.target_id);
                 records.push((probe.target_id, health, result));
             }
             streaks.retain(|id, _| seen.contains(id));

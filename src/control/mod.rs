@@ -101,6 +101,8 @@ struct ControlTask {
     generation: u64,
     sources: HashMap<Id, SourceEntry>,
     health_checkers: health::HealthCheckers,
+    /// When to retry a sync of sources that failed on a store error.
+    resync_at: Option<chrono::DateTime<chrono::Utc>>,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
 }
@@ -119,8 +121,14 @@ impl ControlTask {
 
     /// Re-reads sources (starting, restarting or stopping their loops), then rebuilds.
     async fn apply(&mut self) -> Result<u64, ControlError> {
-        self.sync_sources().await?;
-        self.rebuild().await
+        let synced = self.sync_sources().await;
+        if synced.is_err() {
+            self.resync_at = Some(self.clock.now() + chrono::Duration::seconds(1));
+        }
+        let generation = self.rebuild().await?;
+        synced?;
+        self.resync_at = None;
+        Ok(generation)
     }
 
     async fn run(
@@ -206,6 +214,7 @@ pub async fn start(
         generation: 0,
         sources: HashMap::new(),
         health_checkers: health::HealthCheckers::default(),
+        resync_at: None,
         next_runner_generation: 1,
         outcomes: outcome_sender,
     };

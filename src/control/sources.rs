@@ -38,18 +38,45 @@ impl ControlTask {
         let stored = self.store.all_sources().await?;
         let mut present = HashSet::new();
         let mut changed = false;
+        let mut first_error = None;
         for (source, stored_progress) in stored {
             present.insert(source.id);
-            match self.sources.get(&source.id) {
+            let outcome = match self.sources.get(&source.id) {
                 Some(entry) if entry.source == source => continue,
-                Some(_) => changed |= self.reconfigure(source).await?,
-                None => changed |= self.adopt(source, stored_progress).await?,
+                Some(_) => self.reconfigure(source).await,
+                None => self.adopt(source, stored_progress).await,
+            };
+            match outcome {
+                Ok(source_changed) => changed |= source_changed,
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
             }
         }
         // Deleted sources: their targets went with them in the store; dropping the entry stops
         // the loop.
         self.sources.retain(|id, _| present.contains(id));
-        Ok(changed)
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(changed),
+        }
+    }
+
+    /// Syncs sources; on a store failure, tries again in a second rather than leave a source
+    /// without its loop or drain until the next admin change. Returns whether targets changed.
+    pub(super) async fn sync_sources_or_retry(&mut self) -> bool {
+        match self.sync_sources().await {
+            Ok(changed) => {
+                self.resync_at = None;
+                changed
+            }
+            Err(error) => {
+                tracing::error!(%error, "discovery sources not fully applied; retrying in 1 s");
+                self.resync_at = Some(self.clock.now() + chrono::Duration::seconds(1));
+                // Some sources may have changed before the failure.
+                true
+            }
+        }
     }
 
     /// A source seen for the first time (created, or found at start with its saved progress).
@@ -65,9 +92,10 @@ impl ControlTask {
             progress,
             runner: None,
         };
-        let changed = self.enforce_enabled(&mut entry, true).await?;
+        // Kept even when enforcing fails, so its loop and timers are not lost with the error.
+        let outcome = self.enforce_enabled(&mut entry, true).await;
         self.sources.insert(entry.source.id, entry);
-        Ok(changed)
+        outcome
     }
 
     /// A source whose settings changed: restart its loop with the new settings.
@@ -76,11 +104,15 @@ impl ControlTask {
             return Ok(false);
         };
         let was_enabled = entry.source.enabled;
-        entry.source = source;
+        let previous = std::mem::replace(&mut entry.source, source);
         entry.runner = None;
-        let changed = self.enforce_enabled(&mut entry, was_enabled).await?;
+        let outcome = self.enforce_enabled(&mut entry, was_enabled).await;
+        if outcome.is_err() {
+            // Still differs from the store, so the retry of the sync reconfigures it again.
+            entry.source = previous;
+        }
         self.sources.insert(entry.source.id, entry);
-        Ok(changed)
+        outcome
     }
 
     /// Starts the loop of an enabled source; drains and stops a disabled one.
@@ -226,8 +258,10 @@ impl ControlTask {
                 } else {
                     tracing::warn!(source_id = entry.source.id, %error, state = entry.progress.state.as_str(), "discovery refresh failed");
                 }
-                if transition == Transition::BecameStale {
-                    self.stale_changes(entry).await?
+                // Whenever stale, not only on the transition: a store failure on that first
+                // write must not leave the targets of a stale source active.
+                if entry.progress.state == SourceState::Stale {
+                    self.stale_changes(entry, transition).await?
                 } else {
                     Vec::new()
                 }
@@ -245,19 +279,25 @@ impl ControlTask {
     }
 
     /// Stale targets of a source that just turned stale.
-    async fn stale_changes(&self, entry: &SourceEntry) -> Result<Vec<TargetChange>, StoreError> {
+    async fn stale_changes(
+        &self,
+        entry: &SourceEntry,
+        transition: Transition,
+    ) -> Result<Vec<TargetChange>, StoreError> {
         let targets = self.store.source_targets(entry.source.id).await?;
         let changes = reconcile::mark_stale(&targets);
-        tracing::warn!(
-            source_id = entry.source.id,
-            targets = changes.len(),
-            "discovery source is stale; its targets take no new traffic"
-        );
+        if transition == Transition::BecameStale || !changes.is_empty() {
+            tracing::warn!(
+                source_id = entry.source.id,
+                targets = changes.len(),
+                "discovery source is stale; its targets take no new traffic"
+            );
+        }
         Ok(changes)
     }
 
     async fn mark_stale(&mut self, entry: &mut SourceEntry) -> Result<bool, StoreError> {
-        let changes = self.stale_changes(entry).await?;
+        let changes = self.stale_changes(entry, Transition::BecameStale).await?;
         self.write_changes(entry, &changes).await
     }
 
@@ -292,7 +332,8 @@ impl ControlTask {
 
     /// The earliest removal deadline or stale deadline of any source.
     pub(super) fn next_timer(&self) -> Option<DateTime<Utc>> {
-        self.sources
+        let source_timers = self
+            .sources
             .values()
             .flat_map(|entry| {
                 [
@@ -301,15 +342,20 @@ impl ControlTask {
                 ]
             })
             .flatten()
-            .min()
+            .min();
+        [source_timers, self.resync_at].into_iter().flatten().min()
     }
 
     /// Deletes targets whose removal grace ended and turns failing sources stale on time.
     /// Returns whether targets changed.
     pub(super) async fn run_timers(&mut self) -> bool {
         let now = self.clock.now();
+        let mut resynced = false;
+        if self.resync_at.is_some_and(|due| due <= now) {
+            resynced = self.sync_sources_or_retry().await;
+        }
         let ids: Vec<Id> = self.sources.keys().copied().collect();
-        let mut changed = false;
+        let mut changed = resynced;
         for id in ids {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;

@@ -1,6 +1,7 @@
 //! Body wrappers on the forwarding path.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -77,6 +78,8 @@ pub struct UntouchedBody {
     give_back: Option<oneshot::Sender<Incoming>>,
     /// Told when the last byte has been handed to the upstream connection.
     sent: Arc<Notify>,
+    /// Set when reading the client's body failed (the client went away mid-upload).
+    failed: Arc<AtomicBool>,
 }
 
 /// The caller's side of a streaming request body.
@@ -85,6 +88,8 @@ pub struct StreamingBody {
     pub returned: oneshot::Receiver<Incoming>,
     /// Notified once the whole body has been sent.
     pub sent: Arc<Notify>,
+    /// The client's side failed, not the upstream's.
+    pub failed: Arc<AtomicBool>,
 }
 
 impl UpstreamRequestBody {
@@ -92,15 +97,21 @@ impl UpstreamRequestBody {
     pub fn streaming(body: Incoming) -> (UpstreamRequestBody, StreamingBody) {
         let (give_back, returned) = oneshot::channel();
         let sent = Arc::new(Notify::new());
+        let failed = Arc::new(AtomicBool::new(false));
         let body = UntouchedBody {
             inner: Some(body),
             polled: false,
             give_back: Some(give_back),
             sent: sent.clone(),
+            failed: failed.clone(),
         };
         (
             UpstreamRequestBody::Streaming(body),
-            StreamingBody { returned, sent },
+            StreamingBody {
+                returned,
+                sent,
+                failed,
+            },
         )
     }
 }
@@ -134,7 +145,11 @@ impl Body for UpstreamRequestBody {
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
                 let finished = match &polled {
                     Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
-                    Poll::Ready(_) => true,
+                    Poll::Ready(Some(Err(_))) => {
+                        body.failed.store(true, Ordering::Relaxed);
+                        true
+                    }
+                    Poll::Ready(None) => true,
                     Poll::Pending => false,
                 };
                 if finished {

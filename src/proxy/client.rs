@@ -1,4 +1,5 @@
-//! Pooled keep-alive upstream HTTP clients, one per distinct set of connection settings.
+//! Pooled keep-alive upstream HTTP clients, one per service (and its connection settings), so
+//! a pool's lock is shared only by the requests of one service, never by all requests.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,13 +11,14 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
-use crate::model::Timeouts;
+use crate::model::{Id, Timeouts};
 
 pub type UpstreamClient = Client<HttpConnector, UpstreamRequestBody>;
 
-/// Connection settings that need a client (and so a pool) of their own.
+/// A service and the connection settings its pool was built with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct PoolSettings {
+    service_id: Id,
     connect_ms: u64,
     idle_ms: u64,
 }
@@ -28,8 +30,9 @@ pub struct UpstreamClients {
 }
 
 impl UpstreamClients {
-    pub fn for_timeouts(&self, timeouts: &Timeouts) -> Arc<UpstreamClient> {
+    pub fn for_service(&self, service_id: Id, timeouts: &Timeouts) -> Arc<UpstreamClient> {
         let settings = PoolSettings {
+            service_id,
             connect_ms: timeouts.connect_ms,
             idle_ms: timeouts.idle_ms,
         };

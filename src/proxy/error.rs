@@ -34,6 +34,8 @@ pub enum ProxyError {
         target: String,
         timeout_ms: u64,
     },
+    #[error("the request body could not be read from the client: {reason}")]
+    ClientBody { reason: String },
     #[error("target {target} of service {service} failed before responding: {reason}")]
     UpstreamFailed {
         service: String,
@@ -46,6 +48,7 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
+            ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
             ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::ConnectFailed { .. } | ProxyError::UpstreamFailed { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -59,6 +62,7 @@ impl ProxyError {
     pub fn code(&self) -> &'static str {
         match self {
             ProxyError::NoRoute { .. } => "no_route",
+            ProxyError::ClientBody { .. } => "client_body_failed",
             ProxyError::NoAvailableTarget { .. } => "no_available_target",
             ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
             ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
@@ -69,7 +73,7 @@ impl ProxyError {
 
     pub fn blame(&self) -> Blame {
         match self {
-            ProxyError::NoRoute { .. } => Blame::Client,
+            ProxyError::NoRoute { .. } | ProxyError::ClientBody { .. } => Blame::Client,
             ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
             _ => Blame::Upstream,
         }

@@ -17,6 +17,8 @@ use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponse
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
+use std::sync::atomic::Ordering;
+
 use crate::balance::unix_ms;
 use crate::model::Id;
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
@@ -142,12 +144,16 @@ fn prepare(
 ) -> Outgoing {
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
-    let original_host = headers.get(header::HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
-    });
+    // The authority of an absolute-form or HTTP/2 request wins over a Host header (RFC 9112
+    // §3.2.2), as it did for routing.
+    let original_host = parts
+        .uri
+        .authority()
+        .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+        .or_else(|| headers.get(header::HOST).cloned());
+    if parts.version == Version::HTTP_2 {
+        join_cookies(&mut headers);
+    }
     headers::strip_hop_by_hop(&mut headers);
     headers::add_forwarding_headers(
         &mut headers,
@@ -182,6 +188,23 @@ fn prepare(
     }
 }
 
+/// HTTP/2 clients split `cookie` into several fields; an HTTP/1.1 upstream expects one, joined
+/// with "; " (RFC 9113 §8.2.3).
+fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(header::COOKIE).iter().nth(1).is_none() {
+        return;
+    }
+    let joined = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .collect::<Vec<_>>()
+        .join("; ");
+    if let Ok(joined) = HeaderValue::from_str(&joined) {
+        headers.insert(header::COOKIE, joined);
+    }
+}
+
 fn upstream_path_and_query(route: &RouteEntry, uri: &Uri) -> PathAndQuery {
     let original = uri
         .path_and_query()
@@ -213,14 +236,21 @@ async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
 ) -> Result<(Response<Incoming>, InFlight), ProxyError> {
-    let client = state.clients.for_timeouts(&service.service.timeouts);
+    let client = state
+        .clients
+        .for_service(service.service.id, &service.service.timeouts);
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
     let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
     let mut tried = Tried::default();
     let mut last_error = None;
 
     for attempt in 1..=attempts {
-        let Some((target, _)) = service.pick(|candidate| tried.contains(candidate.id)) else {
+        // A retry goes only to an available target: falling back to an ejected or unhealthy
+        // one after a failure would add latency, not a chance of success.
+        let first_attempt = attempt == 1;
+        let Some((target, _)) =
+            service.pick(|candidate| tried.contains(candidate.id), first_attempt)
+        else {
             break;
         };
         tried.push(target.id);
@@ -239,7 +269,18 @@ async fn send_with_retries(
                 record_outcome(service, target, failed);
                 return Ok((response, in_flight));
             }
-            Ok(Err(error)) => error,
+            Ok(Err(error)) => {
+                let client_failed = streaming
+                    .as_ref()
+                    .is_some_and(|streaming| streaming.failed.load(Ordering::Relaxed));
+                if client_failed {
+                    // The client's upload broke, not the target: no ejection, no retry.
+                    return Err(ProxyError::ClientBody {
+                        reason: error_chain(&error),
+                    });
+                }
+                error
+            }
             Err(_elapsed) => {
                 record_outcome(service, target, true);
                 return Err(ProxyError::ResponseTimeout {
@@ -296,7 +337,7 @@ fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool
         return;
     }
     if !failed {
-        target.health.record_success();
+        target.health.record_success(unix_ms);
         return;
     }
     let now = unix_ms();

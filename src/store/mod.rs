@@ -222,7 +222,11 @@ impl Store {
         let result = sqlx::query("DELETE FROM services WHERE id = ?")
             .bind(id)
             .execute(&self.pool)
-            .await?;
+            .await
+            .map_err(|error| {
+                // A route created between the check above and this delete.
+                foreign_key(error, "id", format!("service {id} is used by a route"))
+            })?;
         if result.rows_affected() == 0 {
             return Err(StoreError::NotFound {
                 kind: "service",
@@ -283,7 +287,10 @@ impl Store {
         .bind(now)
         .bind(now)
         .execute(&self.pool)
-        .await?;
+        .await
+        .map_err(|error| {
+            foreign_key(error, "service_id", format!("service {service_id} was deleted"))
+        })?;
         self.get_target(result.last_insert_rowid()).await
     }
 
@@ -361,7 +368,15 @@ impl Store {
         .bind(now)
         .execute(&self.pool)
         .await
-        .map_err(|e| unique_name_conflict(e, "route", &spec.name))?;
+        .map_err(|e| unique_name_conflict(e, "route", &spec.name))
+        .map_err(|e| match e {
+            StoreError::Database(error) => foreign_key(
+                error,
+                "service_id",
+                format!("service {} was deleted", spec.service_id),
+            ),
+            other => other,
+        })?;
         self.get_route(result.last_insert_rowid()).await
     }
 
@@ -384,7 +399,15 @@ impl Store {
         .bind(id)
         .execute(&self.pool)
         .await
-        .map_err(|e| unique_name_conflict(e, "route", &spec.name))?;
+        .map_err(|e| unique_name_conflict(e, "route", &spec.name))
+        .map_err(|e| match e {
+            StoreError::Database(error) => foreign_key(
+                error,
+                "service_id",
+                format!("service {} was deleted", spec.service_id),
+            ),
+            other => other,
+        })?;
         if result.rows_affected() == 0 {
             return Err(StoreError::NotFound { kind: "route", id });
         }
@@ -455,6 +478,25 @@ impl Store {
         row.try_into()
     }
 
+    /// Creates the token `spec.name`, or gives an existing one of that name this hash and role.
+    pub async fn upsert_token_by_name(
+        &self,
+        spec: &TokenSpec,
+        token_hash: &str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO tokens (name, role, token_hash, created_at) VALUES (?, ?, ?, ?)
+             ON CONFLICT(name) DO UPDATE SET token_hash = excluded.token_hash, role = excluded.role",
+        )
+        .bind(&spec.name)
+        .bind(spec.role.as_str())
+        .bind(token_hash)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     pub async fn find_token_by_hash(&self, token_hash: &str) -> Result<Option<Token>, StoreError> {
         sqlx::query_as::<_, TokenRow>("SELECT * FROM tokens WHERE token_hash = ?")
             .bind(token_hash)
@@ -489,6 +531,16 @@ fn json_value<T: serde::Serialize>(value: &T) -> String {
 
 fn json_text(values: &[String]) -> String {
     serde_json::to_string(values).expect("a list of strings always serialises")
+}
+
+/// A foreign-key violation is a conflict with another write, not a store failure.
+fn foreign_key(error: sqlx::Error, field: &'static str, message: String) -> StoreError {
+    match &error {
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
+            StoreError::Conflict { field, message }
+        }
+        _ => StoreError::Database(error),
+    }
 }
 
 fn unique_name_conflict(error: sqlx::Error, kind: &'static str, name: &str) -> StoreError {
