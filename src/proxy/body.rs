@@ -1,7 +1,7 @@
 //! Body wrappers on the forwarding path.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -10,7 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
-use crate::balance::TargetLoad;
+use crate::balance::{unix_ms, TargetLoad};
 
 /// Counts a request against its target from pick until the response body is finished or dropped.
 pub struct InFlight {
@@ -80,6 +80,33 @@ pub struct UntouchedBody {
     sent: Arc<Notify>,
     /// Set when reading the client's body failed (the client went away mid-upload).
     failed: Arc<AtomicBool>,
+    progress: Arc<BodyProgress>,
+}
+
+/// How a streaming upload moves, to tell a stalled upload from a slow one and say who stalls.
+#[derive(Debug, Default)]
+pub struct BodyProgress {
+    /// Unix ms when a chunk last moved (or the upload started).
+    last_moved_ms: AtomicU64,
+    /// The upstream asked for more and the client has not sent it yet.
+    waiting_on_client: AtomicBool,
+}
+
+impl BodyProgress {
+    fn started(now_ms: u64) -> BodyProgress {
+        BodyProgress {
+            last_moved_ms: AtomicU64::new(now_ms),
+            waiting_on_client: AtomicBool::new(false),
+        }
+    }
+
+    pub fn last_moved_ms(&self) -> u64 {
+        self.last_moved_ms.load(Ordering::Relaxed)
+    }
+
+    pub fn waiting_on_client(&self) -> bool {
+        self.waiting_on_client.load(Ordering::Relaxed)
+    }
 }
 
 /// The caller's side of a streaming request body.
@@ -90,6 +117,7 @@ pub struct StreamingBody {
     pub sent: Arc<Notify>,
     /// The client's side failed, not the upstream's.
     pub failed: Arc<AtomicBool>,
+    pub progress: Arc<BodyProgress>,
 }
 
 impl UpstreamRequestBody {
@@ -98,12 +126,14 @@ impl UpstreamRequestBody {
         let (give_back, returned) = oneshot::channel();
         let sent = Arc::new(Notify::new());
         let failed = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(BodyProgress::started(unix_ms()));
         let body = UntouchedBody {
             inner: Some(body),
             polled: false,
             give_back: Some(give_back),
             sent: sent.clone(),
             failed: failed.clone(),
+            progress: progress.clone(),
         };
         (
             UpstreamRequestBody::Streaming(body),
@@ -111,6 +141,7 @@ impl UpstreamRequestBody {
                 returned,
                 sent,
                 failed,
+                progress,
             },
         )
     }
@@ -143,6 +174,15 @@ impl Body for UpstreamRequestBody {
                     return Poll::Ready(None);
                 };
                 let polled = Pin::new(&mut *inner).poll_frame(cx);
+                let waiting = polled.is_pending();
+                body.progress
+                    .waiting_on_client
+                    .store(waiting, Ordering::Relaxed);
+                if !waiting {
+                    body.progress
+                        .last_moved_ms
+                        .store(unix_ms(), Ordering::Relaxed);
+                }
                 let finished = match &polled {
                     Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
                     Poll::Ready(Some(Err(_))) => {

@@ -36,6 +36,14 @@ pub enum ProxyError {
     },
     #[error("the request body could not be read from the client: {reason}")]
     ClientBody { reason: String },
+    #[error("the client sent no request body bytes for {timeout_ms} ms")]
+    ClientBodyTimeout { timeout_ms: u64 },
+    #[error("target {target} of service {service} read no request body bytes for {timeout_ms} ms")]
+    UpstreamSendTimeout {
+        service: String,
+        target: String,
+        timeout_ms: u64,
+    },
     #[error("target {target} of service {service} failed before responding: {reason}")]
     UpstreamFailed {
         service: String,
@@ -49,6 +57,8 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
             ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::UpstreamSendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::ConnectFailed { .. } | ProxyError::UpstreamFailed { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -63,6 +73,8 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } => "no_route",
             ProxyError::ClientBody { .. } => "client_body_failed",
+            ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
+            ProxyError::UpstreamSendTimeout { .. } => "upstream_send_timeout",
             ProxyError::NoAvailableTarget { .. } => "no_available_target",
             ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
             ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
@@ -73,7 +85,9 @@ impl ProxyError {
 
     pub fn blame(&self) -> Blame {
         match self {
-            ProxyError::NoRoute { .. } | ProxyError::ClientBody { .. } => Blame::Client,
+            ProxyError::NoRoute { .. }
+            | ProxyError::ClientBody { .. }
+            | ProxyError::ClientBodyTimeout { .. } => Blame::Client,
             ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
             _ => Blame::Upstream,
         }

@@ -257,8 +257,12 @@ async fn send_with_retries(
         let may_retry_later = attempt < attempts;
         let (request, streaming) = build_attempt(&mut outgoing, target, may_retry_later);
         let in_flight = InFlight::start(&target.load);
-        let body_sent = streaming.as_ref().map(|streaming| streaming.sent.clone());
-        let outcome = await_response(client.request(request), body_sent, response_timeout).await;
+        let outcome = await_response(
+            client.request(request),
+            streaming.as_ref(),
+            response_timeout,
+        )
+        .await;
         let error = match outcome {
             Ok(Ok(response)) => {
                 let failed = service
@@ -281,7 +285,24 @@ async fn send_with_retries(
                 }
                 error
             }
-            Err(_elapsed) => {
+            Err(NoResponse::BodyStalled {
+                client_stalled: true,
+            }) => {
+                return Err(ProxyError::ClientBodyTimeout {
+                    timeout_ms: service.service.timeouts.response_header_ms,
+                });
+            }
+            Err(NoResponse::BodyStalled {
+                client_stalled: false,
+            }) => {
+                record_outcome(service, target, true);
+                return Err(ProxyError::UpstreamSendTimeout {
+                    service: service.service.name.clone(),
+                    target: target.authority.to_string(),
+                    timeout_ms: service.service.timeouts.response_header_ms,
+                });
+            }
+            Err(NoResponse::HeadersLate) => {
                 record_outcome(service, target, true);
                 return Err(ProxyError::ResponseTimeout {
                     service: service.service.name.clone(),
@@ -310,23 +331,49 @@ async fn send_with_retries(
     }))
 }
 
+/// Why no response headers came in time.
+enum NoResponse {
+    /// Nothing moved for the whole timeout while the request body was streaming; true when the
+    /// upstream was waiting for the client's bytes.
+    BodyStalled { client_stalled: bool },
+    /// The body was sent (or there was none) and the headers did not follow in time.
+    HeadersLate,
+}
+
 /// Waits for the upstream's response headers. Their timeout starts once the request body has
-/// been sent in full: a slow upload is the client's pace, not a slow upstream. An upstream may
-/// still answer early (e.g. 413) while the body is streaming.
+/// been sent in full: a slow upload is the client's pace, not a slow upstream. While the body
+/// streams, the same timeout bounds a pause in which no byte moves, so a hung upstream or a
+/// vanished client cannot hold the request forever. An upstream may still answer early (e.g.
+/// 413) while the body is streaming.
 async fn await_response<F: std::future::Future>(
     response: F,
-    body_sent: Option<std::sync::Arc<tokio::sync::Notify>>,
+    body: Option<&StreamingBody>,
     timeout: Duration,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
+) -> Result<F::Output, NoResponse> {
     tokio::pin!(response);
-    if let Some(body_sent) = body_sent {
-        tokio::select! {
-            biased;
-            result = &mut response => return Ok(result),
-            _ = body_sent.notified() => {}
+    if let Some(body) = body {
+        let limit_ms = timeout.as_millis() as u64;
+        loop {
+            let moved_ms = body.progress.last_moved_ms();
+            let idle_ms = unix_ms().saturating_sub(moved_ms);
+            let left = Duration::from_millis(limit_ms.saturating_sub(idle_ms));
+            tokio::select! {
+                biased;
+                result = &mut response => return Ok(result),
+                _ = body.sent.notified() => break,
+                _ = tokio::time::sleep(left) => {
+                    if body.progress.last_moved_ms() == moved_ms {
+                        return Err(NoResponse::BodyStalled {
+                            client_stalled: body.progress.waiting_on_client(),
+                        });
+                    }
+                }
+            }
         }
     }
-    tokio::time::timeout(timeout, response).await
+    tokio::time::timeout(timeout, response)
+        .await
+        .map_err(|_| NoResponse::HeadersLate)
 }
 
 /// Feeds passive ejection: a failure (connect error, timeout, a failure status) may take the
