@@ -41,8 +41,7 @@ pub struct ProxyConfig {
     /// HTTP/1.1 and HTTP/2 prior-knowledge (h2c) on one port.
     #[serde(default = "ProxyConfig::default_listen")]
     pub listen: SocketAddr,
-    /// How long a client may take to send a request's headers, and how long an idle keep-alive
-    /// client connection is kept.
+    /// How long a client may take to send a request's headers.
     #[serde(default = "ProxyConfig::default_client_header_timeout_ms")]
     pub client_header_timeout_ms: u64,
 }

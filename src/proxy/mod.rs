@@ -30,7 +30,7 @@ use client::UpstreamClients;
 /// Downstream connection settings.
 #[derive(Debug, Clone, Copy)]
 pub struct ListenerSettings {
-    /// Time a client has to send a request's headers; also ends idle keep-alive connections.
+    /// Time a client has to send a request's headers.
     pub client_header_timeout: Duration,
 }
 
