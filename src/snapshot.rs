@@ -99,9 +99,8 @@ pub struct RouteEntry {
 }
 
 impl RouteEntry {
-    fn matches(&self, path: &str, method: &Method) -> bool {
-        path_has_prefix(path, &self.route.path_prefix)
-            && (self.methods.is_empty() || self.methods.contains(method))
+    fn accepts(&self, method: &Method) -> bool {
+        self.methods.is_empty() || self.methods.contains(method)
     }
 
     /// The upstream path after `strip_prefix`, always starting with `/`.
@@ -130,53 +129,98 @@ pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
     }
 }
 
-/// Routes indexed by host. Within a host class, entries are ordered by path prefix length
-/// (longest first), then route priority (highest first), then id.
+/// The routes of one host class, by exact path prefix. A lookup tries the request path's own
+/// prefixes at segment boundaries, longest first, so it costs O(path segments) hash lookups
+/// however many routes there are.
+#[derive(Default)]
+struct PrefixIndex {
+    /// Each list ordered by route priority (highest first), then id.
+    by_prefix: HashMap<String, Vec<Arc<RouteEntry>>>,
+}
+
+impl PrefixIndex {
+    fn insert(&mut self, entry: Arc<RouteEntry>) {
+        self.by_prefix
+            .entry(entry.route.path_prefix.clone())
+            .or_default()
+            .push(entry);
+    }
+
+    fn sort(&mut self) {
+        for list in self.by_prefix.values_mut() {
+            list.sort_by(|a, b| {
+                b.route
+                    .priority
+                    .cmp(&a.route.priority)
+                    .then_with(|| a.route.id.cmp(&b.route.id))
+            });
+        }
+    }
+
+    fn find(&self, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
+        if self.by_prefix.is_empty() {
+            return None;
+        }
+        prefix_candidates(path).find_map(|prefix| {
+            self.by_prefix
+                .get(prefix)?
+                .iter()
+                .find(|entry| entry.accepts(method))
+        })
+    }
+}
+
+/// The prefixes a route may have to match `path` on whole segments, longest first: the path
+/// itself, then at each `/` from the end the part up to and including it and the part before it.
+/// `/api/v1` gives `/api/v1`, `/api/`, `/api`, `/`.
+fn prefix_candidates(path: &str) -> impl Iterator<Item = &str> {
+    let slashes = path
+        .char_indices()
+        .rev()
+        .filter(|&(_, c)| c == '/')
+        .map(|(index, _)| index);
+    std::iter::once(path).chain(slashes.flat_map(move |index| {
+        let with_slash = &path[..=index];
+        let without = (index > 0).then(|| &path[..index]);
+        std::iter::once(with_slash).chain(without)
+    }))
+}
+
+/// Routes indexed by host: exact names, `*.suffix` wildcards, and routes for any host.
 #[derive(Default)]
 struct RouteTable {
-    exact: HashMap<String, Vec<Arc<RouteEntry>>>,
-    /// `(".example.com", routes)`, longest suffix first.
-    wildcard: Vec<(String, Vec<Arc<RouteEntry>>)>,
-    any_host: Vec<Arc<RouteEntry>>,
+    exact: HashMap<String, PrefixIndex>,
+    /// Keyed by the suffix with its dot: `*.example.com` → `.example.com`.
+    wildcard: HashMap<String, PrefixIndex>,
+    any_host: PrefixIndex,
 }
 
 impl RouteTable {
     fn build(entries: Vec<Arc<RouteEntry>>) -> RouteTable {
         let mut table = RouteTable::default();
-        let mut wildcard: HashMap<String, Vec<Arc<RouteEntry>>> = HashMap::new();
         for entry in entries {
             if entry.route.hosts.is_empty() {
-                table.any_host.push(entry.clone());
+                table.any_host.insert(entry.clone());
             }
             for host in &entry.route.hosts {
                 let host = host.to_ascii_lowercase();
                 match host.strip_prefix('*') {
-                    Some(suffix) => wildcard
+                    Some(suffix) => table
+                        .wildcard
                         .entry(suffix.to_owned())
                         .or_default()
-                        .push(entry.clone()),
-                    None => table.exact.entry(host).or_default().push(entry.clone()),
+                        .insert(entry.clone()),
+                    None => table.exact.entry(host).or_default().insert(entry.clone()),
                 }
             }
         }
-        table.wildcard = wildcard.into_iter().collect();
-        table
-            .wildcard
-            .sort_by(|(a, _), (b, _)| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-        for list in table
+        for index in table
             .exact
             .values_mut()
-            .chain(table.wildcard.iter_mut().map(|(_, list)| list))
+            .chain(table.wildcard.values_mut())
             .chain(std::iter::once(&mut table.any_host))
         {
-            list.sort_by(|a, b| {
-                b.route
-                    .path_prefix
-                    .len()
-                    .cmp(&a.route.path_prefix.len())
-                    .then_with(|| b.route.priority.cmp(&a.route.priority))
-                    .then_with(|| a.route.id.cmp(&b.route.id))
-            });
+            index.sort();
         }
         table
     }
@@ -186,27 +230,28 @@ impl RouteTable {
         if let Some(found) = self
             .exact
             .get(host)
-            .and_then(|list| first_match(list, path, method))
+            .and_then(|index| index.find(path, method))
         {
             return Some(found);
         }
-        for (suffix, list) in &self.wildcard {
-            if host.len() > suffix.len() && host.ends_with(suffix.as_str()) {
-                if let Some(found) = first_match(list, path, method) {
+        if !self.wildcard.is_empty() {
+            // `a.b.example.com` tries `.b.example.com`, then `.example.com`, then `.com`.
+            let suffixes = host
+                .char_indices()
+                .filter(|&(at, c)| c == '.' && at > 0)
+                .map(|(at, _)| &host[at..]);
+            for suffix in suffixes {
+                if let Some(found) = self
+                    .wildcard
+                    .get(suffix)
+                    .and_then(|index| index.find(path, method))
+                {
                     return Some(found);
                 }
             }
         }
-        first_match(&self.any_host, path, method)
+        self.any_host.find(path, method)
     }
-}
-
-fn first_match<'a>(
-    list: &'a [Arc<RouteEntry>],
-    path: &str,
-    method: &Method,
-) -> Option<&'a Arc<RouteEntry>> {
-    list.iter().find(|entry| entry.matches(path, method))
 }
 
 pub struct Snapshot {
@@ -448,6 +493,25 @@ mod tests {
         let snapshot = Snapshot::new(1, vec![service(1)], vec![slash]);
         let entry = snapshot.find_route("h", "/api/x", &Method::GET).unwrap();
         assert_eq!(entry.upstream_path("/api/x"), "/x");
+    }
+
+    #[test]
+    fn prefix_candidates_are_segment_boundaries_longest_first() {
+        let candidates: Vec<&str> = prefix_candidates("/api/v1").collect();
+        assert_eq!(candidates, ["/api/v1", "/api/", "/api", "/"]);
+        let candidates: Vec<&str> = prefix_candidates("/api/").collect();
+        assert_eq!(candidates, ["/api/", "/api/", "/api", "/"]);
+        assert_eq!(prefix_candidates("/").collect::<Vec<_>>(), ["/", "/"]);
+    }
+
+    #[test]
+    fn many_routes_each_found_by_its_own_prefix() {
+        let routes = (1..=2_000)
+            .map(|id| route(id, &[], &format!("/svc{id}"), &[], 0))
+            .collect();
+        let snapshot = Snapshot::new(1, vec![service(1)], routes);
+        assert_eq!(found(&snapshot, "h", "/svc1234/x", Method::GET), Some(1234));
+        assert_eq!(found(&snapshot, "h", "/svc12345", Method::GET), None);
     }
 
     #[test]
