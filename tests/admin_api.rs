@@ -1732,3 +1732,85 @@ async fn health_endpoints_answer_without_a_token() {
         assert!(body.is_object(), "GET {path} answers JSON: {body}");
     }
 }
+
+// ----- 8. configured admin token -----
+
+/// A changed `admin.token` replaces the previously configured one (which stops working)
+/// instead of adding a second configured token; tokens created through the API stay.
+#[tokio::test]
+async fn a_changed_configured_admin_token_replaces_the_old_one() {
+    const NEW_TOKEN: &str = "a-different-admin-token-fedcba9876543210";
+    let mut gateway = TestGateway::start().await;
+    let (status, viewer) = gateway
+        .api(
+            "POST",
+            "/api/v1/tokens",
+            Some(json!({"name": "viewer", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{viewer}");
+    let viewer = viewer["token"].as_str().unwrap().to_owned();
+
+    // Restart on the same store with another configured token.
+    if let Some(first) = gateway.gateway.take() {
+        first.shutdown().await;
+    }
+    let dir = gateway.dir.clone();
+    let mut config = test_config(dir.path());
+    assert_eq!(config.admin.token.as_deref(), Some(ADMIN_TOKEN));
+    config.admin.token = Some(NEW_TOKEN.to_owned());
+    let gateway = TestGateway::start_with(dir, config).await;
+
+    let (status, body) = gateway
+        .api_as(Some(NEW_TOKEN), "GET", "/api/v1/services", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "the new configured token: {body}");
+    let answer = gateway
+        .api_as(Some(ADMIN_TOKEN), "GET", "/api/v1/services", None)
+        .await;
+    assert_error(
+        "the replaced configured token",
+        &answer,
+        401,
+        "unauthorized",
+        None,
+    );
+    let (status, body) = gateway
+        .api_as(Some(&viewer), "GET", "/api/v1/services", None)
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "a token made through the API stays: {body}"
+    );
+
+    let (status, list) = gateway
+        .api_as(Some(NEW_TOKEN), "GET", "/api/v1/tokens", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    let tokens = list["items"].as_array().expect("token items").clone();
+    let configured: Vec<&Value> = tokens
+        .iter()
+        .filter(|token| {
+            token["name"]
+                .as_str()
+                .is_some_and(|name| name.starts_with("configured-admin"))
+        })
+        .collect();
+    assert_eq!(
+        configured.len(),
+        1,
+        "exactly one configured admin token: {tokens:?}"
+    );
+    assert_eq!(configured[0]["name"], "configured-admin", "{tokens:?}");
+    assert_eq!(configured[0]["role"], "admin", "{tokens:?}");
+    assert_eq!(
+        tokens.len(),
+        2,
+        "the configured token and the viewer: {tokens:?}"
+    );
+    assert!(
+        tokens.iter().any(|token| token["name"] == "viewer"),
+        "{tokens:?}"
+    );
+}

@@ -1355,3 +1355,187 @@ async fn health_check_and_ejection_settings_are_validated_and_round_trip() {
         .await;
     assert_eq!(read["ejection"], patched["ejection"]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. Review fixes: checks turned off, successes during an ejection
+// ---------------------------------------------------------------------------------------------
+
+/// The panic-pick counter of a service's runtime view.
+fn panic_picks(view: &Value) -> u64 {
+    view["panic_picks"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no panic_picks in the runtime view: {view}"))
+}
+
+/// With `health_check` removed nothing will ever check the target again: the verdict of the
+/// old checks must go with them, or an unhealthy target stays out (a panic pick) for good.
+#[tokio::test]
+async fn turning_health_checks_off_clears_an_old_unhealthy_verdict() {
+    let gateway = TestGateway::start().await;
+    let once_sick = Fake::start("once-sick", 200).await;
+    once_sick.set_health(500);
+    let service = service(
+        &gateway,
+        json!({
+            "name": "checks-off",
+            "health_check": {
+                "path": "/health", "interval_ms": 100, "timeout_ms": 200,
+                "healthy_threshold": 1, "unhealthy_threshold": 1
+            }
+        }),
+        "/",
+    )
+    .await;
+    let sick_id = add_target(&gateway, service, once_sick.body()).await;
+    wait_until("the target unhealthy", Duration::from_secs(10), || {
+        let gateway = &gateway;
+        async move {
+            runtime_target(&runtime(gateway, service).await, sick_id)["health"] == "unhealthy"
+        }
+    })
+    .await;
+    // While unhealthy, the only target is reached as a panic pick.
+    let before = panic_picks(&runtime(&gateway, service).await);
+    assert_eq!(send(&gateway, "/work").await, (200, "once-sick".to_owned()));
+    assert_eq!(
+        panic_picks(&runtime(&gateway, service).await),
+        before + 1,
+        "an unhealthy lone target is a panic pick"
+    );
+
+    let (status, patched) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(json!({"health_check": null})),
+        )
+        .await;
+    assert_eq!(status, 200, "{patched}");
+    assert_eq!(patched["health_check"], Value::Null, "{patched}");
+
+    let view = runtime(&gateway, service).await;
+    let entry = runtime_target(&view, sick_id);
+    assert_eq!(
+        entry["health"], "unknown",
+        "health checks are off, yet the old verdict stays: {view}"
+    );
+    assert_eq!(entry["available"], true, "{view}");
+    assert_eq!(health_of(&gateway, service, sick_id).await, "unknown");
+    let picks = panic_picks(&view);
+    let checks_at_patch = once_sick.checks().len();
+
+    // Over several former check intervals: no check brings the verdict back, and every request
+    // is answered by the target as an available one, not as a panic pick.
+    let end = tokio::time::Instant::now() + Duration::from_millis(600);
+    let mut requests = 0;
+    while tokio::time::Instant::now() < end {
+        assert_eq!(send(&gateway, "/work").await, (200, "once-sick".to_owned()));
+        requests += 1;
+        let view = runtime(&gateway, service).await;
+        let entry = runtime_target(&view, sick_id);
+        assert_eq!(
+            entry["health"], "unknown",
+            "after {requests} requests: {view}"
+        );
+        assert_eq!(
+            entry["available"], true,
+            "after {requests} requests: {view}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(requests >= 5, "only {requests} requests in 600 ms");
+    assert_eq!(
+        panic_picks(&runtime(&gateway, service).await),
+        picks,
+        "requests after the checks were turned off counted as panic picks"
+    );
+    // A check already under way when the loop stopped may still have arrived.
+    assert!(
+        once_sick.checks().len() <= checks_at_patch + 1,
+        "checks go on after health_check was removed: {} then {}",
+        checks_at_patch,
+        once_sick.checks().len()
+    );
+}
+
+/// A request that started before its target was ejected and succeeds while the ejection runs
+/// must not end the ejection: only a trial after it may restore the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_that_lands_during_an_ejection_does_not_end_it() {
+    let gateway = TestGateway::start().await;
+    // The harness upstream: `/slow/MS` answers 200 after MS ms, `/status/503` answers 503.
+    let flaky = Upstream::start("flaky").await;
+    let backup = Fake::start("backup", 200).await;
+    let service = service(
+        &gateway,
+        json!({"name": "late-success", "ejection": {
+            "failures": 2, "window_ms": 60000, "base_ejection_ms": 60000
+        }}),
+        "/",
+    )
+    .await;
+    // Tier 0 takes every request while it is available; the backup tier takes over after.
+    let flaky_id = add_target(&gateway, service, target(&flaky, 1, 0)).await;
+    add_target(&gateway, service, addr_body(backup.addr, 10)).await;
+
+    // A slow request to the target, in flight before the ejection.
+    let slow = {
+        let client = gateway.http.clone();
+        let url = gateway.proxy_url("/slow/1500");
+        tokio::spawn(async move {
+            let response = client.get(url).send().await.expect("proxy answers");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap())
+        })
+    };
+    wait_until(
+        "the slow request reaches the target",
+        Duration::from_secs(10),
+        || async {
+            flaky
+                .seen
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|seen| seen.path == "/slow/1500")
+        },
+    )
+    .await;
+
+    // Two failures eject it.
+    for _ in 0..2 {
+        assert_eq!(
+            send(&gateway, "/status/503").await,
+            (503, "flaky".to_owned())
+        );
+    }
+    let until = ejection_of(&gateway, service, flaky_id)
+        .await
+        .expect("ejected by its 2nd failure");
+    assert!(
+        !slow.is_finished(),
+        "the slow request finished before the ejection; the test needs a slower one"
+    );
+    assert_eq!(send(&gateway, "/x").await, (200, "backup".to_owned()));
+
+    // The slow request succeeds while the ejection runs.
+    let answer = tokio::time::timeout(Duration::from_secs(10), slow)
+        .await
+        .expect("the slow request ends")
+        .expect("the slow request's task");
+    assert_eq!(answer, (200, "flaky".to_owned()));
+
+    let view = runtime(&gateway, service).await;
+    let entry = runtime_target(&view, flaky_id);
+    assert_eq!(
+        ejected_until(&entry),
+        Some(until),
+        "a success during the ejection ended or changed it: {view}"
+    );
+    assert_eq!(entry["available"], false, "{view}");
+    let hits = flaky.hits();
+    for _ in 0..10 {
+        assert_eq!(send(&gateway, "/x").await, (200, "backup".to_owned()));
+    }
+    assert_eq!(flaky.hits(), hits, "the ejected target got traffic again");
+}

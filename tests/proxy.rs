@@ -1330,3 +1330,201 @@ async fn a_slow_upload_is_not_a_response_timeout() {
     let response = client.request(request).await.unwrap();
     assert_eq!(response.status(), 504);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 11. Review fixes: HTTP/2 cookies, absolute-form targets, aborted uploads
+// ---------------------------------------------------------------------------------------------
+
+/// `GET /api/v1/services/{id}/runtime`, asserted 200.
+async fn runtime_view(gateway: &TestGateway, service: i64) -> Value {
+    let (status, view) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/runtime"), None)
+        .await;
+    assert_eq!(status, 200, "runtime view: {view}");
+    view
+}
+
+/// The one target entry of a runtime view with a single target.
+fn only_runtime_target(view: &Value) -> Value {
+    let targets = view["targets"].as_array().expect("runtime targets");
+    assert_eq!(targets.len(), 1, "one target in the runtime view: {view}");
+    targets[0].clone()
+}
+
+/// HTTP/2 lets a client split `cookie` into several fields (RFC 9113 §8.2.3); an HTTP/1.1
+/// upstream must get them as one field joined with "; ".
+#[tokio::test]
+async fn http2_cookie_fields_reach_an_http1_upstream_as_one_joined_field() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("cookies").await;
+    let service = gateway
+        .service_with_targets("cookies", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    // hyper's HTTP/2 client sends each appended value as its own header field (reqwest may
+    // merge them itself).
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let mut request = hyper::Request::get(gateway.proxy_url("/cookies"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let headers = request.headers_mut();
+    headers.append(hyper::header::COOKIE, "a=1".parse().unwrap());
+    headers.append(hyper::header::COOKIE, "b=2".parse().unwrap());
+    let response = client.request(request).await.expect("proxy answers");
+    assert_eq!(
+        response.version(),
+        hyper::Version::HTTP_2,
+        "the client spoke HTTP/2"
+    );
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"cookies");
+
+    let seen = upstream.last_seen();
+    assert_eq!(seen.path, "/cookies");
+    assert_eq!(
+        seen.headers.get("cookie"),
+        Some(&vec!["a=1; b=2".to_owned()]),
+        "the HTTP/1.1 upstream must see exactly one cookie field `a=1; b=2`; saw {:?}",
+        seen.headers.get("cookie")
+    );
+}
+
+/// An absolute-form request target's authority wins over the Host header (RFC 9112 §3.2.2):
+/// for routing, for a preserved Host and for X-Forwarded-Host.
+#[tokio::test]
+async fn an_absolute_form_authority_wins_over_the_host_header() {
+    let gateway = TestGateway::start().await;
+    let public = Upstream::start("public").await;
+    let internal = Upstream::start("internal").await;
+    let public_service = create_service(&gateway, json!({"name": "public"})).await;
+    add_target(&gateway, public_service, &public, 1, 0).await;
+    let internal_service = create_service(&gateway, json!({"name": "internal"})).await;
+    add_target(&gateway, internal_service, &internal, 1, 0).await;
+    add_route(
+        &gateway,
+        json!({"name": "public", "hosts": ["public.test"], "service_id": public_service,
+               "preserve_host": true}),
+    )
+    .await;
+    add_route(
+        &gateway,
+        json!({"name": "internal", "hosts": ["internal.test"], "service_id": internal_service}),
+    )
+    .await;
+
+    let (head, body) = raw_exchange(
+        gateway.proxy,
+        "GET http://public.test/x HTTP/1.1\r\n\
+         Host: internal.test\r\n\
+         Connection: close\r\n\
+         \r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 200"), "response head: {head}");
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        "public",
+        "the route of the URI's authority answers"
+    );
+    assert_eq!(internal.hits(), 0, "the Host header's route was not used");
+    let seen = public.last_seen();
+    assert_eq!(seen.path, "/x");
+    assert_eq!(
+        seen.headers.get("host"),
+        Some(&vec!["public.test".to_owned()]),
+        "preserve_host sends the URI's authority, not the Host header"
+    );
+    assert_eq!(
+        seen.headers.get("x-forwarded-host"),
+        Some(&vec!["public.test".to_owned()]),
+        "X-Forwarded-Host names the URI's authority"
+    );
+}
+
+/// A client that goes away in the middle of its upload broke the request, not the target: the
+/// target must neither count a failure nor be ejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_aborting_its_upload_is_not_an_upstream_failure() {
+    const CHUNK: usize = 1_000;
+    let gateway = TestGateway::start().await;
+    let sink = Upstream::start("sink").await;
+    let service = create_service(
+        &gateway,
+        json!({"name": "uploads", "ejection": {"failures": 2, "window_ms": 60000}}),
+    )
+    .await;
+    add_target(&gateway, service, &sink, 1, 0).await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    for attempt in 1..=3usize {
+        let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+        stream
+            .write_all(
+                b"POST /upload HTTP/1.1\r\n\
+                  Host: uploads.test\r\n\
+                  Content-Length: 1000000\r\n\
+                  \r\n",
+            )
+            .await
+            .unwrap();
+        stream.write_all(&[b'u'; CHUNK]).await.unwrap();
+        stream.flush().await.unwrap();
+        // The upload is under way: the upstream has its first bytes.
+        wait_until(
+            &format!("upload {attempt} reaches the upstream"),
+            Duration::from_secs(10),
+            || async { sink.body_bytes.load(Ordering::SeqCst) >= (attempt * CHUNK) as u64 },
+        )
+        .await;
+        drop(stream);
+        // The gateway gave the upstream connection up (the upstream saw its body end early)
+        // and finished the request (the target's in-flight count is back to 0; the outcome is
+        // recorded before that).
+        wait_until(
+            &format!("aborted upload {attempt} is over at the upstream"),
+            Duration::from_secs(10),
+            || async { sink.seen.lock().unwrap().len() >= attempt },
+        )
+        .await;
+        wait_until(
+            &format!("aborted upload {attempt} is over at the gateway"),
+            Duration::from_secs(10),
+            || async {
+                only_runtime_target(&runtime_view(&gateway, service).await)["in_flight"] == 0
+            },
+        )
+        .await;
+    }
+    let seen = sink.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    for request in &seen {
+        assert_eq!(request.method, "POST");
+        assert!(
+            request.body_len < 1_000_000,
+            "an aborted upload arrived whole: {request:?}"
+        );
+    }
+
+    let view = runtime_view(&gateway, service).await;
+    let entry = only_runtime_target(&view);
+    assert_eq!(
+        entry["ejected_until"],
+        Value::Null,
+        "three aborted uploads ejected the target: {view}"
+    );
+    assert_eq!(entry["available"], true, "{view}");
+    assert_eq!(view["panic_picks"], 0, "{view}");
+
+    // A normal request goes to it as an available target, not as a panic pick.
+    assert_eq!(fetch(&gateway, "/after").await, "sink");
+    let view = runtime_view(&gateway, service).await;
+    assert_eq!(
+        view["panic_picks"], 0,
+        "the target was picked in panic mode: {view}"
+    );
+    assert_eq!(only_runtime_target(&view)["available"], true, "{view}");
+}

@@ -339,6 +339,12 @@ pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiE
 
 pub fn token(spec: TokenSpec) -> Result<TokenSpec, ApiError> {
     name("name", &spec.name)?;
+    if spec.name.starts_with("configured-admin") {
+        return Err(ApiError::validation(
+            "name",
+            "names starting with \"configured-admin\" are kept for the token set by admin.token",
+        ));
+    }
     Ok(spec)
 }
 

@@ -54,18 +54,23 @@ impl Default for HealthCheckers {
 }
 
 impl HealthCheckers {
-    /// Starts, restarts or stops loops so each service with `health_check` has one.
-    pub(super) fn sync(&mut self, services: &[Service], snapshots: &SnapshotHandle, store: &Store) {
-        let wanted: HashMap<Id, (HealthCheck, Option<String>)> = services
-            .iter()
-            .filter_map(|service| {
-                let check = service.health_check.clone()?;
-                Some((service.id, (check, service.upstream_authority.clone())))
-            })
-            .collect();
+    /// Stops the loops of services whose checks went away or changed. Done before a new
+    /// snapshot resets the verdicts of unchecked targets, so no late result undoes the reset.
+    pub(super) fn stop_unwanted(&mut self, services: &[Service]) {
+        let wanted = wanted(services);
         self.loops
             .retain(|id, running| wanted.get(id) == Some(&running.settings));
-        for (service_id, settings) in wanted {
+    }
+
+    /// Starts a loop for each service with `health_check` that has none (after publishing, so
+    /// the first round sees the new targets).
+    pub(super) fn start_missing(
+        &mut self,
+        services: &[Service],
+        snapshots: &SnapshotHandle,
+        store: &Store,
+    ) {
+        for (service_id, settings) in wanted(services) {
             if self.loops.contains_key(&service_id) {
                 continue;
             }
@@ -86,6 +91,16 @@ impl HealthCheckers {
                 .insert(service_id, RunningLoop { settings, task });
         }
     }
+}
+
+fn wanted(services: &[Service]) -> HashMap<Id, (HealthCheck, Option<String>)> {
+    services
+        .iter()
+        .filter_map(|service| {
+            let check = service.health_check.clone()?;
+            Some((service.id, (check, service.upstream_authority.clone())))
+        })
+        .collect()
 }
 
 fn connector(timeout_ms: u64) -> HttpConnector {

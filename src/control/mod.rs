@@ -111,10 +111,11 @@ impl ControlTask {
     async fn rebuild(&mut self) -> Result<u64, ControlError> {
         let config = self.store.load_routing_config().await?;
         self.generation += 1;
+        self.health_checkers.stop_unwanted(&config.services);
         let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
         self.snapshots.publish(snapshot);
         self.health_checkers
-            .sync(&config.services, &self.snapshots, &self.store);
+            .start_missing(&config.services, &self.snapshots, &self.store);
         tracing::debug!(generation = self.generation, "published routing snapshot");
         Ok(self.generation)
     }
