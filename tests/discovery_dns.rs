@@ -233,41 +233,6 @@ fn ms(duration: chrono::TimeDelta) -> i64 {
     duration.num_milliseconds()
 }
 
-/// `count` GETs of `path` over `concurrency` parallel loops, each of which must answer 200;
-/// counts answers by body (the upstream's name).
-async fn spread(
-    gateway: &TestGateway,
-    path: &str,
-    count: usize,
-    concurrency: usize,
-) -> HashMap<String, usize> {
-    let url = gateway.proxy_url(path);
-    let mut workers = Vec::new();
-    for worker in 0..concurrency {
-        let client = gateway.http.clone();
-        let url = url.clone();
-        let share = count / concurrency + usize::from(worker < count % concurrency);
-        workers.push(tokio::spawn(async move {
-            let mut counts: HashMap<String, usize> = HashMap::new();
-            for _ in 0..share {
-                let response = client.get(&url).send().await.expect("proxy answers");
-                let status = response.status().as_u16();
-                let body = response.text().await.unwrap();
-                assert_eq!(status, 200, "GET {url}: {body}");
-                *counts.entry(body).or_default() += 1;
-            }
-            counts
-        }));
-    }
-    let mut total: HashMap<String, usize> = HashMap::new();
-    for worker in workers {
-        for (name, n) in worker.await.expect("worker finished") {
-            *total.entry(name).or_default() += n;
-        }
-    }
-    total
-}
-
 fn hits(counts: &HashMap<String, usize>, upstream: &Upstream) -> usize {
     counts.get(&upstream.name).copied().unwrap_or(0)
 }

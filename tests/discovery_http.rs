@@ -231,34 +231,6 @@ async fn wait_proxy(gateway: &TestGateway, status: StatusCode) {
     }
 }
 
-/// Sends `count` GETs over `concurrency` loops, each must answer 200; counts answers by body
-/// (the upstream's name).
-async fn spread(gateway: &TestGateway, count: usize, concurrency: usize) -> HashMap<String, usize> {
-    let url = gateway.proxy_url("/");
-    let mut workers = Vec::new();
-    for worker in 0..concurrency {
-        let client = gateway.http.clone();
-        let url = url.clone();
-        let share = count / concurrency + usize::from(worker < count % concurrency);
-        workers.push(tokio::spawn(async move {
-            let mut counts: HashMap<String, usize> = HashMap::new();
-            for _ in 0..share {
-                let response = client.get(&url).send().await.expect("proxy answers");
-                assert_eq!(response.status(), 200, "GET {url}");
-                *counts.entry(response.text().await.unwrap()).or_default() += 1;
-            }
-            counts
-        }));
-    }
-    let mut total: HashMap<String, usize> = HashMap::new();
-    for worker in workers {
-        for (name, n) in worker.await.expect("worker finished") {
-            *total.entry(name).or_default() += n;
-        }
-    }
-    total
-}
-
 fn hits(counts: &HashMap<String, usize>, name: &str) -> usize {
     counts.get(name).copied().unwrap_or(0)
 }
@@ -989,7 +961,7 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
 
     // Weights 1:3 within tier 0; tier 1 gets nothing while tier 0 is available.
     wait_proxy(&gateway, StatusCode::OK).await;
-    let counts_seen = spread(&gateway, 1_000, 4).await;
+    let counts_seen = spread(&gateway, "/", 1_000, 4).await;
     let (to_a, to_b, to_c) = (
         hits(&counts_seen, "a"),
         hits(&counts_seen, "b"),
@@ -1025,7 +997,7 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
         counts(3, 0, 0),
         "disabled endpoints stay active targets: {status}"
     );
-    let counts_seen = spread(&gateway, 100, 2).await;
+    let counts_seen = spread(&gateway, "/", 100, 2).await;
     assert_eq!(hits(&counts_seen, "c"), 100, "{counts_seen:?}");
 
     // Tier 0 back.
@@ -1040,7 +1012,7 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
         (a["enabled"] == true && b["enabled"] == true).then_some(())
     })
     .await;
-    let counts_seen = spread(&gateway, 100, 2).await;
+    let counts_seen = spread(&gateway, "/", 100, 2).await;
     assert_eq!(hits(&counts_seen, "c"), 0, "{counts_seen:?}");
     assert_eq!(hits(&counts_seen, "a") + hits(&counts_seen, "b"), 100);
 }
@@ -1280,7 +1252,7 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
         assert_eq!(after[key]["state"], "active", "{}", after[key]);
     }
     wait_proxy(&gateway, StatusCode::OK).await;
-    let seen = spread(&gateway, 40, 2).await;
+    let seen = spread(&gateway, "/", 40, 2).await;
     assert_eq!(hits(&seen, "a"), 20, "{seen:?}");
     assert_eq!(hits(&seen, "b"), 20, "{seen:?}");
 }
@@ -1432,7 +1404,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
     .await;
     wait_for("b gets no new traffic", WAIT, || async {
         let before = b.hits();
-        let seen = spread(&gateway, 20, 1).await;
+        let seen = spread(&gateway, "/", 20, 1).await;
         (hits(&seen, "b") == 0 && b.hits() == before).then_some(())
     })
     .await;
@@ -1470,7 +1442,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
     })
     .await;
     wait_for("b gets traffic again", WAIT, || async {
-        (hits(&spread(&gateway, 20, 1).await, "b") > 0).then_some(())
+        (hits(&spread(&gateway, "/", 20, 1).await, "b") > 0).then_some(())
     })
     .await;
 
@@ -1612,7 +1584,7 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
         "refresh calls during a running refresh are coalesced into it"
     );
     wait_proxy(&gateway, StatusCode::OK).await;
-    let seen = spread(&gateway, 20, 1).await;
+    let seen = spread(&gateway, "/", 20, 1).await;
     assert_eq!((hits(&seen, "a"), hits(&seen, "b")), (10, 10), "{seen:?}");
 
     // A forced refresh after the last one finished runs again.
@@ -1688,7 +1660,7 @@ async fn configured_headers_reach_the_registry_and_endpoints_path_finds_the_arra
     assert_eq!(ta["metadata"], json!({"zone": "z"}), "{ta}");
     assert_eq!(targets[&b_key]["weight"], 42, "{}", targets[&b_key]);
     wait_proxy(&gateway, StatusCode::OK).await;
-    let seen = spread(&gateway, 49, 1).await;
+    let seen = spread(&gateway, "/", 49, 1).await;
     assert!(
         (5..=9).contains(&hits(&seen, "a")),
         "weights 7:42: {seen:?}"
@@ -1804,7 +1776,7 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
             .contains("500"),
         "{failing}"
     );
-    let seen = spread(&gateway, 20, 1).await;
+    let seen = spread(&gateway, "/", 20, 1).await;
     assert_eq!((hits(&seen, "a"), hits(&seen, "b")), (10, 10), "{seen:?}");
 
     // The targets and c's deadline came back from the store.
@@ -2046,7 +2018,7 @@ async fn discovered_targets_are_read_only_and_share_a_service_with_operator_targ
     let id = id_of(&found);
 
     wait_for("both targets serve", WAIT, || async {
-        let seen = spread(&gateway, 10, 1).await;
+        let seen = spread(&gateway, "/", 10, 1).await;
         (hits(&seen, "op") == 5 && hits(&seen, "d") == 5).then_some(())
     })
     .await;
@@ -2091,7 +2063,7 @@ async fn discovered_targets_are_read_only_and_share_a_service_with_operator_targ
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (_, manual_now) = target_status(&gateway, manual).await;
     assert_eq!(manual_now["weight"], 300, "{manual_now}");
-    let seen = spread(&gateway, 40, 1).await;
+    let seen = spread(&gateway, "/", 40, 1).await;
     assert!(
         (27..=33).contains(&hits(&seen, "op")),
         "weights 300:100: {seen:?}"

@@ -123,38 +123,6 @@ async fn error_answer(response: reqwest::Response) -> (u16, String, String) {
     (status, code, message)
 }
 
-/// Sends `count` GETs for `path` over `concurrency` parallel loops; counts answers by body.
-async fn spread(
-    gateway: &TestGateway,
-    path: &str,
-    count: usize,
-    concurrency: usize,
-) -> HashMap<String, usize> {
-    let url = gateway.proxy_url(path);
-    let mut workers = Vec::new();
-    for worker in 0..concurrency {
-        let client = gateway.http.clone();
-        let url = url.clone();
-        let share = count / concurrency + usize::from(worker < count % concurrency);
-        workers.push(tokio::spawn(async move {
-            let mut counts: HashMap<String, usize> = HashMap::new();
-            for _ in 0..share {
-                let response = client.get(&url).send().await.expect("proxy answers");
-                assert_eq!(response.status(), 200, "GET {url}");
-                *counts.entry(response.text().await.unwrap()).or_default() += 1;
-            }
-            counts
-        }));
-    }
-    let mut total: HashMap<String, usize> = HashMap::new();
-    for worker in workers {
-        for (name, n) in worker.await.expect("worker finished") {
-            *total.entry(name).or_default() += n;
-        }
-    }
-    total
-}
-
 fn count(counts: &HashMap<String, usize>, name: &str) -> usize {
     counts.get(name).copied().unwrap_or(0)
 }

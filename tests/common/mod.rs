@@ -148,7 +148,7 @@ impl TestGateway {
         value["id"].as_i64().expect("created object has an id")
     }
 
-    /// A service with one route (`/` on any host unless given) and the given targets.
+    /// A service with the given targets (no route: add one for traffic to reach it).
     pub async fn service_with_targets(&self, name: &str, targets: &[Value]) -> i64 {
         let service = self
             .create("/api/v1/services", json!({ "name": name }))
@@ -439,6 +439,42 @@ fn upgrade_echo(
         .headers_mut()
         .insert("connection", "upgrade".parse().unwrap());
     response
+}
+
+/// `count` GETs of `path` through the proxy over `concurrency` parallel loops, each of which
+/// must answer 200; counts answers by body (the upstream's name).
+pub async fn spread(
+    gateway: &TestGateway,
+    path: &str,
+    count: usize,
+    concurrency: usize,
+) -> std::collections::HashMap<String, usize> {
+    use std::collections::HashMap;
+    let url = gateway.proxy_url(path);
+    let mut workers = Vec::new();
+    for worker in 0..concurrency {
+        let client = gateway.http.clone();
+        let url = url.clone();
+        let share = count / concurrency + usize::from(worker < count % concurrency);
+        workers.push(tokio::spawn(async move {
+            let mut counts: HashMap<String, usize> = HashMap::new();
+            for _ in 0..share {
+                let response = client.get(&url).send().await.expect("proxy answers");
+                let status = response.status().as_u16();
+                let body = response.text().await.unwrap();
+                assert_eq!(status, 200, "GET {url}: {body}");
+                *counts.entry(body).or_default() += 1;
+            }
+            counts
+        }));
+    }
+    let mut total: HashMap<String, usize> = HashMap::new();
+    for worker in workers {
+        for (name, n) in worker.await.expect("worker finished") {
+            *total.entry(name).or_default() += n;
+        }
+    }
+    total
 }
 
 /// Polls `condition` until it holds or `deadline` passes; panics with `what` on timeout.
