@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,8 +18,6 @@ use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponse
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
-use std::sync::atomic::Ordering;
-
 use crate::balance::unix_ms;
 use crate::model::Id;
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
@@ -38,7 +37,16 @@ pub async fn handle(
     let mut response = match forward(state, request, client, &request_id).await {
         Ok(response) => response,
         Err(error) => {
-            tracing::debug!(request_id = ?request_id, %method, code = error.code(), %error, "request failed");
+            // Upstream and gateway failures are what an operator must see; a client's own
+            // mistakes (no route, a broken upload) only at debug level.
+            match error.blame() {
+                super::Blame::Client => {
+                    tracing::debug!(request_id = ?request_id, %method, code = error.code(), %error, "request failed")
+                }
+                super::Blame::Upstream | super::Blame::Gateway => {
+                    tracing::warn!(request_id = ?request_id, %method, code = error.code(), %error, "request failed")
+                }
+            }
             error.to_response().map(Either::Right)
         }
     };
