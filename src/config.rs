@@ -44,6 +44,9 @@ pub struct ProxyConfig {
     /// How long a client may take to send a request's headers.
     #[serde(default = "ProxyConfig::default_client_header_timeout_ms")]
     pub client_header_timeout_ms: u64,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish.
+    #[serde(default = "ProxyConfig::default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
 }
 
 impl ProxyConfig {
@@ -53,6 +56,9 @@ impl ProxyConfig {
     fn default_client_header_timeout_ms() -> u64 {
         30_000
     }
+    fn default_shutdown_grace_ms() -> u64 {
+        30_000
+    }
 }
 
 impl Default for ProxyConfig {
@@ -60,6 +66,7 @@ impl Default for ProxyConfig {
         ProxyConfig {
             listen: Self::default_listen(),
             client_header_timeout_ms: Self::default_client_header_timeout_ms(),
+            shutdown_grace_ms: Self::default_shutdown_grace_ms(),
         }
     }
 }
@@ -149,6 +156,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS",
         "proxy.client_header_timeout_ms",
     ),
+    ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "proxy.shutdown_grace_ms"),
     ("RAAHI_ADMIN_LISTEN", "admin.listen"),
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
     ("RAAHI_DATABASE_URL", "database.url"),
@@ -312,12 +320,14 @@ mod tests {
                 ("RAAHI_PROXY_LISTEN", "127.0.0.1:2000"),
                 ("RAAHI_LOG_FORMAT", "text"),
                 ("RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS", "1500"),
+                ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "2500"),
             ]),
         )
         .unwrap();
         assert_eq!(config.proxy.listen.to_string(), "127.0.0.1:2000");
         assert_eq!(config.log.format, LogFormat::Text);
         assert_eq!(config.proxy.client_header_timeout_ms, 1500);
+        assert_eq!(config.proxy.shutdown_grace_ms, 2500);
     }
 
     #[test]

@@ -84,6 +84,7 @@ impl Gateway {
             client_header_timeout: std::time::Duration::from_millis(
                 config.proxy.client_header_timeout_ms,
             ),
+            shutdown_grace: std::time::Duration::from_millis(config.proxy.shutdown_grace_ms),
         };
         let proxy_task = proxy::serve_http(
             proxy_listener,
@@ -118,7 +119,8 @@ impl Gateway {
         })
     }
 
-    /// Stops accepting on both listeners and ends the control task.
+    /// Stops accepting on both listeners, lets requests in flight finish (within the proxy's
+    /// shutdown grace), then ends the control task.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         let mut tasks = self.tasks;

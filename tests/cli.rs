@@ -158,3 +158,116 @@ async fn serve_prints_first_token_and_stops_on_sigterm() {
         .unwrap();
     assert!(status.success(), "exit status {status:?}");
 }
+
+/// SIGTERM with a slow request in flight: the listener stops accepting, the request completes,
+/// and the process exits 0 soon after.
+#[tokio::test]
+async fn sigterm_lets_the_request_in_flight_finish_then_exits() {
+    let upstream = Upstream::start("slow").await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = raahi()
+        .current_dir(dir.path())
+        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "10000")
+        .env("RAAHI_LOG_FORMAT", "text")
+        .arg("serve")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.contains("admin API on"))
+    });
+    let line = tokio::time::timeout(Duration::from_secs(30), line)
+        .await
+        .expect("serve prints its addresses")
+        .unwrap()
+        .expect("an address line");
+    let proxy: std::net::SocketAddr = line
+        .split("proxy on ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let admin = line
+        .rsplit("admin API on ")
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+
+    let http = reqwest::Client::new();
+    let call = |path: &str, body: serde_json::Value| {
+        http.post(format!("http://{admin}{path}"))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&body)
+            .send()
+    };
+    let service: serde_json::Value = call("/api/v1/services", serde_json::json!({"name": "slow"}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let service = service["id"].as_i64().unwrap();
+    call(
+        &format!("/api/v1/services/{service}/targets"),
+        target(&upstream, 1, 0),
+    )
+    .await
+    .unwrap();
+    call(
+        "/api/v1/routes",
+        serde_json::json!({"name": "all", "service_id": service}),
+    )
+    .await
+    .unwrap();
+
+    let slow = tokio::spawn({
+        let http = http.clone();
+        async move { http.get(format!("http://{proxy}/slow/1500")).send().await }
+    });
+    wait_until(
+        "the slow request reached the upstream",
+        Duration::from_secs(10),
+        || async { upstream.hits() >= 1 },
+    )
+    .await;
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+
+    // The listener closes at once; the request in flight still completes.
+    wait_until(
+        "the proxy stops accepting",
+        Duration::from_secs(5),
+        || async { tokio::net::TcpStream::connect(proxy).await.is_err() },
+    )
+    .await;
+    let response = slow
+        .await
+        .unwrap()
+        .expect("the request in flight is answered");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.text().await.unwrap(), "slow");
+    let exited = std::time::Instant::now();
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    assert!(
+        exited.elapsed() < Duration::from_secs(5),
+        "exited long after the request ended"
+    );
+}

@@ -17,6 +17,7 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -32,6 +33,8 @@ use client::UpstreamClients;
 pub struct ListenerSettings {
     /// Time a client has to send a request's headers.
     pub client_header_timeout: Duration,
+    /// On shutdown, how long requests in flight may take to finish.
+    pub shutdown_grace: Duration,
 }
 
 pub struct ProxyState {
@@ -49,7 +52,9 @@ impl ProxyState {
 }
 
 /// Accepts HTTP/1.1 and HTTP/2 prior-knowledge connections on `listener` until `shutdown` turns
-/// true; connections already open run to their end.
+/// true. Then it stops accepting, asks every open connection to finish gracefully (idle
+/// keep-alive connections close at once, HTTP/2 gets GOAWAY, a request in flight completes) and
+/// waits for them up to the grace period.
 pub fn serve_http(
     listener: TcpListener,
     state: Arc<ProxyState>,
@@ -68,6 +73,7 @@ pub fn serve_http(
         .keep_alive_interval(Some(Duration::from_secs(30)));
     let builder = Arc::new(builder);
     tokio::spawn(async move {
+        let connections = GracefulShutdown::new();
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
@@ -81,6 +87,7 @@ pub fn serve_http(
                         client,
                         state.clone(),
                         builder.clone(),
+                        connections.watcher(),
                     ));
                 }
                 Err(error) => {
@@ -90,6 +97,19 @@ pub fn serve_http(
                 }
             }
         }
+        drop(listener);
+        let open = connections.count();
+        tracing::info!(
+            open_connections = open,
+            "proxy listener closed; draining connections"
+        );
+        match tokio::time::timeout(settings.shutdown_grace, connections.shutdown()).await {
+            Ok(()) => tracing::info!("every client connection finished"),
+            Err(_) => tracing::warn!(
+                grace_ms = settings.shutdown_grace.as_millis() as u64,
+                "shutdown grace ran out; closing the connections still open"
+            ),
+        }
     })
 }
 
@@ -98,15 +118,14 @@ async fn serve_connection(
     client: SocketAddr,
     state: Arc<ProxyState>,
     builder: Arc<auto::Builder<TokioExecutor>>,
+    watcher: Watcher,
 ) {
     let service = service_fn(move |request| {
         let state = state.clone();
         async move { Ok::<_, Infallible>(forward::handle(&state, request, client).await) }
     });
-    if let Err(error) = builder
-        .serve_connection_with_upgrades(TokioIo::new(stream), service)
-        .await
-    {
+    let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+    if let Err(error) = watcher.watch(connection).await {
         tracing::debug!(%client, %error, "client connection ended with an error");
     }
 }
