@@ -1,6 +1,7 @@
 //! Wires the parts into a running gateway: store, control task, proxy and admin listeners.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -10,7 +11,7 @@ use crate::admin::{self, auth, AdminState};
 use crate::config::Config;
 use crate::control::{self, ControlError, ControlHandle};
 use crate::proxy::{self, ListenerSettings, ProxyState};
-use crate::snapshot::{Snapshot, SnapshotHandle};
+use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +81,7 @@ impl Gateway {
             })?;
 
         let (shutdown, shutdown_signal) = watch::channel(false);
+        let gateway_counters = Arc::new(GatewayCounters::default());
         let settings = ListenerSettings {
             client_header_timeout: std::time::Duration::from_millis(
                 config.proxy.client_header_timeout_ms,
@@ -88,7 +90,7 @@ impl Gateway {
         };
         let proxy_task = proxy::serve_http(
             proxy_listener,
-            ProxyState::new(snapshots.clone()),
+            ProxyState::new(snapshots.clone(), gateway_counters.clone()),
             settings,
             shutdown_signal.clone(),
         );
@@ -96,6 +98,7 @@ impl Gateway {
             store: store.clone(),
             control: control.clone(),
             started_at: chrono::Utc::now(),
+            gateway_counters,
         });
         let mut admin_shutdown = shutdown_signal;
         let admin_task = tokio::spawn(async move {

@@ -34,6 +34,78 @@ pub struct TargetRuntime {
 pub struct ServiceCounters {
     /// Picks made from unhealthy or ejected targets because no tier had an available one.
     pub panic_picks: AtomicU64,
+    /// Attempts whose connection to a target failed or timed out.
+    pub connect_errors: AtomicU64,
+    /// Attempts that got no response headers (or could not send the body) in time.
+    pub timeouts: AtomicU64,
+}
+
+/// Gateway-wide counters of the data path (for metrics).
+#[derive(Debug, Default)]
+pub struct GatewayCounters {
+    /// Requests that matched no route.
+    pub unrouted: AtomicU64,
+}
+
+/// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.
+pub const LATENCY_BUCKETS: [f64; 14] = [
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    f64::INFINITY,
+];
+
+/// Requests of one route, carried across snapshots by route id: atomics, so recording takes no
+/// lock.
+#[derive(Debug, Default)]
+pub struct RouteStats {
+    /// By status class: index 0 for 1xx ... 4 for 5xx.
+    responses: [AtomicU64; 5],
+    /// Per bucket of [`LATENCY_BUCKETS`] (not cumulative).
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    latency_sum_micros: AtomicU64,
+}
+
+impl RouteStats {
+    /// One answered request: its status and the time to its response headers.
+    pub fn record(&self, status: u16, elapsed: std::time::Duration) {
+        let class = usize::from((status / 100).clamp(1, 5)) - 1;
+        self.responses[class].fetch_add(1, Ordering::Relaxed);
+        let seconds = elapsed.as_secs_f64();
+        let bucket = LATENCY_BUCKETS
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(LATENCY_BUCKETS.len() - 1);
+        self.latency_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Responses by status class, `[1xx, 2xx, 3xx, 4xx, 5xx]`.
+    pub fn responses(&self) -> [u64; 5] {
+        std::array::from_fn(|class| self.responses[class].load(Ordering::Relaxed))
+    }
+
+    /// `(upper bound, count)` per bucket, not cumulative, and the sum of latencies in seconds.
+    pub fn latency(&self) -> (Vec<(f64, u64)>, f64) {
+        let buckets = LATENCY_BUCKETS
+            .iter()
+            .zip(&self.latency_buckets)
+            .map(|(&bound, count)| (bound, count.load(Ordering::Relaxed)))
+            .collect();
+        let sum = self.latency_sum_micros.load(Ordering::Relaxed) as f64 / 1_000_000.0;
+        (buckets, sum)
+    }
 }
 
 /// A service with the targets its balancer picks from.
@@ -95,6 +167,7 @@ impl ServiceRuntime {
 pub struct RouteEntry {
     pub route: Route,
     pub service: Arc<ServiceRuntime>,
+    pub stats: Arc<RouteStats>,
     methods: Vec<Method>,
 }
 
@@ -269,8 +342,20 @@ impl Snapshot {
         }
     }
 
-    /// Assembles a snapshot; routes whose service is missing are left out.
+    /// Assembles a snapshot with fresh route statistics; routes whose service is missing are
+    /// left out.
     pub fn new(generation: u64, services: Vec<ServiceRuntime>, routes: Vec<Route>) -> Snapshot {
+        Snapshot::with_route_stats(generation, services, routes, |_| Arc::default())
+    }
+
+    /// Like [`Snapshot::new`], taking each route's statistics from `stats_of(route id)` so they
+    /// outlive the snapshot.
+    pub fn with_route_stats(
+        generation: u64,
+        services: Vec<ServiceRuntime>,
+        routes: Vec<Route>,
+        mut stats_of: impl FnMut(Id) -> Arc<RouteStats>,
+    ) -> Snapshot {
         let services: HashMap<Id, Arc<ServiceRuntime>> = services
             .into_iter()
             .map(|runtime| (runtime.service.id, Arc::new(runtime)))
@@ -285,6 +370,7 @@ impl Snapshot {
                     .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
                     .collect();
                 Some(Arc::new(RouteEntry {
+                    stats: stats_of(route.id),
                     route,
                     service,
                     methods,
@@ -309,6 +395,19 @@ impl Snapshot {
 
     pub fn services(&self) -> impl Iterator<Item = &Arc<ServiceRuntime>> {
         self.services.values()
+    }
+
+    /// Every route once (a route with several hosts is indexed several times).
+    pub fn routes(&self) -> Vec<&Arc<RouteEntry>> {
+        let mut seen = std::collections::HashSet::new();
+        self.routes
+            .exact
+            .values()
+            .chain(self.routes.wildcard.values())
+            .chain(std::iter::once(&self.routes.any_host))
+            .flat_map(|index| index.by_prefix.values().flatten())
+            .filter(|entry| seen.insert(entry.route.id))
+            .collect()
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod auth;
 mod error;
 mod extract;
+mod metrics;
 mod routes;
 mod services;
 mod sources;
@@ -34,6 +35,8 @@ pub struct AdminState {
     /// When this process started serving: a source still pending from before a restart gets a
     /// first refresh's time from here.
     pub started_at: chrono::DateTime<chrono::Utc>,
+    /// Data-path counters that belong to no route or service (for `/metrics`).
+    pub gateway_counters: std::sync::Arc<crate::snapshot::GatewayCounters>,
 }
 
 impl AdminState {
@@ -106,6 +109,7 @@ pub fn router(state: AdminState) -> Router {
         .nest("/api/v1", api)
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics::metrics))
         .fallback(not_found)
         .with_state(state)
 }

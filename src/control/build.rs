@@ -8,7 +8,9 @@ use http::HeaderValue;
 
 use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
 use crate::model::{Health, Id, RoutingConfig, Target};
-use crate::snapshot::{authority_text, ServiceCounters, ServiceRuntime, Snapshot, TargetRuntime};
+use crate::snapshot::{
+    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, TargetRuntime,
+};
 
 /// Runtime state that outlives snapshots: per target id (in-flight, health, ejection) and per
 /// service id (counters).
@@ -17,6 +19,7 @@ pub struct CarriedState {
     loads: HashMap<Id, Arc<TargetLoad>>,
     health: HashMap<Id, Arc<TargetHealth>>,
     counters: HashMap<Id, Arc<ServiceCounters>>,
+    route_stats: HashMap<Id, Arc<RouteStats>>,
 }
 
 impl CarriedState {
@@ -48,6 +51,8 @@ pub fn build_snapshot(
     carried.health.retain(|id, _| existing.contains(id));
     let services: HashSet<Id> = config.services.iter().map(|service| service.id).collect();
     carried.counters.retain(|id, _| services.contains(id));
+    let routes: HashSet<Id> = config.routes.iter().map(|route| route.id).collect();
+    carried.route_stats.retain(|id, _| routes.contains(id));
 
     let services = config
         .services
@@ -97,7 +102,10 @@ pub fn build_snapshot(
             }
         })
         .collect();
-    Snapshot::new(generation, services, config.routes.clone())
+    let route_stats = &mut carried.route_stats;
+    Snapshot::with_route_stats(generation, services, config.routes.clone(), |id| {
+        route_stats.entry(id).or_default().clone()
+    })
 }
 
 fn target_authority(target: &Target) -> Option<(Authority, HeaderValue)> {

@@ -11,7 +11,8 @@ mod health;
 mod sources;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, RwLock};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -31,6 +32,18 @@ pub enum ControlError {
     #[error("cannot load the routing configuration: {0}")]
     Store(#[from] StoreError),
 }
+
+/// Refresh counters of one discovery source, for metrics.
+#[derive(Debug, Default)]
+pub struct SourceStats {
+    pub refreshes: AtomicU64,
+    pub failures: AtomicU64,
+    pub duration_micros: AtomicU64,
+}
+
+/// Source stats by source id, shared with the admin API (control plane only, never the request
+/// path, so a lock is fine).
+pub type SourceStatsMap = Arc<RwLock<HashMap<Id, Arc<SourceStats>>>>;
 
 /// What became of a request to refresh a source now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,9 +73,18 @@ enum Command {
 pub struct ControlHandle {
     commands: mpsc::Sender<Command>,
     snapshots: SnapshotHandle,
+    source_stats: SourceStatsMap,
 }
 
 impl ControlHandle {
+    /// Refresh counters of every source, by source id.
+    pub fn source_stats(&self) -> HashMap<Id, Arc<SourceStats>> {
+        self.source_stats
+            .read()
+            .map(|stats| stats.clone())
+            .unwrap_or_default()
+    }
+
     /// The live routing snapshot, for read-only views of runtime state (health, ejection).
     pub fn snapshot(&self) -> Arc<crate::snapshot::Snapshot> {
         self.snapshots.load_full()
@@ -100,6 +122,7 @@ struct ControlTask {
     carried: CarriedState,
     generation: u64,
     sources: HashMap<Id, SourceEntry>,
+    source_stats: SourceStatsMap,
     health_checkers: health::HealthCheckers,
     /// When to retry a sync of sources that failed on a store error.
     resync_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -214,6 +237,7 @@ pub async fn start(
         carried: CarriedState::default(),
         generation: 0,
         sources: HashMap::new(),
+        source_stats: SourceStatsMap::default(),
         health_checkers: health::HealthCheckers::default(),
         resync_at: None,
         next_runner_generation: 1,
@@ -225,11 +249,13 @@ pub async fn start(
     }
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();
+    let source_stats = task.source_stats.clone();
     let join = tokio::spawn(task.run(receiver, outcome_receiver));
     Ok((
         ControlHandle {
             commands: sender,
             snapshots,
+            source_stats,
         },
         join,
     ))

@@ -2,6 +2,7 @@
 //! removal-grace and stale timers.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -56,6 +57,9 @@ impl ControlTask {
         // Deleted sources: their targets went with them in the store; dropping the entry stops
         // the loop.
         self.sources.retain(|id, _| present.contains(id));
+        if let Ok(mut stats) = self.source_stats.write() {
+            stats.retain(|id, _| present.contains(id));
+        }
         match first_error {
             Some(error) => Err(error),
             None => Ok(changed),
@@ -189,12 +193,29 @@ impl ControlTask {
         }
     }
 
+    fn count_refresh(&self, outcome: &RefreshOutcome) {
+        let Ok(mut all) = self.source_stats.write() else {
+            return;
+        };
+        let stats = all.entry(outcome.source_id).or_default();
+        stats.refreshes.fetch_add(1, Ordering::Relaxed);
+        if outcome.result.is_err() {
+            stats.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        stats
+            .duration_micros
+            .fetch_add(outcome.duration.as_micros() as u64, Ordering::Relaxed);
+    }
+
     /// Applies one refresh result. Returns whether targets changed (a rebuild is due).
     pub(super) async fn handle_outcome(&mut self, outcome: RefreshOutcome) -> bool {
         let Some(mut entry) = self.sources.remove(&outcome.source_id) else {
             return false;
         };
         let current = entry.runner.as_ref().map(|runner| runner.generation);
+        if current == Some(outcome.generation) {
+            self.count_refresh(&outcome);
+        }
         let changed = if current == Some(outcome.generation) {
             match self.apply_outcome(&mut entry, outcome).await {
                 Ok(changed) => changed,

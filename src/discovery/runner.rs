@@ -70,6 +70,8 @@ pub struct RefreshOutcome {
     /// Which runner of this source sent it: results of a replaced runner are ignored.
     pub generation: u64,
     pub finished_at: DateTime<Utc>,
+    /// How long the attempt took.
+    pub duration: Duration,
     pub result: Result<Discovered, DiscoveryError>,
     pub next_refresh_at: DateTime<Utc>,
 }
@@ -156,6 +158,7 @@ async fn run(
             _ = wake.notified() => {}
         }
         refreshing.store(true, Ordering::Release);
+        let attempt_started = tokio::time::Instant::now();
         let result =
             match tokio::time::timeout(spec.schedule.timeout, spec.provider.refresh()).await {
                 Ok(result) => result,
@@ -171,6 +174,7 @@ async fn run(
             source_id: spec.source_id,
             generation: spec.generation,
             finished_at,
+            duration: attempt_started.elapsed(),
             next_refresh_at: finished_at
                 + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX),
             result,

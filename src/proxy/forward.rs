@@ -3,10 +3,11 @@
 use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
@@ -27,33 +28,104 @@ pub type ProxyBody = Either<UpstreamResponseBody, Full<Bytes>>;
 /// Upper bound on attempts whatever a service asks for.
 const MAX_ATTEMPTS: usize = 10;
 
+/// The access log's tracing target: one line per request at INFO.
+pub const ACCESS_LOG_TARGET: &str = "raahi::access";
+
+/// What one request did, for the access log and metrics.
+#[derive(Default)]
+struct Exchange {
+    route: Option<Arc<RouteEntry>>,
+    /// The target of the last attempt.
+    target: Option<Authority>,
+    /// From the first attempt's start to the upstream's response headers (or the failure).
+    upstream_elapsed: Option<Duration>,
+}
+
+/// The request line, kept only while the access log is on.
+struct RequestLine {
+    method: Method,
+    host: String,
+    path: String,
+    version: Version,
+}
+
 pub async fn handle(
     state: &ProxyState,
     request: Request<Incoming>,
     client: SocketAddr,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let request_id = headers::request_id(request.headers());
-    let method = request.method().clone();
-    let mut response = match forward(state, request, client, &request_id).await {
+    let request_line =
+        tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO).then(|| RequestLine {
+            method: request.method().clone(),
+            host: request_host(&request).into_owned(),
+            path: request.uri().path().to_owned(),
+            version: request.version(),
+        });
+    let mut exchange = Exchange::default();
+    let mut response = match forward(state, request, client, &request_id, &mut exchange).await {
         Ok(response) => response,
         Err(error) => {
             // Upstream and gateway failures are what an operator must see; a client's own
             // mistakes (no route, a broken upload) only at debug level.
             match error.blame() {
                 super::Blame::Client => {
-                    tracing::debug!(request_id = ?request_id, %method, code = error.code(), %error, "request failed")
+                    tracing::debug!(request_id = ?request_id, code = error.code(), %error, "request failed")
                 }
                 super::Blame::Upstream | super::Blame::Gateway => {
-                    tracing::warn!(request_id = ?request_id, %method, code = error.code(), %error, "request failed")
+                    tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
                 }
             }
             error.to_response().map(Either::Right)
         }
     };
+    let elapsed = started.elapsed();
+    match &exchange.route {
+        Some(route) => route.stats.record(response.status().as_u16(), elapsed),
+        None => {
+            state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    if let Some(line) = request_line {
+        log_access(&line, &request_id, client, &exchange, &response, elapsed);
+    }
     response
         .headers_mut()
         .insert(X_REQUEST_ID.clone(), request_id);
     response
+}
+
+fn log_access(
+    line: &RequestLine,
+    request_id: &HeaderValue,
+    client: SocketAddr,
+    exchange: &Exchange,
+    response: &Response<ProxyBody>,
+    elapsed: Duration,
+) {
+    let route = exchange.route.as_ref();
+    let bytes = response
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    tracing::info!(
+        target: ACCESS_LOG_TARGET,
+        request_id = request_id.to_str().unwrap_or(""),
+        client = %client.ip(),
+        method = %line.method,
+        host = %line.host,
+        path = %line.path,
+        protocol = ?line.version,
+        route = route.map(|route| route.route.name.as_str()),
+        service = route.map(|route| route.service.service.name.as_str()),
+        target = exchange.target.as_ref().map(|target| target.as_str()),
+        status = response.status().as_u16(),
+        bytes,
+        duration_ms = elapsed.as_secs_f64() * 1000.0,
+        upstream_ms = exchange.upstream_elapsed.map(|upstream| upstream.as_secs_f64() * 1000.0),
+    );
 }
 
 /// The host a request is for: lower case, without port.
@@ -107,6 +179,7 @@ async fn forward(
     mut request: Request<Incoming>,
     client: SocketAddr,
     request_id: &HeaderValue,
+    exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let route = {
         let snapshot = state.snapshots.load();
@@ -121,6 +194,7 @@ async fn forward(
             })?
     };
     let service = route.service.clone();
+    exchange.route = Some(route.clone());
 
     let upgrade = headers::is_upgrade_request(request.version(), request.headers()).then(|| {
         let protocol = request.headers().get(header::UPGRADE).cloned();
@@ -134,7 +208,7 @@ async fn forward(
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
-    let (upstream, in_flight) = send_with_retries(state, &service, outgoing).await?;
+    let (upstream, in_flight) = send_with_retries(state, &service, outgoing, exchange).await?;
     Ok(respond(
         upstream,
         in_flight,
@@ -243,7 +317,10 @@ async fn send_with_retries(
     state: &ProxyState,
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
+    exchange: &mut Exchange,
 ) -> Result<(Response<Incoming>, InFlight), ProxyError> {
+    let started = Instant::now();
+    let counters = &service.counters;
     let client = state
         .clients
         .for_service(service.service.id, &service.service.timeouts);
@@ -262,6 +339,7 @@ async fn send_with_retries(
             break;
         };
         tried.push(target.id);
+        exchange.target = Some(target.authority.clone());
         let may_retry_later = attempt < attempts;
         let (request, streaming) = build_attempt(&mut outgoing, target, may_retry_later);
         let in_flight = InFlight::start(&target.load);
@@ -271,6 +349,16 @@ async fn send_with_retries(
             response_timeout,
         )
         .await;
+        exchange.upstream_elapsed = Some(started.elapsed());
+        if matches!(
+            outcome,
+            Err(NoResponse::HeadersLate)
+                | Err(NoResponse::BodyStalled {
+                    client_stalled: false
+                })
+        ) {
+            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
         let error = match outcome {
             Ok(Ok(response)) => {
                 let failed = service
@@ -325,6 +413,9 @@ async fn send_with_retries(
             outgoing.body = reclaim(streaming.returned);
         }
         let connect_failed = error.is_connect();
+        if connect_failed {
+            counters.connect_errors.fetch_add(1, Ordering::Relaxed);
+        }
         let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
         let failure = classify(service, target, &error);
         tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");

@@ -23,9 +23,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use error::{Blame, ProxyError};
-pub use forward::ProxyBody;
+pub use forward::{ProxyBody, ACCESS_LOG_TARGET};
 
-use crate::snapshot::SnapshotHandle;
+use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
 
 /// Downstream connection settings.
@@ -40,13 +40,15 @@ pub struct ListenerSettings {
 pub struct ProxyState {
     snapshots: SnapshotHandle,
     clients: UpstreamClients,
+    counters: Arc<GatewayCounters>,
 }
 
 impl ProxyState {
-    pub fn new(snapshots: SnapshotHandle) -> Arc<ProxyState> {
+    pub fn new(snapshots: SnapshotHandle, counters: Arc<GatewayCounters>) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
             clients: UpstreamClients::default(),
+            counters,
         })
     }
 }

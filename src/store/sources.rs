@@ -330,3 +330,14 @@ async fn save_progress_in(
     .await?;
     Ok(())
 }
+
+impl Store {
+    /// Targets per service and lifecycle state, for metrics.
+    pub async fn target_state_counts(&self) -> Result<Vec<(Id, String, i64)>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT service_id, state, COUNT(*) FROM targets GROUP BY service_id, state",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}

@@ -1,0 +1,354 @@
+//! `/metrics`: Prometheus (OpenMetrics) text, read from the data path's atomics, the control
+//! task's refresh counters and the store. Labels are services, routes, targets and sources —
+//! configuration, never anything per request — so cardinality stays bounded.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use super::AdminState;
+use crate::balance::unix_ms;
+use crate::model::{Health, Id, SourceState};
+
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+const SOURCE_STATES: [SourceState; 5] = [
+    SourceState::Pending,
+    SourceState::Healthy,
+    SourceState::Failing,
+    SourceState::Stale,
+    SourceState::Disabled,
+];
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Everything one scrape reports, gathered before encoding (the store is async; encoding is not).
+#[derive(Debug, Default)]
+struct Scrape {
+    unrouted: u64,
+    routes: Vec<RouteSample>,
+    services: Vec<ServiceSample>,
+    targets: Vec<TargetSample>,
+    target_states: Vec<(String, String, i64)>,
+    sources: Vec<SourceSample>,
+}
+
+#[derive(Debug)]
+struct RouteSample {
+    labels: Labels,
+    responses: [u64; 5],
+    buckets: Vec<(f64, u64)>,
+    latency_sum: f64,
+}
+
+#[derive(Debug)]
+struct ServiceSample {
+    labels: Labels,
+    panic_picks: u64,
+    connect_errors: u64,
+    timeouts: u64,
+}
+
+#[derive(Debug)]
+struct TargetSample {
+    labels: Labels,
+    in_flight: u32,
+    health: Health,
+    ejected: bool,
+}
+
+#[derive(Debug)]
+struct SourceSample {
+    labels: Labels,
+    state: SourceState,
+    refreshes: u64,
+    failures: u64,
+    duration_seconds: f64,
+}
+
+pub async fn metrics(State(state): State<AdminState>) -> Response {
+    match gather(&state).await {
+        Ok(scrape) => encode(scrape),
+        Err(error) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("# metrics unavailable: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> {
+    let snapshot = state.control.snapshot();
+    let now = unix_ms();
+    let mut scrape = Scrape {
+        unrouted: state.gateway_counters.unrouted.load(Ordering::Relaxed),
+        ..Scrape::default()
+    };
+    let mut service_names: HashMap<Id, String> = HashMap::new();
+    for service in snapshot.services() {
+        let name = service.service.name.clone();
+        service_names.insert(service.service.id, name.clone());
+        let counters = &service.counters;
+        scrape.services.push(ServiceSample {
+            labels: vec![("service", name.clone())],
+            panic_picks: counters.panic_picks.load(Ordering::Relaxed),
+            connect_errors: counters.connect_errors.load(Ordering::Relaxed),
+            timeouts: counters.timeouts.load(Ordering::Relaxed),
+        });
+        for target in &service.targets {
+            scrape.targets.push(TargetSample {
+                labels: vec![
+                    ("service", name.clone()),
+                    ("target", target.authority.to_string()),
+                ],
+                in_flight: target.load.in_flight(),
+                health: target.health.health(),
+                ejected: target.health.ejected_until(now).is_some(),
+            });
+        }
+    }
+    for route in snapshot.routes() {
+        let (buckets, latency_sum) = route.stats.latency();
+        scrape.routes.push(RouteSample {
+            labels: vec![
+                ("service", route.service.service.name.clone()),
+                ("route", route.route.name.clone()),
+            ],
+            responses: route.stats.responses(),
+            buckets,
+            latency_sum,
+        });
+    }
+    for (service_id, target_state, count) in state.store.target_state_counts().await? {
+        let service = service_names
+            .get(&service_id)
+            .cloned()
+            .unwrap_or_else(|| service_id.to_string());
+        scrape.target_states.push((service, target_state, count));
+    }
+    let stats = state.control.source_stats();
+    for (source, progress) in state.store.all_sources().await? {
+        let counters = stats.get(&source.id);
+        let read = |pick: fn(&crate::control::SourceStats) -> u64| {
+            counters.map(|stats| pick(stats)).unwrap_or(0)
+        };
+        let service = service_names
+            .get(&source.service_id)
+            .cloned()
+            .unwrap_or_else(|| source.service_id.to_string());
+        scrape.sources.push(SourceSample {
+            labels: vec![
+                ("service", service),
+                ("source", source.name.clone()),
+                ("provider", source.provider.as_str().to_owned()),
+            ],
+            state: progress.state,
+            refreshes: read(|stats| stats.refreshes.load(Ordering::Relaxed)),
+            failures: read(|stats| stats.failures.load(Ordering::Relaxed)),
+            duration_seconds: read(|stats| stats.duration_micros.load(Ordering::Relaxed)) as f64
+                / 1_000_000.0,
+        });
+    }
+    Ok(scrape)
+}
+
+fn encode(scrape: Scrape) -> Response {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(scrape));
+    let mut text = String::new();
+    if let Err(error) = prometheus_client::encoding::text::encode(&mut text, &registry) {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("# encoding failed: {error}\n"),
+        )
+            .into_response();
+    }
+    let mut response = text.into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    response
+}
+
+fn with(labels: &Labels, extra: (&'static str, String)) -> Labels {
+    let mut labels = labels.clone();
+    labels.push(extra);
+    labels
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (Labels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in samples {
+        ConstCounter::new(value).encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (Labels, i64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in samples {
+        ConstGauge::new(value).encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        counter(
+            &mut encoder,
+            "raahi_unrouted_requests",
+            "Requests that matched no route (answered 404).",
+            [(Labels::new(), self.unrouted)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_requests",
+            "Requests answered, by service, route and status class.",
+            self.routes.iter().flat_map(|route| {
+                STATUS_CLASSES
+                    .iter()
+                    .zip(route.responses)
+                    .map(|(class, count)| {
+                        (with(&route.labels, ("class", class.to_string())), count)
+                    })
+            }),
+        )?;
+        {
+            let mut metric = encoder.encode_descriptor(
+                "raahi_request_duration_seconds",
+                "Time from a request's arrival to its response headers, by service and route.",
+                None,
+                MetricType::Histogram,
+            )?;
+            for route in &self.routes {
+                let count = route.buckets.iter().map(|(_, count)| count).sum();
+                metric
+                    .encode_family(&route.labels)?
+                    .encode_histogram::<Labels>(route.latency_sum, count, &route.buckets, None)?;
+            }
+        }
+        counter(
+            &mut encoder,
+            "raahi_upstream_connect_errors",
+            "Attempts whose connection to a target failed or timed out.",
+            self.services
+                .iter()
+                .map(|service| (service.labels.clone(), service.connect_errors)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_upstream_timeouts",
+            "Attempts that got no response headers, or could not send the body, in time.",
+            self.services
+                .iter()
+                .map(|service| (service.labels.clone(), service.timeouts)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_balancer_panic_picks",
+            "Picks that ignored health and ejection because no tier had an available target.",
+            self.services
+                .iter()
+                .map(|service| (service.labels.clone(), service.panic_picks)),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_target_in_flight_requests",
+            "Requests in flight per target in rotation.",
+            self.targets
+                .iter()
+                .map(|target| (target.labels.clone(), i64::from(target.in_flight))),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_target_health",
+            "1 for the health each target in rotation has (unknown, healthy, unhealthy).",
+            self.targets.iter().flat_map(|target| {
+                [Health::Unknown, Health::Healthy, Health::Unhealthy].map(|health| {
+                    (
+                        with(&target.labels, ("health", health.as_str().to_owned())),
+                        i64::from(target.health == health),
+                    )
+                })
+            }),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_target_ejected",
+            "1 while a target in rotation is ejected by passive outlier detection.",
+            self.targets
+                .iter()
+                .map(|target| (target.labels.clone(), i64::from(target.ejected))),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_targets",
+            "Targets per service and lifecycle state (active, draining, stale).",
+            self.target_states.iter().map(|(service, state, count)| {
+                (
+                    vec![("service", service.clone()), ("state", state.clone())],
+                    *count,
+                )
+            }),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_discovery_source_state",
+            "1 for the lifecycle state each discovery source is in.",
+            self.sources.iter().flat_map(|source| {
+                SOURCE_STATES.map(|state| {
+                    (
+                        with(&source.labels, ("state", state.as_str().to_owned())),
+                        i64::from(source.state == state),
+                    )
+                })
+            }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_discovery_refreshes",
+            "Refresh attempts per discovery source since start.",
+            self.sources
+                .iter()
+                .map(|source| (source.labels.clone(), source.refreshes)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_discovery_refresh_failures",
+            "Failed refresh attempts per discovery source since start.",
+            self.sources
+                .iter()
+                .map(|source| (source.labels.clone(), source.failures)),
+        )?;
+        let mut metric = encoder.encode_descriptor(
+            "raahi_discovery_refresh_duration_seconds",
+            "Time spent in refresh attempts per discovery source since start.",
+            None,
+            MetricType::Counter,
+        )?;
+        for source in &self.sources {
+            ConstCounter::new(source.duration_seconds)
+                .encode(metric.encode_family(&source.labels)?)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,342 @@
+//! What an operator reads: `/metrics` and the access log.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::registry::Registry;
+use common::*;
+use serde_json::json;
+
+async fn scrape(gateway: &TestGateway) -> String {
+    let response = gateway
+        .http
+        .get(gateway.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
+    response.text().await.unwrap()
+}
+
+fn value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|number| number.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_count_requests_latency_targets_and_sources() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("a").await;
+    let service = gateway
+        .service_with_targets("web", &[target(&upstream, 1, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "all", "hosts": ["web.test"], "service_id": service}),
+        )
+        .await;
+    for _ in 0..3 {
+        let response = gateway
+            .http
+            .get(gateway.proxy_url("/ok"))
+            .header("host", "web.test")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+    }
+    let failed = gateway
+        .http
+        .get(gateway.proxy_url("/status/503"))
+        .header("host", "web.test")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 503);
+    let unrouted = gateway
+        .http
+        .get(gateway.proxy_url("/"))
+        .header("host", "nowhere.test")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unrouted.status(), 404);
+
+    let registry = Registry::start().await;
+    registry.set_json(json!([{"host": "127.0.0.1", "port": upstream.addr.port(), "key": "r1"}]));
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({"name": "reg", "provider": "http",
+                   "config": {"url": registry.url("/endpoints"), "interval_ms": 200}}),
+        )
+        .await;
+    wait_until("the source is healthy", Duration::from_secs(10), || async {
+        let (_, status) = gateway
+            .api(
+                "GET",
+                &format!("/api/v1/discovery-sources/{source}/status"),
+                None,
+            )
+            .await;
+        status["state"] == "healthy"
+    })
+    .await;
+
+    let metrics = scrape(&gateway).await;
+    let route = r#"service="web",route="all""#;
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_requests_total{{{route},class="2xx"}}"#)
+        ),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_requests_total{{{route},class="5xx"}}"#)
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_request_duration_seconds_count{{{route}}}"#)
+        ),
+        Some(4.0)
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_request_duration_seconds_bucket{{le="+Inf",{route}}}"#)
+        )
+        .or_else(|| value(
+            &metrics,
+            &format!(r#"raahi_request_duration_seconds_bucket{{{route},le="+Inf"}}"#)
+        )),
+        Some(4.0),
+        "{metrics}"
+    );
+    assert_eq!(value(&metrics, "raahi_unrouted_requests_total"), Some(1.0));
+    let target_label = format!(r#"service="web",target="{}""#, upstream.addr);
+    assert_eq!(
+        value(
+            &metrics,
+            &format!("raahi_target_in_flight_requests{{{target_label}}}")
+        ),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_target_health{{{target_label},health="unknown"}}"#)
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&metrics, r#"raahi_targets{service="web",state="active"}"#),
+        Some(2.0)
+    );
+    let source_label = r#"service="web",source="reg",provider="http""#;
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_discovery_source_state{{{source_label},state="healthy"}}"#)
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert!(
+        value(
+            &metrics,
+            &format!("raahi_discovery_refreshes_total{{{source_label}}}")
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!("raahi_discovery_refresh_failures_total{{{source_label}}}")
+        ),
+        Some(0.0)
+    );
+    assert!(metrics.trim_end().ends_with("# EOF"));
+}
+
+#[tokio::test]
+async fn metrics_count_connect_errors_and_panic_picks() {
+    let gateway = TestGateway::start().await;
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let service = gateway
+        .service_with_targets("down", &[json!({"host": "127.0.0.1", "port": dead_port})])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "down", "service_id": service}),
+        )
+        .await;
+    for _ in 0..6 {
+        let response = gateway.get("/").await;
+        assert_eq!(response.status(), 502);
+    }
+    let metrics = scrape(&gateway).await;
+    assert_eq!(
+        value(
+            &metrics,
+            r#"raahi_upstream_connect_errors_total{service="down"}"#
+        ),
+        Some(6.0),
+        "{metrics}"
+    );
+    // Five failures eject the only target; the sixth request is a panic pick.
+    assert_eq!(
+        value(
+            &metrics,
+            r#"raahi_balancer_panic_picks_total{service="down"}"#
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            &format!(r#"raahi_target_ejected{{service="down",target="127.0.0.1:{dead_port}"}}"#)
+        ),
+        Some(1.0)
+    );
+}
+
+/// One JSON line per request on stderr, with the fields an operator filters on.
+#[tokio::test]
+async fn the_access_log_has_one_json_line_per_request() {
+    let upstream = Upstream::start("logged").await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_raahi"))
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("RAAHI_LOG_FORMAT", "json")
+        .env(
+            "RAAHI_DATABASE_URL",
+            format!("sqlite://{}/raahi.db", dir.path().display()),
+        )
+        .arg("serve")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.contains("admin API on"))
+    })
+    .await
+    .unwrap()
+    .expect("the address line");
+    let proxy = line
+        .split("proxy on ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap()
+        .to_owned();
+    let admin = line
+        .rsplit("admin API on ")
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned();
+    let stderr = child.stderr.take().unwrap();
+    let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+
+    let http = reqwest::Client::new();
+    let post = |path: &str, body: serde_json::Value| {
+        http.post(format!("http://{admin}{path}"))
+            .bearer_auth(ADMIN_TOKEN)
+            .json(&body)
+            .send()
+    };
+    let service: serde_json::Value = post("/api/v1/services", json!({"name": "logged"}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let service = service["id"].as_i64().unwrap();
+    post(
+        &format!("/api/v1/services/{service}/targets"),
+        target(&upstream, 1, 0),
+    )
+    .await
+    .unwrap();
+    post(
+        "/api/v1/routes",
+        json!({"name": "logged-route", "service_id": service}),
+    )
+    .await
+    .unwrap();
+    let response = http
+        .get(format!("http://{proxy}/hello?x=1"))
+        .header("x-request-id", "trace-me-123")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+
+    let entry = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(line) = lines_rx.recv().await {
+            let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
+                continue;
+            };
+            if entry["target"] == "raahi::access" && entry["fields"]["request_id"] == "trace-me-123"
+            {
+                return entry;
+            }
+        }
+        panic!("stderr ended without the access log line");
+    })
+    .await
+    .expect("an access log line within 10 s");
+    let fields = &entry["fields"];
+    assert_eq!(fields["method"], "GET");
+    assert_eq!(fields["path"], "/hello");
+    assert_eq!(fields["status"], 200);
+    assert_eq!(fields["route"], "logged-route");
+    assert_eq!(fields["service"], "logged");
+    assert_eq!(fields["target"], upstream.addr.to_string());
+    assert_eq!(fields["client"], "127.0.0.1");
+    assert!(fields["duration_ms"].as_f64().unwrap() >= 0.0);
+    assert!(fields["upstream_ms"].as_f64().is_some());
+    assert!(entry["timestamp"].is_string());
+    let _ = child.kill();
+    let _ = child.wait();
+}
