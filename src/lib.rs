@@ -10,4 +10,5 @@ pub mod gateway;
 pub mod model;
 pub mod proxy;
 pub mod snapshot;
+pub mod status;
 pub mod store;

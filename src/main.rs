@@ -1,10 +1,11 @@
-//! The `raahi` command: serve, migrate, token, check-config.
+//! The `raahi` command: serve, migrate, token, check-config, status.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use raahi::admin::auth;
 use raahi::config::{Config, LogFormat};
 use raahi::gateway::Gateway;
@@ -38,6 +39,27 @@ enum Command {
     },
     /// Validate the configuration file and environment, then exit.
     CheckConfig,
+    /// Show a running gateway's discovery sources and targets, read from its admin API.
+    Status(StatusArgs),
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    /// Base URL of the gateway's admin API.
+    #[arg(long, env = "RAAHI_ADMIN_URL", default_value = "http://127.0.0.1:9080")]
+    admin_url: String,
+    /// Admin API token (discovery sources need the admin role).
+    #[arg(long, env = "RAAHI_ADMIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// `text`: one block per service; `json`: the whole report, for scripts.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    output: OutputFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OutputFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -60,6 +82,10 @@ enum RoleArg {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Reads only the admin API: no configuration file or database needed.
+    if let Command::Status(args) = &cli.command {
+        return status(args);
+    }
     let config = match Config::load(cli.config.as_deref()) {
         Ok(config) => config,
         Err(error) => {
@@ -139,7 +165,51 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::CheckConfig => Ok(()),
+        Command::CheckConfig | Command::Status(_) => Ok(()),
+    }
+}
+
+fn status(args: &StatusArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("raahi: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let fetched = runtime.block_on(raahi::status::fetch(&args.admin_url, args.token.as_deref()));
+    let report = match fetched {
+        Ok(report) => report,
+        Err(error) => {
+            eprintln!("raahi status: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let text = match args.output {
+        OutputFormat::Text => raahi::status::render_text(&report),
+        OutputFormat::Json => match serde_json::to_string_pretty(&report) {
+            Ok(json) => json + "\n",
+            Err(error) => {
+                eprintln!("raahi status: cannot encode the report: {error}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => ExitCode::SUCCESS,
+        // `raahi status | head` is not a failure.
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("raahi status: cannot write the report: {error}");
+            ExitCode::FAILURE
+        }
     }
 }
 

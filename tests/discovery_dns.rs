@@ -1081,7 +1081,8 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
     )
     .await;
 
-    let asked_at = Utc::now();
+    // Stored times have millisecond precision.
+    let asked_at = DateTime::from_timestamp_millis(Utc::now().timestamp_millis()).unwrap();
     let (code, answer) = gateway
         .api(
             "POST",
