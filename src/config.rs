@@ -122,6 +122,9 @@ impl Default for DatabaseConfig {
 pub enum LogFormat {
     #[default]
     Json,
+    /// `key=value` pairs, one event a line.
+    Logfmt,
+    /// tracing's human-readable format.
     Text,
 }
 
@@ -318,14 +321,14 @@ mod tests {
             Some(text),
             &env(&[
                 ("RAAHI_PROXY_LISTEN", "127.0.0.1:2000"),
-                ("RAAHI_LOG_FORMAT", "text"),
+                ("RAAHI_LOG_FORMAT", "logfmt"),
                 ("RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS", "1500"),
                 ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "2500"),
             ]),
         )
         .unwrap();
         assert_eq!(config.proxy.listen.to_string(), "127.0.0.1:2000");
-        assert_eq!(config.log.format, LogFormat::Text);
+        assert_eq!(config.log.format, LogFormat::Logfmt);
         assert_eq!(config.proxy.client_header_timeout_ms, 1500);
         assert_eq!(config.proxy.shutdown_grace_ms, 2500);
     }

@@ -12,3 +12,4 @@ pub mod proxy;
 pub mod snapshot;
 pub mod status;
 pub mod store;
+pub mod telemetry;

@@ -124,6 +124,7 @@ fn init_tracing(config: &Config) {
         .with_writer(std::io::stderr);
     match config.log.format {
         LogFormat::Json => builder.json().init(),
+        LogFormat::Logfmt => builder.event_format(raahi::telemetry::Logfmt).init(),
         LogFormat::Text => builder.init(),
     }
 }

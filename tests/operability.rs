@@ -340,3 +340,76 @@ async fn the_access_log_has_one_json_line_per_request() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `log.format = "logfmt"` gives `key=value` access lines.
+#[tokio::test]
+async fn the_access_log_can_be_logfmt() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_raahi"))
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
+        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("RAAHI_LOG_FORMAT", "logfmt")
+        .env(
+            "RAAHI_DATABASE_URL",
+            format!("sqlite://{}/raahi.db", dir.path().display()),
+        )
+        .arg("serve")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.contains("admin API on"))
+    })
+    .await
+    .unwrap()
+    .expect("the address line");
+    let proxy = line
+        .split("proxy on ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap()
+        .to_owned();
+    let stderr = child.stderr.take().unwrap();
+    let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let response = reqwest::Client::new()
+        .get(format!("http://{proxy}/no/such/route"))
+        .header("x-request-id", "logfmt-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let line = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(line) = lines_rx.recv().await {
+            if line.contains("target=raahi::access") && line.contains("request_id=logfmt-42") {
+                return line;
+            }
+        }
+        panic!("stderr ended without the access log line");
+    })
+    .await
+    .expect("an access log line within 10 s");
+    assert!(line.starts_with("ts="), "{line}");
+    for pair in [
+        "level=info",
+        "status=404",
+        "method=GET",
+        "path=/no/such/route",
+    ] {
+        assert!(line.contains(pair), "{pair} missing in {line}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
