@@ -129,7 +129,10 @@ mod tests {
         });
         let line = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
         assert!(line.starts_with("ts="), "{line}");
-        assert!(line.ends_with('\n') && line.lines().count() == 1, "{line:?}");
+        assert!(
+            line.ends_with('\n') && line.lines().count() == 1,
+            "{line:?}"
+        );
         for pair in [
             "level=info",
             "target=raahi::access",
