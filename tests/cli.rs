@@ -2,20 +2,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
+use common::process::{raahi_command, RaahiProcess};
 use common::*;
 
 fn raahi() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_raahi"));
-    for (name, _) in std::env::vars() {
-        if name.starts_with("RAAHI_") || name == "RUST_LOG" {
-            command.env_remove(name);
-        }
-    }
-    command
+    raahi_command()
 }
 
 #[test]
@@ -101,61 +95,26 @@ async fn token_create_prints_a_working_token() {
 /// A real process: prints its first admin token once, serves, and exits 0 on SIGTERM.
 #[tokio::test]
 async fn serve_prints_first_token_and_stops_on_sigterm() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = raahi()
-        .current_dir(dir.path())
-        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_LOG_FORMAT", "text")
-        .arg("serve")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let lines = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .take(3)
-            .collect::<Vec<_>>()
-    });
-    let lines = tokio::time::timeout(Duration::from_secs(30), lines)
-        .await
-        .expect("serve prints its addresses")
-        .unwrap();
+    let process = RaahiProcess::serve(&[("RAAHI_LOG_FORMAT", "text")]).await;
+    let lines = &process.stdout_lines;
+    assert!(lines[0].contains("first admin token"), "{lines:?}");
     let token = lines[1].trim().to_owned();
     assert!(token.starts_with("raahi_"), "{lines:?}");
-    let admin = lines[2]
-        .rsplit("admin API on ")
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned();
     assert!(
-        dir.path().join("data/raahi.db").exists(),
+        process.dir.path().join("data/raahi.db").exists(),
         "default SQLite store is created"
     );
 
-    let client = reqwest::Client::new();
-    let response = client
-        .get(format!("http://{admin}/api/v1/services"))
+    let response = reqwest::Client::new()
+        .get(format!("http://{}/api/v1/services", process.admin))
         .bearer_auth(&token)
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
 
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    process.sigterm();
+    let status = process.exit_status().await;
     assert!(status.success(), "exit status {status:?}");
 }
 
@@ -164,75 +123,19 @@ async fn serve_prints_first_token_and_stops_on_sigterm() {
 #[tokio::test]
 async fn sigterm_lets_the_request_in_flight_finish_then_exits() {
     let upstream = Upstream::start("slow").await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = raahi()
-        .current_dir(dir.path())
-        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
-        .env("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "10000")
-        .env("RAAHI_LOG_FORMAT", "text")
-        .arg("serve")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let line = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find(|line| line.contains("admin API on"))
-    });
-    let line = tokio::time::timeout(Duration::from_secs(30), line)
-        .await
-        .expect("serve prints its addresses")
-        .unwrap()
-        .expect("an address line");
-    let proxy: std::net::SocketAddr = line
-        .split("proxy on ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap()
-        .parse()
-        .unwrap();
-    let admin = line
-        .rsplit("admin API on ")
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned();
-
-    let http = reqwest::Client::new();
-    let call = |path: &str, body: serde_json::Value| {
-        http.post(format!("http://{admin}{path}"))
-            .bearer_auth(ADMIN_TOKEN)
-            .json(&body)
+    let process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "10000"),
+        ("RAAHI_LOG_FORMAT", "text"),
+    ])
+    .await;
+    process.route_all_to("slow", &upstream).await;
+    let proxy = process.proxy;
+    let slow = tokio::spawn(async move {
+        reqwest::Client::new()
+            .get(format!("http://{proxy}/slow/1500"))
             .send()
-    };
-    let service: serde_json::Value = call("/api/v1/services", serde_json::json!({"name": "slow"}))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let service = service["id"].as_i64().unwrap();
-    call(
-        &format!("/api/v1/services/{service}/targets"),
-        target(&upstream, 1, 0),
-    )
-    .await
-    .unwrap();
-    call(
-        "/api/v1/routes",
-        serde_json::json!({"name": "all", "service_id": service}),
-    )
-    .await
-    .unwrap();
-
-    let slow = tokio::spawn({
-        let http = http.clone();
-        async move { http.get(format!("http://{proxy}/slow/1500")).send().await }
+            .await
     });
     wait_until(
         "the slow request reached the upstream",
@@ -240,12 +143,7 @@ async fn sigterm_lets_the_request_in_flight_finish_then_exits() {
         || async { upstream.hits() >= 1 },
     )
     .await;
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    process.sigterm();
 
     // The listener closes at once; the request in flight still completes.
     wait_until(
@@ -261,10 +159,7 @@ async fn sigterm_lets_the_request_in_flight_finish_then_exits() {
     assert_eq!(response.status(), 200);
     assert_eq!(response.text().await.unwrap(), "slow");
     let exited = std::time::Instant::now();
-    let status = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let status = process.exit_status().await;
     assert!(status.success(), "exit status {status:?}");
     assert!(
         exited.elapsed() < Duration::from_secs(5),

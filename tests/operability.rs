@@ -2,10 +2,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::process::RaahiProcess;
 use common::registry::Registry;
 use common::*;
 use serde_json::json;
@@ -231,102 +230,27 @@ async fn metrics_count_connect_errors_and_panic_picks() {
 #[tokio::test]
 async fn the_access_log_has_one_json_line_per_request() {
     let upstream = Upstream::start("logged").await;
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_raahi"))
-        .current_dir(dir.path())
-        .env_remove("RUST_LOG")
-        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
-        .env("RAAHI_LOG_FORMAT", "json")
-        .env(
-            "RAAHI_DATABASE_URL",
-            format!("sqlite://{}/raahi.db", dir.path().display()),
-        )
-        .arg("serve")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let line = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find(|line| line.contains("admin API on"))
-    })
-    .await
-    .unwrap()
-    .expect("the address line");
-    let proxy = line
-        .split("proxy on ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap()
-        .to_owned();
-    let admin = line
-        .rsplit("admin API on ")
-        .next()
-        .unwrap()
-        .trim()
-        .to_owned();
-    let stderr = child.stderr.take().unwrap();
-    let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = lines_tx.send(line);
-        }
-    });
-
-    let http = reqwest::Client::new();
-    let post = |path: &str, body: serde_json::Value| {
-        http.post(format!("http://{admin}{path}"))
-            .bearer_auth(ADMIN_TOKEN)
-            .json(&body)
-            .send()
-    };
-    let service: serde_json::Value = post("/api/v1/services", json!({"name": "logged"}))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let service = service["id"].as_i64().unwrap();
-    post(
-        &format!("/api/v1/services/{service}/targets"),
-        target(&upstream, 1, 0),
-    )
-    .await
-    .unwrap();
-    post(
-        "/api/v1/routes",
-        json!({"name": "logged-route", "service_id": service}),
-    )
-    .await
-    .unwrap();
-    let response = http
-        .get(format!("http://{proxy}/hello?x=1"))
+    let mut process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "json"),
+    ])
+    .await;
+    process.route_all_to("logged", &upstream).await;
+    let response = reqwest::Client::new()
+        .get(format!("http://{}/hello?x=1", process.proxy))
         .header("x-request-id", "trace-me-123")
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
 
-    let entry = tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(line) = lines_rx.recv().await {
-            let Ok(entry) = serde_json::from_str::<serde_json::Value>(&line) else {
-                continue;
-            };
-            if entry["target"] == "raahi::access" && entry["fields"]["request_id"] == "trace-me-123"
-            {
-                return entry;
-            }
-        }
-        panic!("stderr ended without the access log line");
-    })
-    .await
-    .expect("an access log line within 10 s");
+    let line = process
+        .stderr_line(|line| line.contains("raahi::access") && line.contains("trace-me-123"))
+        .await;
+    let entry: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+    assert_eq!(entry["target"], "raahi::access");
     let fields = &entry["fields"];
+    assert_eq!(fields["request_id"], "trace-me-123");
     assert_eq!(fields["method"], "GET");
     assert_eq!(fields["path"], "/hello");
     assert_eq!(fields["status"], 200);
@@ -337,70 +261,28 @@ async fn the_access_log_has_one_json_line_per_request() {
     assert!(fields["duration_ms"].as_f64().unwrap() >= 0.0);
     assert!(fields["upstream_ms"].as_f64().is_some());
     assert!(entry["timestamp"].is_string());
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// `log.format = "logfmt"` gives `key=value` access lines.
 #[tokio::test]
 async fn the_access_log_can_be_logfmt() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_raahi"))
-        .current_dir(dir.path())
-        .env_remove("RUST_LOG")
-        .env("RAAHI_PROXY_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_LISTEN", "127.0.0.1:0")
-        .env("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN)
-        .env("RAAHI_LOG_FORMAT", "logfmt")
-        .env(
-            "RAAHI_DATABASE_URL",
-            format!("sqlite://{}/raahi.db", dir.path().display()),
-        )
-        .arg("serve")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let line = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .find(|line| line.contains("admin API on"))
-    })
-    .await
-    .unwrap()
-    .expect("the address line");
-    let proxy = line
-        .split("proxy on ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .unwrap()
-        .to_owned();
-    let stderr = child.stderr.take().unwrap();
-    let (lines_tx, mut lines_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = lines_tx.send(line);
-        }
-    });
+    let mut process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "logfmt"),
+    ])
+    .await;
     let response = reqwest::Client::new()
-        .get(format!("http://{proxy}/no/such/route"))
+        .get(format!("http://{}/no/such/route", process.proxy))
         .header("x-request-id", "logfmt-42")
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 404);
-    let line = tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(line) = lines_rx.recv().await {
-            if line.contains("target=raahi::access") && line.contains("request_id=logfmt-42") {
-                return line;
-            }
-        }
-        panic!("stderr ended without the access log line");
-    })
-    .await
-    .expect("an access log line within 10 s");
+    let line = process
+        .stderr_line(|line| {
+            line.contains("target=raahi::access") && line.contains("request_id=logfmt-42")
+        })
+        .await;
     assert!(line.starts_with("ts="), "{line}");
     for pair in [
         "level=info",
@@ -410,6 +292,4 @@ async fn the_access_log_can_be_logfmt() {
     ] {
         assert!(line.contains(pair), "{pair} missing in {line}");
     }
-    let _ = child.kill();
-    let _ = child.wait();
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod knot;
+pub mod process;
 pub mod registry;
 
 use std::collections::BTreeMap;
