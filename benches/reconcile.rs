@@ -77,6 +77,7 @@ fn target(id: i64, endpoint: &Endpoint) -> Target {
         ejected_until: None,
         remove_at: None,
         last_check: None,
+        managed_by: None,
         created_at: now(),
         updated_at: now(),
     }

@@ -23,6 +23,7 @@ fn service() -> ServiceRuntime {
             max_attempts: 3,
             health_check: None,
             ejection: Default::default(),
+            managed_by: None,
             created_at: Utc::now(),
             updated_at: Utc::now(),
         },
@@ -44,6 +45,7 @@ fn route(id: i64, hosts: Vec<String>, prefix: String) -> Route {
         preserve_host: false,
         strip_prefix: false,
         priority: 0,
+        managed_by: None,
         created_at: Utc::now(),
         updated_at: Utc::now(),
     }

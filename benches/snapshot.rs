@@ -25,6 +25,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
             max_attempts: 3,
             health_check: None,
             ejection: Default::default(),
+            managed_by: None,
             created_at: now,
             updated_at: now,
         });
@@ -38,6 +39,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
             preserve_host: false,
             strip_prefix: false,
             priority: 0,
+            managed_by: None,
             created_at: now,
             updated_at: now,
         });
@@ -59,6 +61,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
                 ejected_until: None,
                 remove_at: None,
                 last_check: None,
+                managed_by: None,
                 created_at: now,
                 updated_at: now,
             });

@@ -33,6 +33,18 @@ pub struct Config {
     pub database: DatabaseConfig,
     #[serde(default)]
     pub log: LogConfig,
+    #[serde(default)]
+    pub resources: ResourcesConfig,
+}
+
+/// Declarative configuration.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesConfig {
+    /// A TOML file of services, targets, discovery sources and routes, applied at start and on
+    /// SIGHUP.
+    #[serde(default)]
+    pub file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -163,6 +175,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_ADMIN_LISTEN", "admin.listen"),
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
     ("RAAHI_DATABASE_URL", "database.url"),
+    ("RAAHI_RESOURCES_FILE", "resources.file"),
     ("RAAHI_LOG_FORMAT", "log.format"),
     ("RUST_LOG", "log.level"),
 ];

@@ -11,6 +11,7 @@ use crate::admin::{self, auth, AdminState};
 use crate::config::Config;
 use crate::control::{self, ControlError, ControlHandle};
 use crate::proxy::{self, ListenerSettings, ProxyState};
+use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
 
@@ -20,6 +21,8 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error("{0}")]
     Control(#[from] ControlError),
+    #[error("{0}")]
+    Resources(#[from] ResourcesError),
     #[error("cannot listen on {address} ({role}): {source}")]
     Bind {
         role: &'static str,
@@ -37,6 +40,8 @@ pub struct Gateway {
     pub store: Store,
     pub control: ControlHandle,
     pub snapshots: SnapshotHandle,
+    /// The declarative resources file, when configured, and what its first apply did.
+    pub resources: Option<(ResourcesFile, ApplyReport)>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -62,6 +67,16 @@ impl Gateway {
             };
         let snapshots = SnapshotHandle::new(Snapshot::empty());
         let (control, control_task) = control::start(store.clone(), snapshots.clone()).await?;
+        // Applied before the listeners open, so the first request already sees it.
+        let resources = match &config.resources.file {
+            Some(path) => {
+                let file = ResourcesFile::new(path.clone(), store.clone(), control.clone());
+                let report = file.apply().await?;
+                tracing::info!(file = %path.display(), %report, "resources file applied");
+                Some((file, report))
+            }
+            None => None,
+        };
 
         let proxy_listener = bind("proxy", config.proxy.listen).await?;
         let admin_listener = bind("admin", config.admin.listen).await?;
@@ -109,6 +124,10 @@ impl Gateway {
                 tracing::error!(%error, "admin listener failed");
             }
         });
+        let mut tasks = vec![control_task, proxy_task, admin_task];
+        if let Some((file, _)) = &resources {
+            tasks.push(reload_on_sighup(file.clone()));
+        }
         tracing::info!(proxy = %proxy_addr, admin = %admin_addr, "raahi is serving");
         Ok(Gateway {
             proxy_addr,
@@ -117,9 +136,16 @@ impl Gateway {
             store,
             control,
             snapshots,
+            resources,
             shutdown,
-            tasks: vec![control_task, proxy_task, admin_task],
+            tasks,
         })
+    }
+
+    /// Applies the resources file again (what SIGHUP does).
+    pub async fn reload_resources(&self) -> Option<Result<ApplyReport, ResourcesError>> {
+        let (file, _) = self.resources.as_ref()?;
+        Some(file.apply().await)
     }
 
     /// Stops accepting on both listeners, lets requests in flight finish (within the proxy's
@@ -128,9 +154,37 @@ impl Gateway {
         let _ = self.shutdown.send(true);
         let mut tasks = self.tasks;
         let control_task = tasks.remove(0);
+        let sighup_task = (tasks.len() > 2).then(|| tasks.remove(2));
+        if let Some(task) = sighup_task {
+            task.abort();
+        }
         for task in tasks {
             let _ = task.await;
         }
         control_task.abort();
     }
+}
+
+/// Re-applies the resources file on every SIGHUP; a file that fails changes nothing.
+fn reload_on_sighup(file: ResourcesFile) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGHUP; the resources file applies only at start");
+                return;
+            }
+        };
+        while hangups.recv().await.is_some() {
+            match file.apply().await {
+                Ok(report) => {
+                    tracing::info!(file = %file.path.display(), %report, "resources file applied")
+                }
+                Err(error) => {
+                    tracing::error!(%error, "resources file not applied; the previous configuration stays")
+                }
+            }
+        }
+    })
 }

@@ -219,6 +219,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     if let Some(token) = &gateway.generated_admin_token {
         println!("Generated the first admin token (shown once, store it now):\n{token}");
     }
+    if let Some((file, report)) = &gateway.resources {
+        println!("raahi: applied {}: {report}", file.path.display());
+    }
     println!(
         "raahi: proxy on {}, admin API on {}",
         gateway.proxy_addr, gateway.admin_addr

@@ -289,6 +289,8 @@ pub struct Service {
     pub health_check: Option<HealthCheck>,
     /// Passive outlier ejection.
     pub ejection: Ejection,
+    /// `resources-file` when a declarative resources file manages it; null otherwise.
+    pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -314,6 +316,8 @@ pub struct Target {
     pub remove_at: Option<DateTime<Utc>>,
     /// The latest active health check of this target.
     pub last_check: Option<CheckResult>,
+    /// `resources-file` when a declarative resources file manages it; null otherwise.
+    pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -339,6 +343,8 @@ pub struct Route {
     pub strip_prefix: bool,
     /// Among routes equally specific by host and path, the higher value wins.
     pub priority: i32,
+    /// `resources-file` when a declarative resources file manages it; null otherwise.
+    pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
@@ -394,6 +400,8 @@ pub struct DiscoverySource {
     pub enabled: bool,
     pub stale_after_ms: u64,
     pub removal_grace_ms: u64,
+    /// `resources-file` when a declarative resources file manages it; null otherwise.
+    pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }

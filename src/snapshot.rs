@@ -469,6 +469,7 @@ mod tests {
                 max_attempts: 3,
                 health_check: None,
                 ejection: Default::default(),
+                managed_by: None,
                 created_at: Utc::now(),
                 updated_at: Utc::now(),
             },
@@ -490,6 +491,7 @@ mod tests {
             preserve_host: false,
             strip_prefix: false,
             priority,
+            managed_by: None,
             created_at: Utc::now(),
             updated_at: Utc::now(),
         }

@@ -1288,7 +1288,7 @@ async fn health_check_and_ejection_settings_are_validated_and_round_trip() {
     assert_eq!(read["ejection"], off, "{read}");
     // What GET shows can be written back unchanged.
     let mut spec = read.clone();
-    for key in ["id", "created_at", "updated_at"] {
+    for key in ["id", "created_at", "updated_at", "managed_by"] {
         spec.as_object_mut().unwrap().remove(key);
     }
     let (status, replaced) = gateway

@@ -10,7 +10,7 @@ mod services;
 mod sources;
 mod targets;
 mod tokens;
-mod validate;
+pub(crate) mod validate;
 
 use axum::extract::State;
 use axum::http::StatusCode;

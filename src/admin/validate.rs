@@ -348,6 +348,17 @@ pub fn token(spec: TokenSpec) -> Result<TokenSpec, ApiError> {
     Ok(spec)
 }
 
+/// Reads `T` from a JSON document with the admin API's field naming (for the resources file):
+/// the error is `(field, message)`.
+pub fn from_json<T: serde::de::DeserializeOwned>(
+    json: serde_json::Value,
+) -> Result<T, (String, String)> {
+    super::extract::from_value(json).map_err(|error| match error {
+        ApiError::Validation { field, message } => (field, message),
+        other => (String::new(), other.to_string()),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

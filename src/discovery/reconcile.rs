@@ -256,6 +256,7 @@ mod tests {
             ejected_until: None,
             remove_at: None,
             last_check: None,
+            managed_by: None,
             created_at: at(1_600_000_000_000),
             updated_at: at(1_600_000_000_000),
         }

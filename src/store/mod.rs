@@ -5,6 +5,7 @@
 
 mod rows;
 mod sources;
+pub use sources::ManagedKind;
 
 use std::str::FromStr;
 use std::time::Duration;

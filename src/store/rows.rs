@@ -45,6 +45,7 @@ pub(super) struct ServiceRow {
     max_attempts: i64,
     health_check: Option<String>,
     ejection: Option<String>,
+    managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -81,6 +82,7 @@ impl TryFrom<ServiceRow> for Service {
                 .map(|text| json(text, "ejection"))
                 .transpose()?
                 .unwrap_or_default(),
+            managed_by: row.managed_by,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })
@@ -104,6 +106,7 @@ pub(super) struct TargetRow {
     ejected_until: Option<i64>,
     remove_at: Option<i64>,
     last_check: Option<String>,
+    managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -135,6 +138,7 @@ impl TryFrom<TargetRow> for Target {
                 .as_deref()
                 .map(|text| json(text, "last_check"))
                 .transpose()?,
+            managed_by: row.managed_by,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })
@@ -152,6 +156,7 @@ pub(super) struct RouteRow {
     preserve_host: bool,
     strip_prefix: bool,
     priority: i64,
+    managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -170,6 +175,7 @@ impl TryFrom<RouteRow> for Route {
             strip_prefix: row.strip_prefix,
             priority: i32::try_from(row.priority)
                 .map_err(|_| StoreError::Corrupt(format!("route priority {}", row.priority)))?,
+            managed_by: row.managed_by,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
         })
@@ -215,6 +221,7 @@ pub(super) struct SourceRow {
     next_refresh_at: Option<i64>,
     revision: Option<String>,
     failing_since: Option<i64>,
+    managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
 }
@@ -240,6 +247,7 @@ impl SourceRow {
             enabled: self.enabled,
             stale_after_ms: non_negative(self.stale_after_ms, "stale_after_ms")?,
             removal_grace_ms: non_negative(self.removal_grace_ms, "removal_grace_ms")?,
+            managed_by: self.managed_by,
             created_at: time(self.created_at)?,
             updated_at: time(self.updated_at)?,
         };

@@ -341,3 +341,42 @@ impl Store {
         .await?)
     }
 }
+
+/// The kinds of object a resources file manages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ManagedKind {
+    Service,
+    Route,
+    Target,
+    DiscoverySource,
+}
+
+impl ManagedKind {
+    fn statement(self) -> &'static str {
+        match self {
+            ManagedKind::Service => "UPDATE services SET managed_by = ? WHERE id = ?",
+            ManagedKind::Route => "UPDATE routes SET managed_by = ? WHERE id = ?",
+            ManagedKind::Target => "UPDATE targets SET managed_by = ? WHERE id = ?",
+            ManagedKind::DiscoverySource => {
+                "UPDATE discovery_sources SET managed_by = ? WHERE id = ?"
+            }
+        }
+    }
+}
+
+impl Store {
+    /// Marks (or, with None, unmarks) an object as managed by `manager`.
+    pub async fn set_managed_by(
+        &self,
+        kind: ManagedKind,
+        id: Id,
+        manager: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(kind.statement())
+            .bind(manager)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}

@@ -146,8 +146,13 @@ impl RaahiProcess {
     }
 
     pub fn sigterm(&self) {
+        self.signal("-TERM");
+    }
+
+    /// Sends a signal, e.g. `-HUP`.
+    pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
+            .args([signal, &self.pid().to_string()])
             .status()
             .unwrap();
         assert!(status.success());

@@ -1,0 +1,495 @@
+//! Declarative configuration: a TOML file that declares services (with their operator targets
+//! and discovery sources) and routes, applied idempotently at start and on SIGHUP.
+//!
+//! Objects are matched by name (targets by `host:port` within their service). What the file
+//! declares is created or brought in line; what it no longer declares is deleted only if the
+//! file created it (`managed_by = "resources-file"`). Objects made through the admin API are
+//! left alone.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use crate::admin::validate;
+use crate::control::ControlHandle;
+use crate::model::{DiscoverySourceSpec, Id, RouteSpec, ServiceSpec, TargetSpec};
+use crate::store::{ManagedKind, Store, StoreError};
+
+/// The mark on objects this module manages.
+pub const MANAGER: &str = "resources-file";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResourcesError {
+    #[error("{file}: cannot read: {reason}")]
+    Unreadable { file: String, reason: String },
+    #[error("{file}: {location}: {reason}")]
+    Invalid {
+        file: String,
+        location: String,
+        reason: String,
+    },
+    #[error("{file}: applying failed: {0}", file = .1)]
+    Store(StoreError, String),
+    #[error("{file}: applied, but the new routing is not live yet: {reason}")]
+    NotLive { file: String, reason: String },
+}
+
+/// What one apply did, by object (`service web`, `route api`, `target web/10.0.0.1:80`...).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub created: Vec<String>,
+    pub changed: Vec<String>,
+    pub unchanged: Vec<String>,
+    pub deleted: Vec<String>,
+}
+
+impl std::fmt::Display for ApplyReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "created {}, changed {}, unchanged {}, deleted {}",
+            self.created.len(),
+            self.changed.len(),
+            self.unchanged.len(),
+            self.deleted.len()
+        )?;
+        for (what, names) in [
+            ("created", &self.created),
+            ("changed", &self.changed),
+            ("deleted", &self.deleted),
+        ] {
+            if !names.is_empty() {
+                write!(f, "; {what}: {}", names.join(", "))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct DeclaredService {
+    spec: ServiceSpec,
+    targets: Vec<TargetSpec>,
+    sources: Vec<DiscoverySourceSpec>,
+}
+
+struct DeclaredRoute {
+    service: String,
+    /// `service_id` is filled in once services exist.
+    spec: RouteSpec,
+}
+
+/// A parsed and validated resources file.
+pub struct Resources {
+    services: Vec<DeclaredService>,
+    routes: Vec<DeclaredRoute>,
+}
+
+/// Loads and applies resource files for one gateway.
+#[derive(Clone)]
+pub struct ResourcesFile {
+    pub path: PathBuf,
+    store: Store,
+    control: ControlHandle,
+}
+
+impl ResourcesFile {
+    pub fn new(path: PathBuf, store: Store, control: ControlHandle) -> ResourcesFile {
+        ResourcesFile {
+            path,
+            store,
+            control,
+        }
+    }
+
+    /// Reads, validates and applies the file, then makes the result live. Nothing is written
+    /// when the file is invalid.
+    pub async fn apply(&self) -> Result<ApplyReport, ResourcesError> {
+        let file = self.path.display().to_string();
+        let text =
+            std::fs::read_to_string(&self.path).map_err(|error| ResourcesError::Unreadable {
+                file: file.clone(),
+                reason: error.to_string(),
+            })?;
+        let resources = parse(&file, &text)?;
+        let report = apply(&self.store, &resources)
+            .await
+            .map_err(|error| ResourcesError::Store(error, file.clone()))?;
+        self.control
+            .apply()
+            .await
+            .map_err(|error| ResourcesError::NotLive {
+                file,
+                reason: error.to_string(),
+            })?;
+        Ok(report)
+    }
+}
+
+fn invalid(file: &str, location: impl Into<String>, reason: impl Into<String>) -> ResourcesError {
+    ResourcesError::Invalid {
+        file: file.to_owned(),
+        location: location.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Takes a list of tables out of `table` under `key` (absent: empty).
+fn take_list(
+    file: &str,
+    location: &str,
+    table: &mut toml::Table,
+    key: &str,
+) -> Result<Vec<toml::Table>, ResourcesError> {
+    match table.remove(key) {
+        None => Ok(Vec::new()),
+        Some(toml::Value::Array(items)) => items
+            .into_iter()
+            .enumerate()
+            .map(|(index, item)| match item {
+                toml::Value::Table(table) => Ok(table),
+                _ => Err(invalid(
+                    file,
+                    format!("{location}{key}[{index}]"),
+                    "expected a table",
+                )),
+            })
+            .collect(),
+        Some(_) => Err(invalid(
+            file,
+            format!("{location}{key}"),
+            "expected a list of tables",
+        )),
+    }
+}
+
+/// A table read as `T` through JSON, so errors name the key like the admin API's do.
+fn read<T: serde::de::DeserializeOwned>(
+    file: &str,
+    location: &str,
+    table: toml::Table,
+) -> Result<T, ResourcesError> {
+    let json = serde_json::to_value(toml::Value::Table(table))
+        .map_err(|error| invalid(file, location, error.to_string()))?;
+    crate::admin::validate::from_json(json)
+        .map_err(|(field, message)| invalid(file, format!("{location}{field}"), message))
+}
+
+/// Parses and validates a resources file without touching the store.
+pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
+    let mut root: toml::Table = text
+        .parse()
+        .map_err(|error: toml::de::Error| invalid(file, "TOML", error.message().to_owned()))?;
+    let service_tables = take_list(file, "", &mut root, "services")?;
+    let route_tables = take_list(file, "", &mut root, "routes")?;
+    if let Some(key) = root.keys().next() {
+        return Err(invalid(
+            file,
+            key.clone(),
+            "unknown key; expected services or routes",
+        ));
+    }
+    let mut services = Vec::new();
+    let mut service_names = HashSet::new();
+    for (index, mut table) in service_tables.into_iter().enumerate() {
+        let location = format!("services[{index}].");
+        let target_tables = take_list(file, &location, &mut table, "targets")?;
+        let source_tables = take_list(file, &location, &mut table, "discovery_sources")?;
+        let spec = validate::service(read(file, &location, table)?)
+            .map_err(|error| api_invalid(file, &location, error))?;
+        if !service_names.insert(spec.name.clone()) {
+            return Err(invalid(
+                file,
+                format!("{location}name"),
+                format!("service {:?} is declared twice", spec.name),
+            ));
+        }
+        let mut targets = Vec::new();
+        let mut addresses = HashSet::new();
+        for (target_index, table) in target_tables.into_iter().enumerate() {
+            let location = format!("{location}targets[{target_index}].");
+            let target = validate::target(read(file, &location, table)?)
+                .map_err(|error| api_invalid(file, &location, error))?;
+            if !addresses.insert((target.host.clone(), target.port)) {
+                return Err(invalid(
+                    file,
+                    location,
+                    "this host and port are declared twice",
+                ));
+            }
+            targets.push(target);
+        }
+        let mut sources = Vec::new();
+        let mut source_names = HashSet::new();
+        for (source_index, table) in source_tables.into_iter().enumerate() {
+            let location = format!("{location}discovery_sources[{source_index}].");
+            let source = validate::source(read(file, &location, table)?)
+                .map_err(|error| api_invalid(file, &location, error))?;
+            if !source_names.insert(source.name.clone()) {
+                return Err(invalid(file, format!("{location}name"), "declared twice"));
+            }
+            sources.push(source);
+        }
+        services.push(DeclaredService {
+            spec,
+            targets,
+            sources,
+        });
+    }
+    let mut routes = Vec::new();
+    let mut route_names = HashSet::new();
+    for (index, mut table) in route_tables.into_iter().enumerate() {
+        let location = format!("routes[{index}].");
+        let service = match table.remove("service") {
+            Some(toml::Value::String(name)) => name,
+            _ => {
+                return Err(invalid(
+                    file,
+                    format!("{location}service"),
+                    "the name of a service (a string) is required",
+                ))
+            }
+        };
+        // Validated with a placeholder id: the service is resolved by name when applying.
+        table.insert("service_id".to_owned(), toml::Value::Integer(0));
+        let spec = validate::route(read(file, &location, table)?)
+            .map_err(|error| api_invalid(file, &location, error))?;
+        if !route_names.insert(spec.name.clone()) {
+            return Err(invalid(file, format!("{location}name"), "declared twice"));
+        }
+        routes.push(DeclaredRoute { service, spec });
+    }
+    Ok(Resources { services, routes })
+}
+
+fn api_invalid(file: &str, location: &str, error: crate::admin::ApiError) -> ResourcesError {
+    match error {
+        crate::admin::ApiError::Validation { field, message } => {
+            invalid(file, format!("{location}{field}"), message)
+        }
+        other => invalid(file, location.trim_end_matches('.'), other.to_string()),
+    }
+}
+
+/// Brings the store in line with `resources`; see the module documentation.
+pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, StoreError> {
+    let mut report = ApplyReport::default();
+    let current = store.load_routing_config().await?;
+    let sources = store.all_sources().await?;
+    let mut service_ids: HashMap<String, Id> = current
+        .services
+        .iter()
+        .map(|service| (service.name.clone(), service.id))
+        .collect();
+    // Every reference must resolve before anything is written.
+    for route in &resources.routes {
+        let declared = resources
+            .services
+            .iter()
+            .any(|s| s.spec.name == route.service);
+        if !declared && !service_ids.contains_key(&route.service) {
+            return Err(StoreError::InvalidReference {
+                field: "service",
+                message: format!(
+                    "route {:?} names service {:?}, which is neither declared nor stored",
+                    route.spec.name, route.service
+                ),
+            });
+        }
+    }
+
+    for declared in &resources.services {
+        let name = &declared.spec.name;
+        let label = format!("service {name}");
+        let service_id = match current.services.iter().find(|s| &s.name == name) {
+            None => {
+                let created = store.create_service(&declared.spec).await?;
+                store
+                    .set_managed_by(ManagedKind::Service, created.id, Some(MANAGER))
+                    .await?;
+                report.created.push(label);
+                created.id
+            }
+            Some(existing) => {
+                let differs = existing.spec() != declared.spec;
+                if differs {
+                    store.update_service(existing.id, &declared.spec).await?;
+                }
+                let adopt = existing.managed_by.as_deref() != Some(MANAGER);
+                if adopt {
+                    store
+                        .set_managed_by(ManagedKind::Service, existing.id, Some(MANAGER))
+                        .await?;
+                }
+                if differs || adopt {
+                    report.changed.push(label)
+                } else {
+                    report.unchanged.push(label)
+                }
+                existing.id
+            }
+        };
+        service_ids.insert(name.clone(), service_id);
+
+        // Operator targets, by host and port.
+        let existing_targets: Vec<_> = current
+            .targets
+            .iter()
+            .filter(|t| t.service_id == service_id && t.source_id.is_none())
+            .collect();
+        for target in &declared.targets {
+            let label = format!("target {name}/{}:{}", target.host, target.port);
+            match existing_targets
+                .iter()
+                .find(|t| t.host == target.host && t.port == target.port)
+            {
+                None => {
+                    let created = store.create_target(service_id, target).await?;
+                    store
+                        .set_managed_by(ManagedKind::Target, created.id, Some(MANAGER))
+                        .await?;
+                    report.created.push(label);
+                }
+                Some(existing) => {
+                    let differs = &existing.spec() != target;
+                    if differs {
+                        store.update_target(existing.id, target).await?;
+                    }
+                    let adopt = existing.managed_by.as_deref() != Some(MANAGER);
+                    if adopt {
+                        store
+                            .set_managed_by(ManagedKind::Target, existing.id, Some(MANAGER))
+                            .await?;
+                    }
+                    if differs || adopt {
+                        report.changed.push(label)
+                    } else {
+                        report.unchanged.push(label)
+                    }
+                }
+            }
+        }
+        for existing in existing_targets {
+            let declared_here = declared
+                .targets
+                .iter()
+                .any(|t| t.host == existing.host && t.port == existing.port);
+            if !declared_here && existing.managed_by.as_deref() == Some(MANAGER) {
+                store.delete_target(existing.id).await?;
+                report
+                    .deleted
+                    .push(format!("target {name}/{}:{}", existing.host, existing.port));
+            }
+        }
+
+        // Discovery sources, by name.
+        let existing_sources: Vec<_> = sources
+            .iter()
+            .map(|(source, _)| source)
+            .filter(|source| source.service_id == service_id)
+            .collect();
+        for source in &declared.sources {
+            let label = format!("discovery source {name}/{}", source.name);
+            match existing_sources.iter().find(|s| s.name == source.name) {
+                None => {
+                    let created = store.create_source(service_id, source).await?;
+                    store
+                        .set_managed_by(ManagedKind::DiscoverySource, created.id, Some(MANAGER))
+                        .await?;
+                    report.created.push(label);
+                }
+                Some(existing) => {
+                    let differs = &existing.spec() != source;
+                    if differs {
+                        store.update_source(existing.id, source).await?;
+                    }
+                    let adopt = existing.managed_by.as_deref() != Some(MANAGER);
+                    if adopt {
+                        store
+                            .set_managed_by(
+                                ManagedKind::DiscoverySource,
+                                existing.id,
+                                Some(MANAGER),
+                            )
+                            .await?;
+                    }
+                    if differs || adopt {
+                        report.changed.push(label)
+                    } else {
+                        report.unchanged.push(label)
+                    }
+                }
+            }
+        }
+        for existing in existing_sources {
+            let declared_here = declared.sources.iter().any(|s| s.name == existing.name);
+            if !declared_here && existing.managed_by.as_deref() == Some(MANAGER) {
+                store.delete_source(existing.id).await?;
+                report
+                    .deleted
+                    .push(format!("discovery source {name}/{}", existing.name));
+            }
+        }
+    }
+
+    for declared in &resources.routes {
+        let label = format!("route {}", declared.spec.name);
+        let Some(&service_id) = service_ids.get(&declared.service) else {
+            return Err(StoreError::InvalidReference {
+                field: "service",
+                message: format!(
+                    "route {:?} names service {:?}, which is neither declared nor stored",
+                    declared.spec.name, declared.service
+                ),
+            });
+        };
+        let spec = RouteSpec {
+            service_id,
+            ..declared.spec.clone()
+        };
+        match current.routes.iter().find(|r| r.name == spec.name) {
+            None => {
+                let created = store.create_route(&spec).await?;
+                store
+                    .set_managed_by(ManagedKind::Route, created.id, Some(MANAGER))
+                    .await?;
+                report.created.push(label);
+            }
+            Some(existing) => {
+                let differs = existing.spec() != spec;
+                if differs {
+                    store.update_route(existing.id, &spec).await?;
+                }
+                let adopt = existing.managed_by.as_deref() != Some(MANAGER);
+                if adopt {
+                    store
+                        .set_managed_by(ManagedKind::Route, existing.id, Some(MANAGER))
+                        .await?;
+                }
+                if differs || adopt {
+                    report.changed.push(label)
+                } else {
+                    report.unchanged.push(label)
+                }
+            }
+        }
+    }
+
+    // What the file created and no longer declares: routes first, then their services.
+    for route in &current.routes {
+        let declared = resources.routes.iter().any(|r| r.spec.name == route.name);
+        if !declared && route.managed_by.as_deref() == Some(MANAGER) {
+            store.delete_route(route.id).await?;
+            report.deleted.push(format!("route {}", route.name));
+        }
+    }
+    for service in &current.services {
+        let declared = resources
+            .services
+            .iter()
+            .any(|s| s.spec.name == service.name);
+        if !declared && service.managed_by.as_deref() == Some(MANAGER) {
+            store.delete_service(service.id).await?;
+            report.deleted.push(format!("service {}", service.name));
+        }
+    }
+    Ok(report)
+}

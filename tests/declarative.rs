@@ -1,0 +1,279 @@
+//! Declarative configuration: a resources file applied at start and on SIGHUP, idempotently,
+//! reporting what it did and marking what it manages.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::process::RaahiProcess;
+use common::*;
+use raahi::gateway::Gateway;
+use serde_json::json;
+
+fn resources(web_a: &Upstream, web_b: &Upstream, weight_b: u32, route: &str) -> String {
+    format!(
+        r#"
+[[services]]
+name = "web"
+upstream_authority = "web.internal"
+
+  [[services.targets]]
+  host = "127.0.0.1"
+  port = {port_a}
+  weight = 1
+
+  [[services.targets]]
+  host = "127.0.0.1"
+  port = {port_b}
+  weight = {weight_b}
+
+[[routes]]
+name = "{route}"
+service = "web"
+path_prefix = "/"
+"#,
+        port_a = web_a.addr.port(),
+        port_b = web_b.addr.port(),
+    )
+}
+
+async fn start_with_file(text: &str) -> (TestGateway, std::path::PathBuf) {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let path = dir.path().join("resources.toml");
+    std::fs::write(&path, text).unwrap();
+    let mut config = test_config(dir.path());
+    config.resources.file = Some(path.clone());
+    (TestGateway::start_with(dir, config).await, path)
+}
+
+fn report_of(gateway: &TestGateway) -> raahi::resources::ApplyReport {
+    let (_, report) = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .resources
+        .as_ref()
+        .expect("a resources file is configured");
+    report.clone()
+}
+
+async fn reload(gateway: &TestGateway) -> raahi::resources::ApplyReport {
+    gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .expect("a resources file is configured")
+        .expect("the file applies")
+}
+
+#[tokio::test]
+async fn a_file_is_applied_at_start_and_what_it_manages_is_marked() {
+    let a = Upstream::start("a").await;
+    let b = Upstream::start("b").await;
+    let (gateway, _) = start_with_file(&resources(&a, &b, 3, "web")).await;
+
+    let report = report_of(&gateway);
+    let mut created = report.created.clone();
+    created.sort();
+    assert_eq!(
+        created,
+        vec![
+            "route web".to_owned(),
+            "service web".to_owned(),
+            format!("target web/127.0.0.1:{}", a.addr.port()),
+            format!("target web/127.0.0.1:{}", b.addr.port()),
+        ]
+    );
+    assert!(report.changed.is_empty() && report.deleted.is_empty());
+
+    let (_, services) = gateway.api("GET", "/api/v1/services", None).await;
+    let web = &services["items"][0];
+    assert_eq!(web["name"], "web");
+    assert_eq!(web["managed_by"], "resources-file");
+    assert_eq!(web["upstream_authority"], "web.internal");
+    let (_, targets) = gateway
+        .api(
+            "GET",
+            &format!("/api/v1/services/{}/targets", web["id"]),
+            None,
+        )
+        .await;
+    assert!(targets["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["managed_by"] == "resources-file"));
+
+    // Live at once, with the declared weights.
+    let answers = spread(&gateway, "/", 400, 4).await;
+    let to_b = answers.get("b").copied().unwrap_or(0);
+    assert!((270..=330).contains(&to_b), "{answers:?}");
+    assert_eq!(b.last_seen().header("host"), Some("web.internal"));
+
+    // What the API creates is not marked.
+    let manual = gateway
+        .create("/api/v1/services", json!({"name": "manual"}))
+        .await;
+    let (_, manual) = gateway
+        .api("GET", &format!("/api/v1/services/{manual}"), None)
+        .await;
+    assert!(manual["managed_by"].is_null());
+}
+
+#[tokio::test]
+async fn reapplying_changes_only_what_changed_and_deletes_only_what_it_created() {
+    let a = Upstream::start("a").await;
+    let b = Upstream::start("b").await;
+    let (gateway, path) = start_with_file(&resources(&a, &b, 3, "web")).await;
+    let manual = gateway
+        .create("/api/v1/services", json!({"name": "manual"}))
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "manual", "hosts": ["manual.test"], "service_id": manual}),
+        )
+        .await;
+    let (_, before) = gateway.api("GET", "/api/v1/services", None).await;
+
+    // The same file again: nothing to do, nothing written.
+    let report = reload(&gateway).await;
+    assert!(
+        report.created.is_empty() && report.changed.is_empty() && report.deleted.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(report.unchanged.len(), 4, "{report:?}");
+    let (_, after) = gateway.api("GET", "/api/v1/services", None).await;
+    assert_eq!(before, after, "an idempotent apply writes nothing");
+
+    // A changed weight, a renamed route.
+    std::fs::write(&path, resources(&a, &b, 1, "web-v2")).unwrap();
+    let report = reload(&gateway).await;
+    assert_eq!(
+        report.changed,
+        vec![format!("target web/127.0.0.1:{}", b.addr.port())]
+    );
+    assert_eq!(report.created, vec!["route web-v2".to_owned()]);
+    assert_eq!(report.deleted, vec!["route web".to_owned()]);
+    let answers = spread(&gateway, "/", 400, 4).await;
+    let to_b = answers.get("b").copied().unwrap_or(0);
+    assert!((160..=240).contains(&to_b), "weights now 1:1: {answers:?}");
+
+    // Objects made through the API are left alone.
+    let (_, routes) = gateway.api("GET", "/api/v1/routes", None).await;
+    let names: Vec<&str> = routes["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["manual", "web-v2"]);
+
+    // A file without the service deletes it (and its targets); the manual one stays.
+    std::fs::write(&path, "").unwrap();
+    let report = reload(&gateway).await;
+    let mut deleted = report.deleted.clone();
+    deleted.sort();
+    assert!(deleted.contains(&"service web".to_owned()), "{report:?}");
+    assert!(deleted.contains(&"route web-v2".to_owned()), "{report:?}");
+    let (_, services) = gateway.api("GET", "/api/v1/services", None).await;
+    assert_eq!(services["items"].as_array().unwrap().len(), 1);
+    assert_eq!(services["items"][0]["name"], "manual");
+}
+
+#[tokio::test]
+async fn an_invalid_file_names_the_place_and_changes_nothing() {
+    let a = Upstream::start("a").await;
+    let b = Upstream::start("b").await;
+    let (gateway, path) = start_with_file(&resources(&a, &b, 3, "web")).await;
+    let (_, before) = gateway.api("GET", "/api/v1/routes", None).await;
+
+    let broken = resources(&a, &b, 3, "web-v2").replace("weight = 1", "weight = 70000");
+    std::fs::write(&path, broken).unwrap();
+    let error = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("services[0].targets[0].weight"), "{error}");
+    let (_, after) = gateway.api("GET", "/api/v1/routes", None).await;
+    assert_eq!(before, after, "nothing applied");
+
+    std::fs::write(&path, "[[routes]]\nname = \"r\"\nservice = \"nope\"\n").unwrap();
+    let error = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("\"nope\""), "{error}");
+    let (_, after) = gateway.api("GET", "/api/v1/routes", None).await;
+    assert_eq!(before, after, "nothing applied");
+
+    // At start, an invalid file stops the gateway with the same kind of message.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[[services]]\nname = \"x\"\ncolour = \"red\"\n").unwrap();
+    let mut config = test_config(dir.path());
+    config.resources.file = Some(bad);
+    let error = Gateway::start(&config)
+        .await
+        .err()
+        .expect("start refused")
+        .to_string();
+    assert!(error.contains("bad.toml: services[0].colour"), "{error}");
+}
+
+#[tokio::test]
+async fn sighup_applies_the_file_again() {
+    let a = Upstream::start("a").await;
+    let b = Upstream::start("b").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resources.toml");
+    std::fs::write(&path, resources(&a, &b, 3, "web")).unwrap();
+    let process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "text"),
+        ("RAAHI_RESOURCES_FILE", path.to_str().unwrap()),
+    ])
+    .await;
+    assert!(
+        process
+            .stdout_lines
+            .iter()
+            .any(|line| line.contains("created 4")),
+        "{:?}",
+        process.stdout_lines
+    );
+
+    std::fs::write(&path, resources(&a, &b, 3, "web-v2")).unwrap();
+    process.signal("-HUP");
+    let http = reqwest::Client::new();
+    wait_until(
+        "the renamed route is applied",
+        Duration::from_secs(10),
+        || async {
+            let routes: serde_json::Value = http
+                .get(format!("http://{}/api/v1/routes", process.admin))
+                .bearer_auth(ADMIN_TOKEN)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            routes["items"][0]["name"] == "web-v2" && routes["items"].as_array().unwrap().len() == 1
+        },
+    )
+    .await;
+}
