@@ -165,11 +165,14 @@ impl Gateway {
     }
 }
 
-/// Re-applies the resources file on every SIGHUP; a file that fails changes nothing.
+/// Re-applies the resources file on every SIGHUP; a file that fails changes nothing. The
+/// handler is installed before this returns: a SIGHUP that arrives as soon as the gateway says it
+/// is serving must reload, not end the process (SIGHUP's default action).
 fn reload_on_sighup(file: ResourcesFile) -> JoinHandle<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let hangups = signal(SignalKind::hangup());
     tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut hangups = match signal(SignalKind::hangup()) {
+        let mut hangups = match hangups {
             Ok(hangups) => hangups,
             Err(error) => {
                 tracing::warn!(%error, "cannot listen for SIGHUP; the resources file applies only at start");

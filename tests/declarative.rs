@@ -78,15 +78,14 @@ async fn a_file_is_applied_at_start_and_what_it_manages_is_marked() {
     let report = report_of(&gateway);
     let mut created = report.created.clone();
     created.sort();
-    assert_eq!(
-        created,
-        vec![
-            "route web".to_owned(),
-            "service web".to_owned(),
-            format!("target web/127.0.0.1:{}", a.addr.port()),
-            format!("target web/127.0.0.1:{}", b.addr.port()),
-        ]
-    );
+    let mut expected = vec![
+        "route web".to_owned(),
+        "service web".to_owned(),
+        format!("target web/127.0.0.1:{}", a.addr.port()),
+        format!("target web/127.0.0.1:{}", b.addr.port()),
+    ];
+    expected.sort();
+    assert_eq!(created, expected);
     assert!(report.changed.is_empty() && report.deleted.is_empty());
 
     let (_, services) = gateway.api("GET", "/api/v1/services", None).await;
