@@ -18,4 +18,4 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
-cargo test --all-targets --locked
+cargo test --all-targets --locked --no-fail-fast
