@@ -269,6 +269,40 @@ fn api_invalid(file: &str, location: &str, error: crate::admin::ApiError) -> Res
     }
 }
 
+/// A new object the file declares: mark it and report it.
+async fn created(
+    store: &Store,
+    report: &mut ApplyReport,
+    kind: ManagedKind,
+    id: Id,
+    label: String,
+) -> Result<(), StoreError> {
+    store.set_managed_by(kind, id, Some(MANAGER)).await?;
+    report.created.push(label);
+    Ok(())
+}
+
+/// An existing object the file declares (already updated when it `differed`): mark it if it
+/// was not yet the file's, and report it.
+async fn kept(
+    store: &Store,
+    report: &mut ApplyReport,
+    (kind, id, managed_by): (ManagedKind, Id, Option<&str>),
+    differed: bool,
+    label: String,
+) -> Result<(), StoreError> {
+    let adopted = managed_by != Some(MANAGER);
+    if adopted {
+        store.set_managed_by(kind, id, Some(MANAGER)).await?;
+    }
+    if differed || adopted {
+        report.changed.push(label);
+    } else {
+        report.unchanged.push(label);
+    }
+    Ok(())
+}
+
 /// Brings the store in line with `resources`; see the module documentation.
 pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, StoreError> {
     let mut report = ApplyReport::default();
@@ -301,29 +335,21 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         let label = format!("service {name}");
         let service_id = match current.services.iter().find(|s| &s.name == name) {
             None => {
-                let created = store.create_service(&declared.spec).await?;
-                store
-                    .set_managed_by(ManagedKind::Service, created.id, Some(MANAGER))
-                    .await?;
-                report.created.push(label);
-                created.id
+                let new = store.create_service(&declared.spec).await?;
+                created(store, &mut report, ManagedKind::Service, new.id, label).await?;
+                new.id
             }
             Some(existing) => {
                 let differs = existing.spec() != declared.spec;
                 if differs {
                     store.update_service(existing.id, &declared.spec).await?;
                 }
-                let adopt = existing.managed_by.as_deref() != Some(MANAGER);
-                if adopt {
-                    store
-                        .set_managed_by(ManagedKind::Service, existing.id, Some(MANAGER))
-                        .await?;
-                }
-                if differs || adopt {
-                    report.changed.push(label)
-                } else {
-                    report.unchanged.push(label)
-                }
+                let marks = (
+                    ManagedKind::Service,
+                    existing.id,
+                    existing.managed_by.as_deref(),
+                );
+                kept(store, &mut report, marks, differs, label).await?;
                 existing.id
             }
         };
@@ -342,28 +368,20 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
                 .find(|t| t.host == target.host && t.port == target.port)
             {
                 None => {
-                    let created = store.create_target(service_id, target).await?;
-                    store
-                        .set_managed_by(ManagedKind::Target, created.id, Some(MANAGER))
-                        .await?;
-                    report.created.push(label);
+                    let new = store.create_target(service_id, target).await?;
+                    created(store, &mut report, ManagedKind::Target, new.id, label).await?;
                 }
                 Some(existing) => {
                     let differs = &existing.spec() != target;
                     if differs {
                         store.update_target(existing.id, target).await?;
                     }
-                    let adopt = existing.managed_by.as_deref() != Some(MANAGER);
-                    if adopt {
-                        store
-                            .set_managed_by(ManagedKind::Target, existing.id, Some(MANAGER))
-                            .await?;
-                    }
-                    if differs || adopt {
-                        report.changed.push(label)
-                    } else {
-                        report.unchanged.push(label)
-                    }
+                    let marks = (
+                        ManagedKind::Target,
+                        existing.id,
+                        existing.managed_by.as_deref(),
+                    );
+                    kept(store, &mut report, marks, differs, label).await?;
                 }
             }
         }
@@ -390,32 +408,27 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
             let label = format!("discovery source {name}/{}", source.name);
             match existing_sources.iter().find(|s| s.name == source.name) {
                 None => {
-                    let created = store.create_source(service_id, source).await?;
-                    store
-                        .set_managed_by(ManagedKind::DiscoverySource, created.id, Some(MANAGER))
-                        .await?;
-                    report.created.push(label);
+                    let new = store.create_source(service_id, source).await?;
+                    created(
+                        store,
+                        &mut report,
+                        ManagedKind::DiscoverySource,
+                        new.id,
+                        label,
+                    )
+                    .await?;
                 }
                 Some(existing) => {
                     let differs = &existing.spec() != source;
                     if differs {
                         store.update_source(existing.id, source).await?;
                     }
-                    let adopt = existing.managed_by.as_deref() != Some(MANAGER);
-                    if adopt {
-                        store
-                            .set_managed_by(
-                                ManagedKind::DiscoverySource,
-                                existing.id,
-                                Some(MANAGER),
-                            )
-                            .await?;
-                    }
-                    if differs || adopt {
-                        report.changed.push(label)
-                    } else {
-                        report.unchanged.push(label)
-                    }
+                    let marks = (
+                        ManagedKind::DiscoverySource,
+                        existing.id,
+                        existing.managed_by.as_deref(),
+                    );
+                    kept(store, &mut report, marks, differs, label).await?;
                 }
             }
         }
@@ -447,28 +460,20 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         };
         match current.routes.iter().find(|r| r.name == spec.name) {
             None => {
-                let created = store.create_route(&spec).await?;
-                store
-                    .set_managed_by(ManagedKind::Route, created.id, Some(MANAGER))
-                    .await?;
-                report.created.push(label);
+                let new = store.create_route(&spec).await?;
+                created(store, &mut report, ManagedKind::Route, new.id, label).await?;
             }
             Some(existing) => {
                 let differs = existing.spec() != spec;
                 if differs {
                     store.update_route(existing.id, &spec).await?;
                 }
-                let adopt = existing.managed_by.as_deref() != Some(MANAGER);
-                if adopt {
-                    store
-                        .set_managed_by(ManagedKind::Route, existing.id, Some(MANAGER))
-                        .await?;
-                }
-                if differs || adopt {
-                    report.changed.push(label)
-                } else {
-                    report.unchanged.push(label)
-                }
+                let marks = (
+                    ManagedKind::Route,
+                    existing.id,
+                    existing.managed_by.as_deref(),
+                );
+                kept(store, &mut report, marks, differs, label).await?;
             }
         }
     }
