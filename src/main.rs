@@ -97,7 +97,7 @@ fn main() -> ExitCode {
         println!("configuration is valid");
         return ExitCode::SUCCESS;
     }
-    init_tracing(&config);
+    let _log_writer = init_tracing(&config);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -117,16 +117,21 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_tracing(config: &Config) {
+/// Logs go to stderr through a background writer thread: a request that logs its access line
+/// hands it to a queue instead of taking the stderr lock. Under overload lines are dropped
+/// rather than requests slowed. Keep the guard until exit so queued lines are flushed.
+fn init_tracing(config: &Config) -> tracing_appender::non_blocking::WorkerGuard {
+    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
     let filter = tracing_subscriber::EnvFilter::new(&config.log.level);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Logfmt => builder.event_format(raahi::telemetry::Logfmt).init(),
         LogFormat::Text => builder.init(),
     }
+    guard
 }
 
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
