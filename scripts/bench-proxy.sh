@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
-# Load comparison of raahi against nginx and haproxy as HTTP/1.1 reverse proxies, on loopback.
+# Load comparison of raahi against nginx and haproxy as reverse proxies, on loopback.
 #
-# Three nginx origin servers (one worker each, keep-alive, `return 200 "ok\n"`) sit behind each
-# proxy; every proxy is set up the same way: those three targets, round-robin, keep-alive
-# connections to the upstreams and the same number of workers. wrk and the origins are pinned to
-# one CPU, the proxy under test to another, and the proxies are measured interleaved in rounds
-# (raahi, nginx, haproxy, raahi, ...). The table shows medians over the rounds: req/s, p99 latency,
-# and the proxy's CPU time per request (from /proc/PID/stat), which is steadier than req/s on a
-# shared machine.
+# Three nginx origin servers (one worker each, keep-alive, `return 200 "ok\n"`, and a 1 MiB file at
+# /big) sit behind each proxy; every proxy is set up the same way: those three targets,
+# round-robin, keep-alive connections to the upstreams and the same number of workers. The load
+# generator and the origins are pinned to one CPU, the proxy under test to another.
 #
-# Usage: scripts/bench-proxy.sh            (as root on Debian 12; installs nginx haproxy wrk curl)
+# Scenarios (SCENARIOS, in this order by default):
+#   keepalive  HTTP/1.1 keep-alive, wrk -c$CONNECTIONS
+#   close      HTTP/1.1 with a new client connection per request (wrk, "Connection: close")
+#   h2c        HTTP/2 prior knowledge, h2load -c$H2_CONNECTIONS -m$H2_STREAMS
+#   tls        HTTPS, TLS 1.3, a new connection per request resuming the TLS session (wrk over
+#              https with "Connection: close": wrk keeps each connection's session and resumes it)
+#   big        a 1 MiB response body, wrk -c$BIG_CONNECTIONS, keep-alive
+# Rounds interleave every scenario and proxy (the proxy order rotates each round); the tables
+# show medians over the rounds: req/s, p99 latency, the proxy's CPU time per request (from
+# /proc/PID/stat, steadier than req/s on a shared machine) and ratios to nginx.
+# Memory (MEMORY=1): the proxy's RSS idle before any load, idle after the load, and holding
+# $IDLE_CONNECTIONS idle keep-alive client connections (scripts/bench/idle_clients.py; each did
+# one request first).
+#
+# Usage: scripts/bench-proxy.sh   (as root on Debian 12; installs nginx haproxy wrk nghttp2-client
+#                                  curl openssl python3 when missing)
 # Environment:
-#   DURATION=10      seconds per wrk run
-#   ROUNDS=3         interleaved rounds
-#   CONNECTIONS=64   wrk connections (wrk -t1)
-#   WORKERS=1        workers per proxy (nginx worker_processes, haproxy nbthread,
-#                    raahi TOKIO_WORKER_THREADS)
-#   WARMUP=1         seconds of unmeasured load per proxy before the rounds (0: none)
-#   LOADGEN_CPU=0    CPU for wrk and the origin servers
-#   PROXY_CPU=1      CPU(s) for the proxy under test (taskset -c syntax)
-#   RAAHI_BIN=...    use this raahi binary instead of building target/release/raahi
-#   KEEP_TMP=1       keep the temporary directory (configs, logs, wrk output)
+#   DURATION=10        seconds per measured run
+#   ROUNDS=3           interleaved rounds
+#   SCENARIOS="keepalive close h2c tls big"
+#   CONNECTIONS=64     wrk connections for keepalive, close and tls (wrk -t1)
+#   H2_CONNECTIONS=16  h2load connections (h2load -t1)
+#   H2_STREAMS=8       concurrent streams per h2load connection
+#   BIG_CONNECTIONS=16 wrk connections for the 1 MiB scenario
+#   WORKERS=1          workers per proxy (nginx worker_processes, haproxy nbthread,
+#                      raahi TOKIO_WORKER_THREADS)
+#   WARMUP=1           seconds of unmeasured load per scenario and proxy before the rounds (0: none)
+#   MEMORY=1           measure memory (0: skip)
+#   IDLE_CONNECTIONS=10000
+#   LOADGEN_CPU=0      CPU for the load generator and the origin servers
+#   PROXY_CPU=1        CPU(s) for the proxy under test (taskset -c syntax)
+#   RAAHI_LOG=warn     RUST_LOG for raahi (raahi's own default, info, writes the access log)
+#   RAAHI_BIN=...      use this raahi binary instead of building target/release/raahi
+#   KEEP_TMP=1         keep the temporary directory (configs, logs, load generator output)
 # Only 127.0.0.1 is ever contacted.
 set -euo pipefail
 
@@ -31,28 +50,51 @@ TEMPLATES=$SCRIPT_DIR/bench
 DURATION=${DURATION:-10}
 ROUNDS=${ROUNDS:-3}
 CONNECTIONS=${CONNECTIONS:-64}
+H2_CONNECTIONS=${H2_CONNECTIONS:-16}
+H2_STREAMS=${H2_STREAMS:-8}
+BIG_CONNECTIONS=${BIG_CONNECTIONS:-16}
 WORKERS=${WORKERS:-1}
 WARMUP=${WARMUP:-1}
+MEMORY=${MEMORY:-1}
+IDLE_CONNECTIONS=${IDLE_CONNECTIONS:-10000}
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
+RAAHI_LOG=${RAAHI_LOG:-warn}
+read -r -a SCENARIO_LIST <<<"${SCENARIOS:-keepalive close h2c tls big}"
 PROXIES=(raahi nginx haproxy)
 
 log() { printf '[bench] %s\n' "$*" >&2; }
 die() { printf '[bench] error: %s\n' "$*" >&2; exit 1; }
 
-for var in DURATION ROUNDS CONNECTIONS WORKERS WARMUP; do
+for var in DURATION ROUNDS CONNECTIONS H2_CONNECTIONS H2_STREAMS BIG_CONNECTIONS WORKERS WARMUP \
+    MEMORY IDLE_CONNECTIONS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
-((DURATION >= 1 && ROUNDS >= 1 && CONNECTIONS >= 1 && WORKERS >= 1)) ||
-    die "DURATION, ROUNDS, CONNECTIONS and WORKERS must be at least 1"
+((DURATION >= 1 && ROUNDS >= 1 && CONNECTIONS >= 1 && WORKERS >= 1 && H2_CONNECTIONS >= 1 &&
+    H2_STREAMS >= 1 && BIG_CONNECTIONS >= 1)) ||
+    die "DURATION, ROUNDS, WORKERS and the connection and stream counts must be at least 1"
+((${#SCENARIO_LIST[@]} > 0)) || die "SCENARIOS is empty"
+for scenario in "${SCENARIO_LIST[@]}"; do
+    [[ $scenario =~ ^(keepalive|close|h2c|tls|big)$ ]] ||
+        die "unknown scenario '$scenario' (keepalive close h2c tls big)"
+done
+
+# Every proxy holds IDLE_CONNECTIONS client sockets at once, and so does the idle client.
+fd_limit=$(ulimit -Hn)
+[[ $fd_limit == unlimited ]] && fd_limit=1048576
+wanted=$((IDLE_CONNECTIONS + 2048))
+((wanted > fd_limit)) && die "IDLE_CONNECTIONS=$IDLE_CONNECTIONS needs $wanted file descriptors; the hard limit is $fd_limit"
+ulimit -n "$fd_limit"
 
 # ---------------------------------------------------------------------------------------------
 # Tools
 
 install_missing() {
     local missing=() cmd
-    for cmd in nginx haproxy wrk curl; do
-        command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
+    local -A package=([nginx]=nginx [haproxy]=haproxy [wrk]=wrk [h2load]=nghttp2-client
+        [curl]=curl [openssl]=openssl [python3]=python3)
+    for cmd in nginx haproxy wrk h2load curl openssl python3; do
+        command -v "$cmd" >/dev/null 2>&1 || missing+=("${package[$cmd]}")
     done
     ((${#missing[@]} == 0)) && return 0
     log "missing: ${missing[*]}; installing with apt-get"
@@ -65,10 +107,10 @@ install_missing() {
     fi
     local rc=0
     { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        nginx haproxy wrk curl; } >&2 || rc=$?
+        "${missing[@]}"; } >&2 || rc=$?
     ((made_policy)) && rm -f "$policy"
     ((rc == 0)) || die "apt-get failed (exit $rc)"
-    for cmd in nginx haproxy wrk curl taskset; do
+    for cmd in nginx haproxy wrk h2load curl openssl python3 taskset; do
         command -v "$cmd" >/dev/null 2>&1 || die "$cmd is still missing after installing"
     done
 }
@@ -101,7 +143,7 @@ check_cpus() {
 WORK=
 PIDS=()          # every long-running process this script started
 PORTS=()         # every port handed out to them
-WRK_PID=
+LOAD_PID=         # the load generator or idle client running now
 
 descendants() { # PID: prints the PIDs of all its live descendants
     local pid=$1 child file
@@ -123,19 +165,19 @@ listening() { # PORT: true when something listens on 127.0.0.1/any address at PO
 cleanup() {
     local rc=$? pid all=() deadline
     trap - EXIT INT TERM
-    [[ -n $WRK_PID ]] && all+=("$WRK_PID")
+    [[ -n $LOAD_PID ]] && all+=("$LOAD_PID")
     for pid in "${PIDS[@]}"; do
         all+=("$pid")
         while read -r child; do all+=("$child"); done < <(descendants "$pid")
     done
     if ((${#all[@]})); then
-        for pid in "${PIDS[@]}" ${WRK_PID:+"$WRK_PID"}; do kill -TERM "$pid" 2>/dev/null || true; done
+        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"}; do kill -TERM "$pid" 2>/dev/null || true; done
         deadline=$((SECONDS + 10))
         for pid in "${all[@]}"; do
             while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.05; done
             kill -KILL "$pid" 2>/dev/null || true
         done
-        for pid in "${PIDS[@]}" ${WRK_PID:+"$WRK_PID"}; do wait "$pid" 2>/dev/null || true; done
+        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"}; do wait "$pid" 2>/dev/null || true; done
     fi
     local port left=()
     for port in "${PORTS[@]}"; do listening "$port" && left+=("$port"); done
@@ -223,6 +265,17 @@ cpu_ticks() { # PID: utime+stime (clock ticks) of PID and all its live descendan
     echo "$total"
 }
 
+memory_kib() { # PID: "RSS PSS" in KiB, summed over PID and its live descendants
+    local pid rss=0 pss=0 r p
+    for pid in "$1" $(descendants "$1"); do
+        r=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
+        p=$(awk '/^Pss:/ {print $2}' "/proc/$pid/smaps_rollup" 2>/dev/null) || continue
+        rss=$((rss + ${r:-0}))
+        pss=$((pss + ${p:-0}))
+    done
+    echo "$rss $pss"
+}
+
 to_ms() { # wrk latency such as 812.00us, 2.31ms, 1.02s -> milliseconds
     awk -v v="$1" 'BEGIN {
         n = v + 0
@@ -237,7 +290,8 @@ median() { # numbers...: their median
               else printf "%.6f\n", (a[NR / 2] + a[NR / 2 + 1]) / 2 }'
 }
 
-declare -A URL PID RPS P99 CPU_US CPU_PCT ERRORS TOTAL_REQS UP_US UP_CONNS
+# Keyed by "SCENARIO PROXY": per-round values, space separated
+declare -A URL PID RPS P99 CPU_US CPU_PCT ERRORS TOTAL_REQS UP_CONNS SKIP
 UPSTREAM_PIDS=()
 
 upstream_accepts() { # connections accepted so far by the three upstreams together
@@ -251,63 +305,87 @@ upstream_accepts() { # connections accepted so far by the three upstreams togeth
     echo "$total"
 }
 
-upstream_ticks() { # CPU ticks of the three upstream nginx process trees together
-    local pid total=0
-    for pid in "${UPSTREAM_PIDS[@]}"; do total=$((total + $(cpu_ticks "$pid"))); done
-    echo "$total"
-}
-
-# run_wrk SECONDS URL OUTFILE: wrk pinned to LOADGEN_CPU, in the background so signals still work
-run_wrk() {
-    taskset -c "$LOADGEN_CPU" wrk -t1 -c"$CONNECTIONS" -d"$1"s --latency "$2" >"$3" 2>&1 </dev/null &
-    WRK_PID=$!
+# run_load SCENARIO PROXY SECONDS OUTFILE: the scenario's load generator, pinned to LOADGEN_CPU, in
+# the background so signals still work
+run_load() {
+    local scenario=$1 proxy=$2 seconds=$3 out=$4 url=${URL[$1 $2]} cmd
+    case $scenario in
+    keepalive) cmd=(wrk -t1 -c"$CONNECTIONS" -d"$seconds"s --latency "$url") ;;
+    close | tls) cmd=(wrk -t1 -c"$CONNECTIONS" -d"$seconds"s --latency -H 'Connection: close' "$url") ;;
+    big) cmd=(wrk -t1 -c"$BIG_CONNECTIONS" -d"$seconds"s --latency "$url") ;;
+    h2c) cmd=(h2load -t1 -c"$H2_CONNECTIONS" -m"$H2_STREAMS" -D"$seconds" --log-file="$out.log" "$url") ;;
+    esac
+    taskset -c "$LOADGEN_CPU" "${cmd[@]}" >"$out" 2>&1 </dev/null &
+    LOAD_PID=$!
     local rc=0
-    wait "$WRK_PID" || rc=$?
-    WRK_PID=
-    ((rc == 0)) || { cat "$3" >&2; die "wrk against $2 failed (exit $rc)"; }
+    wait "$LOAD_PID" || rc=$?
+    LOAD_PID=
+    ((rc == 0)) || { cat "$out" >&2; die "${cmd[0]} against $url failed (exit $rc)"; }
 }
 
-measure() { # PROXY ROUND
-    local proxy=$1 round=$2 out="$WORK/wrk-$1-$2.txt" before after up_before up_after acc_before acc_after
+# parse_load SCENARIO OUTFILE: sets L_RPS L_P99_MS L_REQS L_SECS L_ERRORS from the tool's output
+parse_load() {
+    local scenario=$1 out=$2
+    L_RPS= L_P99_MS= L_REQS= L_SECS= L_ERRORS=0
+    if [[ $scenario == h2c ]]; then
+        L_RPS=$(awk '/^finished in / {print $4}' "$out")
+        L_SECS=$(awk '/^finished in / {sub(/s,$/, "", $3); print $3}' "$out")
+        L_REQS=$(awk '/^requests: / {print $8}' "$out")
+        L_ERRORS=$(awk '/^requests: / {print $10 + $12 + $14}' "$out")
+        local non2xx
+        non2xx=$(awk '/^status codes: / {print $5 + $7 + $9}' "$out")
+        L_ERRORS=$((${L_ERRORS:-0} + ${non2xx:-0}))
+        # h2load prints no percentiles; its log file has each request's time in microseconds
+        [[ -s $out.log ]] && L_P99_MS=$(cut -f3 "$out.log" | sort -n |
+            awk '{ a[NR] = $1 } END { if (NR) { i = int(NR * 0.99); if (i < 1) i = 1;
+                printf "%.3f", a[i] / 1000 } }')
+        rm -f "$out.log"
+    else
+        local p99 non2xx sockerr
+        L_RPS=$(awk '/^Requests\/sec:/ {print $2}' "$out")
+        p99=$(awk '$1 == "99%" {print $2}' "$out")
+        [[ -n $p99 ]] && L_P99_MS=$(to_ms "$p99")
+        L_REQS=$(awk '/ requests in / {print $1}' "$out")
+        L_SECS=$(awk '/ requests in / {sub(/s,$/, "", $4); print $4}' "$out")
+        non2xx=$(awk '/Non-2xx or 3xx responses:/ {print $NF}' "$out")
+        # With "Connection: close" the server's close after each response is not an error, and wrk
+        # counts no read error for it; connect, write and timeout errors are counted.
+        sockerr=$(awk '/Socket errors:/ {gsub(/,/, ""); print $4 + $6 + $8 + $10}' "$out")
+        L_ERRORS=$((${non2xx:-0} + ${sockerr:-0}))
+    fi
+    [[ -n $L_RPS && -n $L_P99_MS && -n $L_REQS ]] || return 1
+    [[ -n $L_SECS ]] || L_SECS=$DURATION
+    return 0
+}
+
+measure() { # SCENARIO PROXY ROUND
+    local scenario=$1 proxy=$2 round=$3 key="$1 $2" out="$WORK/load-$1-$2-$3.txt"
+    local before after acc_before acc_after
     acc_before=$(upstream_accepts)
-    up_before=$(upstream_ticks)
     before=$(cpu_ticks "${PID[$proxy]}")
-    run_wrk "$DURATION" "${URL[$proxy]}" "$out"
+    run_load "$scenario" "$proxy" "$DURATION" "$out"
     after=$(cpu_ticks "${PID[$proxy]}")
-    up_after=$(upstream_ticks)
     acc_after=$(upstream_accepts)
-    kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited during the run"
+    kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited during the $scenario run"
+    parse_load "$scenario" "$out" || { cat "$out" >&2; die "cannot parse the $scenario output for $proxy"; }
+    ((L_REQS > 0)) || { cat "$out" >&2; die "no requests completed through $proxy ($scenario)"; }
 
-    local rps p99 reqs secs non2xx sockerr
-    rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
-    p99=$(awk '$1 == "99%" {print $2}' "$out")
-    reqs=$(awk '/ requests in / {print $1}' "$out")
-    secs=$(awk '/ requests in / {sub(/s,$/, "", $4); print $4}' "$out")
-    non2xx=$(awk '/Non-2xx or 3xx responses:/ {print $NF}' "$out")
-    sockerr=$(awk '/Socket errors:/ {gsub(/,/, ""); print $4 + $6 + $8 + $10}' "$out")
-    [[ -n $rps && -n $p99 && -n $reqs ]] || { cat "$out" >&2; die "cannot parse wrk output for $proxy"; }
-    ((reqs > 0)) || { cat "$out" >&2; die "no requests completed through $proxy"; }
-
-    local ticks=$((after - before)) p99ms us up_us pct errors=$((${non2xx:-0} + ${sockerr:-0}))
+    local ticks=$((after - before)) us pct
     # connections the proxy opened to the upstreams (the 3 status reads after the run count too)
     local conns=$((acc_after - acc_before - 3))
-    p99ms=$(to_ms "$p99")
-    us=$(awk -v t="$ticks" -v hz="$CLK_TCK" -v n="$reqs" 'BEGIN { printf "%.2f", t / hz * 1e6 / n }')
-    up_us=$(awk -v t="$((up_after - up_before))" -v hz="$CLK_TCK" -v n="$reqs" \
-        'BEGIN { printf "%.2f", t / hz * 1e6 / n }')
-    pct=$(awk -v t="$ticks" -v hz="$CLK_TCK" -v s="${secs:-$DURATION}" 'BEGIN { printf "%.0f", t / hz / s * 100 }')
-    RPS[$proxy]+="$rps "
-    P99[$proxy]+="$p99ms "
-    CPU_US[$proxy]+="$us "
-    CPU_PCT[$proxy]+="$pct "
-    UP_US[$proxy]+="$up_us "
-    UP_CONNS[$proxy]+="$conns "
-    ERRORS[$proxy]=$((${ERRORS[$proxy]:-0} + errors))
-    TOTAL_REQS[$proxy]=$((${TOTAL_REQS[$proxy]:-0} + reqs))
-    printf '  round %d  %-8s %8.0f req/s  p99 %7.3f ms  %6.2f us CPU/req (%3d%% CPU)  upstreams: %6.2f us/req, %d new conns  errors %d\n' \
-        "$round" "$proxy" "$rps" "$p99ms" "$us" "$pct" "$up_us" "$conns" "$errors"
-    if ((errors > 0)); then
-        grep -E 'Non-2xx|Socket errors' "$out" | sed "s/^/           $proxy: /" || true
+    us=$(awk -v t="$ticks" -v hz="$CLK_TCK" -v n="$L_REQS" 'BEGIN { printf "%.2f", t / hz * 1e6 / n }')
+    pct=$(awk -v t="$ticks" -v hz="$CLK_TCK" -v s="$L_SECS" 'BEGIN { printf "%.0f", t / hz / s * 100 }')
+    RPS[$key]+="$L_RPS "
+    P99[$key]+="$L_P99_MS "
+    CPU_US[$key]+="$us "
+    CPU_PCT[$key]+="$pct "
+    UP_CONNS[$key]+="$conns "
+    ERRORS[$key]=$((${ERRORS[$key]:-0} + L_ERRORS))
+    TOTAL_REQS[$key]=$((${TOTAL_REQS[$key]:-0} + L_REQS))
+    printf '  round %d  %-9s %-8s %8.0f req/s  p99 %8.3f ms  %7.2f us CPU/req (%3d%% CPU)  %5d new upstream conns  errors %d\n' \
+        "$round" "$scenario" "$proxy" "$L_RPS" "$L_P99_MS" "$us" "$pct" "$conns" "$L_ERRORS"
+    if ((L_ERRORS > 0)); then
+        grep -E 'Non-2xx|Socket errors|^requests:|^status codes:' "$out" | sed "s/^/           $proxy: /" || true
     fi
 }
 
@@ -315,7 +393,7 @@ measure() { # PROXY ROUND
 check_spread() {
     local proxy=$1 i headers seen=() bad=0 name
     for ((i = 0; i < 30; i++)); do
-        headers=$(curl -s -D - -o /dev/null --max-time 2 --noproxy '*' "${URL[$proxy]}" 2>/dev/null || true)
+        headers=$(curl -s -D - -o /dev/null --max-time 2 --noproxy '*' "${URL[keepalive $proxy]}" 2>/dev/null || true)
         [[ $headers == HTTP/1.1\ 200* ]] || bad=$((bad + 1))
         name=$(printf '%s\n' "$headers" | tr -d '\r' | awk 'tolower($1) == "x-upstream:" {print $2}')
         [[ -n $name && " ${seen[*]} " != *" $name "* ]] && seen+=("$name")
@@ -325,6 +403,47 @@ check_spread() {
         log "warning: $proxy: probe requests reached ${#seen[@]} upstream(s) (${seen[*]:-none}), expected 3"
     fi
 }
+
+# probe SCENARIO PROXY: one request the way the scenario sends them; true when it answers 200
+probe() {
+    local url=${URL[$1 $2]} extra=()
+    case $1 in
+    h2c) extra=(--http2-prior-knowledge) ;;
+    tls) extra=(-k --tlsv1.3) ;;
+    esac
+    [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 5 --noproxy '*' "${extra[@]}" "$url" 2>/dev/null) == 200 ]]
+}
+
+declare -A IDLE_MEM AFTER_MEM CONN_MEM CONN_OPEN
+# idle_connections PROXY: memory of PROXY while IDLE_CONNECTIONS idle keep-alive clients are open
+idle_connections() {
+    local proxy=$1 out="$WORK/idle-$1.txt" port deadline
+    port=${URL[keepalive $proxy]#http://127.0.0.1:}
+    port=${port%/}
+    taskset -c "$LOADGEN_CPU" python3 "$TEMPLATES/idle_clients.py" --port "$port" \
+        --connections "$IDLE_CONNECTIONS" --hold 4 >"$out" 2>&1 </dev/null &
+    LOAD_PID=$!
+    deadline=$((SECONDS + 300))
+    while ! grep -q '^ready ' "$out"; do
+        kill -0 "$LOAD_PID" 2>/dev/null || { cat "$out" >&2; die "idle client against $proxy exited"; }
+        ((SECONDS < deadline)) || die "idle client against $proxy: no connections after 300s"
+        sleep 0.1
+    done
+    sleep 2 # let the proxy settle with every connection open
+    CONN_MEM[$proxy]=$(memory_kib "${PID[$proxy]}")
+    local rc=0
+    wait "$LOAD_PID" || rc=$?
+    LOAD_PID=
+    ((rc == 0)) || { cat "$out" >&2; die "idle client against $proxy failed (exit $rc)"; }
+    local ready open
+    ready=$(awk '/^ready / {print $2 " opened, " $3 " failed"}' "$out")
+    open=$(awk '/^open / {print $2}' "$out")
+    CONN_OPEN[$proxy]="$ready, ${open:-?} still open after the hold"
+    log "$proxy: $IDLE_CONNECTIONS idle connections: ${CONN_OPEN[$proxy]}"
+    kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited while holding idle connections"
+}
+
+mib() { awk -v k="$1" 'BEGIN { printf "%.1f", k / 1024 }'; }
 
 # ---------------------------------------------------------------------------------------------
 # Main
@@ -337,14 +456,28 @@ WORK=$(mktemp -d /tmp/raahi-bench.XXXXXX)
 chmod 755 "$WORK" # nginx workers run as an unprivileged user and create their temp dirs here
 
 raahi_commit=$(git -C "$REPO" describe --always --dirty --abbrev=12 2>/dev/null || echo unknown)
-echo "== raahi proxy load comparison ($(date -u '+%Y-%m-%d %H:%M:%SZ'), $(nproc) CPUs, $(uname -r))"
-echo "raahi:   commit $raahi_commit, $("$RAAHI_BIN" --version 2>/dev/null || echo '?') ($RAAHI_BIN)"
+echo "== raahi proxy load comparison ($(date -u '+%Y-%m-%d %H:%M:%SZ'), $(uname -r))"
+echo "machine: $(nproc) CPUs, $(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)," \
+    "load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
+echo "raahi:   commit $raahi_commit, $("$RAAHI_BIN" --version 2>/dev/null || echo '?') ($RAAHI_BIN), RUST_LOG=$RAAHI_LOG"
 echo "nginx:   $(nginx -v 2>&1 | sed 's/^nginx version: //')"
 echo "haproxy: $(haproxy -v 2>&1 | head -n 1)"
 echo "wrk:     $({ wrk -v 2>&1 || true; } | head -n 1)"
-echo "load:    wrk -t1 -c$CONNECTIONS -d${DURATION}s --latency, $ROUNDS round(s), warm-up ${WARMUP}s;" \
-    "$WORKERS worker(s) per proxy; wrk + upstreams on CPU $LOADGEN_CPU, proxy on CPU $PROXY_CPU"
+echo "h2load:  $({ h2load --version 2>&1 || true; } | head -n 1)"
+echo "load:    ${DURATION}s per run, $ROUNDS round(s), warm-up ${WARMUP}s; scenarios: ${SCENARIO_LIST[*]};" \
+    "wrk -t1 -c$CONNECTIONS (1 MiB: -c$BIG_CONNECTIONS), h2load -t1 -c$H2_CONNECTIONS -m$H2_STREAMS;" \
+    "$WORKERS worker(s) per proxy; load generator + upstreams on CPU $LOADGEN_CPU, proxy on CPU $PROXY_CPU"
 echo
+
+# A self-signed ECDSA P-256 certificate for 127.0.0.1, shared by the three proxies.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=localhost \
+    -addext 'subjectAltName=DNS:localhost,IP:127.0.0.1' \
+    -keyout "$WORK/key.pem" -out "$WORK/cert.pem" >/dev/null 2>&1 || die "openssl could not make a certificate"
+cat "$WORK/cert.pem" "$WORK/key.pem" >"$WORK/cert-and-key.pem"
+chmod 644 "$WORK"/*.pem
+
+head -c 1048576 /dev/zero >"$WORK/big.bin"
+chmod 644 "$WORK/big.bin"
 
 # Upstreams: three nginx origins, each in its own prefix.
 UPSTREAM_PORTS=()
@@ -354,7 +487,8 @@ for i in 1 2 3; do
     free_port
     port=$FREE_PORT
     UPSTREAM_PORTS+=("$port")
-    render "$TEMPLATES/upstream-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" NAME="u$i"
+    render "$TEMPLATES/upstream-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" NAME="u$i" \
+        BIG_FILE="$WORK/big.bin"
     start "upstream u$i (port $port)" "$LOADGEN_CPU" "$dir/stderr.log" \
         nginx -p "$dir/" -e "$dir/error.log" -c "$dir/nginx.conf"
     UPSTREAM_PIDS+=("$STARTED_PID")
@@ -362,52 +496,67 @@ for i in 1 2 3; do
 done
 up=(UPSTREAM1="${UPSTREAM_PORTS[0]}" UPSTREAM2="${UPSTREAM_PORTS[1]}" UPSTREAM3="${UPSTREAM_PORTS[2]}")
 
+set_urls() { # PROXY HTTP_PORT H2C_PORT TLS_PORT
+    URL[keepalive $1]=http://127.0.0.1:$2/
+    URL[close $1]=http://127.0.0.1:$2/
+    URL[big $1]=http://127.0.0.1:$2/big
+    URL[h2c $1]=http://127.0.0.1:$3/
+    URL[tls $1]=https://127.0.0.1:$4/
+}
+
 # nginx proxy
 dir=$WORK/nginx
 mkdir -p "$dir"
-free_port
-port=$FREE_PORT
-render "$TEMPLATES/proxy-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" WORKERS="$WORKERS" "${up[@]}"
-start "nginx proxy (port $port)" "$PROXY_CPU" "$dir/stderr.log" \
+free_port && port=$FREE_PORT
+free_port && h2c_port=$FREE_PORT
+free_port && tls_port=$FREE_PORT
+render "$TEMPLATES/proxy-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" H2C_PORT="$h2c_port" \
+    TLS_PORT="$tls_port" CERT="$WORK/cert.pem" KEY="$WORK/key.pem" WORKERS="$WORKERS" "${up[@]}"
+start "nginx proxy (ports $port, h2c $h2c_port, tls $tls_port)" "$PROXY_CPU" "$dir/stderr.log" \
     nginx -p "$dir/" -e "$dir/error.log" -c "$dir/nginx.conf"
 PID[nginx]=$STARTED_PID
-URL[nginx]=http://127.0.0.1:$port/
+set_urls nginx "$port" "$h2c_port" "$tls_port"
 
 # haproxy proxy
 dir=$WORK/haproxy
 mkdir -p "$dir"
-free_port
-port=$FREE_PORT
-render "$TEMPLATES/proxy-haproxy.cfg.tmpl" "$dir/haproxy.cfg" PORT="$port" WORKERS="$WORKERS" "${up[@]}"
+free_port && port=$FREE_PORT
+free_port && h2c_port=$FREE_PORT
+free_port && tls_port=$FREE_PORT
+render "$TEMPLATES/proxy-haproxy.cfg.tmpl" "$dir/haproxy.cfg" PORT="$port" H2C_PORT="$h2c_port" \
+    TLS_PORT="$tls_port" PEM="$WORK/cert-and-key.pem" WORKERS="$WORKERS" "${up[@]}"
 haproxy -c -q -f "$dir/haproxy.cfg" >&2 || die "haproxy rejects $dir/haproxy.cfg"
-start "haproxy proxy (port $port)" "$PROXY_CPU" "$dir/stderr.log" haproxy -db -f "$dir/haproxy.cfg"
+start "haproxy proxy (ports $port, h2c $h2c_port, tls $tls_port)" "$PROXY_CPU" "$dir/stderr.log" \
+    haproxy -db -f "$dir/haproxy.cfg"
 PID[haproxy]=$STARTED_PID
-URL[haproxy]=http://127.0.0.1:$port/
+set_urls haproxy "$port" "$h2c_port" "$tls_port"
 
-# raahi proxy, configured through its admin API
+# raahi proxy, configured through its admin API; HTTP/1.1 and h2c share its plain listener
 dir=$WORK/raahi
 mkdir -p "$dir"
-free_port
-port=$FREE_PORT
-free_port
-admin_port=$FREE_PORT
+free_port && port=$FREE_PORT
+free_port && tls_port=$FREE_PORT
+free_port && admin_port=$FREE_PORT
 token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') # 32 hex characters
 (
     # Run from the private directory so config/raahi.toml of the checkout is not picked up.
     cd "$dir"
     exec env -u RAAHI_CONFIG -u RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS \
         RAAHI_PROXY_LISTEN="127.0.0.1:$port" \
+        RAAHI_PROXY_TLS_LISTEN="127.0.0.1:$tls_port" \
+        RAAHI_TLS_CERT_FILE="$WORK/cert.pem" \
+        RAAHI_TLS_KEY_FILE="$WORK/key.pem" \
         RAAHI_ADMIN_LISTEN="127.0.0.1:$admin_port" \
         RAAHI_DATABASE_URL="sqlite://$dir/raahi.db" \
         RAAHI_ADMIN_TOKEN="$token" \
-        RAAHI_LOG_FORMAT=text RUST_LOG=warn \
+        RAAHI_LOG_FORMAT=text RUST_LOG="$RAAHI_LOG" \
         TOKIO_WORKER_THREADS="$WORKERS" \
         taskset -c "$PROXY_CPU" "$RAAHI_BIN" serve
 ) >"$dir/raahi.log" 2>&1 </dev/null &
 PID[raahi]=$!
 PIDS+=("${PID[raahi]}")
-log "started raahi proxy (pid ${PID[raahi]}, port $port, admin port $admin_port, CPU $PROXY_CPU)"
-URL[raahi]=http://127.0.0.1:$port/
+log "started raahi proxy (pid ${PID[raahi]}, port $port, tls $tls_port, admin port $admin_port, CPU $PROXY_CPU)"
+set_urls raahi "$port" "$port" "$tls_port"
 ADMIN=http://127.0.0.1:$admin_port
 
 wait_200 "raahi admin API" "${PID[raahi]}" "$ADMIN/healthz" 60 "$dir/raahi.log"
@@ -433,58 +582,131 @@ log "raahi: service $service_id with 3 targets and route 'all' created"
 declare -A PROXY_LOG=([raahi]=$WORK/raahi/raahi.log [nginx]=$WORK/nginx/error.log
     [haproxy]=$WORK/haproxy/stderr.log)
 for proxy in "${PROXIES[@]}"; do
-    wait_200 "$proxy proxy" "${PID[$proxy]}" "${URL[$proxy]}" 30 "${PROXY_LOG[$proxy]}"
+    wait_200 "$proxy proxy" "${PID[$proxy]}" "${URL[keepalive $proxy]}" 30 "${PROXY_LOG[$proxy]}"
 done
 for proxy in "${PROXIES[@]}"; do
     check_spread "$proxy"
     # one response's headers per proxy, for comparison (kept with KEEP_TMP=1)
-    curl -s -D "$WORK/headers-$proxy.txt" -o /dev/null --max-time 2 --noproxy '*' "${URL[$proxy]}" || true
+    curl -s -D "$WORK/headers-$proxy.txt" -o /dev/null --max-time 2 --noproxy '*' "${URL[keepalive $proxy]}" || true
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        probe "$scenario" "$proxy" && continue
+        if [[ $scenario == tls && $proxy == raahi ]]; then
+            # raahi's HTTPS listener may be missing from the binary under test
+            log "warning: raahi does not answer HTTPS on ${URL[tls raahi]}; the tls scenario runs without it"
+            SKIP[tls raahi]=1
+        else
+            die "$proxy does not answer the $scenario probe on ${URL[$scenario $proxy]}"
+        fi
+    done
 done
 
+if ((MEMORY)); then
+    for proxy in "${PROXIES[@]}"; do IDLE_MEM[$proxy]=$(memory_kib "${PID[$proxy]}"); done
+fi
+
 if ((WARMUP > 0)); then
-    log "warm-up: ${WARMUP}s per proxy"
-    for proxy in "${PROXIES[@]}"; do run_wrk "$WARMUP" "${URL[$proxy]}" "$WORK/wrk-$proxy-warmup.txt"; done
+    log "warm-up: ${WARMUP}s per scenario and proxy"
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        for proxy in "${PROXIES[@]}"; do
+            [[ -n ${SKIP[$scenario $proxy]:-} ]] && continue
+            run_load "$scenario" "$proxy" "$WARMUP" "$WORK/load-$scenario-$proxy-warmup.txt"
+        done
+    done
 fi
 
 for ((round = 1; round <= ROUNDS; round++)); do
-    for proxy in "${PROXIES[@]}"; do measure "$proxy" "$round"; done
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        # the proxy that goes first changes each round, so none always follows the same one
+        for ((i = 0; i < ${#PROXIES[@]}; i++)); do
+            proxy=${PROXIES[$(((i + round - 1) % ${#PROXIES[@]}))]}
+            [[ -n ${SKIP[$scenario $proxy]:-} ]] && continue
+            measure "$scenario" "$proxy" "$round"
+        done
+    done
 done
 echo
 
-# Table of medians; ratios are against nginx.
-declare -A M_RPS M_P99 M_US M_PCT M_UP_US M_UP_CONNS
-for proxy in "${PROXIES[@]}"; do
-    # shellcheck disable=SC2086 # the per-round values are space separated on purpose
-    M_RPS[$proxy]=$(median ${RPS[$proxy]})
-    # shellcheck disable=SC2086
-    M_P99[$proxy]=$(median ${P99[$proxy]})
-    # shellcheck disable=SC2086
-    M_US[$proxy]=$(median ${CPU_US[$proxy]})
-    # shellcheck disable=SC2086
-    M_PCT[$proxy]=$(median ${CPU_PCT[$proxy]})
-    # shellcheck disable=SC2086
-    M_UP_US[$proxy]=$(median ${UP_US[$proxy]})
-    # shellcheck disable=SC2086
-    M_UP_CONNS[$proxy]=$(median ${UP_CONNS[$proxy]})
-done
-echo "Medians over $ROUNDS round(s) of ${DURATION}s, $CONNECTIONS connections (ratios: proxy / nginx):"
-printf '%-8s %9s %8s %11s %10s %9s %9s %10s %9s  %s\n' \
-    proxy 'req/s' 'p99 ms' 'req/s ratio' 'CPU us/req' 'CPU ratio' 'proxy CPU' 'upstr us' 'upstr new' 'errors/requests'
-printf '%-8s %9s %8s %11s %10s %9s %9s %10s %9s\n' '' '' '' '' '' '' '' '/req' 'conns'
+if ((MEMORY)); then
+    for proxy in "${PROXIES[@]}"; do AFTER_MEM[$proxy]=$(memory_kib "${PID[$proxy]}"); done
+    for proxy in "${PROXIES[@]}"; do idle_connections "$proxy"; done
+fi
 
-for proxy in "${PROXIES[@]}"; do
-    awk -v name="$proxy" -v rps="${M_RPS[$proxy]}" -v p99="${M_P99[$proxy]}" -v us="${M_US[$proxy]}" \
-        -v pct="${M_PCT[$proxy]}" -v nrps="${M_RPS[nginx]}" -v nus="${M_US[nginx]}" \
-        -v err="${ERRORS[$proxy]}" -v total="${TOTAL_REQS[$proxy]}" -v upus="${M_UP_US[$proxy]}" \
-        -v upc="${M_UP_CONNS[$proxy]}" 'BEGIN {
-        printf "%-8s %9.0f %8.3f %11.2f %10.2f %9.2f %8.0f%% %10.2f %9.0f  %s\n",
-            name, rps, p99, (nrps > 0 ? rps / nrps : 0), us, (nus > 0 ? us / nus : 0), pct,
-            upus, upc, err "/" total }'
+# Tables of medians; ratios are against nginx.
+declare -A M_RPS M_P99 M_US M_PCT M_UP_CONNS
+for scenario in "${SCENARIO_LIST[@]}"; do
+    for proxy in "${PROXIES[@]}"; do
+        key="$scenario $proxy"
+        [[ -n ${SKIP[$key]:-} ]] && continue
+        # shellcheck disable=SC2086 # the per-round values are space separated on purpose
+        M_RPS[$key]=$(median ${RPS[$key]})
+        # shellcheck disable=SC2086
+        M_P99[$key]=$(median ${P99[$key]})
+        # shellcheck disable=SC2086
+        M_US[$key]=$(median ${CPU_US[$key]})
+        # shellcheck disable=SC2086
+        M_PCT[$key]=$(median ${CPU_PCT[$key]})
+        # shellcheck disable=SC2086
+        M_UP_CONNS[$key]=$(median ${UP_CONNS[$key]})
+    done
 done
-echo "(CPU us/req: user+system CPU time of the proxy process tree per completed request;"
-echo " proxy CPU: its share of one CPU during the run; upstr us/req: CPU of the three origin"
-echo " servers per request; upstr new conns: connections the proxy opened to them during a run;"
-echo " errors: non-2xx responses + socket errors, over all rounds)"
+
+declare -A SCENARIO_TITLE=(
+    [keepalive]="HTTP/1.1 keep-alive, wrk -c$CONNECTIONS"
+    [close]="HTTP/1.1, new connection per request, wrk -c$CONNECTIONS"
+    [h2c]="h2c, h2load -c$H2_CONNECTIONS -m$H2_STREAMS"
+    [tls]="HTTPS TLS 1.3, new connection per request with session resumption, wrk -c$CONNECTIONS"
+    [big]="1 MiB response, wrk -c$BIG_CONNECTIONS"
+)
+echo "Medians over $ROUNDS round(s) of ${DURATION}s (ratios: proxy / nginx)"
+for scenario in "${SCENARIO_LIST[@]}"; do
+    echo
+    echo "-- $scenario: ${SCENARIO_TITLE[$scenario]}"
+    printf '%-8s %10s %7s %9s %7s %10s %7s %6s %8s  %s\n' \
+        proxy 'req/s' 'ratio' 'p99 ms' 'ratio' 'CPU us/req' 'ratio' 'CPU' 'up conns' 'errors/requests'
+    for proxy in "${PROXIES[@]}"; do
+        key="$scenario $proxy"
+        if [[ -n ${SKIP[$key]:-} ]]; then
+            printf '%-8s %10s\n' "$proxy" 'not run'
+            continue
+        fi
+        nkey="$scenario nginx"
+        awk -v name="$proxy" -v rps="${M_RPS[$key]}" -v p99="${M_P99[$key]}" -v us="${M_US[$key]}" \
+            -v pct="${M_PCT[$key]}" -v nrps="${M_RPS[$nkey]}" -v np99="${M_P99[$nkey]}" \
+            -v nus="${M_US[$nkey]}" -v upc="${M_UP_CONNS[$key]}" \
+            -v err="${ERRORS[$key]}" -v total="${TOTAL_REQS[$key]}" 'BEGIN {
+            printf "%-8s %10.0f %7.2f %9.3f %7.2f %10.2f %7.2f %5.0f%% %8.0f  %s\n",
+                name, rps, (nrps > 0 ? rps / nrps : 0), p99, (np99 > 0 ? p99 / np99 : 0),
+                us, (nus > 0 ? us / nus : 0), pct, upc, err "/" total }'
+    done
+done
+echo
+echo "(CPU us/req: user+system CPU time of the proxy process tree per completed request; CPU: its"
+echo " share of one CPU during the run; up conns: connections the proxy opened to the upstreams"
+echo " during a run; errors: non-2xx responses + socket errors over all rounds)"
+
+# One line per scenario: raahi against nginx, what the goals of issue 8 are judged on.
+echo
+echo "Summary: raahi / nginx (req/s ratio, p99 ratio)"
+for scenario in "${SCENARIO_LIST[@]}"; do
+    key="$scenario raahi" nkey="$scenario nginx"
+    [[ -n ${SKIP[$key]:-} ]] && { printf '  %-10s not run\n' "$scenario"; continue; }
+    awk -v s="$scenario" -v r="${M_RPS[$key]}" -v n="${M_RPS[$nkey]}" -v p="${M_P99[$key]}" \
+        -v np="${M_P99[$nkey]}" 'BEGIN { printf "  %-10s req/s %.2fx   p99 %.2fx\n", s, r / n, p / np }'
+done
+
+if ((MEMORY)); then
+    echo
+    echo "Memory of the proxy process tree, MiB (RSS summed over processes / PSS):"
+    printf '%-8s %15s %17s %26s\n' proxy 'idle at start' 'idle after load' "$IDLE_CONNECTIONS idle connections"
+    for proxy in "${PROXIES[@]}"; do
+        read -r a_rss a_pss <<<"${IDLE_MEM[$proxy]}"
+        read -r b_rss b_pss <<<"${AFTER_MEM[$proxy]}"
+        read -r c_rss c_pss <<<"${CONN_MEM[$proxy]}"
+        printf '%-8s %7s / %5s %9s / %5s %18s / %5s\n' "$proxy" "$(mib "$a_rss")" "$(mib "$a_pss")" \
+            "$(mib "$b_rss")" "$(mib "$b_pss")" "$(mib "$c_rss")" "$(mib "$c_pss")"
+    done
+    for proxy in "${PROXIES[@]}"; do echo "  $proxy: ${CONN_OPEN[$proxy]}"; done
+fi
 
 # Anything the proxies complained about.
 echo
@@ -503,3 +725,4 @@ for f in "$WORK"/nginx/error.log "$WORK"/upstream*/error.log "$WORK"/haproxy/std
     fi
 done
 ((problems)) || echo "No warnings or errors in the proxies' logs."
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
