@@ -18,6 +18,7 @@ fn service() -> ServiceRuntime {
             upstream_authority: None,
             tls_sni: None,
             tls_verify: true,
+            tls_ca_pem: None,
             lb_policy: LbPolicy::RoundRobin,
             timeouts: Timeouts::default(),
             max_attempts: 3,

@@ -20,6 +20,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
             upstream_authority: None,
             tls_sni: None,
             tls_verify: true,
+            tls_ca_pem: None,
             lb_policy: LbPolicy::RoundRobin,
             timeouts: Timeouts::default(),
             max_attempts: 3,

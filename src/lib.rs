@@ -14,3 +14,4 @@ pub mod snapshot;
 pub mod status;
 pub mod store;
 pub mod telemetry;
+pub mod tls;

@@ -281,6 +281,8 @@ pub struct Service {
     pub upstream_authority: Option<String>,
     pub tls_sni: Option<String>,
     pub tls_verify: bool,
+    /// PEM CA certificates trusted for this service's upstream TLS instead of the public roots.
+    pub tls_ca_pem: Option<String>,
     pub lb_policy: LbPolicy,
     pub timeouts: Timeouts,
     /// Attempts per request, the first included (a retry goes to another target).
@@ -504,12 +506,70 @@ pub enum TargetChange {
     },
 }
 
+/// An L4 route: connections accepted on `listen` go to a `tcp` or `tls` service. With `sni`, the
+/// listener is a TLS passthrough listener and the route takes the connections whose ClientHello
+/// names that server (exact or `*.suffix`); a route without `sni` on such a listener takes the
+/// rest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StreamRoute {
+    pub id: Id,
+    #[schema(value_type = String, example = "0.0.0.0:5432")]
+    pub listen: std::net::SocketAddr,
+    pub sni: Option<String>,
+    pub service_id: Id,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamRouteSpec {
+    #[schema(value_type = String, example = "0.0.0.0:5432")]
+    pub listen: std::net::SocketAddr,
+    #[serde(default)]
+    pub sni: Option<String>,
+    pub service_id: Id,
+}
+
+/// A TLS certificate served by the HTTPS listener to clients naming one of its `snis`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Certificate {
+    pub id: Id,
+    /// Server names (exact or `*.suffix`) this certificate is served for.
+    pub snis: Vec<String>,
+    /// The PEM chain, leaf first.
+    pub cert_pem: String,
+    /// Expiry of the leaf certificate.
+    pub not_after: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A certificate with its private key, as the store keeps it; the key never leaves through the API.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CertificateWithKey {
+    pub certificate: Certificate,
+    pub key_pem: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CertificateSpec {
+    /// Defaults to the DNS names of the leaf certificate; each given name must be covered by it.
+    #[serde(default)]
+    pub snis: Option<Vec<String>>,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
 /// Everything the data path is built from, read from the store in one go.
 #[derive(Debug, Clone, Default)]
 pub struct RoutingConfig {
     pub services: Vec<Service>,
     pub targets: Vec<Target>,
     pub routes: Vec<Route>,
+    pub stream_routes: Vec<StreamRoute>,
+    pub certificates: Vec<CertificateWithKey>,
 }
 
 /// What an operator writes for a service (create and full replace).
@@ -525,6 +585,8 @@ pub struct ServiceSpec {
     pub tls_sni: Option<String>,
     #[serde(default = "default_true")]
     pub tls_verify: bool,
+    #[serde(default)]
+    pub tls_ca_pem: Option<String>,
     #[serde(default)]
     pub lb_policy: LbPolicy,
     #[serde(default)]
@@ -613,6 +675,7 @@ impl Service {
             upstream_authority: self.upstream_authority.clone(),
             tls_sni: self.tls_sni.clone(),
             tls_verify: self.tls_verify,
+            tls_ca_pem: self.tls_ca_pem.clone(),
             lb_policy: self.lb_policy,
             timeouts: self.timeouts,
             max_attempts: self.max_attempts,

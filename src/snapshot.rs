@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::balance::{unix_ms, Balancer, TargetHealth, TargetLoad};
 use crate::model::{Id, Route, Service};
 
+mod stream;
+pub use stream::*;
+
 /// One target that may take new traffic, as the data path needs it.
 #[derive(Debug)]
 pub struct TargetRuntime {
@@ -464,6 +467,7 @@ mod tests {
                 upstream_authority: None,
                 tls_sni: None,
                 tls_verify: true,
+                tls_ca_pem: None,
                 lb_policy: LbPolicy::RoundRobin,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,

@@ -371,6 +371,7 @@ mod tests {
             upstream_authority: Some("Shop.Example:8443".into()),
             tls_sni: None,
             tls_verify: true,
+            tls_ca_pem: None,
             lb_policy: LbPolicy::RoundRobin,
             timeouts: Timeouts::default(),
             max_attempts: 3,

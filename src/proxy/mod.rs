@@ -5,9 +5,12 @@
 
 mod body;
 mod client;
+mod connector;
 mod error;
 mod forward;
 mod headers;
+mod sni;
+pub mod stream;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -3,8 +3,11 @@
 //! SQLite is the embedded default: WAL journal, a busy timeout and a single writer connection so
 //! concurrent admin calls queue instead of failing with "database is locked".
 
+mod certificates;
 mod rows;
 mod sources;
+mod stream_routes;
+pub use certificates::NewCertificate;
 pub use sources::ManagedKind;
 
 use std::str::FromStr;
@@ -114,6 +117,8 @@ impl Store {
             services: convert_all(services)?,
             targets: convert_all(targets)?,
             routes: convert_all(routes)?,
+            stream_routes: self.all_stream_routes().await?,
+            certificates: self.all_certificates_with_keys().await?,
         })
     }
 
@@ -145,16 +150,17 @@ impl Store {
     pub async fn create_service(&self, spec: &ServiceSpec) -> Result<Service, StoreError> {
         let now = now_ms();
         let result = sqlx::query(
-            "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, lb_policy,
-                connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms, max_attempts,
-                health_check, ejection, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
+                lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
+                max_attempts, health_check, ejection, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&spec.name)
         .bind(spec.protocol.as_str())
         .bind(&spec.upstream_authority)
         .bind(&spec.tls_sni)
         .bind(spec.tls_verify)
+        .bind(&spec.tls_ca_pem)
         .bind(spec.lb_policy.as_str())
         .bind(spec.timeouts.connect_ms as i64)
         .bind(spec.timeouts.response_header_ms as i64)
@@ -173,7 +179,7 @@ impl Store {
     pub async fn update_service(&self, id: Id, spec: &ServiceSpec) -> Result<Service, StoreError> {
         let result = sqlx::query(
             "UPDATE services SET name = ?, protocol = ?, upstream_authority = ?, tls_sni = ?,
-                tls_verify = ?, lb_policy = ?, connect_timeout_ms = ?, response_header_timeout_ms = ?,
+                tls_verify = ?, tls_ca_pem = ?, lb_policy = ?, connect_timeout_ms = ?, response_header_timeout_ms = ?,
                 idle_timeout_ms = ?, max_attempts = ?, health_check = ?, ejection = ?, updated_at = ?
              WHERE id = ?",
         )
@@ -182,6 +188,7 @@ impl Store {
         .bind(&spec.upstream_authority)
         .bind(&spec.tls_sni)
         .bind(spec.tls_verify)
+        .bind(&spec.tls_ca_pem)
         .bind(spec.lb_policy.as_str())
         .bind(spec.timeouts.connect_ms as i64)
         .bind(spec.timeouts.response_header_ms as i64)
@@ -217,6 +224,25 @@ impl Store {
                 message: format!(
                     "service {id} is used by route(s) {}; delete or move them first",
                     names.join(", ")
+                ),
+            });
+        }
+        let stream_routes: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, listen FROM stream_routes WHERE service_id = ? ORDER BY id LIMIT 5",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        if !stream_routes.is_empty() {
+            let routes: Vec<String> = stream_routes
+                .into_iter()
+                .map(|(route_id, listen)| format!("{route_id} ({listen})"))
+                .collect();
+            return Err(StoreError::Conflict {
+                field: "id",
+                message: format!(
+                    "service {id} is used by stream route(s) {}; delete or move them first",
+                    routes.join(", ")
                 ),
             });
         }

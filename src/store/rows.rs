@@ -8,7 +8,7 @@ use crate::model::{
     SourceProgress, SourceState, Target, TargetState, Timeouts, Token,
 };
 
-fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
+pub(super) fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
     Utc.timestamp_millis_opt(ms)
         .single()
         .ok_or_else(|| StoreError::Corrupt(format!("timestamp {ms} out of range")))
@@ -26,7 +26,7 @@ fn json<T: serde::de::DeserializeOwned>(text: &str, what: &str) -> Result<T, Sto
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
-fn string_list(text: &str, what: &str) -> Result<Vec<String>, StoreError> {
+pub(super) fn string_list(text: &str, what: &str) -> Result<Vec<String>, StoreError> {
     serde_json::from_str(text).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
@@ -38,6 +38,7 @@ pub(super) struct ServiceRow {
     upstream_authority: Option<String>,
     tls_sni: Option<String>,
     tls_verify: bool,
+    tls_ca_pem: Option<String>,
     lb_policy: String,
     connect_timeout_ms: i64,
     response_header_timeout_ms: i64,
@@ -60,6 +61,7 @@ impl TryFrom<ServiceRow> for Service {
             upstream_authority: row.upstream_authority,
             tls_sni: row.tls_sni,
             tls_verify: row.tls_verify,
+            tls_ca_pem: row.tls_ca_pem,
             lb_policy: parse_text(&row.lb_policy, "lb_policy", LbPolicy::parse)?,
             timeouts: Timeouts {
                 connect_ms: non_negative(row.connect_timeout_ms, "connect timeout")?,

@@ -14,6 +14,7 @@ fn service_spec(name: &str) -> ServiceSpec {
         upstream_authority: Some("shop.test".into()),
         tls_sni: None,
         tls_verify: true,
+        tls_ca_pem: None,
         lb_policy: LbPolicy::LeastRequest,
         timeouts: Timeouts::default(),
         max_attempts: 2,

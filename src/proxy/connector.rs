@@ -1,0 +1,1 @@
+//! Upstream connections: TCP, and TLS with the service's SNI and trust settings.
