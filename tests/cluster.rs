@@ -1,0 +1,482 @@
+//! Several gateway instances on one PostgreSQL database (issue 7), through real sockets: a change
+//! made through one instance's admin API reaches every instance's data path within 1 s; each
+//! discovery source is refreshed by one instance only (a lease), and its status names that
+//! instance; when the refreshing instance stops, another takes the source over within two lease
+//! periods; when PostgreSQL restarts under load, every instance keeps serving its last snapshot
+//! and picks up changes made after the database is back.
+
+mod common;
+#[path = "common/postgres.rs"]
+mod postgres;
+
+use common::registry::Registry;
+use common::*;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use raahi::config::Config;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+/// Longest wait for anything the instances do on their own with the short timers used here.
+const WAIT: Duration = Duration::from_secs(10);
+/// How fast an admin change must reach every instance's data path.
+const PROPAGATION: Duration = Duration::from_secs(1);
+/// Short leases so a takeover test takes seconds, not the default quarter minute.
+const LEASE_MS: u64 = 1_500;
+
+/// A test gateway's config on the shared database `database_url`, as instance `instance_id`.
+fn instance_config(database_url: &str, instance_id: &str) -> Config {
+    let env: Vec<(String, String)> = [
+        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        ("RAAHI_DATABASE_URL", database_url.to_owned()),
+        ("RAAHI_CLUSTER_INSTANCE_ID", instance_id.to_owned()),
+        ("RAAHI_CLUSTER_LEASE_MS", LEASE_MS.to_string()),
+        ("RAAHI_CLUSTER_RESYNC_MS", "3000".to_owned()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_owned(), value))
+    .collect();
+    Config::from_parts("cluster-test.toml", None, &env).expect("cluster test config is valid")
+}
+
+/// Instances `gw-a` and `gw-b` on one database.
+async fn two_instances(database_url: &str) -> (TestGateway, TestGateway) {
+    let mut instances = Vec::new();
+    for id in ["gw-a", "gw-b"] {
+        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+        let config = instance_config(database_url, id);
+        instances.push(TestGateway::start_with(dir, config).await);
+    }
+    let second = instances.pop().expect("two instances");
+    let first = instances.pop().expect("two instances");
+    (first, second)
+}
+
+/// Status and body of a GET through an instance's proxy (status 0 when it does not answer).
+async fn fetch(gateway: &TestGateway, path: &str) -> (u16, String) {
+    match gateway.http.get(gateway.proxy_url(path)).send().await {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+async fn serves(gateway: &TestGateway, path: &str, body: &str) -> bool {
+    fetch(gateway, path).await == (200, body.to_owned())
+}
+
+async fn status_of(gateway: &TestGateway, source: i64) -> Value {
+    let path = format!("/api/v1/discovery-sources/{source}/status");
+    let (status, body) = gateway.api("GET", &path, None).await;
+    assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
+    body
+}
+
+/// Refreshes this instance ran for `source` (its own counters, not the store's).
+fn local_refreshes(gateway: &TestGateway, source: i64) -> u64 {
+    gateway
+        .gateway
+        .as_ref()
+        .expect("running")
+        .control
+        .source_stats()
+        .get(&source)
+        .map(|stats| stats.refreshes.load(Ordering::SeqCst))
+        .unwrap_or(0)
+}
+
+fn registry_endpoint(key: &str, upstream: &Upstream) -> Value {
+    json!({"key": key, "host": "127.0.0.1", "port": upstream.addr.port()})
+}
+
+/// A service with a catch-all route and an `http` source on `registry`, created through `via`.
+async fn discovered_service(via: &TestGateway, registry: &Registry, interval_ms: u64) -> i64 {
+    let service = via
+        .create("/api/v1/services", json!({"name": "disc"}))
+        .await;
+    via.create(
+        "/api/v1/routes",
+        json!({"name": "disc-all", "service_id": service}),
+    )
+    .await;
+    via.create(
+        &format!("/api/v1/services/{service}/discovery-sources"),
+        json!({
+            "name": "registry",
+            "provider": "http",
+            "config": {"url": registry.url("/v1/endpoints"), "interval_ms": interval_ms, "timeout_ms": 500},
+            "removal_grace_ms": 500,
+        }),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_through_one_instance_serves_on_the_other_within_a_second() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let first = Upstream::start("first").await;
+    let second = Upstream::start("second").await;
+
+    let service = a
+        .service_with_targets("web", &[target(&first, 100, 0)])
+        .await;
+    a.create(
+        "/api/v1/routes",
+        json!({"name": "web", "service_id": service, "path_prefix": "/web"}),
+    )
+    .await;
+    let created = Instant::now();
+    wait_until("b serves the route created on a", PROPAGATION, || {
+        serves(&b, "/web", "first")
+    })
+    .await;
+    assert!(created.elapsed() <= PROPAGATION);
+
+    // The other way round, and a target change rather than a new route: b moves the traffic to
+    // another upstream, a follows.
+    let (status, targets) = b
+        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{targets}");
+    let old_target = targets["items"][0]["id"].as_i64().expect("a target id");
+    b.create(
+        &format!("/api/v1/services/{service}/targets"),
+        target(&second, 100, 0),
+    )
+    .await;
+    let (status, body) = b
+        .api("DELETE", &format!("/api/v1/targets/{old_target}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    wait_until("a sends to the target b added", PROPAGATION, || {
+        serves(&a, "/web", "second")
+    })
+    .await;
+    // Every answer from a now comes from the new target only.
+    let answers = spread(&a, "/web", 20, 4).await;
+    assert_eq!(answers, HashMap::from([("second".to_owned(), 20)]));
+
+    // Deleting the route on b stops it on a.
+    let (_, routes) = b.api("GET", "/api/v1/routes", None).await;
+    let route = routes["items"][0]["id"].as_i64().expect("a route id");
+    let (status, body) = b
+        .api("DELETE", &format!("/api/v1/routes/{route}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    wait_until(
+        "a stops serving the route deleted on b",
+        PROPAGATION,
+        || async { fetch(&a, "/web").await.0 == 404 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_source_is_refreshed_by_one_instance_whose_status_names_it() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let first = Upstream::start("first").await;
+    let second = Upstream::start("second").await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([registry_endpoint("one", &first)]));
+
+    let source = discovered_service(&a, &registry, 200).await;
+    for instance in [&a, &b] {
+        wait_until("both instances serve the discovered target", WAIT, || {
+            serves(instance, "/", "first")
+        })
+        .await;
+    }
+    wait_until("the registry is asked a few times", WAIT, || async {
+        registry.requests() >= 10
+    })
+    .await;
+
+    // One instance ran every refresh the registry saw; the other ran none.
+    let asked_before = registry.requests();
+    let (by_a, by_b) = (local_refreshes(&a, source), local_refreshes(&b, source));
+    let asked_after = registry.requests();
+    assert!(
+        (by_a == 0) != (by_b == 0),
+        "exactly one instance refreshes: a ran {by_a}, b ran {by_b}"
+    );
+    let refreshed = by_a + by_b;
+    // The registry counts a request on arrival, the instance when its answer is applied: at most
+    // one refresh is between the two.
+    assert!(
+        refreshed as usize + 1 >= asked_before && refreshed as usize <= asked_after,
+        "registry saw {asked_before}..{asked_after} requests, instances ran {refreshed} refreshes"
+    );
+    let (holder, other) = if by_a > 0 { (&a, &b) } else { (&b, &a) };
+    let holder_id = if by_a > 0 { "gw-a" } else { "gw-b" };
+
+    // Both instances' status names the refreshing instance.
+    for instance in [&a, &b] {
+        let status = status_of(instance, source).await;
+        assert_eq!(status["refreshed_by"], json!(holder_id), "{status}");
+        assert_eq!(status["state"], "healthy", "{status}");
+    }
+
+    // The result is written once and every instance serves it: a registry change reaches the
+    // instance that does not refresh too.
+    registry.set_json(json!([registry_endpoint("two", &second)]));
+    wait_until(
+        "the instance that does not refresh serves the new endpoint",
+        WAIT,
+        || serves(other, "/", "second"),
+    )
+    .await;
+    wait_until("the refreshing instance serves it too", WAIT, || {
+        serves(holder, "/", "second")
+    })
+    .await;
+    assert_eq!(
+        local_refreshes(other, source),
+        0,
+        "the other instance never refreshed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_instance_takes_a_source_over_within_two_lease_periods() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let first = Upstream::start("first").await;
+    let second = Upstream::start("second").await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([registry_endpoint("one", &first)]));
+
+    let source = discovered_service(&a, &registry, 200).await;
+    wait_until("a source holder is named", WAIT, || async {
+        status_of(&a, source).await["refreshed_by"].is_string()
+    })
+    .await;
+    let holder_id = status_of(&a, source).await["refreshed_by"]
+        .as_str()
+        .expect("a holder")
+        .to_owned();
+    let (mut holder, survivor, survivor_id) = if holder_id == "gw-a" {
+        (a, b, "gw-b")
+    } else {
+        (b, a, "gw-a")
+    };
+    wait_until("the survivor serves the discovered target", WAIT, || {
+        serves(&survivor, "/", "first")
+    })
+    .await;
+    assert_eq!(local_refreshes(&survivor, source), 0);
+
+    // The holder stops without a goodbye: its lease runs out on its own.
+    let stopped = Instant::now();
+    holder.gateway.take().expect("running").shutdown().await;
+    let takeover = Duration::from_millis(2 * LEASE_MS);
+    wait_until(
+        "the survivor takes the source over",
+        takeover.saturating_sub(stopped.elapsed()),
+        || async { status_of(&survivor, source).await["refreshed_by"] == json!(survivor_id) },
+    )
+    .await;
+    wait_until("the survivor refreshes the source", WAIT, || async {
+        local_refreshes(&survivor, source) > 0
+    })
+    .await;
+
+    // Its refreshes reach its data path: a registry change is served.
+    registry.set_json(json!([registry_endpoint("two", &second)]));
+    wait_until("the survivor serves the new endpoint", WAIT, || {
+        serves(&survivor, "/", "second")
+    })
+    .await;
+    assert_eq!(status_of(&survivor, source).await["state"], "healthy");
+}
+
+/// Requests through both instances in a loop until stopped; counts answers that are not 200.
+struct Load {
+    stop: Arc<AtomicBool>,
+    served: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    failures: Arc<std::sync::Mutex<Vec<String>>>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(urls: Vec<String>, body: &'static str) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let client = reqwest::Client::new();
+        let workers = (0..4)
+            .map(|worker| {
+                let (stop, served, failed, failures) = (
+                    stop.clone(),
+                    served.clone(),
+                    failed.clone(),
+                    failures.clone(),
+                );
+                let client = client.clone();
+                let urls = urls.clone();
+                tokio::spawn(async move {
+                    let mut turn = worker;
+                    while !stop.load(Ordering::SeqCst) {
+                        let url = &urls[turn % urls.len()];
+                        turn += 1;
+                        let outcome = match client.get(url).send().await {
+                            Ok(response) => {
+                                let status = response.status().as_u16();
+                                let text = response.text().await.unwrap_or_default();
+                                (status == 200 && text == body)
+                                    .then_some(())
+                                    .ok_or(format!("{url}: {status} {text}"))
+                            }
+                            Err(error) => Err(format!("{url}: {error}")),
+                        };
+                        match outcome {
+                            Ok(()) => served.fetch_add(1, Ordering::SeqCst),
+                            Err(failure) => {
+                                failures.lock().unwrap().push(failure);
+                                failed.fetch_add(1, Ordering::SeqCst)
+                            }
+                        };
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            served,
+            failed,
+            failures,
+            workers,
+        }
+    }
+
+    fn served(&self) -> usize {
+        self.served.load(Ordering::SeqCst)
+    }
+
+    async fn finish(self) -> (usize, usize, Vec<String>) {
+        self.stop.store(true, Ordering::SeqCst);
+        for worker in self.workers {
+            let _ = worker.await;
+        }
+        let failures = self.failures.lock().unwrap().clone();
+        (
+            self.served.load(Ordering::SeqCst),
+            self.failed.load(Ordering::SeqCst),
+            failures,
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_serve_their_last_snapshot_while_postgres_restarts_and_recover() {
+    // A private server: stopping the shared one would break the other tests.
+    let cluster = tokio::task::spawn_blocking(postgres::Cluster::start)
+        .await
+        .expect("cluster starts");
+    let database = postgres::create_database(&cluster.url()).await;
+    let (a, b) = two_instances(&database).await;
+    let upstream = Upstream::start("steady").await;
+    let service = a
+        .service_with_targets("web", &[target(&upstream, 100, 0)])
+        .await;
+    a.create(
+        "/api/v1/routes",
+        json!({"name": "web", "service_id": service, "path_prefix": "/web"}),
+    )
+    .await;
+    wait_until("b serves the route", WAIT, || serves(&b, "/web", "steady")).await;
+
+    let load = Load::start(vec![a.proxy_url("/web"), b.proxy_url("/web")], "steady");
+    wait_until("the load runs", WAIT, || async { load.served() >= 50 }).await;
+
+    let cluster = Arc::new(cluster);
+    let stopping = cluster.clone();
+    tokio::task::spawn_blocking(move || stopping.stop())
+        .await
+        .expect("cluster stops");
+    let served_at_stop = load.served();
+    // The outage lasts longer than a lease and a resync period, so every background job of both
+    // instances meets the dead database at least once.
+    let outage = Instant::now();
+    wait_until(
+        "both instances keep serving without the database",
+        WAIT,
+        || async {
+            outage.elapsed() >= Duration::from_millis(2 * LEASE_MS + 500)
+                && load.served() >= served_at_stop + 200
+        },
+    )
+    .await;
+    // The admin API reports the outage instead of pretending.
+    let (status, _) = a.api("GET", "/api/v1/routes", None).await;
+    assert!(
+        status.is_server_error(),
+        "admin API without database: {status}"
+    );
+
+    let starting = cluster.clone();
+    tokio::task::spawn_blocking(move || starting.start_again())
+        .await
+        .expect("cluster starts again");
+
+    // A change made after recovery reaches both instances.
+    let other = Upstream::start("after").await;
+    let new_service = wait_for_create(&a, "/api/v1/services", json!({"name": "after"})).await;
+    wait_for_create(
+        &a,
+        &format!("/api/v1/services/{new_service}/targets"),
+        target(&other, 100, 0),
+    )
+    .await;
+    wait_for_create(
+        &a,
+        "/api/v1/routes",
+        json!({"name": "after", "service_id": new_service, "path_prefix": "/after"}),
+    )
+    .await;
+    for instance in [&a, &b] {
+        wait_until("the change made after recovery serves", WAIT, || {
+            serves(instance, "/after", "after")
+        })
+        .await;
+    }
+
+    let (served, failed, failures) = load.finish().await;
+    assert_eq!(
+        failed,
+        0,
+        "failed requests during the outage: {:?}",
+        &failures[..failures.len().min(5)]
+    );
+    assert!(served > served_at_stop + 200, "served {served}");
+}
+
+/// Creates an object, retrying while the admin API cannot reach the database yet.
+async fn wait_for_create(gateway: &TestGateway, path: &str, body: Value) -> i64 {
+    let mut created = None;
+    let end = Instant::now() + Duration::from_secs(30);
+    while created.is_none() {
+        let (status, answer) = gateway.api("POST", path, Some(body.clone())).await;
+        if status == StatusCode::CREATED {
+            created = answer["id"].as_i64();
+        } else {
+            assert!(
+                status.is_server_error() && Instant::now() < end,
+                "POST {path}: {status} {answer}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    created.expect("created")
+}

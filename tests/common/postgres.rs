@@ -1,0 +1,260 @@
+//! PostgreSQL for tests: a fresh database per test on a shared throwaway server, and private
+//! clusters for tests that stop or restart the server.
+//!
+//! `scripts/test.sh` starts one server and exports `RAAHI_TEST_POSTGRES_URL`; without it (plain
+//! `cargo test`) the first test that asks starts a cluster itself (initdb into a temporary folder as
+//! the postgres user, on a free loopback port), stopped by a watchdog when the test process ends.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use sqlx::Connection;
+
+pub const URL_VARIABLE: &str = "RAAHI_TEST_POSTGRES_URL";
+
+/// A URL of a new, empty database on the shared test server.
+pub async fn fresh_database() -> String {
+    let server = shared_server_url();
+    create_database(server).await
+}
+
+/// Creates a uniquely named database on the server at `server_url` (a URL of an existing
+/// database, e.g. `postgres`); returns its URL.
+pub async fn create_database(server_url: &str) -> String {
+    let name = format!("raahi_test_{}", uuid::Uuid::new_v4().simple());
+    let mut connection = sqlx::PgConnection::connect(server_url)
+        .await
+        .unwrap_or_else(|error| panic!("cannot connect to test PostgreSQL {server_url}: {error}"));
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut connection)
+        .await
+        .expect("CREATE DATABASE");
+    let _ = connection.close().await;
+    database_url(server_url, &name)
+}
+
+/// `server_url` with its database name replaced by `name`.
+fn database_url(server_url: &str, name: &str) -> String {
+    let (base, query) = match server_url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (server_url, None),
+    };
+    let authority_end = base
+        .find("://")
+        .map(|scheme_end| scheme_end + 3)
+        .and_then(|start| base[start..].find('/').map(|slash| start + slash))
+        .unwrap_or(base.len());
+    let mut url = format!("{}/{name}", &base[..authority_end]);
+    if let Some(query) = query {
+        url.push('?');
+        url.push_str(query);
+    }
+    url
+}
+
+fn shared_server_url() -> &'static str {
+    static SHARED: OnceLock<String> = OnceLock::new();
+    SHARED.get_or_init(|| match std::env::var(URL_VARIABLE) {
+        Ok(url) if !url.is_empty() => url,
+        _ => {
+            let cluster = Cluster::start();
+            let url = cluster.url();
+            // Lives as long as the test process; the watchdog stops it afterwards.
+            std::mem::forget(cluster);
+            url
+        }
+    })
+}
+
+/// A private throwaway cluster (for tests that stop or restart the server). Stopped and removed
+/// on drop; a watchdog process does the same if the test process dies first.
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    pub port: u16,
+}
+
+impl Cluster {
+    pub fn start() -> Cluster {
+        let bin = postgres_bin();
+        let dir = tempfile::Builder::new()
+            .prefix("raahi-pg.")
+            .tempdir()
+            .expect("temp dir for PostgreSQL");
+        if is_root() {
+            run(Command::new("chown").arg("postgres").arg(dir.path()));
+        }
+        run(as_cluster_owner(&bin.join("initdb"))
+            .arg("-D")
+            .arg(dir.path().join("data"))
+            .args(["-A", "trust", "-U", "postgres", "--no-sync"]));
+        let mut cluster = Cluster { dir, bin, port: 0 };
+        let mut last_error = String::new();
+        for _ in 0..10 {
+            cluster.port = free_port();
+            match cluster.pg_ctl_start() {
+                Ok(()) => {
+                    cluster.spawn_watchdog();
+                    return cluster;
+                }
+                Err(error) => last_error = error,
+            }
+        }
+        panic!("cannot start a throwaway PostgreSQL cluster: {last_error}");
+    }
+
+    /// The URL of its `postgres` database.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops the server at once (clients see their connections drop).
+    pub fn stop(&self) {
+        run(self.pg_ctl().args(["-m", "immediate", "stop"]));
+    }
+
+    /// Starts a stopped server again on the same port.
+    pub fn start_again(&self) {
+        if let Err(error) = self.pg_ctl_start() {
+            panic!("PostgreSQL did not start again: {error}");
+        }
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn pg_ctl(&self) -> Command {
+        let mut command = as_cluster_owner(&self.bin.join("pg_ctl"));
+        command.arg("-D").arg(self.data());
+        command
+    }
+
+    fn pg_ctl_start(&self) -> Result<(), String> {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        );
+        let output = self
+            .pg_ctl()
+            .arg("-l")
+            .arg(self.dir.path().join("log"))
+            .args(["-w", "-t", "30", "-o", &options, "start"])
+            .output()
+            .map_err(|error| format!("pg_ctl: {error}"))?;
+        if output.status.success() {
+            return Ok(());
+        }
+        let log = std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default();
+        Err(format!(
+            "pg_ctl start: {}{}\n{log}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
+
+    /// Stops the cluster when this process ends, even on an abort that skips destructors.
+    fn spawn_watchdog(&self) {
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf '{dir}'",
+            pid = std::process::id(),
+            stop = shell_pg_ctl_stop(&self.bin, &self.data()),
+            dir = self.dir.path().display(),
+        );
+        let _ = Command::new("setsid")
+            .args(["sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self
+            .pg_ctl()
+            .args(["-m", "immediate", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn shell_pg_ctl_stop(bin: &Path, data: &Path) -> String {
+    let pg_ctl = format!(
+        "{} -D '{}' -m immediate stop",
+        bin.join("pg_ctl").display(),
+        data.display()
+    );
+    if is_root() {
+        format!("runuser -u postgres -- {pg_ctl}")
+    } else {
+        pg_ctl
+    }
+}
+
+/// The newest installed PostgreSQL's bin folder.
+fn postgres_bin() -> PathBuf {
+    let mut found: Vec<(Vec<u32>, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry
+                .file_name()
+                .to_string_lossy()
+                .split('.')
+                .map(|part| part.parse::<u32>().ok())
+                .collect::<Option<Vec<u32>>>()?;
+            let bin = entry.path().join("bin");
+            bin.join("initdb").exists().then_some((version, bin))
+        })
+        .collect();
+    found.sort();
+    found
+        .pop()
+        .map(|(_, bin)| bin)
+        .expect("PostgreSQL is installed (apt-get install postgresql, or run scripts/test.sh)")
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// initdb refuses to run as root: as root, the cluster belongs to the postgres user.
+fn as_cluster_owner(program: &Path) -> Command {
+    if is_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--"]).arg(program);
+        command
+    } else {
+        Command::new(program)
+    }
+}
+
+fn run(command: &mut Command) {
+    let output = command.output().expect("command runs");
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .expect("a free loopback port")
+}
