@@ -1,19 +1,50 @@
-//! Pooled keep-alive upstream HTTP clients, one per service (and its connection settings), so
-//! a pool's lock is shared only by the requests of one service, never by all requests.
+//! Pooled keep-alive upstream HTTP clients, so a pool's lock is shared only by the requests of one
+//! service (plain `http`) or of one target (`https`), never by all requests.
+//!
+//! `https` pools are per target: the request URI's authority is then free to carry the `Host`
+//! chosen for the request, which HTTP/2 sends as `:authority`, while the connector dials the
+//! target. A pool is keyed by everything its connections were made with, so a changed service
+//! TLS setting (or timeout) gets a new pool and old connections are not reused.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
+use http::uri::Authority;
+use http::Request;
+use hyper_util::client::legacy::connect::{Connect, HttpConnector};
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
-use crate::model::{Id, Timeouts};
+use super::connector::{upstream_server_name, AlpnOffer, TlsTargetConnector};
+use crate::model::{Id, Protocol, Service, Timeouts};
+use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
-pub type UpstreamClient = Client<HttpConnector, UpstreamRequestBody>;
+type PlainClient = Client<HttpConnector, UpstreamRequestBody>;
+type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
+
+/// The client one attempt uses.
+#[derive(Clone)]
+pub enum UpstreamClient {
+    Plain(Arc<PlainClient>),
+    Tls(Arc<TlsClient>),
+}
+
+impl UpstreamClient {
+    pub fn request(&self, request: Request<UpstreamRequestBody>) -> ResponseFuture {
+        match self {
+            UpstreamClient::Plain(client) => client.request(request),
+            UpstreamClient::Tls(client) => client.request(request),
+        }
+    }
+
+    /// Whether the request URI must say `https`; its authority then names the request's host.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, UpstreamClient::Tls(_))
+    }
+}
 
 /// A service and the connection settings its pool was built with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -23,14 +54,143 @@ struct PoolSettings {
     idle_ms: u64,
 }
 
+/// What a target's TLS connections were made with; compared on each request (no hashing of the
+/// CA bundle on the request path).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TlsPoolSettings {
+    target: Authority,
+    server_name: String,
+    verify: bool,
+    ca_pem: Option<String>,
+    connect_ms: u64,
+    idle_ms: u64,
+}
+
+impl TlsPoolSettings {
+    fn matches(&self, service: &Service, target: &Authority) -> bool {
+        self.target == *target
+            && self.verify == service.tls_verify
+            && self.connect_ms == service.timeouts.connect_ms
+            && self.idle_ms == service.timeouts.idle_ms
+            && self.server_name == server_name(service, target)
+            && self.ca_pem == service.tls_ca_pem
+    }
+
+    fn of(service: &Service, target: &Authority) -> TlsPoolSettings {
+        TlsPoolSettings {
+            target: target.clone(),
+            server_name: server_name(service, target).to_string(),
+            verify: service.tls_verify,
+            ca_pem: service.tls_ca_pem.clone(),
+            connect_ms: service.timeouts.connect_ms,
+            idle_ms: service.timeouts.idle_ms,
+        }
+    }
+}
+
+fn server_name<'a>(service: &'a Service, target: &'a Authority) -> &'a str {
+    upstream_server_name(
+        service.tls_sni.as_deref(),
+        service.upstream_authority.as_deref(),
+        target,
+    )
+}
+
+/// One target's TLS pools: the usual one, and one offering only HTTP/1.1 for upgrade requests
+/// (an HTTP/2 connection cannot carry an HTTP/1.1 `Upgrade`), made on first need.
+struct TlsTargetPools {
+    settings: TlsPoolSettings,
+    config: Result<Arc<rustls::ClientConfig>, String>,
+    main: Arc<TlsClient>,
+    upgrade: OnceLock<Arc<TlsClient>>,
+}
+
+impl TlsTargetPools {
+    fn new(settings: TlsPoolSettings) -> TlsTargetPools {
+        let config = crate::tls::client_config(settings.verify, settings.ca_pem.as_deref())
+            .map_err(|error| error.to_string());
+        let main = Arc::new(tls_client(&settings, &config, AlpnOffer::Http2AndHttp1));
+        TlsTargetPools {
+            settings,
+            config,
+            main,
+            upgrade: OnceLock::new(),
+        }
+    }
+
+    fn upgrade_client(&self) -> Arc<TlsClient> {
+        self.upgrade
+            .get_or_init(|| {
+                Arc::new(tls_client(
+                    &self.settings,
+                    &self.config,
+                    AlpnOffer::Http1Only,
+                ))
+            })
+            .clone()
+    }
+}
+
 /// Clients are created on first use and kept; the request path reads them lock-free.
 #[derive(Default)]
 pub struct UpstreamClients {
-    clients: ArcSwap<HashMap<PoolSettings, Arc<UpstreamClient>>>,
+    clients: ArcSwap<HashMap<PoolSettings, Arc<PlainClient>>>,
+    tls: ArcSwap<HashMap<(Id, Id), Arc<TlsTargetPools>>>,
 }
 
 impl UpstreamClients {
-    pub fn for_service(&self, service_id: Id, timeouts: &Timeouts) -> Arc<UpstreamClient> {
+    /// The client for one attempt at `target` of `service`. `upgrade`: the request asks to
+    /// switch protocols and must go over HTTP/1.1.
+    pub fn for_target(
+        &self,
+        service: &ServiceRuntime,
+        target: &TargetRuntime,
+        upgrade: bool,
+    ) -> UpstreamClient {
+        let settings = &service.service;
+        if settings.protocol != Protocol::Https {
+            return UpstreamClient::Plain(self.for_service(settings.id, &settings.timeouts));
+        }
+        let key = (settings.id, target.id);
+        let pools = match self.tls.load().get(&key) {
+            Some(pools) if pools.settings.matches(settings, &target.authority) => pools.clone(),
+            _ => self.new_tls_pools(key, service, &target.authority),
+        };
+        UpstreamClient::Tls(if upgrade {
+            pools.upgrade_client()
+        } else {
+            pools.main.clone()
+        })
+    }
+
+    fn new_tls_pools(
+        &self,
+        key: (Id, Id),
+        runtime: &ServiceRuntime,
+        target: &Authority,
+    ) -> Arc<TlsTargetPools> {
+        let service = &runtime.service;
+        let live_targets: HashSet<Id> = runtime.targets.iter().map(|target| target.id).collect();
+        let created = Arc::new(TlsTargetPools::new(TlsPoolSettings::of(service, target)));
+        let mut chosen = created.clone();
+        self.tls.rcu(|current| {
+            let mut next = HashMap::clone(current);
+            // A miss is rare (first use, a changed setting, a new target): the moment to forget
+            // the pools of this service's targets that are gone.
+            next.retain(|(service_id, target_id), _| {
+                *service_id != key.0 || live_targets.contains(target_id)
+            });
+            let entry = next.entry(key).or_insert_with(|| created.clone());
+            if !entry.settings.matches(service, target) {
+                *entry = created.clone();
+            }
+            chosen = entry.clone();
+            next
+        });
+        chosen
+    }
+
+    pub fn for_service(&self, service_id: Id, timeouts: &Timeouts) -> Arc<PlainClient> {
         let settings = PoolSettings {
             service_id,
             connect_ms: timeouts.connect_ms,
@@ -53,14 +213,33 @@ impl UpstreamClients {
     }
 }
 
-fn new_client(settings: PoolSettings) -> UpstreamClient {
+fn new_client(settings: PoolSettings) -> PlainClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(Duration::from_millis(settings.connect_ms)));
     connector.set_keepalive(Some(Duration::from_secs(60)));
+    build_client(connector, settings.idle_ms)
+}
+
+fn tls_client(
+    settings: &TlsPoolSettings,
+    config: &Result<Arc<rustls::ClientConfig>, String>,
+    alpn: AlpnOffer,
+) -> TlsClient {
+    let connector = TlsTargetConnector::new(
+        settings.target.clone(),
+        &settings.server_name,
+        config.clone(),
+        alpn,
+        Duration::from_millis(settings.connect_ms),
+    );
+    build_client(connector, settings.idle_ms)
+}
+
+fn build_client<C: Connect + Clone>(connector: C, idle_ms: u64) -> Client<C, UpstreamRequestBody> {
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_millis(settings.idle_ms))
+        .pool_idle_timeout(Duration::from_millis(idle_ms))
         .build(connector)
 }

@@ -1,1 +1,265 @@
-//! Upstream connections: TCP, and TLS with the service's SNI and trust settings.
+//! Upstream connections for `https` services: TCP to one target, then TLS with the service's
+//! server name and trust settings, offering `h2` and `http/1.1` by ALPN.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::uri::{Authority, Scheme};
+use http::Uri;
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::ServerName;
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+
+/// A TLS handshake with a target failed: the certificate was refused, the versions or ALPN did
+/// not match, or the peer is not speaking TLS. Nothing of the request was sent.
+#[derive(Debug, thiserror::Error)]
+#[error("TLS with {target} (server name {server_name:?}) failed: {reason}")]
+pub struct UpstreamTlsError {
+    pub target: String,
+    pub server_name: String,
+    pub reason: String,
+}
+
+/// Which protocols the connector offers by ALPN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AlpnOffer {
+    /// `h2` and `http/1.1`: HTTP/2 when the target agrees.
+    Http2AndHttp1,
+    /// `http/1.1` only, for requests that upgrade the connection (WebSocket).
+    Http1Only,
+}
+
+/// Connects to one fixed target whatever the request URI says, so the URI's authority can carry
+/// the `Host`/`:authority` chosen for the request.
+#[derive(Clone)]
+pub struct TlsTargetConnector {
+    tcp: HttpConnector,
+    dial: Uri,
+    target: Authority,
+    handshake_timeout: Duration,
+    /// The server name and client config, or why they could not be built (reported per connect).
+    tls: Result<(ServerName<'static>, Arc<rustls::ClientConfig>), String>,
+    server_name_text: String,
+}
+
+impl TlsTargetConnector {
+    pub fn new(
+        target: Authority,
+        server_name: &str,
+        config: Result<Arc<rustls::ClientConfig>, String>,
+        alpn: AlpnOffer,
+        connect_timeout: Duration,
+    ) -> TlsTargetConnector {
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(connect_timeout));
+        tcp.set_keepalive(Some(Duration::from_secs(60)));
+        let dial = Uri::builder()
+            .scheme(Scheme::HTTP)
+            .authority(target.clone())
+            .path_and_query("/")
+            .build()
+            .unwrap_or_default();
+        let name = ServerName::try_from(server_name.to_string())
+            .map_err(|error| format!("server name {server_name:?} is not valid for TLS: {error}"));
+        let tls = match (name, config) {
+            (Ok(name), Ok(config)) => {
+                let config = match alpn {
+                    AlpnOffer::Http2AndHttp1 => config,
+                    AlpnOffer::Http1Only => {
+                        let mut config = rustls::ClientConfig::clone(&config);
+                        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                        Arc::new(config)
+                    }
+                };
+                Ok((name, config))
+            }
+            (Err(reason), _) | (_, Err(reason)) => Err(reason),
+        };
+        TlsTargetConnector {
+            tcp,
+            dial,
+            target,
+            handshake_timeout: connect_timeout,
+            tls,
+            server_name_text: server_name.to_string(),
+        }
+    }
+
+    fn tls_error(&self, reason: String) -> UpstreamTlsError {
+        UpstreamTlsError {
+            target: self.target.to_string(),
+            server_name: self.server_name_text.clone(),
+            reason,
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower::Service<Uri> for TlsTargetConnector {
+    type Response = TlsConnection;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<TlsConnection, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.tcp.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, _request_uri: Uri) -> Self::Future {
+        let connector = self.clone();
+        let connecting = self.tcp.call(self.dial.clone());
+        Box::pin(async move {
+            let (server_name, config) = match &connector.tls {
+                Ok(tls) => tls.clone(),
+                Err(reason) => return Err(connector.tls_error(reason.clone()).into()),
+            };
+            let tcp = connecting.await?.into_inner();
+            let handshake = TlsConnector::from(config).connect(server_name, tcp);
+            let stream = match tokio::time::timeout(connector.handshake_timeout, handshake).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(error)) => return Err(connector.tls_error(handshake_reason(&error)).into()),
+                Err(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "TLS handshake with {} took longer than {} ms",
+                            connector.target,
+                            connector.handshake_timeout.as_millis()
+                        ),
+                    )
+                    .into())
+                }
+            };
+            Ok(TlsConnection {
+                inner: TokioIo::new(stream),
+            })
+        })
+    }
+}
+
+/// The rustls reason ("invalid peer certificate: UnknownIssuer") rather than the io wrapper's.
+fn handshake_reason(error: &io::Error) -> String {
+    match error.get_ref() {
+        Some(inner) => inner.to_string(),
+        None => error.to_string(),
+    }
+}
+
+/// A TLS connection to a target, telling the client whether ALPN chose HTTP/2.
+pub struct TlsConnection {
+    inner: TokioIo<TlsStream<TcpStream>>,
+}
+
+impl Connection for TlsConnection {
+    fn connected(&self) -> Connected {
+        let (tcp, session) = self.inner.inner().get_ref();
+        let connected = tcp.connected();
+        if session.alpn_protocol() == Some(b"h2") {
+            connected.negotiated_h2()
+        } else {
+            connected
+        }
+    }
+}
+
+impl Read for TlsConnection {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl Write for TlsConnection {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+}
+
+/// The server name for a service's upstream TLS (DESIGN §6): `tls_sni`, else `upstream_authority`
+/// without its port, else the target's host. IPv6 brackets are removed; an IP address yields no
+/// SNI extension and is verified against the certificate's IP addresses.
+pub fn upstream_server_name<'a>(
+    tls_sni: Option<&'a str>,
+    upstream_authority: Option<&'a str>,
+    target: &'a Authority,
+) -> &'a str {
+    if let Some(sni) = tls_sni.filter(|sni| !sni.is_empty()) {
+        return sni;
+    }
+    if let Some(authority) = upstream_authority.filter(|authority| !authority.is_empty()) {
+        return host_without_port(authority);
+    }
+    host_without_port(target.as_str())
+}
+
+fn host_without_port(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_name_follows_sni_then_authority_then_target() {
+        let target = Authority::from_static("10.0.0.7:8443");
+        assert_eq!(
+            upstream_server_name(Some("sni.test"), Some("api.test:443"), &target),
+            "sni.test"
+        );
+        assert_eq!(
+            upstream_server_name(None, Some("api.test:443"), &target),
+            "api.test"
+        );
+        assert_eq!(
+            upstream_server_name(None, Some("api.test"), &target),
+            "api.test"
+        );
+        assert_eq!(upstream_server_name(None, None, &target), "10.0.0.7");
+        let v6 = Authority::from_static("[::1]:8443");
+        assert_eq!(upstream_server_name(None, None, &v6), "::1");
+        assert_eq!(upstream_server_name(Some(""), Some("[::2]:1"), &v6), "::2");
+    }
+}

@@ -20,6 +20,14 @@ pub enum ProxyError {
     NoAvailableTarget { service: String },
     #[error("could not connect to a target of service {service}: {reason}")]
     ConnectFailed { service: String, reason: String },
+    /// The TLS handshake with a target failed (certificate refused, no common version, not TLS);
+    /// nothing was sent, so another target may be tried.
+    #[error("TLS with target {target} of service {service} failed: {reason}")]
+    UpstreamTlsFailed {
+        service: String,
+        target: String,
+        reason: String,
+    },
     #[error("connecting to target {target} of service {service} timed out after {timeout_ms} ms")]
     ConnectTimeout {
         service: String,
@@ -60,9 +68,9 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamSendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::ConnectFailed { .. } | ProxyError::UpstreamFailed { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            ProxyError::ConnectFailed { .. }
+            | ProxyError::UpstreamTlsFailed { .. }
+            | ProxyError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectTimeout { .. } | ProxyError::ResponseTimeout { .. } => {
                 StatusCode::GATEWAY_TIMEOUT
             }
@@ -77,6 +85,7 @@ impl ProxyError {
             ProxyError::UpstreamSendTimeout { .. } => "upstream_send_timeout",
             ProxyError::NoAvailableTarget { .. } => "no_available_target",
             ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
+            ProxyError::UpstreamTlsFailed { .. } => "upstream_tls_failed",
             ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
             ProxyError::ResponseTimeout { .. } => "upstream_timeout",
             ProxyError::UpstreamFailed { .. } => "upstream_failed",
@@ -126,5 +135,14 @@ mod tests {
         };
         assert_eq!(timeout.status(), StatusCode::GATEWAY_TIMEOUT);
         assert_eq!(timeout.code(), "upstream_timeout");
+        let tls = ProxyError::UpstreamTlsFailed {
+            service: "web".into(),
+            target: "10.0.0.1:443".into(),
+            reason: "invalid peer certificate: UnknownIssuer".into(),
+        };
+        assert_eq!(tls.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(tls.code(), "upstream_tls_failed");
+        assert_eq!(tls.blame(), Blame::Upstream);
+        assert!(tls.to_string().contains("UnknownIssuer"));
     }
 }

@@ -16,6 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
 
 use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponseBody};
+use super::connector::UpstreamTlsError;
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
@@ -49,10 +50,12 @@ struct RequestLine {
     version: Version,
 }
 
+/// `over_tls`: the client connection is TLS (the HTTPS listener).
 pub async fn handle(
     state: &ProxyState,
     request: Request<Incoming>,
     client: SocketAddr,
+    over_tls: bool,
 ) -> Response<ProxyBody> {
     let started = Instant::now();
     let request_id = headers::request_id(request.headers());
@@ -64,7 +67,9 @@ pub async fn handle(
             version: request.version(),
         });
     let mut exchange = Exchange::default();
-    let mut response = match forward(state, request, client, &request_id, &mut exchange).await {
+    let mut response = match forward(state, request, client, over_tls, &request_id, &mut exchange)
+        .await
+    {
         Ok(response) => response,
         Err(error) => {
             // Upstream and gateway failures are what an operator must see; a client's own
@@ -164,6 +169,8 @@ struct Outgoing {
     headers: HeaderMap,
     /// No Host was chosen for the whole request: each attempt sends its target's authority.
     host_from_target: bool,
+    /// The request switches protocols, so it must reach the upstream over HTTP/1.1.
+    upgrade: bool,
     body: PendingBody,
 }
 
@@ -178,6 +185,7 @@ async fn forward(
     state: &ProxyState,
     mut request: Request<Incoming>,
     client: SocketAddr,
+    over_tls: bool,
     request_id: &HeaderValue,
     exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -204,7 +212,7 @@ async fn forward(
         &route,
         &service,
         request,
-        client,
+        Downstream { client, over_tls },
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
@@ -216,11 +224,17 @@ async fn forward(
     ))
 }
 
+/// The client connection a request came on.
+struct Downstream {
+    client: SocketAddr,
+    over_tls: bool,
+}
+
 fn prepare(
     route: &RouteEntry,
     service: &ServiceRuntime,
     request: Request<Incoming>,
-    client: SocketAddr,
+    downstream: Downstream,
     request_id: &HeaderValue,
     upgrade_protocol: Option<HeaderValue>,
 ) -> Outgoing {
@@ -239,11 +253,13 @@ fn prepare(
     headers::strip_hop_by_hop(&mut headers);
     headers::add_forwarding_headers(
         &mut headers,
-        client.ip(),
+        downstream.client.ip(),
+        downstream.over_tls,
         original_host.as_ref(),
         parts.version,
     );
     headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+    let upgrade = upgrade_protocol.is_some();
     if let Some(protocol) = upgrade_protocol {
         headers.insert(header::UPGRADE, protocol);
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -262,6 +278,7 @@ fn prepare(
         path_and_query: upstream_path_and_query(route, &parts.uri),
         headers,
         host_from_target,
+        upgrade,
         body: if http_body::Body::is_end_stream(&body) {
             PendingBody::Empty
         } else {
@@ -321,9 +338,6 @@ async fn send_with_retries(
 ) -> Result<(Response<Incoming>, InFlight), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
-    let client = state
-        .clients
-        .for_service(service.service.id, &service.service.timeouts);
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
     let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
     let mut tried = Tried::default();
@@ -341,7 +355,9 @@ async fn send_with_retries(
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
         let may_retry_later = attempt < attempts;
-        let (request, streaming) = build_attempt(&mut outgoing, target, may_retry_later);
+        let client = state.clients.for_target(service, target, outgoing.upgrade);
+        let (request, streaming) =
+            build_attempt(&mut outgoing, target, may_retry_later, client.is_tls());
         let in_flight = InFlight::start(&target.load);
         let outcome = await_response(
             client.request(request),
@@ -477,7 +493,7 @@ async fn await_response<F: std::future::Future>(
 
 /// Feeds passive ejection: a failure (connect error, timeout, a failure status) may take the
 /// target out; a success clears its record.
-fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
+pub(super) fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
     let policy = &service.service.ejection;
     if !policy.enabled {
         return;
@@ -536,10 +552,14 @@ impl Tried {
 }
 
 /// One attempt's request. Headers are copied only while another attempt may follow.
+/// Over TLS the URI says `https` and its authority is the request's Host, which HTTP/2 sends as
+/// `:authority` (the connector dials the target whatever the URI names); in plain HTTP the
+/// authority is the target, which the pool dials.
 fn build_attempt(
     outgoing: &mut Outgoing,
     target: &TargetRuntime,
     may_retry_later: bool,
+    over_tls: bool,
 ) -> (Request<UpstreamRequestBody>, Option<StreamingBody>) {
     let (body, returned) = match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
         PendingBody::Empty => {
@@ -561,16 +581,27 @@ fn build_attempt(
     *request.method_mut() = outgoing.method.clone();
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
-    let mut uri = http::uri::Parts::default();
-    uri.scheme = Some(Scheme::HTTP);
-    uri.authority = Some(target.authority.clone());
-    uri.path_and_query = Some(outgoing.path_and_query.clone());
-    *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
     if outgoing.host_from_target {
         request
             .headers_mut()
             .insert(header::HOST, target.host_header.clone());
     }
+    let mut uri = http::uri::Parts::default();
+    if over_tls {
+        uri.scheme = Some(Scheme::HTTPS);
+        uri.authority = Some(
+            request
+                .headers()
+                .get(header::HOST)
+                .and_then(|host| Authority::try_from(host.as_bytes()).ok())
+                .unwrap_or_else(|| target.authority.clone()),
+        );
+    } else {
+        uri.scheme = Some(Scheme::HTTP);
+        uri.authority = Some(target.authority.clone());
+    }
+    uri.path_and_query = Some(outgoing.path_and_query.clone());
+    *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
     (request, returned)
 }
 
@@ -588,6 +619,13 @@ fn classify(
 ) -> ProxyError {
     let reason = error_chain(error);
     if error.is_connect() {
+        if let Some(tls) = find_source::<UpstreamTlsError>(error) {
+            return ProxyError::UpstreamTlsFailed {
+                service: service.service.name.clone(),
+                target: target.authority.to_string(),
+                reason: format!("{} (server name {:?})", tls.reason, tls.server_name),
+            };
+        }
         if is_timeout(error) {
             return ProxyError::ConnectTimeout {
                 service: service.service.name.clone(),
@@ -605,6 +643,19 @@ fn classify(
         target: target.authority.to_string(),
         reason,
     }
+}
+
+fn find_source<'e, T: std::error::Error + 'static>(
+    error: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e T> {
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if let Some(found) = error.downcast_ref::<T>() {
+            return Some(found);
+        }
+        current = error.source();
+    }
+    None
 }
 
 fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {

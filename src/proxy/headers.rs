@@ -79,15 +79,18 @@ fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &str) {
     }
 }
 
-/// Adds what the upstream needs to know about the original request.
+/// Adds what the upstream needs to know about the original request; `over_tls`: it came to the
+/// HTTPS listener.
 pub fn add_forwarding_headers(
     headers: &mut HeaderMap,
     client_ip: IpAddr,
+    over_tls: bool,
     original_host: Option<&HeaderValue>,
     version: Version,
 ) {
     append_to_list(headers, &X_FORWARDED_FOR, &client_ip.to_string());
-    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    let proto = if over_tls { "https" } else { "http" };
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
     match original_host {
         Some(host) => {
             headers.insert(X_FORWARDED_HOST.clone(), host.clone());
@@ -148,6 +151,7 @@ mod tests {
         add_forwarding_headers(
             &mut headers,
             "127.0.0.1".parse().unwrap(),
+            false,
             Some(&host),
             Version::HTTP_11,
         );
@@ -155,6 +159,15 @@ mod tests {
         assert_eq!(headers[&X_FORWARDED_HOST], "shop.test");
         assert_eq!(headers[&X_FORWARDED_PROTO], "http");
         assert_eq!(headers[header::VIA], "1.1 raahi");
+        // The client's own claim is replaced by what the gateway saw.
+        add_forwarding_headers(
+            &mut headers,
+            "127.0.0.1".parse().unwrap(),
+            true,
+            Some(&host),
+            Version::HTTP_11,
+        );
+        assert_eq!(headers[&X_FORWARDED_PROTO], "https");
     }
 
     #[test]
@@ -165,6 +178,7 @@ mod tests {
         add_forwarding_headers(
             &mut headers,
             "127.0.0.1".parse().unwrap(),
+            false,
             None,
             Version::HTTP_11,
         );

@@ -24,7 +24,9 @@ use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
 
+pub use connector::UpstreamTlsError;
 pub use error::{Blame, ProxyError};
 pub use forward::{ProxyBody, ACCESS_LOG_TARGET};
 
@@ -64,6 +66,45 @@ pub fn serve_http(
     listener: TcpListener,
     state: Arc<ProxyState>,
     settings: ListenerSettings,
+    shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    serve(listener, None, state, settings, shutdown)
+}
+
+/// Like [`serve_http`], with TLS on every connection: the certificate comes from `tls`'s resolver
+/// (by SNI), HTTP/2 is spoken when ALPN chose `h2`, HTTP/1.1 otherwise. The handshake runs in the
+/// connection's own task and must finish within the client header timeout.
+pub fn serve_https(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    state: Arc<ProxyState>,
+    settings: ListenerSettings,
+    shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    serve(
+        listener,
+        Some(TlsAcceptor::from(tls)),
+        state,
+        settings,
+        shutdown,
+    )
+}
+
+/// How a listener serves its connections.
+struct ConnectionSettings {
+    /// HTTP/1.1 with upgrades, or HTTP/2 when the connection starts with its preface.
+    any: auto::Builder<TokioExecutor>,
+    /// HTTP/2 only, for TLS connections whose ALPN chose `h2`.
+    http2: auto::Builder<TokioExecutor>,
+    tls: Option<TlsAcceptor>,
+    handshake_timeout: Duration,
+}
+
+fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    state: Arc<ProxyState>,
+    settings: ListenerSettings,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -76,7 +117,12 @@ pub fn serve_http(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs(30)));
-    let builder = Arc::new(builder);
+    let connection_settings = Arc::new(ConnectionSettings {
+        http2: builder.clone().http2_only(),
+        any: builder,
+        tls,
+        handshake_timeout: settings.client_header_timeout,
+    });
     tokio::spawn(async move {
         let connections = GracefulShutdown::new();
         loop {
@@ -91,7 +137,7 @@ pub fn serve_http(
                         stream,
                         client,
                         state.clone(),
-                        builder.clone(),
+                        connection_settings.clone(),
                         connections.watcher(),
                     ));
                 }
@@ -122,15 +168,55 @@ async fn serve_connection(
     stream: tokio::net::TcpStream,
     client: SocketAddr,
     state: Arc<ProxyState>,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    settings: Arc<ConnectionSettings>,
     watcher: Watcher,
 ) {
+    let Some(acceptor) = &settings.tls else {
+        serve_protocol(stream, client, false, false, state, &settings, watcher).await;
+        return;
+    };
+    let handshake = tokio::time::timeout(settings.handshake_timeout, acceptor.accept(stream));
+    let stream = match handshake.await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(error)) => {
+            tracing::debug!(%client, %error, "TLS handshake with a client failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%client, "TLS handshake with a client timed out");
+            return;
+        }
+    };
+    let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+    serve_protocol(stream, client, true, http2, state, &settings, watcher).await;
+}
+
+async fn serve_protocol<I>(
+    io: I,
+    client: SocketAddr,
+    over_tls: bool,
+    http2: bool,
+    state: Arc<ProxyState>,
+    settings: &ConnectionSettings,
+    watcher: Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let service = service_fn(move |request| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(forward::handle(&state, request, client).await) }
+        async move { Ok::<_, Infallible>(forward::handle(&state, request, client, over_tls).await) }
     });
-    let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-    if let Err(error) = watcher.watch(connection).await {
+    let io = TokioIo::new(io);
+    let result = if http2 {
+        watcher
+            .watch(settings.http2.serve_connection(io, service))
+            .await
+    } else {
+        watcher
+            .watch(settings.any.serve_connection_with_upgrades(io, service))
+            .await
+    };
+    if let Err(error) = result {
         tracing::debug!(%client, %error, "client connection ended with an error");
     }
 }

@@ -1,0 +1,761 @@
+//! HTTPS termination (certificates by SNI from the API and the config file, TLS versions, ALPN)
+//! and upstream TLS for `https` services (SNI, Host, verification, CA bundles, HTTP/2).
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{test_config, wait_until, TestGateway, Upstream};
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use raahi::config::Config;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A test certificate authority issuing leaf certificates.
+struct Pki {
+    ca_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+/// A leaf certificate and its key, in PEM and DER.
+#[derive(Clone)]
+struct Leaf {
+    cert_pem: String,
+    key_pem: String,
+    der: Vec<u8>,
+}
+
+impl Pki {
+    fn new(name: &str) -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate().expect("CA key");
+        let cert = params.self_signed(&key).expect("CA certificate");
+        Pki {
+            ca_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// A leaf for `names` (DNS names or IP addresses).
+    fn leaf(&self, names: &[&str]) -> Leaf {
+        let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
+        let params = CertificateParams::new(names).expect("leaf params");
+        let key = KeyPair::generate().expect("leaf key");
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .expect("leaf certificate");
+        Leaf {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            der: cert.der().to_vec(),
+        }
+    }
+}
+
+/// A gateway with an HTTPS listener whose config-file (default) certificate is `default`.
+async fn tls_gateway(default: &Leaf) -> (TestGateway, SocketAddr) {
+    let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+    let cert_file = dir.path().join("default.crt");
+    let key_file = dir.path().join("default.key");
+    std::fs::write(&cert_file, &default.cert_pem).expect("write cert");
+    std::fs::write(&key_file, &default.key_pem).expect("write key");
+    let base = test_config(dir.path());
+    let env: Vec<(String, String)> = vec![
+        ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_PROXY_TLS_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_TOKEN".into(), common::ADMIN_TOKEN.into()),
+        ("RAAHI_DATABASE_URL".into(), base.database.url.clone()),
+        (
+            "RAAHI_TLS_CERT_FILE".into(),
+            cert_file.display().to_string(),
+        ),
+        ("RAAHI_TLS_KEY_FILE".into(), key_file.display().to_string()),
+    ];
+    let config = Config::from_parts("test.toml", None, &env).expect("TLS test config is valid");
+    let gateway = TestGateway::start_with(dir, config).await;
+    let tls_addr = gateway
+        .gateway
+        .as_ref()
+        .and_then(|gateway| gateway.tls_addr)
+        .expect("the gateway listens for HTTPS");
+    (gateway, tls_addr)
+}
+
+/// Accepts any server certificate: these tests look at which certificate was served.
+#[derive(Debug)]
+struct AcceptAny(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for AcceptAny {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+fn client_config(
+    versions: &[&'static rustls::SupportedProtocolVersion],
+    alpn: &[&[u8]],
+) -> Arc<rustls::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(versions)
+        .expect("versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AcceptAny(provider)))
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Arc::new(config)
+}
+
+/// A TLS handshake with the gateway; `sni` None sends no server name.
+async fn handshake(
+    addr: SocketAddr,
+    sni: Option<&str>,
+    config: Arc<rustls::ClientConfig>,
+) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    let name = match sni {
+        Some(sni) => ServerName::try_from(sni.to_string()).expect("valid name"),
+        None => ServerName::IpAddress(addr.ip().into()),
+    };
+    let tcp = TcpStream::connect(addr).await?;
+    TlsConnector::from(config).connect(name, tcp).await
+}
+
+/// The leaf certificate the gateway serves for `sni` (None: no SNI).
+async fn served_cert(addr: SocketAddr, sni: Option<&str>) -> Option<Vec<u8>> {
+    let config = client_config(&[&rustls::version::TLS13], &[b"http/1.1"]);
+    let stream = handshake(addr, sni, config).await.ok()?;
+    let (_, session) = stream.get_ref();
+    session
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|leaf| leaf.as_ref().to_vec())
+}
+
+async fn add_certificate(gateway: &TestGateway, leaf: &Leaf, snis: Option<&[&str]>) -> i64 {
+    let mut body = json!({ "cert_pem": leaf.cert_pem, "key_pem": leaf.key_pem });
+    if let Some(snis) = snis {
+        body["snis"] = json!(snis);
+    }
+    gateway.create("/api/v1/certificates", body).await
+}
+
+/// A route for every host to a plain upstream, so HTTPS requests have somewhere to go.
+async fn route_everything_to(gateway: &TestGateway, upstream: &Upstream) {
+    let service = gateway
+        .service_with_targets("plain", &[common::target(upstream, 100, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({ "name": "all", "path_prefix": "/", "service_id": service }),
+        )
+        .await;
+}
+
+#[tokio::test]
+async fn sni_picks_between_api_certificates_and_falls_back_to_the_default() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test", "127.0.0.1"]);
+    let alpha = pki.leaf(&["alpha.test"]);
+    let beta = pki.leaf(&["*.beta.test"]);
+    let (gateway, tls_addr) = tls_gateway(&default).await;
+    add_certificate(&gateway, &alpha, None).await;
+    add_certificate(&gateway, &beta, Some(&["*.beta.test"])).await;
+
+    wait_until("the API certificates are served", WAIT, || async {
+        served_cert(tls_addr, Some("alpha.test")).await.as_deref() == Some(&alpha.der[..])
+            && served_cert(tls_addr, Some("www.beta.test"))
+                .await
+                .as_deref()
+                == Some(&beta.der[..])
+    })
+    .await;
+    assert_eq!(
+        served_cert(tls_addr, Some("ALPHA.test")).await,
+        Some(alpha.der.clone()),
+        "server names are case-insensitive"
+    );
+    assert_eq!(
+        served_cert(tls_addr, None).await,
+        Some(default.der.clone()),
+        "a client without SNI gets the default certificate"
+    );
+    assert_eq!(
+        served_cert(tls_addr, Some("unknown.test")).await,
+        Some(default.der.clone()),
+        "an unknown server name gets the default certificate"
+    );
+    assert_eq!(
+        served_cert(tls_addr, Some("default.test")).await,
+        Some(default.der.clone())
+    );
+}
+
+#[tokio::test]
+async fn https_requests_are_proxied_with_forwarded_proto_https() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test", "127.0.0.1"]);
+    let (gateway, tls_addr) = tls_gateway(&default).await;
+    let upstream = Upstream::start("plain-upstream").await;
+    route_everything_to(&gateway, &upstream).await;
+
+    let client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(pki.ca_pem.as_bytes()).unwrap())
+        .resolve("default.test", tls_addr)
+        .build()
+        .unwrap();
+    let url = format!("https://default.test:{}/hello", tls_addr.port());
+    wait_until("the route serves over HTTPS", WAIT, || async {
+        matches!(client.get(&url).send().await, Ok(r) if r.status() == reqwest::StatusCode::OK)
+    })
+    .await;
+    let seen = upstream.last_seen();
+    assert_eq!(seen.header("x-forwarded-proto"), Some("https"));
+    assert_eq!(seen.path, "/hello");
+
+    // The plain listener still says http.
+    let response = gateway.get("/plain").await;
+    assert_eq!(response.status(), reqwest::StatusCode::OK);
+    assert_eq!(
+        upstream.last_seen().header("x-forwarded-proto"),
+        Some("http")
+    );
+}
+
+#[tokio::test]
+async fn adding_and_deleting_a_certificate_takes_effect_without_restart() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test"]);
+    let fresh = pki.leaf(&["fresh.test"]);
+    let (gateway, tls_addr) = tls_gateway(&default).await;
+    assert_eq!(
+        served_cert(tls_addr, Some("fresh.test")).await,
+        Some(default.der.clone())
+    );
+
+    let id = add_certificate(&gateway, &fresh, None).await;
+    wait_until("the added certificate is served", WAIT, || async {
+        served_cert(tls_addr, Some("fresh.test")).await.as_deref() == Some(&fresh.der[..])
+    })
+    .await;
+
+    let (status, body) = gateway
+        .api("DELETE", &format!("/api/v1/certificates/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    wait_until(
+        "the deleted certificate is no longer served",
+        WAIT,
+        || async {
+            served_cert(tls_addr, Some("fresh.test")).await.as_deref() == Some(&default.der[..])
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn bad_certificates_are_refused_and_keys_never_returned() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test"]);
+    let good = pki.leaf(&["good.test"]);
+    let other = pki.leaf(&["good.test"]);
+    let (gateway, _) = tls_gateway(&default).await;
+
+    let (status, body) = gateway
+        .api(
+            "POST",
+            "/api/v1/certificates",
+            Some(json!({ "cert_pem": "not a certificate", "key_pem": good.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["error"]["field"], "cert_pem", "{body}");
+
+    let (status, body) = gateway
+        .api(
+            "POST",
+            "/api/v1/certificates",
+            Some(json!({ "cert_pem": good.cert_pem, "key_pem": other.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+
+    let (status, body) = gateway
+        .api(
+            "POST",
+            "/api/v1/certificates",
+            Some(json!({ "cert_pem": good.cert_pem, "key_pem": "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n" })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+
+    let (status, created) = gateway
+        .api(
+            "POST",
+            "/api/v1/certificates",
+            Some(json!({ "cert_pem": good.cert_pem, "key_pem": good.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["snis"], json!(["good.test"]));
+    assert!(created["not_after"].is_string(), "{created}");
+    let id = created["id"].as_i64().expect("id");
+
+    let (_, one) = gateway
+        .api("GET", &format!("/api/v1/certificates/{id}"), None)
+        .await;
+    let (_, list) = gateway.api("GET", "/api/v1/certificates", None).await;
+    for shown in [&created, &one, &list] {
+        let text = shown.to_string();
+        assert!(!text.contains("key_pem"), "key field returned: {text}");
+        assert!(!text.contains("PRIVATE KEY"), "key returned: {text}");
+    }
+    assert_eq!(one["cert_pem"], Value::String(good.cert_pem.clone()));
+}
+
+#[tokio::test]
+async fn tls_1_2_and_1_3_both_handshake() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test"]);
+    let (_gateway, tls_addr) = tls_gateway(&default).await;
+    for (version, expected) in [
+        (&rustls::version::TLS12, rustls::ProtocolVersion::TLSv1_2),
+        (&rustls::version::TLS13, rustls::ProtocolVersion::TLSv1_3),
+    ] {
+        let stream = handshake(
+            tls_addr,
+            Some("default.test"),
+            client_config(&[version], &[]),
+        )
+        .await
+        .unwrap_or_else(|error| panic!("{expected:?} handshake: {error}"));
+        assert_eq!(stream.get_ref().1.protocol_version(), Some(expected));
+    }
+}
+
+#[tokio::test]
+async fn alpn_chooses_http2_or_http1() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test"]);
+    let (gateway, tls_addr) = tls_gateway(&default).await;
+    let upstream = Upstream::start("plain-upstream").await;
+    route_everything_to(&gateway, &upstream).await;
+
+    let stream = handshake(
+        tls_addr,
+        Some("default.test"),
+        client_config(&[&rustls::version::TLS13], &[b"h2", b"http/1.1"]),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+
+    let root = reqwest::Certificate::from_pem(pki.ca_pem.as_bytes()).unwrap();
+    let url = format!("https://default.test:{}/alpn", tls_addr.port());
+    let h2 = reqwest::Client::builder()
+        .add_root_certificate(root.clone())
+        .resolve("default.test", tls_addr)
+        .build()
+        .unwrap();
+    let h1 = reqwest::Client::builder()
+        .add_root_certificate(root)
+        .resolve("default.test", tls_addr)
+        .http1_only()
+        .build()
+        .unwrap();
+    wait_until("the route serves over HTTPS", WAIT, || async {
+        matches!(h2.get(&url).send().await, Ok(r) if r.status() == reqwest::StatusCode::OK)
+    })
+    .await;
+    let response = h2.get(&url).send().await.expect("h2 request");
+    assert_eq!(response.version(), reqwest::Version::HTTP_2);
+    assert_eq!(response.text().await.unwrap(), "plain-upstream");
+    assert_eq!(upstream.last_seen().header("via"), Some("2 raahi"));
+
+    let response = h1.get(&url).send().await.expect("http/1.1 request");
+    assert_eq!(response.version(), reqwest::Version::HTTP_11);
+    assert_eq!(response.text().await.unwrap(), "plain-upstream");
+    assert_eq!(upstream.last_seen().header("via"), Some("1.1 raahi"));
+}
+
+/// What a TLS upstream saw of one request.
+#[derive(Debug, Clone)]
+struct TlsSeen {
+    sni: Option<String>,
+    host: Option<String>,
+    authority: Option<String>,
+    version: http::Version,
+}
+
+/// An HTTPS upstream on 127.0.0.1:0 recording the SNI of each connection and the Host,
+/// `:authority` and HTTP version of each request; it answers 200 with its name.
+struct TlsUpstream {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<TlsSeen>>>,
+    /// Completed TLS handshakes.
+    connections: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TlsUpstream {
+    async fn start(name: &str, leaf: &Leaf, alpn: &[&[u8]]) -> TlsUpstream {
+        use rustls::pki_types::pem::PemObject;
+        let chain = vec![CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).unwrap()];
+        let key =
+            rustls::pki_types::PrivateKeyDer::from_pem_slice(leaf.key_pem.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let name = Arc::new(name.to_string());
+        let recorded = seen.clone();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let handshakes = connections.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let acceptor = acceptor.clone();
+                let recorded = recorded.clone();
+                let name = name.clone();
+                let handshakes = handshakes.clone();
+                tokio::spawn(async move {
+                    let Ok(stream) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    handshakes.fetch_add(1, Ordering::SeqCst);
+                    let sni = stream.get_ref().1.server_name().map(str::to_string);
+                    let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                        recorded.lock().unwrap().push(TlsSeen {
+                            sni: sni.clone(),
+                            host: request
+                                .headers()
+                                .get(http::header::HOST)
+                                .and_then(|host| host.to_str().ok())
+                                .map(str::to_string),
+                            authority: request.uri().authority().map(|a| a.to_string()),
+                            version: request.version(),
+                        });
+                        let name = name.clone();
+                        async move {
+                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
+                                name.as_str().to_owned(),
+                            ))))
+                        }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        TlsUpstream {
+            addr,
+            seen,
+            connections,
+            task,
+        }
+    }
+
+    fn last_seen(&self) -> TlsSeen {
+        self.seen
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("the TLS upstream saw a request")
+    }
+}
+
+impl Drop for TlsUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An `https` service with `fields` (beside name and protocol), one target at `upstream`, and a
+/// route for `path_prefix`.
+async fn https_service(
+    gateway: &TestGateway,
+    name: &str,
+    fields: Value,
+    upstream: &TlsUpstream,
+    path_prefix: &str,
+) -> i64 {
+    let mut body = json!({ "name": name, "protocol": "https" });
+    for (key, value) in fields.as_object().expect("fields object") {
+        body[key] = value.clone();
+    }
+    let service = gateway.create("/api/v1/services", body).await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({ "host": upstream.addr.ip().to_string(), "port": upstream.addr.port() }),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({ "name": name, "path_prefix": path_prefix, "service_id": service }),
+        )
+        .await;
+    service
+}
+
+/// GETs `path` through the plain listener until it answers `status`; returns the body.
+async fn get_until(gateway: &TestGateway, path: &str, status: u16) -> Value {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let response = gateway.get(path).await;
+        let got = response.status().as_u16();
+        let text = response.text().await.unwrap_or_default();
+        let last = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        if got == status {
+            return last;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("GET {path}: wanted {status}, last answer {got}: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn https_upstream_gets_sni_by_the_three_rules_and_the_expected_host() {
+    let pki = Pki::new("upstream CA");
+    let leaf = pki.leaf(&["sni.test", "authority.test", "127.0.0.1"]);
+    let upstream = TlsUpstream::start("tls-upstream", &leaf, &[b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+    let target_authority = format!("127.0.0.1:{}", upstream.addr.port());
+
+    https_service(
+        &gateway,
+        "by-sni",
+        json!({ "tls_sni": "sni.test", "upstream_authority": "authority.test:8443", "tls_ca_pem": pki.ca_pem }),
+        &upstream,
+        "/by-sni",
+    )
+    .await;
+    https_service(
+        &gateway,
+        "by-authority",
+        json!({ "upstream_authority": "authority.test:8443", "tls_ca_pem": pki.ca_pem }),
+        &upstream,
+        "/by-authority",
+    )
+    .await;
+    https_service(
+        &gateway,
+        "by-target",
+        json!({ "tls_ca_pem": pki.ca_pem }),
+        &upstream,
+        "/by-target",
+    )
+    .await;
+
+    assert_eq!(get_until(&gateway, "/by-sni", 200).await, "tls-upstream");
+    let seen = upstream.last_seen();
+    assert_eq!(seen.sni.as_deref(), Some("sni.test"));
+    assert_eq!(seen.host.as_deref(), Some("authority.test:8443"));
+    assert_eq!(seen.version, http::Version::HTTP_11);
+
+    assert_eq!(
+        get_until(&gateway, "/by-authority", 200).await,
+        "tls-upstream"
+    );
+    let seen = upstream.last_seen();
+    assert_eq!(seen.sni.as_deref(), Some("authority.test"));
+    assert_eq!(seen.host.as_deref(), Some("authority.test:8443"));
+
+    // An IP target sends no SNI, and the certificate is checked against the IP address.
+    assert_eq!(get_until(&gateway, "/by-target", 200).await, "tls-upstream");
+    let seen = upstream.last_seen();
+    assert_eq!(seen.sni, None);
+    assert_eq!(seen.host.as_deref(), Some(target_authority.as_str()));
+}
+
+#[tokio::test]
+async fn untrusted_upstream_certificate_is_a_named_502_until_its_ca_is_trusted() {
+    let pki = Pki::new("private CA");
+    let leaf = pki.leaf(&["private.test"]);
+    let upstream = TlsUpstream::start("private-upstream", &leaf, &[b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+
+    let verified = https_service(
+        &gateway,
+        "verified",
+        json!({ "tls_sni": "private.test" }),
+        &upstream,
+        "/verified",
+    )
+    .await;
+    https_service(
+        &gateway,
+        "unverified",
+        json!({ "tls_sni": "private.test", "tls_verify": false }),
+        &upstream,
+        "/unverified",
+    )
+    .await;
+
+    let body = get_until(&gateway, "/verified", 502).await;
+    assert_eq!(body["error"]["code"], "upstream_tls_failed", "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("UnknownIssuer"), "{message}");
+    assert!(
+        upstream.seen.lock().unwrap().is_empty(),
+        "no request reached the upstream"
+    );
+
+    assert_eq!(
+        get_until(&gateway, "/unverified", 200).await,
+        "private-upstream"
+    );
+
+    // Trusting the private CA makes the same service work: the new setting gets a new pool.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{verified}"),
+            Some(json!({ "tls_ca_pem": pki.ca_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        get_until(&gateway, "/verified", 200).await,
+        "private-upstream"
+    );
+
+    // A certificate for another name still fails verification, with the reason.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{verified}"),
+            Some(json!({ "tls_sni": "other.test" })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let body = get_until(&gateway, "/verified", 502).await;
+    assert_eq!(body["error"]["code"], "upstream_tls_failed", "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("NotValidForName"), "{message}");
+}
+
+#[tokio::test]
+async fn upstream_speaks_http2_when_alpn_offers_it() {
+    let pki = Pki::new("upstream CA");
+    let leaf = pki.leaf(&["h2.test"]);
+    let h2_upstream = TlsUpstream::start("h2-upstream", &leaf, &[b"h2", b"http/1.1"]).await;
+    let h1_upstream = TlsUpstream::start("h1-upstream", &leaf, &[b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+    https_service(
+        &gateway,
+        "h2",
+        json!({ "upstream_authority": "h2.test", "tls_ca_pem": pki.ca_pem }),
+        &h2_upstream,
+        "/h2",
+    )
+    .await;
+    https_service(
+        &gateway,
+        "h1",
+        json!({ "upstream_authority": "h2.test", "tls_ca_pem": pki.ca_pem }),
+        &h1_upstream,
+        "/h1",
+    )
+    .await;
+
+    assert_eq!(get_until(&gateway, "/h2", 200).await, "h2-upstream");
+    let seen = h2_upstream.last_seen();
+    assert_eq!(seen.version, http::Version::HTTP_2);
+    assert_eq!(seen.sni.as_deref(), Some("h2.test"));
+    // HTTP/2 carries the chosen host as :authority, and a Host header may only repeat it.
+    assert_eq!(seen.authority.as_deref(), Some("h2.test"));
+    assert!(
+        matches!(seen.host.as_deref(), None | Some("h2.test")),
+        "{seen:?}"
+    );
+
+    // Later requests share the one HTTP/2 connection.
+    for _ in 0..5 {
+        assert_eq!(get_until(&gateway, "/h2", 200).await, "h2-upstream");
+    }
+    assert!(h2_upstream
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|seen| seen.version == http::Version::HTTP_2));
+    assert_eq!(h2_upstream.connections.load(Ordering::SeqCst), 1);
+
+    assert_eq!(get_until(&gateway, "/h1", 200).await, "h1-upstream");
+    assert_eq!(h1_upstream.last_seen().version, http::Version::HTTP_11);
+}
