@@ -35,13 +35,10 @@ use tokio::time::Instant;
 
 use super::body::InFlight;
 use super::error::Blame;
-use super::forward::ACCESS_LOG_TARGET;
+use super::forward::{record_outcome, ACCESS_LOG_TARGET};
 use super::sni::{parse_client_hello, Hello, HelloError, MAX_CLIENT_HELLO_BUFFER};
-use crate::balance::unix_ms;
 use crate::model::Id;
-use crate::snapshot::{
-    GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry, StreamTable, TargetRuntime,
-};
+use crate::snapshot::{GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry};
 
 /// Upper bound on connect attempts whatever a service asks for (as for HTTP).
 const MAX_ATTEMPTS: usize = 10;
@@ -543,7 +540,10 @@ async fn serve_connection(
         }
         Err(error) => {
             if error.is_unmatched() {
-                count_unmatched(&shared.counters);
+                shared
+                    .counters
+                    .stream_unmatched
+                    .fetch_add(1, Ordering::Relaxed);
             }
             match error.blame() {
                 Blame::Client => {
@@ -583,7 +583,7 @@ async fn proxy_connection(
     let listen = record.listen;
     let passthrough = {
         let snapshot = shared.snapshots.load();
-        let routes = streams_of(&snapshot).listener(listen);
+        let routes = snapshot.streams().listener(listen);
         match routes {
             Some(routes) => routes.is_passthrough(),
             // The route went away between the accept and now.
@@ -600,7 +600,8 @@ async fn proxy_connection(
     };
     let route = {
         let snapshot = shared.snapshots.load();
-        streams_of(&snapshot)
+        snapshot
+            .streams()
             .listener(listen)
             .and_then(|routes| routes.route_for(record.sni.as_deref()))
             .cloned()
@@ -678,7 +679,7 @@ async fn connect_upstream(
         .await
         {
             Ok(Ok(stream)) => {
-                record_connect_outcome(service, target, false);
+                record_outcome(service, target, false);
                 return Ok((stream, in_flight));
             }
             Ok(Err(error)) => StreamError::ConnectFailed {
@@ -698,7 +699,7 @@ async fn connect_upstream(
             .counters
             .connect_errors
             .fetch_add(1, Ordering::Relaxed);
-        record_connect_outcome(service, target, true);
+        record_outcome(service, target, true);
         tracing::debug!(target = %target.authority, attempt, %error, "stream connect attempt failed");
         let retry_allowed = error.retry_allowed();
         last_error = Some(error);
@@ -810,30 +811,6 @@ where
     }
 }
 
-// --- Until the lead's pieces land (see /tmp/raahi-signals/requests-stream.md) -----------------
-
-/// TODO(stream): `Snapshot::streams()` once snapshot.rs has it.
-fn streams_of(_snapshot: &crate::snapshot::Snapshot) -> &StreamTable {
-    static EMPTY: std::sync::OnceLock<StreamTable> = std::sync::OnceLock::new();
-    EMPTY.get_or_init(StreamTable::default)
-}
-
-/// TODO(stream): `counters.stream_unmatched` once GatewayCounters has it.
-fn count_unmatched(_counters: &GatewayCounters) {}
-
-/// TODO(stream): forward.rs's `record_outcome` once it is `pub(super)`.
-fn record_connect_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
-    let policy = &service.service.ejection;
-    if !policy.enabled {
-        return;
-    }
-    if failed {
-        target.health.record_failure(unix_ms(), policy);
-    } else {
-        target.health.record_success(unix_ms);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -889,5 +866,139 @@ mod tests {
         let started = Instant::now();
         watcher.await;
         assert!(started.elapsed() >= Duration::from_secs(5));
+    }
+
+    /// A connected loopback pair: (the side the test drives, the side the code under test uses).
+    async fn socket_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (outer, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        (outer.unwrap(), accepted.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn relay_half_closes_and_counts_both_ways() {
+        let (mut client, client_side) = socket_pair().await;
+        let (mut upstream, upstream_side) = socket_pair().await;
+        let progress = Progress::new();
+        let relay = relay(
+            client_side,
+            upstream_side,
+            b"HELLO",
+            Duration::from_secs(30),
+            &progress,
+        );
+        let peers = async {
+            client.write_all(b"request").await.unwrap();
+            client.shutdown().await.unwrap();
+            // The upstream sees the buffered bytes first, then the client's, then EOF...
+            let mut received = Vec::new();
+            upstream.read_to_end(&mut received).await.unwrap();
+            assert_eq!(received, b"HELLOrequest");
+            // ...and can still answer after it.
+            upstream.write_all(b"late reply").await.unwrap();
+            upstream.shutdown().await.unwrap();
+            let mut reply = Vec::new();
+            client.read_to_end(&mut reply).await.unwrap();
+            assert_eq!(reply, b"late reply");
+        };
+        let (ended, ()) = tokio::join!(relay, peers);
+        assert!(matches!(ended, Ended::Closed), "{ended:?}");
+        assert_eq!(progress.client_to_upstream.load(Ordering::Relaxed), 12);
+        assert_eq!(progress.upstream_to_client.load(Ordering::Relaxed), 10);
+    }
+
+    #[tokio::test]
+    async fn relay_ends_an_idle_connection() {
+        let (mut client, client_side) = socket_pair().await;
+        let (_upstream, upstream_side) = socket_pair().await;
+        let progress = Progress::new();
+        let ended = relay(
+            client_side,
+            upstream_side,
+            &[],
+            Duration::from_millis(100),
+            &progress,
+        )
+        .await;
+        assert!(matches!(ended, Ended::IdleTimeout), "{ended:?}");
+        // Both sockets were dropped: the client sees the end.
+        let mut rest = Vec::new();
+        // An end of stream or a reset, either way within the deadline and without bytes.
+        let _ = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest))
+            .await
+            .expect("the client sees the close");
+        assert!(rest.is_empty());
+    }
+
+    #[tokio::test]
+    async fn relay_reports_an_upstream_reset() {
+        let (_client, client_side) = socket_pair().await;
+        let (upstream, upstream_side) = socket_pair().await;
+        // Linger 0: closing sends a reset instead of a FIN.
+        upstream.set_zero_linger().unwrap();
+        drop(upstream);
+        let progress = Progress::new();
+        let ended = relay(
+            client_side,
+            upstream_side,
+            &[],
+            Duration::from_secs(30),
+            &progress,
+        )
+        .await;
+        assert!(matches!(ended, Ended::UpstreamFailed(_)), "{ended:?}");
+    }
+
+    #[tokio::test]
+    async fn client_hello_is_read_across_writes_and_kept_whole() {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let name = rustls_pki_types::ServerName::try_from("db.example.org").unwrap();
+        let mut tls = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+        let mut hello = Vec::new();
+        tls.write_tls(&mut hello).unwrap();
+
+        let (mut client, mut gateway_side) = socket_pair().await;
+        let sent = hello.clone();
+        let writer = tokio::spawn(async move {
+            for piece in sent.chunks(50) {
+                client.write_all(piece).await.unwrap();
+                client.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            client
+        });
+        let (buffered, sni) = read_client_hello(&mut gateway_side, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(sni.as_deref(), Some("db.example.org"));
+        assert_eq!(buffered, hello);
+        drop(writer.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_silent_or_non_tls_client_is_refused() {
+        let (_client, mut gateway_side) = socket_pair().await;
+        let silent = read_client_hello(&mut gateway_side, Duration::from_millis(50)).await;
+        assert!(matches!(silent, Err(StreamError::HelloTimeout { .. })));
+
+        let (mut client, mut gateway_side) = socket_pair().await;
+        client.write_all(b"SSH-2.0-OpenSSH\r\n").await.unwrap();
+        let garbage = read_client_hello(&mut gateway_side, Duration::from_secs(5)).await;
+        assert!(matches!(
+            garbage,
+            Err(StreamError::BadHello(HelloError::NotTls))
+        ));
+
+        let (mut client, mut gateway_side) = socket_pair().await;
+        client.write_all(&[22, 3, 1, 0, 200, 1]).await.unwrap();
+        client.shutdown().await.unwrap();
+        let truncated = read_client_hello(&mut gateway_side, Duration::from_secs(5)).await;
+        assert!(matches!(truncated, Err(StreamError::HelloTruncated)));
     }
 }
