@@ -51,36 +51,40 @@ impl TryFrom<CertificateRow> for Certificate {
 
 impl Store {
     pub async fn list_certificates(&self, page: Page) -> Result<Vec<Certificate>, StoreError> {
-        let rows = sqlx::query_as::<_, CertificateRow>(
-            "SELECT * FROM certificates WHERE id > ? ORDER BY id LIMIT ?",
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, CertificateRow>(
+            "SELECT * FROM certificates WHERE id > $1 ORDER BY id LIMIT $2",
         )
         .bind(page.after_id())
-        .bind(page.limit)
-        .fetch_all(&self.pool)
-        .await?;
+        .bind(i64::from(page.limit))
+        .fetch_all(pool)
+        .await)?;
         convert_all(rows)
     }
 
     pub async fn get_certificate(&self, id: Id) -> Result<Certificate, StoreError> {
-        sqlx::query_as::<_, CertificateRow>("SELECT * FROM certificates WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound {
-                kind: "certificate",
-                id,
-            })?
-            .try_into()
+        on_pool!(self, |pool| sqlx::query_as::<_, CertificateRow>(
+            "SELECT * FROM certificates WHERE id = $1"
+        )
+        .bind(id)
+        .fetch_optional(pool)
+        .await)?
+        .ok_or(StoreError::NotFound {
+            kind: "certificate",
+            id,
+        })?
+        .try_into()
     }
 
     /// Every certificate with its key, for the HTTPS listener's certificate set.
     pub async fn all_certificates_with_keys(&self) -> Result<Vec<CertificateWithKey>, StoreError> {
-        sqlx::query_as::<_, CertificateRow>("SELECT * FROM certificates ORDER BY id")
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .map(CertificateRow::into_parts)
-            .collect()
+        on_pool!(self, |pool| sqlx::query_as::<_, CertificateRow>(
+            "SELECT * FROM certificates ORDER BY id"
+        )
+        .fetch_all(pool)
+        .await)?
+        .into_iter()
+        .map(CertificateRow::into_parts)
+        .collect()
     }
 
     /// Stores a certificate; a name another certificate already serves is a conflict on `snis`.
@@ -89,46 +93,51 @@ impl Store {
         new: &NewCertificate<'_>,
     ) -> Result<Certificate, StoreError> {
         let now = now_ms();
-        let mut transaction = self.pool.begin().await?;
-        let result = sqlx::query(
-            "INSERT INTO certificates (snis, cert_pem, key_pem, not_after, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?)",
-        )
-        .bind(json_text(new.snis))
-        .bind(new.cert_pem)
-        .bind(new.key_pem)
-        .bind(new.not_after.timestamp_millis())
-        .bind(now)
-        .bind(now)
-        .execute(&mut *transaction)
-        .await?;
-        let id = result.last_insert_rowid();
-        for sni in new.snis {
-            sqlx::query("INSERT INTO certificate_snis (sni, certificate_id) VALUES (?, ?)")
-                .bind(sni)
-                .bind(id)
-                .execute(&mut *transaction)
-                .await
-                .map_err(|error| match &error {
-                    sqlx::Error::Database(db) if db.is_unique_violation() => {
-                        StoreError::Conflict {
-                            field: "snis",
-                            message: format!("another certificate already serves {sni:?}"),
+        let id = on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            let id = sqlx::query_scalar::<_, i64>(
+                "INSERT INTO certificates (snis, cert_pem, key_pem, not_after, created_at, updated_at)
+                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+            )
+            .bind(json_text(new.snis))
+            .bind(new.cert_pem)
+            .bind(new.key_pem)
+            .bind(new.not_after.timestamp_millis())
+            .bind(now)
+            .bind(now)
+            .fetch_one(&mut *transaction)
+            .await?;
+            for sni in new.snis {
+                sqlx::query("INSERT INTO certificate_snis (sni, certificate_id) VALUES ($1, $2)")
+                    .bind(sni)
+                    .bind(id)
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(|error| match &error {
+                        sqlx::Error::Database(db) if db.is_unique_violation() => {
+                            StoreError::Conflict {
+                                field: "snis",
+                                message: format!("another certificate already serves {sni:?}"),
+                            }
                         }
-                    }
-                    _ => StoreError::Database(error),
-                })?;
-        }
-        transaction.commit().await?;
+                        _ => StoreError::Database(error),
+                    })?;
+            }
+            transaction.commit().await?;
+            id
+        });
         self.get_certificate(id).await
     }
 
     pub async fn delete_certificate(&self, id: Id) -> Result<(), StoreError> {
-        let result = sqlx::query("DELETE FROM certificates WHERE id = ?")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        if result.rows_affected() == 0 {
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "DELETE FROM certificates WHERE id = $1"
+        )
+        .bind(id)
+        .execute(pool)
+        .await
+        .map(|done| done.rows_affected()))?;
+        if affected == 0 {
             return Err(StoreError::NotFound {
                 kind: "certificate",
                 id,
@@ -137,4 +146,3 @@ impl Store {
         Ok(())
     }
 }
-

@@ -2,6 +2,25 @@
 
 use chrono::{DateTime, Utc};
 
+/// The statement that stores a source's progress, for either driver.
+macro_rules! save_progress_query {
+    ($id:expr, $progress:expr) => {
+        sqlx::query(
+            "UPDATE discovery_sources SET state = $1, last_error = $2, last_refresh_at = $3,
+                last_success_at = $4, next_refresh_at = $5, revision = $6, failing_since = $7
+             WHERE id = $8",
+        )
+        .bind($progress.state.as_str())
+        .bind(&$progress.last_error)
+        .bind(millis($progress.last_refresh_at))
+        .bind(millis($progress.last_success_at))
+        .bind(millis($progress.next_refresh_at))
+        .bind(&$progress.revision)
+        .bind(millis($progress.failing_since))
+        .bind($id)
+    };
+}
+
 use super::rows::{SourceRow, TargetRow};
 use super::{convert_all, now_ms, Page, Store, StoreError};
 use crate::model::{
@@ -10,6 +29,17 @@ use crate::model::{
 
 fn millis(time: Option<DateTime<Utc>>) -> Option<i64> {
     time.map(|time| time.timestamp_millis())
+}
+
+/// A refresh result or timer write from an instance that no longer holds the source's lease: the
+/// new holder's writes win, this one is dropped.
+fn lease_lost(source_id: Id, holder: &str) -> StoreError {
+    StoreError::Conflict {
+        field: "source_id",
+        message: format!(
+            "discovery source {source_id} is now refreshed by {holder}; write dropped"
+        ),
+    }
 }
 
 fn unique_source_name(error: sqlx::Error, name: &str) -> StoreError {
@@ -29,40 +59,46 @@ impl Store {
         page: Page,
     ) -> Result<Vec<DiscoverySource>, StoreError> {
         self.get_service(service_id).await?;
-        let rows = sqlx::query_as::<_, SourceRow>(
-            "SELECT * FROM discovery_sources WHERE service_id = ? AND id > ? ORDER BY id LIMIT ?",
+        let rows = on_pool!(self, |pool| {
+            sqlx::query_as::<_, SourceRow>(
+            "SELECT * FROM discovery_sources WHERE service_id = $1 AND id > $2 ORDER BY id LIMIT $3",
         )
         .bind(service_id)
         .bind(page.after_id())
-        .bind(page.limit)
-        .fetch_all(&self.pool)
-        .await?;
+        .bind(i64::from(page.limit))
+        .fetch_all(pool)
+        .await
+        })?;
         convert_all(rows)
     }
 
     /// Every source with its progress, for the control task.
     pub async fn all_sources(&self) -> Result<Vec<(DiscoverySource, SourceProgress)>, StoreError> {
-        sqlx::query_as::<_, SourceRow>("SELECT * FROM discovery_sources ORDER BY id")
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .map(SourceRow::into_parts)
-            .collect()
+        on_pool!(self, |pool| sqlx::query_as::<_, SourceRow>(
+            "SELECT * FROM discovery_sources ORDER BY id"
+        )
+        .fetch_all(pool)
+        .await)?
+        .into_iter()
+        .map(SourceRow::into_parts)
+        .collect()
     }
 
     pub async fn get_source_with_progress(
         &self,
         id: Id,
     ) -> Result<(DiscoverySource, SourceProgress), StoreError> {
-        sqlx::query_as::<_, SourceRow>("SELECT * FROM discovery_sources WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound {
-                kind: "discovery source",
-                id,
-            })?
-            .into_parts()
+        on_pool!(self, |pool| sqlx::query_as::<_, SourceRow>(
+            "SELECT * FROM discovery_sources WHERE id = $1"
+        )
+        .bind(id)
+        .fetch_optional(pool)
+        .await)?
+        .ok_or(StoreError::NotFound {
+            kind: "discovery source",
+            id,
+        })?
+        .into_parts()
     }
 
     pub async fn get_source(&self, id: Id) -> Result<DiscoverySource, StoreError> {
@@ -80,10 +116,10 @@ impl Store {
         self.get_service(service_id).await?;
         let now = now_ms();
         let state = if spec.enabled { "pending" } else { "disabled" };
-        let result = sqlx::query(
+        let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO discovery_sources (service_id, name, provider, config, enabled,
                 stale_after_ms, removal_grace_ms, state, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
         )
         .bind(service_id)
         .bind(&spec.name)
@@ -95,10 +131,10 @@ impl Store {
         .bind(state)
         .bind(now)
         .bind(now)
-        .execute(&self.pool)
-        .await
+        .fetch_one(pool)
+        .await)
         .map_err(|e| unique_source_name(e, &spec.name))?;
-        self.get_source(result.last_insert_rowid()).await
+        self.get_source(id).await
     }
 
     pub async fn update_source(
@@ -106,10 +142,10 @@ impl Store {
         id: Id,
         spec: &DiscoverySourceSpec,
     ) -> Result<DiscoverySource, StoreError> {
-        let result = sqlx::query(
-            "UPDATE discovery_sources SET name = ?, provider = ?, config = ?, enabled = ?,
-                stale_after_ms = ?, removal_grace_ms = ?, updated_at = ?
-             WHERE id = ?",
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "UPDATE discovery_sources SET name = $1, provider = $2, config = $3, enabled = $4,
+                stale_after_ms = $5, removal_grace_ms = $6, updated_at = $7
+             WHERE id = $8",
         )
         .bind(&spec.name)
         .bind(spec.provider.as_str())
@@ -119,10 +155,11 @@ impl Store {
         .bind(spec.removal_grace_ms as i64)
         .bind(now_ms())
         .bind(id)
-        .execute(&self.pool)
+        .execute(pool)
         .await
+        .map(|done| done.rows_affected()))
         .map_err(|e| unique_source_name(e, &spec.name))?;
-        if result.rows_affected() == 0 {
+        if affected == 0 {
             return Err(StoreError::NotFound {
                 kind: "discovery source",
                 id,
@@ -133,11 +170,14 @@ impl Store {
 
     /// Deletes a source; its targets go with it at once.
     pub async fn delete_source(&self, id: Id) -> Result<(), StoreError> {
-        let result = sqlx::query("DELETE FROM discovery_sources WHERE id = ?")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        if result.rows_affected() == 0 {
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "DELETE FROM discovery_sources WHERE id = $1"
+        )
+        .bind(id)
+        .execute(pool)
+        .await
+        .map(|done| done.rows_affected()))?;
+        if affected == 0 {
             return Err(StoreError::NotFound {
                 kind: "discovery source",
                 id,
@@ -147,17 +187,20 @@ impl Store {
     }
 
     pub async fn save_progress(&self, id: Id, progress: &SourceProgress) -> Result<(), StoreError> {
-        let mut connection = self.pool.acquire().await?;
-        save_progress_in(&mut connection, id, progress).await
+        on_pool!(self, |pool| save_progress_query!(id, progress)
+            .execute(pool)
+            .await
+            .map(|done| done.rows_affected()))?;
+        Ok(())
     }
 
     pub async fn endpoint_counts(&self, source_id: Id) -> Result<EndpointCounts, StoreError> {
-        let rows: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT state, COUNT(*) FROM targets WHERE source_id = ? GROUP BY state",
+        let rows: Vec<(String, i64)> = on_pool!(self, |pool| sqlx::query_as(
+            "SELECT state, COUNT(*) FROM targets WHERE source_id = $1 GROUP BY state",
         )
         .bind(source_id)
-        .fetch_all(&self.pool)
-        .await?;
+        .fetch_all(pool)
+        .await)?;
         let mut counts = EndpointCounts::default();
         for (state, count) in rows {
             let count = count.max(0) as u64;
@@ -172,11 +215,12 @@ impl Store {
     }
 
     pub async fn source_targets(&self, source_id: Id) -> Result<Vec<Target>, StoreError> {
-        let rows =
-            sqlx::query_as::<_, TargetRow>("SELECT * FROM targets WHERE source_id = ? ORDER BY id")
-                .bind(source_id)
-                .fetch_all(&self.pool)
-                .await?;
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, TargetRow>(
+            "SELECT * FROM targets WHERE source_id = $1 ORDER BY id"
+        )
+        .bind(source_id)
+        .fetch_all(pool)
+        .await)?;
         convert_all(rows)
     }
 
@@ -204,24 +248,35 @@ impl Store {
             return Ok(());
         }
         let now = now_ms();
-        let mut transaction = self.pool.begin().await?;
-        if let Some(progress) = progress {
-            save_progress_in(&mut transaction, source_id, progress).await?;
-        }
-        for change in changes {
-            match change {
-                TargetChange::Create(endpoint) => {
-                    sqlx::query(
+        let fence = self.lease_fence_sql();
+        on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            let holder: Option<String> = sqlx::query_scalar(fence)
+                .bind(source_id)
+                .fetch_optional(&mut *transaction)
+                .await?;
+            if let Some(holder) = holder.filter(|holder| holder.as_str() != self.instance_id()) {
+                return Err(lease_lost(source_id, &holder));
+            }
+            if let Some(progress) = progress {
+                save_progress_query!(source_id, progress)
+                    .execute(&mut *transaction)
+                    .await?;
+            }
+            for change in changes {
+                match change {
+                    TargetChange::Create(endpoint) => {
+                        sqlx::query(
                         "INSERT INTO targets (service_id, source_id, host, port, weight, priority,
                             enabled, metadata, provider_key, state, health, created_at, updated_at)
-                         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'active', 'unknown', ?, ?)",
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'active', 'unknown', $10, $11)",
                     )
                     .bind(service_id)
                     .bind(source_id)
                     .bind(&endpoint.host)
-                    .bind(endpoint.port)
-                    .bind(endpoint.weight)
-                    .bind(endpoint.priority)
+                    .bind(i64::from(endpoint.port))
+                    .bind(i64::from(endpoint.weight))
+                    .bind(i64::from(endpoint.priority))
                     .bind(endpoint.enabled)
                     .bind(endpoint.metadata.to_string())
                     .bind(&endpoint.key)
@@ -229,17 +284,17 @@ impl Store {
                     .bind(now)
                     .execute(&mut *transaction)
                     .await?;
-                }
-                TargetChange::Refresh { id, endpoint } => {
-                    sqlx::query(
-                        "UPDATE targets SET host = ?, port = ?, weight = ?, priority = ?, enabled = ?,
-                            metadata = ?, state = 'active', remove_at = NULL, updated_at = ?
-                         WHERE id = ? AND source_id = ?",
+                    }
+                    TargetChange::Refresh { id, endpoint } => {
+                        sqlx::query(
+                        "UPDATE targets SET host = $1, port = $2, weight = $3, priority = $4, enabled = $5,
+                            metadata = $6, state = 'active', remove_at = NULL, updated_at = $7
+                         WHERE id = $8 AND source_id = $9",
                     )
                     .bind(&endpoint.host)
-                    .bind(endpoint.port)
-                    .bind(endpoint.weight)
-                    .bind(endpoint.priority)
+                    .bind(i64::from(endpoint.port))
+                    .bind(i64::from(endpoint.weight))
+                    .bind(i64::from(endpoint.priority))
                     .bind(endpoint.enabled)
                     .bind(endpoint.metadata.to_string())
                     .bind(now)
@@ -247,39 +302,40 @@ impl Store {
                     .bind(source_id)
                     .execute(&mut *transaction)
                     .await?;
-                }
-                TargetChange::Drain { id, remove_at } => {
-                    sqlx::query(
-                        "UPDATE targets SET state = 'draining', remove_at = ?, updated_at = ?
-                         WHERE id = ? AND source_id = ?",
-                    )
-                    .bind(remove_at.timestamp_millis())
-                    .bind(now)
-                    .bind(id)
-                    .bind(source_id)
-                    .execute(&mut *transaction)
-                    .await?;
-                }
-                TargetChange::MarkStale { id } => {
-                    sqlx::query(
-                        "UPDATE targets SET state = 'stale', updated_at = ? WHERE id = ? AND source_id = ?",
-                    )
-                    .bind(now)
-                    .bind(id)
-                    .bind(source_id)
-                    .execute(&mut *transaction)
-                    .await?;
-                }
-                TargetChange::Delete { id } => {
-                    sqlx::query("DELETE FROM targets WHERE id = ? AND source_id = ?")
+                    }
+                    TargetChange::Drain { id, remove_at } => {
+                        sqlx::query(
+                            "UPDATE targets SET state = 'draining', remove_at = $1, updated_at = $2
+                         WHERE id = $3 AND source_id = $4",
+                        )
+                        .bind(remove_at.timestamp_millis())
+                        .bind(now)
                         .bind(id)
                         .bind(source_id)
                         .execute(&mut *transaction)
                         .await?;
+                    }
+                    TargetChange::MarkStale { id } => {
+                        sqlx::query(
+                        "UPDATE targets SET state = 'stale', updated_at = $1 WHERE id = $2 AND source_id = $3",
+                    )
+                    .bind(now)
+                    .bind(id)
+                    .bind(source_id)
+                    .execute(&mut *transaction)
+                    .await?;
+                    }
+                    TargetChange::Delete { id } => {
+                        sqlx::query("DELETE FROM targets WHERE id = $1 AND source_id = $2")
+                            .bind(id)
+                            .bind(source_id)
+                            .execute(&mut *transaction)
+                            .await?;
+                    }
                 }
             }
-        }
-        transaction.commit().await?;
+            transaction.commit().await?;
+        });
         Ok(())
     }
 }
@@ -293,52 +349,32 @@ impl Store {
         if records.is_empty() {
             return Ok(());
         }
-        let mut transaction = self.pool.begin().await?;
-        for (id, health, result) in records {
-            let last_check = serde_json::to_string(result).expect("plain data always serialises");
-            sqlx::query("UPDATE targets SET health = ?, last_check = ? WHERE id = ?")
-                .bind(health.as_str())
-                .bind(last_check)
-                .bind(id)
-                .execute(&mut *transaction)
-                .await?;
-        }
-        transaction.commit().await?;
+        on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            for (id, health, result) in records {
+                let last_check =
+                    serde_json::to_string(result).expect("plain data always serialises");
+                sqlx::query("UPDATE targets SET health = $1, last_check = $2 WHERE id = $3")
+                    .bind(health.as_str())
+                    .bind(last_check)
+                    .bind(id)
+                    .execute(&mut *transaction)
+                    .await?;
+            }
+            transaction.commit().await?;
+        });
         Ok(())
     }
-}
-
-async fn save_progress_in(
-    connection: &mut sqlx::SqliteConnection,
-    id: Id,
-    progress: &SourceProgress,
-) -> Result<(), StoreError> {
-    sqlx::query(
-        "UPDATE discovery_sources SET state = ?, last_error = ?, last_refresh_at = ?,
-            last_success_at = ?, next_refresh_at = ?, revision = ?, failing_since = ?
-         WHERE id = ?",
-    )
-    .bind(progress.state.as_str())
-    .bind(&progress.last_error)
-    .bind(millis(progress.last_refresh_at))
-    .bind(millis(progress.last_success_at))
-    .bind(millis(progress.next_refresh_at))
-    .bind(&progress.revision)
-    .bind(millis(progress.failing_since))
-    .bind(id)
-    .execute(connection)
-    .await?;
-    Ok(())
 }
 
 impl Store {
     /// Targets per service and lifecycle state, for metrics.
     pub async fn target_state_counts(&self) -> Result<Vec<(Id, String, i64)>, StoreError> {
-        Ok(sqlx::query_as(
+        Ok(on_pool!(self, |pool| sqlx::query_as(
             "SELECT service_id, state, COUNT(*) FROM targets GROUP BY service_id, state",
         )
-        .fetch_all(&self.pool)
-        .await?)
+        .fetch_all(pool)
+        .await)?)
     }
 }
 
@@ -354,11 +390,11 @@ pub enum ManagedKind {
 impl ManagedKind {
     fn statement(self) -> &'static str {
         match self {
-            ManagedKind::Service => "UPDATE services SET managed_by = ? WHERE id = ?",
-            ManagedKind::Route => "UPDATE routes SET managed_by = ? WHERE id = ?",
-            ManagedKind::Target => "UPDATE targets SET managed_by = ? WHERE id = ?",
+            ManagedKind::Service => "UPDATE services SET managed_by = $1 WHERE id = $2",
+            ManagedKind::Route => "UPDATE routes SET managed_by = $1 WHERE id = $2",
+            ManagedKind::Target => "UPDATE targets SET managed_by = $1 WHERE id = $2",
             ManagedKind::DiscoverySource => {
-                "UPDATE discovery_sources SET managed_by = ? WHERE id = ?"
+                "UPDATE discovery_sources SET managed_by = $1 WHERE id = $2"
             }
         }
     }
@@ -372,11 +408,12 @@ impl Store {
         id: Id,
         manager: Option<&str>,
     ) -> Result<(), StoreError> {
-        sqlx::query(kind.statement())
+        on_pool!(self, |pool| sqlx::query(kind.statement())
             .bind(manager)
             .bind(id)
-            .execute(&self.pool)
-            .await?;
+            .execute(pool)
+            .await
+            .map(|done| done.rows_affected()))?;
         Ok(())
     }
 }

@@ -39,47 +39,59 @@ fn duplicate_route(error: sqlx::Error, spec: &StreamRouteSpec) -> StoreError {
         sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict {
             field: if spec.sni.is_some() { "sni" } else { "listen" },
             message: match &spec.sni {
-                Some(sni) => format!("a stream route on {} for SNI {sni:?} already exists", spec.listen),
-                None => format!("a stream route without SNI on {} already exists", spec.listen),
+                Some(sni) => format!(
+                    "a stream route on {} for SNI {sni:?} already exists",
+                    spec.listen
+                ),
+                None => format!(
+                    "a stream route without SNI on {} already exists",
+                    spec.listen
+                ),
             },
         },
-        sqlx::Error::Database(db) if db.is_foreign_key_violation() => StoreError::InvalidReference {
-            field: "service_id",
-            message: format!("service {} does not exist", spec.service_id),
-        },
+        sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
+            StoreError::InvalidReference {
+                field: "service_id",
+                message: format!("service {} does not exist", spec.service_id),
+            }
+        }
         _ => StoreError::Database(error),
     }
 }
 
 impl Store {
     pub async fn list_stream_routes(&self, page: Page) -> Result<Vec<StreamRoute>, StoreError> {
-        let rows = sqlx::query_as::<_, StreamRouteRow>(
-            "SELECT * FROM stream_routes WHERE id > ? ORDER BY id LIMIT ?",
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, StreamRouteRow>(
+            "SELECT * FROM stream_routes WHERE id > $1 ORDER BY id LIMIT $2",
         )
         .bind(page.after_id())
-        .bind(page.limit)
-        .fetch_all(&self.pool)
-        .await?;
+        .bind(i64::from(page.limit))
+        .fetch_all(pool)
+        .await)?;
         convert_all(rows)
     }
 
     pub async fn all_stream_routes(&self) -> Result<Vec<StreamRoute>, StoreError> {
-        let rows = sqlx::query_as::<_, StreamRouteRow>("SELECT * FROM stream_routes ORDER BY id")
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, StreamRouteRow>(
+            "SELECT * FROM stream_routes ORDER BY id"
+        )
+        .fetch_all(pool)
+        .await)?;
         convert_all(rows)
     }
 
     pub async fn get_stream_route(&self, id: Id) -> Result<StreamRoute, StoreError> {
-        sqlx::query_as::<_, StreamRouteRow>("SELECT * FROM stream_routes WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotFound {
-                kind: "stream route",
-                id,
-            })?
-            .try_into()
+        on_pool!(self, |pool| sqlx::query_as::<_, StreamRouteRow>(
+            "SELECT * FROM stream_routes WHERE id = $1"
+        )
+        .bind(id)
+        .fetch_optional(pool)
+        .await)?
+        .ok_or(StoreError::NotFound {
+            kind: "stream route",
+            id,
+        })?
+        .try_into()
     }
 
     pub async fn create_stream_route(
@@ -87,19 +99,19 @@ impl Store {
         spec: &StreamRouteSpec,
     ) -> Result<StreamRoute, StoreError> {
         let now = now_ms();
-        let result = sqlx::query(
+        let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO stream_routes (listen, sni, service_id, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5) RETURNING id",
         )
         .bind(spec.listen.to_string())
         .bind(spec.sni.as_deref().unwrap_or(""))
         .bind(spec.service_id)
         .bind(now)
         .bind(now)
-        .execute(&self.pool)
-        .await
+        .fetch_one(pool)
+        .await)
         .map_err(|error| duplicate_route(error, spec))?;
-        self.get_stream_route(result.last_insert_rowid()).await
+        self.get_stream_route(id).await
     }
 
     pub async fn update_stream_route(
@@ -107,19 +119,20 @@ impl Store {
         id: Id,
         spec: &StreamRouteSpec,
     ) -> Result<StreamRoute, StoreError> {
-        let result = sqlx::query(
-            "UPDATE stream_routes SET listen = ?, sni = ?, service_id = ?, updated_at = ?
-             WHERE id = ?",
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "UPDATE stream_routes SET listen = $1, sni = $2, service_id = $3, updated_at = $4
+             WHERE id = $5",
         )
         .bind(spec.listen.to_string())
         .bind(spec.sni.as_deref().unwrap_or(""))
         .bind(spec.service_id)
         .bind(now_ms())
         .bind(id)
-        .execute(&self.pool)
+        .execute(pool)
         .await
+        .map(|done| done.rows_affected()))
         .map_err(|error| duplicate_route(error, spec))?;
-        if result.rows_affected() == 0 {
+        if affected == 0 {
             return Err(StoreError::NotFound {
                 kind: "stream route",
                 id,
@@ -129,11 +142,14 @@ impl Store {
     }
 
     pub async fn delete_stream_route(&self, id: Id) -> Result<(), StoreError> {
-        let result = sqlx::query("DELETE FROM stream_routes WHERE id = ?")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        if result.rows_affected() == 0 {
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "DELETE FROM stream_routes WHERE id = $1"
+        )
+        .bind(id)
+        .execute(pool)
+        .await
+        .map(|done| done.rows_affected()))?;
+        if affected == 0 {
             return Err(StoreError::NotFound {
                 kind: "stream route",
                 id,

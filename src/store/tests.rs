@@ -1,10 +1,64 @@
 use super::*;
 use crate::model::{LbPolicy, Protocol, Role, Timeouts};
 
-async fn store() -> (Store, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/nested/raahi.db", dir.path().display());
-    (Store::connect(&url).await.unwrap(), dir)
+/// Every test runs once per backend: `store::tests::sqlite::*` and `store::tests::postgres::*`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(super::Kind::Sqlite).await
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(super::Kind::Postgres).await
+                }
+            )*
+        }
+    };
+}
+
+on_both_backends!(
+    services_round_trip_and_names_are_unique,
+    pages_follow_the_cursor,
+    route_needs_an_existing_service_and_blocks_its_deletion,
+    targets_belong_to_a_service_and_go_with_it,
+    configuration_survives_reopening,
+    tokens_upsert_by_name,
+    sources_refresh_results_and_counts,
+    a_lease_has_one_holder_until_released_or_expired,
+    a_refresh_from_an_instance_that_lost_the_lease_is_dropped,
+    stream_routes_and_certificates_conflict_the_same_way,
+);
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Sqlite,
+    Postgres,
+}
+
+/// The URL of a new, empty database; the folder (SQLite) lives as long as the database is used.
+async fn fresh_url(kind: Kind) -> (String, Option<tempfile::TempDir>) {
+    match kind {
+        Kind::Sqlite => {
+            let dir = tempfile::tempdir().unwrap();
+            let url = format!("sqlite://{}/nested/raahi.db", dir.path().display());
+            (url, Some(dir))
+        }
+        Kind::Postgres => (test_postgres::fresh_database().await, None),
+    }
+}
+
+async fn store(kind: Kind) -> (Store, Option<tempfile::TempDir>) {
+    let (url, dir) = fresh_url(kind).await;
+    let store = Store::connect_as(&url, "instance-a").await.unwrap();
+    assert_eq!(store.is_shared(), matches!(kind, Kind::Postgres));
+    (store, dir)
 }
 
 fn service_spec(name: &str) -> ServiceSpec {
@@ -36,9 +90,8 @@ fn route_spec(name: &str, service_id: Id) -> RouteSpec {
     }
 }
 
-#[tokio::test]
-async fn services_round_trip_and_names_are_unique() {
-    let (store, _dir) = store().await;
+async fn services_round_trip_and_names_are_unique(kind: Kind) {
+    let (store, _dir) = store(kind).await;
     let created = store.create_service(&service_spec("web")).await.unwrap();
     assert_eq!(store.get_service(created.id).await.unwrap(), created);
     assert_eq!(created.spec(), service_spec("web"));
@@ -64,9 +117,8 @@ async fn services_round_trip_and_names_are_unique() {
     ));
 }
 
-#[tokio::test]
-async fn pages_follow_the_cursor() {
-    let (store, _dir) = store().await;
+async fn pages_follow_the_cursor(kind: Kind) {
+    let (store, _dir) = store(kind).await;
     for index in 0..5 {
         store
             .create_service(&service_spec(&format!("s{index}")))
@@ -95,9 +147,8 @@ async fn pages_follow_the_cursor() {
     assert_eq!(names, ["s0", "s1", "s2", "s3"]);
 }
 
-#[tokio::test]
-async fn route_needs_an_existing_service_and_blocks_its_deletion() {
-    let (store, _dir) = store().await;
+async fn route_needs_an_existing_service_and_blocks_its_deletion(kind: Kind) {
+    let (store, _dir) = store(kind).await;
     let dangling = store.create_route(&route_spec("r", 42)).await.unwrap_err();
     assert!(matches!(
         dangling,
@@ -121,9 +172,8 @@ async fn route_needs_an_existing_service_and_blocks_its_deletion() {
     store.delete_service(service.id).await.unwrap();
 }
 
-#[tokio::test]
-async fn targets_belong_to_a_service_and_go_with_it() {
-    let (store, _dir) = store().await;
+async fn targets_belong_to_a_service_and_go_with_it(kind: Kind) {
+    let (store, _dir) = store(kind).await;
     let service = store.create_service(&service_spec("web")).await.unwrap();
     let spec = TargetSpec {
         host: "127.0.0.1".into(),
@@ -150,10 +200,8 @@ async fn targets_belong_to_a_service_and_go_with_it() {
     ));
 }
 
-#[tokio::test]
-async fn configuration_survives_reopening() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}/raahi.db", dir.path().display());
+async fn configuration_survives_reopening(kind: Kind) {
+    let (url, _dir) = fresh_url(kind).await;
     {
         let store = Store::connect(&url).await.unwrap();
         let service = store.create_service(&service_spec("web")).await.unwrap();
@@ -178,4 +226,287 @@ async fn configuration_survives_reopening() {
     assert_eq!(config.routes.len(), 1);
     let token = store.find_token_by_hash("abc").await.unwrap().unwrap();
     assert_eq!(token.role, Role::Viewer);
+}
+
+async fn tokens_upsert_by_name(kind: Kind) {
+    let (store, _dir) = store(kind).await;
+    let spec = TokenSpec {
+        name: "ops".into(),
+        role: Role::Viewer,
+    };
+    store.upsert_token_by_name(&spec, "first").await.unwrap();
+    let promoted = TokenSpec {
+        name: "ops".into(),
+        role: Role::Admin,
+    };
+    store
+        .upsert_token_by_name(&promoted, "second")
+        .await
+        .unwrap();
+    assert_eq!(store.count_tokens().await.unwrap(), 1);
+    assert!(store.find_token_by_hash("first").await.unwrap().is_none());
+    let token = store.find_token_by_hash("second").await.unwrap().unwrap();
+    assert_eq!(token.role, Role::Admin);
+    let duplicate = store.create_token(&spec, "third").await.unwrap_err();
+    assert!(matches!(
+        duplicate,
+        StoreError::Conflict { field: "name", .. }
+    ));
+}
+
+fn source_spec(name: &str) -> crate::model::DiscoverySourceSpec {
+    crate::model::DiscoverySourceSpec {
+        name: name.to_owned(),
+        provider: crate::model::ProviderKind::Http,
+        config: serde_json::json!({"url": "http://127.0.0.1:1/"}),
+        enabled: true,
+        stale_after_ms: 300_000,
+        removal_grace_ms: 60_000,
+    }
+}
+
+fn endpoint(key: &str, port: u16) -> crate::model::Endpoint {
+    crate::model::Endpoint {
+        key: key.to_owned(),
+        host: "127.0.0.1".into(),
+        port,
+        weight: 100,
+        priority: 0,
+        enabled: true,
+        metadata: serde_json::json!({}),
+    }
+}
+
+fn progress(revision: &str) -> crate::model::SourceProgress {
+    let at = chrono::DateTime::from_timestamp_millis(1_700_000_000_123).unwrap();
+    crate::model::SourceProgress {
+        state: crate::model::SourceState::Healthy,
+        last_error: None,
+        last_refresh_at: Some(at),
+        last_success_at: Some(at),
+        next_refresh_at: Some(at + chrono::Duration::seconds(30)),
+        revision: Some(revision.to_owned()),
+        failing_since: None,
+    }
+}
+
+async fn sources_refresh_results_and_counts(kind: Kind) {
+    use crate::model::TargetChange;
+    let (store, _dir) = store(kind).await;
+    let service = store.create_service(&service_spec("web")).await.unwrap();
+    let source = store
+        .create_source(service.id, &source_spec("registry"))
+        .await
+        .unwrap();
+    assert_eq!(source.spec(), source_spec("registry"));
+    let duplicate = store
+        .create_source(service.id, &source_spec("registry"))
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        duplicate,
+        StoreError::Conflict { field: "name", .. }
+    ));
+
+    store
+        .apply_refresh(
+            service.id,
+            source.id,
+            &[
+                TargetChange::Create(endpoint("a", 8001)),
+                TargetChange::Create(endpoint("b", 8002)),
+            ],
+            Some(&progress("r1")),
+        )
+        .await
+        .unwrap();
+    let targets = store.source_targets(source.id).await.unwrap();
+    assert_eq!(targets.len(), 2);
+    assert!(targets.iter().all(|t| t.source_id == Some(source.id)));
+    let (_, stored) = store.get_source_with_progress(source.id).await.unwrap();
+    assert_eq!(stored, progress("r1"));
+
+    let remove_at = chrono::DateTime::from_timestamp_millis(1_800_000_000_000).unwrap();
+    store
+        .apply_target_changes(
+            service.id,
+            source.id,
+            &[TargetChange::Drain {
+                id: targets[0].id,
+                remove_at,
+            }],
+        )
+        .await
+        .unwrap();
+    let counts = store.endpoint_counts(source.id).await.unwrap();
+    assert_eq!((counts.active, counts.draining, counts.stale), (1, 1, 0));
+    let drained = store.get_target(targets[0].id).await.unwrap();
+    assert_eq!(drained.remove_at, Some(remove_at));
+
+    // Deleting the source takes its targets at once.
+    store.delete_source(source.id).await.unwrap();
+    assert!(store.source_targets(source.id).await.unwrap().is_empty());
+    assert_eq!(store.load_routing_config().await.unwrap().targets.len(), 0);
+}
+
+async fn a_lease_has_one_holder_until_released_or_expired(kind: Kind) {
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let service = a.create_service(&service_spec("web")).await.unwrap();
+    let source = a
+        .create_source(service.id, &source_spec("registry"))
+        .await
+        .unwrap();
+    let long = Duration::from_secs(60);
+
+    assert_eq!(a.source_lease_holder(source.id).await.unwrap(), None);
+    assert!(a.take_source_lease(source.id, long).await.unwrap());
+    assert!(!b.take_source_lease(source.id, long).await.unwrap());
+    // Renewing one's own lease works; the holder is the same seen from either instance.
+    assert!(a.take_source_lease(source.id, long).await.unwrap());
+    assert_eq!(
+        b.source_lease_holder(source.id).await.unwrap().as_deref(),
+        Some("instance-a")
+    );
+
+    a.release_source_lease(source.id).await.unwrap();
+    assert!(b.take_source_lease(source.id, long).await.unwrap());
+    assert!(!a.take_source_lease(source.id, long).await.unwrap());
+
+    // A lease nobody renews expires (by the database's clock) and another instance takes it.
+    assert!(b
+        .take_source_lease(source.id, Duration::from_millis(200))
+        .await
+        .unwrap());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !a.take_source_lease(source.id, long).await.unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        b.source_lease_holder(source.id).await.unwrap().as_deref(),
+        Some("instance-a")
+    );
+
+    // No lease for a deleted source; its lease row goes with it.
+    a.delete_source(source.id).await.unwrap();
+    assert!(!a.take_source_lease(source.id, long).await.unwrap());
+    assert_eq!(a.source_lease_holder(source.id).await.unwrap(), None);
+}
+
+async fn a_refresh_from_an_instance_that_lost_the_lease_is_dropped(kind: Kind) {
+    use crate::model::TargetChange;
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let service = a.create_service(&service_spec("web")).await.unwrap();
+    let source = a
+        .create_source(service.id, &source_spec("registry"))
+        .await
+        .unwrap();
+    assert!(b
+        .take_source_lease(source.id, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let late = a
+        .apply_refresh(
+            service.id,
+            source.id,
+            &[TargetChange::Create(endpoint("a", 8001))],
+            Some(&progress("late")),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            late,
+            StoreError::Conflict {
+                field: "source_id",
+                ..
+            }
+        ),
+        "{late:?}"
+    );
+    assert!(a.source_targets(source.id).await.unwrap().is_empty());
+    let (_, stored) = a.get_source_with_progress(source.id).await.unwrap();
+    assert_eq!(stored.revision, None);
+    // The holder's write goes through.
+    b.apply_refresh(
+        service.id,
+        source.id,
+        &[TargetChange::Create(endpoint("a", 8001))],
+        Some(&progress("r1")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(b.source_targets(source.id).await.unwrap().len(), 1);
+}
+
+async fn stream_routes_and_certificates_conflict_the_same_way(kind: Kind) {
+    use crate::model::StreamRouteSpec;
+    let (store, _dir) = store(kind).await;
+    let service = store.create_service(&service_spec("db")).await.unwrap();
+    let spec = StreamRouteSpec {
+        listen: "127.0.0.1:15432".parse().unwrap(),
+        sni: None,
+        service_id: service.id,
+    };
+    let route = store.create_stream_route(&spec).await.unwrap();
+    assert_eq!(store.get_stream_route(route.id).await.unwrap(), route);
+    assert!(matches!(
+        store.create_stream_route(&spec).await.unwrap_err(),
+        StoreError::Conflict {
+            field: "listen",
+            ..
+        }
+    ));
+    let dangling = StreamRouteSpec {
+        listen: "127.0.0.1:15433".parse().unwrap(),
+        sni: None,
+        service_id: 999,
+    };
+    assert!(matches!(
+        store.create_stream_route(&dangling).await.unwrap_err(),
+        StoreError::InvalidReference {
+            field: "service_id",
+            ..
+        }
+    ));
+    assert!(matches!(
+        store.delete_service(service.id).await.unwrap_err(),
+        StoreError::Conflict { .. }
+    ));
+
+    let not_after = chrono::DateTime::from_timestamp_millis(1_900_000_000_000).unwrap();
+    let snis = vec!["a.test".to_owned(), "*.b.test".to_owned()];
+    let certificate = store
+        .create_certificate(&NewCertificate {
+            snis: &snis,
+            cert_pem: "CERT",
+            key_pem: "KEY",
+            not_after,
+        })
+        .await
+        .unwrap();
+    assert_eq!(certificate.snis, snis);
+    assert_eq!(certificate.not_after, not_after);
+    let overlapping = vec!["*.b.test".to_owned()];
+    let clash = store
+        .create_certificate(&NewCertificate {
+            snis: &overlapping,
+            cert_pem: "CERT2",
+            key_pem: "KEY2",
+            not_after,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(clash, StoreError::Conflict { field: "snis", .. }));
+    // The failed insert left nothing behind.
+    let with_keys = store.all_certificates_with_keys().await.unwrap();
+    assert_eq!(with_keys.len(), 1);
+    assert_eq!(with_keys[0].key_pem, "KEY");
 }

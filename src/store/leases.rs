@@ -1,0 +1,96 @@
+//! Source leases: which gateway instance refreshes a discovery source. One row per source
+//! (`holder`, `expires_at` in epoch milliseconds); an instance takes a lease that is free or
+//! expired, and renews its own. Expiry is judged by the database's clock, so instances with
+//! skewed clocks still agree. A plain table rather than advisory locks: it survives a
+//! connection pooler, and operators can see who holds what.
+
+use std::time::Duration;
+
+use super::{Backend, Store, StoreError};
+use crate::model::Id;
+
+/// The database's clock in epoch milliseconds, as SQL.
+const POSTGRES_NOW: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
+const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+fn take_or_renew_sql(now: &str) -> String {
+    // `WHERE EXISTS`: no lease for a source deleted meanwhile (and SQLite needs a WHERE on an
+    // upsert's SELECT to parse ON CONFLICT).
+    format!(
+        "INSERT INTO source_leases (source_id, holder, expires_at)
+         SELECT $1, $2, {now} + $3 WHERE EXISTS (SELECT 1 FROM discovery_sources WHERE id = $1)
+         ON CONFLICT (source_id) DO UPDATE
+            SET holder = excluded.holder, expires_at = excluded.expires_at
+            WHERE source_leases.holder = excluded.holder OR source_leases.expires_at <= {now}
+         RETURNING holder"
+    )
+}
+
+fn holder_sql(now: &str) -> String {
+    format!("SELECT holder FROM source_leases WHERE source_id = $1 AND expires_at > {now}")
+}
+
+impl Store {
+    /// Takes the lease of `source_id` for `period` if it is free or expired, or renews it if this
+    /// instance holds it. Returns whether this instance holds it now.
+    pub async fn take_source_lease(
+        &self,
+        source_id: Id,
+        period: Duration,
+    ) -> Result<bool, StoreError> {
+        let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX / 2);
+        let sql = take_or_renew_sql(self.now_sql());
+        let taken: Option<String> = on_pool!(self, |pool| sqlx::query_scalar(&sql)
+            .bind(source_id)
+            .bind(self.instance_id())
+            .bind(period_ms)
+            .fetch_optional(pool)
+            .await)
+        .or_else(|error| match &error {
+            // The source was deleted between the check and the insert.
+            sqlx::Error::Database(db) if db.is_foreign_key_violation() => Ok(None),
+            _ => Err(error),
+        })?;
+        Ok(taken.is_some())
+    }
+
+    /// Gives up this instance's lease of `source_id` (so another instance may take it at once).
+    pub async fn release_source_lease(&self, source_id: Id) -> Result<(), StoreError> {
+        on_pool!(self, |pool| sqlx::query(
+            "DELETE FROM source_leases WHERE source_id = $1 AND holder = $2"
+        )
+        .bind(source_id)
+        .bind(self.instance_id())
+        .execute(pool)
+        .await
+        .map(|done| done.rows_affected()))?;
+        Ok(())
+    }
+
+    /// The instance holding a live lease of `source_id`, if any.
+    pub async fn source_lease_holder(&self, source_id: Id) -> Result<Option<String>, StoreError> {
+        let sql = holder_sql(self.now_sql());
+        Ok(on_pool!(self, |pool| sqlx::query_scalar(&sql)
+            .bind(source_id)
+            .fetch_optional(pool)
+            .await)?)
+    }
+
+    /// The statement that reads a source's lease holder inside a refresh's transaction, locking
+    /// the lease row on PostgreSQL so a takeover waits until this write is committed.
+    pub(super) fn lease_fence_sql(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => "SELECT holder FROM source_leases WHERE source_id = $1",
+            Backend::Postgres(_) => {
+                "SELECT holder FROM source_leases WHERE source_id = $1 FOR UPDATE"
+            }
+        }
+    }
+
+    fn now_sql(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => SQLITE_NOW,
+            Backend::Postgres(_) => POSTGRES_NOW,
+        }
+    }
+}
