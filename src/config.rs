@@ -35,6 +35,31 @@ pub struct Config {
     pub log: LogConfig,
     #[serde(default)]
     pub resources: ResourcesConfig,
+    #[serde(default)]
+    pub tls: TlsConfig,
+}
+
+/// Certificates from files for the HTTPS listener, beside those managed through the admin API.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The default certificate: served to clients that send no SNI or a name no certificate
+    /// covers (and also by its own names).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// More certificates, each served for the names it covers.
+    #[serde(default)]
+    pub certificates: Vec<CertificateFiles>,
+}
+
+/// A PEM chain (leaf first) and its private key.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CertificateFiles {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
 }
 
 /// Declarative configuration.
@@ -53,6 +78,9 @@ pub struct ProxyConfig {
     /// HTTP/1.1 and HTTP/2 prior-knowledge (h2c) on one port.
     #[serde(default = "ProxyConfig::default_listen")]
     pub listen: SocketAddr,
+    /// HTTPS (TLS 1.2 and 1.3, ALPN h2 and http/1.1); unset: no HTTPS listener.
+    #[serde(default)]
+    pub tls_listen: Option<SocketAddr>,
     /// How long a client may take to send a request's headers.
     #[serde(default = "ProxyConfig::default_client_header_timeout_ms")]
     pub client_header_timeout_ms: u64,
@@ -77,6 +105,7 @@ impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig {
             listen: Self::default_listen(),
+            tls_listen: None,
             client_header_timeout_ms: Self::default_client_header_timeout_ms(),
             shutdown_grace_ms: Self::default_shutdown_grace_ms(),
         }
@@ -167,6 +196,9 @@ impl Default for LogConfig {
 /// Environment variables that override config keys. `RUST_LOG` overrides `log.level`.
 const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_PROXY_LISTEN", "proxy.listen"),
+    ("RAAHI_PROXY_TLS_LISTEN", "proxy.tls_listen"),
+    ("RAAHI_TLS_CERT_FILE", "tls.cert_file"),
+    ("RAAHI_TLS_KEY_FILE", "tls.key_file"),
     (
         "RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS",
         "proxy.client_header_timeout_ms",
@@ -234,10 +266,24 @@ impl Config {
             key: key.to_owned(),
             reason: reason.to_owned(),
         };
-        if !self.database.url.starts_with("sqlite:") {
+        let url = &self.database.url;
+        if !(url.starts_with("sqlite:")
+            || url.starts_with("postgres://")
+            || url.starts_with("postgresql://"))
+        {
             return Err(invalid(
                 "database.url",
-                "expected sqlite://PATH (PostgreSQL is not supported yet)",
+                "expected sqlite://PATH or postgres://USER@HOST:PORT/DATABASE",
+            ));
+        }
+        if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
+            return Err(invalid(
+                if self.tls.cert_file.is_some() {
+                    "tls.key_file"
+                } else {
+                    "tls.cert_file"
+                },
+                "tls.cert_file and tls.key_file go together",
             ));
         }
         if self.proxy.client_header_timeout_ms == 0 {

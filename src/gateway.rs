@@ -1,16 +1,20 @@
 //! Wires the parts into a running gateway: store, control task, proxy and admin listeners.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, auth, AdminState};
-use crate::config::Config;
-use crate::control::{self, ControlError, ControlHandle};
+use crate::config::{Config, TlsConfig};
+use crate::control::{self, ControlError, ControlHandle, EdgeOptions, FileCertificates};
+use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
+use crate::tls::{self, CertResolver};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
@@ -23,6 +27,8 @@ pub enum StartError {
     Control(#[from] ControlError),
     #[error("{0}")]
     Resources(#[from] ResourcesError),
+    #[error("{file}: {reason}")]
+    Certificate { file: String, reason: String },
     #[error("cannot listen on {address} ({role}): {source}")]
     Bind {
         role: &'static str,
@@ -35,6 +41,8 @@ pub enum StartError {
 pub struct Gateway {
     pub proxy_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The HTTPS listener's address, when `proxy.tls_listen` is set.
+    pub tls_addr: Option<SocketAddr>,
     /// A newly generated admin token when the store had none (shown once).
     pub generated_admin_token: Option<String>,
     pub store: Store,
@@ -43,7 +51,43 @@ pub struct Gateway {
     /// The declarative resources file, when configured, and what its first apply did.
     pub resources: Option<(ResourcesFile, ApplyReport)>,
     shutdown: watch::Sender<bool>,
+    control_task: JoinHandle<()>,
+    /// Listener tasks; each ends once its connections finished or the shutdown grace ran out.
     tasks: Vec<JoinHandle<()>>,
+    sighup_task: Option<JoinHandle<()>>,
+    streams: Arc<StreamListeners>,
+}
+
+/// Reads and checks the certificates named in the config; the default one is also served for
+/// its own names.
+fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, StartError> {
+    let load = |cert_file: &Path, key_file: &Path| {
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|error| StartError::Certificate {
+                file: path.display().to_string(),
+                reason: format!("cannot read: {error}"),
+            })
+        };
+        let (cert_pem, key_pem) = (read(cert_file)?, read(key_file)?);
+        tls::parse_certificate(&cert_pem, &key_pem).map_err(|error| StartError::Certificate {
+            file: match error.field() {
+                "key_pem" => key_file.display().to_string(),
+                _ => cert_file.display().to_string(),
+            },
+            reason: error.to_string(),
+        })
+    };
+    let mut certificates = FileCertificates::default();
+    if let (Some(cert_file), Some(key_file)) = (&config.cert_file, &config.key_file) {
+        let parsed = load(cert_file, key_file)?;
+        certificates.default = Some(parsed.key.clone());
+        certificates.others.push((parsed.names, parsed.key));
+    }
+    for files in &config.certificates {
+        let parsed = load(&files.cert_file, &files.key_file)?;
+        certificates.others.push((parsed.names, parsed.key));
+    }
+    Ok(certificates)
 }
 
 async fn bind(role: &'static str, address: SocketAddr) -> Result<TcpListener, StartError> {
@@ -59,6 +103,7 @@ async fn bind(role: &'static str, address: SocketAddr) -> Result<TcpListener, St
 impl Gateway {
     /// Opens the store, publishes the first snapshot from it, then starts accepting.
     pub async fn start(config: &Config) -> Result<Gateway, StartError> {
+        tls::install_crypto_provider();
         let store = Store::connect(&config.database.url).await?;
         let generated_admin_token =
             match auth::bootstrap(&store, config.admin.token.as_deref()).await? {
@@ -66,7 +111,31 @@ impl Gateway {
                 auth::Bootstrap::Configured | auth::Bootstrap::Existing => None,
             };
         let snapshots = SnapshotHandle::new(Snapshot::empty());
-        let (control, control_task) = control::start(store.clone(), snapshots.clone()).await?;
+        let gateway_counters = Arc::new(GatewayCounters::default());
+        let settings = ListenerSettings {
+            client_header_timeout: Duration::from_millis(config.proxy.client_header_timeout_ms),
+            shutdown_grace: Duration::from_millis(config.proxy.shutdown_grace_ms),
+        };
+        let streams = StreamListeners::new(
+            snapshots.clone(),
+            gateway_counters.clone(),
+            StreamSettings {
+                handshake_timeout: settings.client_header_timeout,
+                shutdown_grace: settings.shutdown_grace,
+            },
+        );
+        let certificates = config
+            .proxy
+            .tls_listen
+            .is_some()
+            .then(CertResolver::new);
+        let edge = EdgeOptions {
+            streams: Some(streams.clone()),
+            certificates: certificates.clone(),
+            file_certificates: load_file_certificates(&config.tls)?,
+        };
+        let (control, control_task) =
+            control::start(store.clone(), snapshots.clone(), edge).await?;
         // Applied before the listeners open, so the first request already sees it.
         let resources = match &config.resources.file {
             Some(path) => {
@@ -96,19 +165,29 @@ impl Gateway {
             })?;
 
         let (shutdown, shutdown_signal) = watch::channel(false);
-        let gateway_counters = Arc::new(GatewayCounters::default());
-        let settings = ListenerSettings {
-            client_header_timeout: std::time::Duration::from_millis(
-                config.proxy.client_header_timeout_ms,
-            ),
-            shutdown_grace: std::time::Duration::from_millis(config.proxy.shutdown_grace_ms),
-        };
-        let proxy_task = proxy::serve_http(
+        let proxy_state = ProxyState::new(snapshots.clone(), gateway_counters.clone());
+        let mut tasks = vec![proxy::serve_http(
             proxy_listener,
-            ProxyState::new(snapshots.clone(), gateway_counters.clone()),
+            proxy_state.clone(),
             settings,
             shutdown_signal.clone(),
-        );
+        )];
+        let mut tls_addr = None;
+        if let (Some(address), Some(resolver)) = (config.proxy.tls_listen, certificates) {
+            let listener = bind("https", address).await?;
+            tls_addr = Some(listener.local_addr().map_err(|source| StartError::Bind {
+                role: "https",
+                address,
+                source,
+            })?);
+            tasks.push(proxy::serve_https(
+                listener,
+                tls::server_config(resolver),
+                proxy_state,
+                settings,
+                shutdown_signal.clone(),
+            ));
+        }
         let admin_app = admin::router(AdminState {
             store: store.clone(),
             control: control.clone(),
@@ -124,21 +203,25 @@ impl Gateway {
                 tracing::error!(%error, "admin listener failed");
             }
         });
-        let mut tasks = vec![control_task, proxy_task, admin_task];
-        if let Some((file, _)) = &resources {
-            tasks.push(reload_on_sighup(file.clone()));
-        }
-        tracing::info!(proxy = %proxy_addr, admin = %admin_addr, "raahi is serving");
+        tasks.push(admin_task);
+        let sighup_task = resources
+            .as_ref()
+            .map(|(file, _)| reload_on_sighup(file.clone()));
+        tracing::info!(proxy = %proxy_addr, https = ?tls_addr, admin = %admin_addr, "raahi is serving");
         Ok(Gateway {
             proxy_addr,
             admin_addr,
+            tls_addr,
             generated_admin_token,
             store,
             control,
             snapshots,
             resources,
             shutdown,
+            control_task,
             tasks,
+            sighup_task,
+            streams,
         })
     }
 
@@ -148,20 +231,20 @@ impl Gateway {
         Some(file.apply().await)
     }
 
-    /// Stops accepting on both listeners, lets requests in flight finish (within the proxy's
-    /// shutdown grace), then ends the control task.
+    /// Stops accepting on every listener, lets requests and stream connections in flight finish
+    /// (within the proxy's shutdown grace), then ends the control task.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
-        let mut tasks = self.tasks;
-        let control_task = tasks.remove(0);
-        let sighup_task = (tasks.len() > 2).then(|| tasks.remove(2));
-        if let Some(task) = sighup_task {
+        if let Some(task) = self.sighup_task {
             task.abort();
         }
-        for task in tasks {
-            let _ = task.await;
-        }
-        control_task.abort();
+        let listeners = async {
+            for task in self.tasks {
+                let _ = task.await;
+            }
+        };
+        tokio::join!(listeners, self.streams.shutdown());
+        self.control_task.abort();
     }
 }
 

@@ -698,6 +698,16 @@ impl Target {
     }
 }
 
+impl StreamRoute {
+    pub fn spec(&self) -> StreamRouteSpec {
+        StreamRouteSpec {
+            listen: self.listen,
+            sni: self.sni.clone(),
+            service_id: self.service_id,
+        }
+    }
+}
+
 impl Route {
     pub fn spec(&self) -> RouteSpec {
         RouteSpec {

@@ -13,7 +13,7 @@ use http::{HeaderValue, Method};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::balance::{unix_ms, Balancer, TargetHealth, TargetLoad};
-use crate::model::{Id, Route, Service};
+use crate::model::{Id, Route, Service, StreamRoute};
 
 mod stream;
 pub use stream::*;
@@ -48,6 +48,8 @@ pub struct ServiceCounters {
 pub struct GatewayCounters {
     /// Requests that matched no route.
     pub unrouted: AtomicU64,
+    /// Stream connections closed because no stream route matched (no SNI match, no ClientHello).
+    pub stream_unmatched: AtomicU64,
 }
 
 /// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.
@@ -334,6 +336,7 @@ pub struct Snapshot {
     pub generation: u64,
     services: HashMap<Id, Arc<ServiceRuntime>>,
     routes: RouteTable,
+    streams: StreamTable,
 }
 
 impl Snapshot {
@@ -342,6 +345,7 @@ impl Snapshot {
             generation: 0,
             services: HashMap::new(),
             routes: RouteTable::default(),
+            streams: StreamTable::default(),
         }
     }
 
@@ -384,7 +388,22 @@ impl Snapshot {
             generation,
             services,
             routes: RouteTable::build(entries),
+            streams: StreamTable::default(),
         }
+    }
+
+    /// Adds the L4 stream routes, each with its statistics from `stats_of(route id)`.
+    pub fn with_stream_routes(
+        mut self,
+        routes: &[StreamRoute],
+        stats_of: impl FnMut(Id) -> Arc<StreamStats>,
+    ) -> Snapshot {
+        self.streams = StreamTable::build(routes, &self.services, stats_of);
+        self
+    }
+
+    pub fn streams(&self) -> &StreamTable {
+        &self.streams
     }
 
     /// `host` must be lower case and without port.

@@ -34,6 +34,9 @@ type Labels = Vec<(&'static str, String)>;
 #[derive(Debug, Default)]
 struct Scrape {
     unrouted: u64,
+    stream_unmatched: u64,
+    streams: Vec<StreamSample>,
+    certificates: Vec<(Labels, i64)>,
     routes: Vec<RouteSample>,
     services: Vec<ServiceSample>,
     targets: Vec<TargetSample>,
@@ -55,6 +58,16 @@ struct ServiceSample {
     panic_picks: u64,
     connect_errors: u64,
     timeouts: u64,
+}
+
+#[derive(Debug)]
+struct StreamSample {
+    labels: Labels,
+    connections: u64,
+    active: u64,
+    bytes_in: u64,
+    bytes_out: u64,
+    connect_failures: u64,
 }
 
 #[derive(Debug)]
@@ -90,8 +103,44 @@ async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> 
     let now = unix_ms();
     let mut scrape = Scrape {
         unrouted: state.gateway_counters.unrouted.load(Ordering::Relaxed),
+        stream_unmatched: state
+            .gateway_counters
+            .stream_unmatched
+            .load(Ordering::Relaxed),
         ..Scrape::default()
     };
+    for entry in snapshot.streams().routes() {
+        let route = &entry.route;
+        let stats = &entry.stats;
+        scrape.streams.push(StreamSample {
+            labels: vec![
+                ("service", entry.service.service.name.clone()),
+                ("listen", route.listen.to_string()),
+                ("sni", route.sni.clone().unwrap_or_default()),
+            ],
+            connections: stats.connections_total(),
+            active: stats.connections_active(),
+            bytes_in: stats.bytes_client_to_upstream(),
+            bytes_out: stats.bytes_upstream_to_client(),
+            connect_failures: stats.connect_failures(),
+        });
+    }
+    for certificate in state
+        .store
+        .list_certificates(crate::store::Page {
+            limit: 10_000,
+            after: None,
+        })
+        .await?
+    {
+        scrape.certificates.push((
+            vec![
+                ("certificate_id", certificate.id.to_string()),
+                ("sni", certificate.snis.first().cloned().unwrap_or_default()),
+            ],
+            certificate.not_after.timestamp(),
+        ));
+    }
     let mut service_names: HashMap<Id, String> = HashMap::new();
     for service in snapshot.services() {
         let name = service.service.name.clone();
@@ -218,6 +267,65 @@ impl Collector for Scrape {
             "raahi_unrouted_requests",
             "Requests that matched no route (answered 404).",
             [(Labels::new(), self.unrouted)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_stream_unmatched_connections",
+            "Stream connections closed because no stream route matched (SNI or ClientHello).",
+            [(Labels::new(), self.stream_unmatched)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_stream_connections",
+            "Connections accepted per stream route.",
+            self.streams
+                .iter()
+                .map(|stream| (stream.labels.clone(), stream.connections)),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_stream_active_connections",
+            "Connections open now per stream route.",
+            self.streams
+                .iter()
+                .map(|stream| (stream.labels.clone(), stream.active as i64)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_stream_sent_bytes",
+            "Bytes copied per stream route, by direction (client_to_upstream, upstream_to_client).",
+            self.streams.iter().flat_map(|stream| {
+                [
+                    (
+                        with(
+                            &stream.labels,
+                            ("direction", "client_to_upstream".to_owned()),
+                        ),
+                        stream.bytes_in,
+                    ),
+                    (
+                        with(
+                            &stream.labels,
+                            ("direction", "upstream_to_client".to_owned()),
+                        ),
+                        stream.bytes_out,
+                    ),
+                ]
+            }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_stream_connect_failures",
+            "Connections to targets that failed per stream route (each tried target counts).",
+            self.streams
+                .iter()
+                .map(|stream| (stream.labels.clone(), stream.connect_failures)),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_certificate_not_after_seconds",
+            "Expiry (unix seconds) of each certificate stored through the admin API.",
+            self.certificates.iter().cloned(),
         )?;
         counter(
             &mut encoder,

@@ -2,12 +2,14 @@
 //! `/healthz` and `/readyz`. The OpenAPI document is generated from the handlers.
 
 pub mod auth;
+mod certificates;
 mod error;
 mod extract;
 mod metrics;
 mod routes;
 mod services;
 mod sources;
+mod stream_routes;
 mod targets;
 mod tokens;
 pub(crate) mod validate;
@@ -93,6 +95,8 @@ pub fn router(state: AdminState) -> Router {
         .merge(routes::router())
         .merge(tokens::router())
         .merge(sources::router())
+        .merge(stream_routes::router())
+        .merge(certificates::router())
         .split_for_parts();
     let openapi = std::sync::Arc::new(openapi);
     let api = api

@@ -11,6 +11,7 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
 use super::{validate, AdminState, List};
 use crate::model::{Route, RouteSpec};
+use crate::store::StoreError;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -36,7 +37,7 @@ async fn create_route(
     State(state): State<AdminState>,
     ApiJson(spec): ApiJson<RouteSpec>,
 ) -> Result<(StatusCode, Json<Route>), ApiError> {
-    let spec = validate::route(spec)?;
+    let spec = checked(&state, spec).await?;
     let route = state.store.create_route(&spec).await?;
     state.apply().await?;
     Ok((StatusCode::CREATED, Json(route)))
@@ -60,7 +61,7 @@ async fn replace_route(
     IdPath(id): IdPath,
     ApiJson(spec): ApiJson<RouteSpec>,
 ) -> Result<Json<Route>, ApiError> {
-    let spec = validate::route(spec)?;
+    let spec = checked(&state, spec).await?;
     let route = state.store.update_route(id, &spec).await?;
     state.apply().await?;
     Ok(Json(route))
@@ -75,7 +76,7 @@ async fn patch_route(
     patch: MergePatch,
 ) -> Result<Json<Route>, ApiError> {
     let current = state.store.get_route(id).await?;
-    let spec = validate::route(patch.apply(&current.spec())?)?;
+    let spec = checked(&state, patch.apply(&current.spec())?).await?;
     let route = state.store.update_route(id, &spec).await?;
     state.apply().await?;
     Ok(Json(route))
@@ -91,4 +92,22 @@ async fn delete_route(
     state.store.delete_route(id).await?;
     state.apply().await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Validates the spec; its service must exist and speak HTTP (`http` or `https`).
+async fn checked(state: &AdminState, spec: RouteSpec) -> Result<RouteSpec, ApiError> {
+    let spec = validate::route(spec)?;
+    match state.store.get_service(spec.service_id).await {
+        Ok(service) if !validate::serves_http(service.protocol) => Err(ApiError::validation(
+            "service_id",
+            format!(
+                "service {:?} has protocol {}; an HTTP route needs an http or https service (use a stream route)",
+                service.name,
+                service.protocol.as_str()
+            ),
+        )),
+        // A missing service is the store's to report, with the same field.
+        Ok(_) | Err(StoreError::NotFound { .. }) => Ok(spec),
+        Err(other) => Err(other.into()),
+    }
 }

@@ -73,6 +73,7 @@ async fn replace_service(
     ApiJson(spec): ApiJson<ServiceSpec>,
 ) -> Result<Json<Service>, ApiError> {
     let spec = validate::service(spec)?;
+    super::stream_routes::check_protocol_change(&state, id, spec.protocol)?;
     let service = state.store.update_service(id, &spec).await?;
     state.apply().await?;
     Ok(Json(service))
@@ -88,6 +89,7 @@ async fn patch_service(
 ) -> Result<Json<Service>, ApiError> {
     let current = state.store.get_service(id).await?;
     let spec = validate::service(patch.apply(&current.spec())?)?;
+    super::stream_routes::check_protocol_change(&state, id, spec.protocol)?;
     let service = state.store.update_service(id, &spec).await?;
     state.apply().await?;
     Ok(Json(service))

@@ -8,7 +8,11 @@ use http::uri::Authority;
 
 use super::error::ApiError;
 use crate::discovery::providers;
-use crate::model::{DiscoverySourceSpec, Protocol, RouteSpec, ServiceSpec, TargetSpec, TokenSpec};
+use crate::model::{
+    CertificateSpec, DiscoverySourceSpec, Protocol, RouteSpec, ServiceSpec, StreamRouteSpec,
+    TargetSpec, TokenSpec,
+};
+use crate::tls::{self, ParsedCertificate, TlsError};
 
 const MAX_NAME_LEN: usize = 100;
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
@@ -18,6 +22,93 @@ const MAX_METADATA_BYTES: usize = 16 * 1024;
 const MAX_HOSTS: usize = 100;
 const MAX_METHODS: usize = 16;
 const MAX_PATH_PREFIX_LEN: usize = 1024;
+/// A certificate chain, key or CA bundle larger than this is a mistake, not a PEM.
+const MAX_PEM_BYTES: usize = 1024 * 1024;
+const MAX_SNIS: usize = 100;
+
+fn tls_error(error: TlsError) -> ApiError {
+    ApiError::validation(error.field(), error.to_string())
+}
+
+/// A server name as clients send it in SNI, or a `*.suffix` wildcard; lower-cased.
+fn server_name(field: &str, value: &str) -> Result<String, ApiError> {
+    let lowered = value.to_ascii_lowercase();
+    let plain = lowered.strip_prefix("*.").unwrap_or(&lowered);
+    if !is_host_name(plain) || plain.parse::<IpAddr>().is_ok() {
+        return Err(ApiError::validation(
+            field,
+            format!("{value:?} is not a DNS host name or a *.suffix wildcard"),
+        ));
+    }
+    Ok(lowered)
+}
+
+/// Protocols an HTTP route can send to.
+pub fn serves_http(protocol: Protocol) -> bool {
+    matches!(protocol, Protocol::Http | Protocol::Https)
+}
+
+pub fn stream_route(mut spec: StreamRouteSpec) -> Result<StreamRouteSpec, ApiError> {
+    if spec.listen.port() == 0 {
+        return Err(ApiError::validation(
+            "listen",
+            "listen needs a fixed port (not 0): clients must know where to connect",
+        ));
+    }
+    if let Some(sni) = &spec.sni {
+        spec.sni = Some(server_name("sni", sni)?);
+    }
+    Ok(spec)
+}
+
+/// Parses the certificate and its key; `snis` default to the certificate's DNS names and must
+/// each be covered by them.
+pub fn certificate(
+    mut spec: CertificateSpec,
+) -> Result<(CertificateSpec, ParsedCertificate), ApiError> {
+    for (field, value) in [("cert_pem", &spec.cert_pem), ("key_pem", &spec.key_pem)] {
+        if value.len() > MAX_PEM_BYTES {
+            return Err(ApiError::validation(
+                field,
+                format!("{field} must be at most {MAX_PEM_BYTES} bytes"),
+            ));
+        }
+    }
+    let parsed = tls::parse_certificate(&spec.cert_pem, &spec.key_pem).map_err(tls_error)?;
+    let snis = match spec.snis.take() {
+        Some(snis) => {
+            let mut normalised = Vec::with_capacity(snis.len());
+            for (index, sni) in snis.iter().enumerate() {
+                normalised.push(server_name(&format!("snis[{index}]"), sni)?);
+            }
+            tls::check_snis_covered(&parsed.names, &normalised).map_err(tls_error)?;
+            normalised
+        }
+        None => parsed
+            .names
+            .iter()
+            .filter(|name| server_name("snis", name).is_ok())
+            .cloned()
+            .collect(),
+    };
+    let mut snis = snis;
+    snis.sort();
+    snis.dedup();
+    if snis.is_empty() {
+        return Err(ApiError::validation(
+            "snis",
+            "the certificate names no DNS host (subjectAltName); give the names to serve it for in snis",
+        ));
+    }
+    if snis.len() > MAX_SNIS {
+        return Err(ApiError::validation(
+            "snis",
+            format!("at most {MAX_SNIS} names"),
+        ));
+    }
+    spec.snis = Some(snis);
+    Ok((spec, parsed))
+}
 
 fn name(field: &str, value: &str) -> Result<(), ApiError> {
     let valid_chars = value
@@ -47,14 +138,14 @@ fn is_host_name(value: &str) -> bool {
 
 pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
     name("name", &spec.name)?;
-    if spec.protocol != Protocol::Http {
-        return Err(ApiError::validation(
-            "protocol",
-            format!(
-                "protocol {:?} is not supported by this version; use \"http\"",
-                spec.protocol.as_str()
-            ),
-        ));
+    if let Some(bundle) = &spec.tls_ca_pem {
+        if bundle.len() > MAX_PEM_BYTES {
+            return Err(ApiError::validation(
+                "tls_ca_pem",
+                format!("tls_ca_pem must be at most {MAX_PEM_BYTES} bytes"),
+            ));
+        }
+        tls::parse_ca_bundle(bundle).map_err(tls_error)?;
     }
     if let Some(authority) = &spec.upstream_authority {
         let parsed = Authority::try_from(authority.as_str()).ok();
@@ -407,8 +498,8 @@ mod tests {
         bad.max_attempts = 0;
         assert_eq!(field_of(service(bad)), "max_attempts");
         let mut bad = service_spec();
-        bad.protocol = Protocol::Tcp;
-        assert_eq!(field_of(service(bad)), "protocol");
+        bad.tls_ca_pem = Some("not a certificate".into());
+        assert_eq!(field_of(service(bad)), "tls_ca_pem");
     }
 
     #[test]

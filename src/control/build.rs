@@ -9,7 +9,8 @@ use http::HeaderValue;
 use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
 use crate::model::{Health, Id, RoutingConfig, Target};
 use crate::snapshot::{
-    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, TargetRuntime,
+    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, StreamStats,
+    TargetRuntime,
 };
 
 /// Runtime state that outlives snapshots: per target id (in-flight, health, ejection) and per
@@ -20,6 +21,7 @@ pub struct CarriedState {
     health: HashMap<Id, Arc<TargetHealth>>,
     counters: HashMap<Id, Arc<ServiceCounters>>,
     route_stats: HashMap<Id, Arc<RouteStats>>,
+    stream_stats: HashMap<Id, Arc<StreamStats>>,
 }
 
 impl CarriedState {
@@ -53,6 +55,8 @@ pub fn build_snapshot(
     carried.counters.retain(|id, _| services.contains(id));
     let routes: HashSet<Id> = config.routes.iter().map(|route| route.id).collect();
     carried.route_stats.retain(|id, _| routes.contains(id));
+    let stream_routes: HashSet<Id> = config.stream_routes.iter().map(|route| route.id).collect();
+    carried.stream_stats.retain(|id, _| stream_routes.contains(id));
 
     let services = config
         .services
@@ -103,8 +107,12 @@ pub fn build_snapshot(
         })
         .collect();
     let route_stats = &mut carried.route_stats;
-    Snapshot::with_route_stats(generation, services, config.routes.clone(), |id| {
+    let snapshot = Snapshot::with_route_stats(generation, services, config.routes.clone(), |id| {
         route_stats.entry(id).or_default().clone()
+    });
+    let stream_stats = &mut carried.stream_stats;
+    snapshot.with_stream_routes(&config.stream_routes, |id| {
+        stream_stats.entry(id).or_default().clone()
     })
 }
 

@@ -7,6 +7,7 @@
 //! rebuild runs are coalesced into the next one.
 
 mod build;
+mod edge;
 mod health;
 mod sources;
 
@@ -23,6 +24,8 @@ use crate::snapshot::SnapshotHandle;
 use crate::store::{Store, StoreError};
 
 pub use build::{build_snapshot, CarriedState};
+pub use edge::{EdgeOptions, FileCertificates};
+use edge::Edge;
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +69,10 @@ enum Command {
         source_id: Id,
         reply: Reply<RefreshAnswer>,
     },
+    BindStream {
+        listen: std::net::SocketAddr,
+        reply: oneshot::Sender<Result<(), crate::proxy::stream::StreamError>>,
+    },
 }
 
 /// Asks the control task to apply the stored configuration or to refresh a source.
@@ -94,6 +101,20 @@ impl ControlHandle {
     pub async fn apply(&self) -> Result<u64, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
         self.send(Command::Apply(reply), done).await
+    }
+
+    /// Starts listening on `listen` for a stream route about to be stored; the outer error means
+    /// the control task is gone, the inner one that the address cannot be bound.
+    pub async fn bind_stream_listener(
+        &self,
+        listen: std::net::SocketAddr,
+    ) -> Result<Result<(), crate::proxy::stream::StreamError>, Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.commands
+            .send(Command::BindStream { listen, reply })
+            .await
+            .map_err(|_| Arc::new(ControlError::Stopped))?;
+        done.await.map_err(|_| Arc::new(ControlError::Stopped))
     }
 
     pub async fn refresh_source(&self, source_id: Id) -> Result<RefreshAnswer, Arc<ControlError>> {
@@ -128,6 +149,8 @@ struct ControlTask {
     resync_at: Option<chrono::DateTime<chrono::Utc>>,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
+    /// Stream listeners and served certificates, kept in step with each snapshot.
+    edge: Edge,
 }
 
 impl ControlTask {
@@ -137,6 +160,9 @@ impl ControlTask {
         self.health_checkers.stop_unwanted(&config.services);
         let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
         self.snapshots.publish(snapshot);
+        self.edge
+            .sync_stream_listeners(&config.stream_routes, self.clock.now());
+        self.edge.publish_certificates(&config.certificates);
         self.health_checkers
             .start_missing(&config.services, &self.snapshots, &self.store);
         tracing::debug!(generation = self.generation, "published routing snapshot");
@@ -194,6 +220,9 @@ impl ControlTask {
                 Command::Refresh { source_id, reply } => {
                     let _ = reply.send(Ok(self.request_refresh(source_id)));
                 }
+                Command::BindStream { listen, reply } => {
+                    let _ = reply.send(self.edge.bind_stream_listener(listen));
+                }
             }
             next = commands.try_recv().ok();
         }
@@ -228,6 +257,7 @@ async fn sleep_until_or_forever(deadline: Option<tokio::time::Instant>) {
 pub async fn start(
     store: Store,
     snapshots: SnapshotHandle,
+    edge: EdgeOptions,
 ) -> Result<(ControlHandle, JoinHandle<()>), ControlError> {
     let (outcome_sender, outcome_receiver) = mpsc::channel(1024);
     let mut task = ControlTask {
@@ -242,6 +272,7 @@ pub async fn start(
         resync_at: None,
         next_runner_generation: 1,
         outcomes: outcome_sender,
+        edge: Edge::new(edge),
     };
     task.rebuild().await?;
     if task.sync_sources().await? {

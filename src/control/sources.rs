@@ -364,7 +364,10 @@ impl ControlTask {
             })
             .flatten()
             .min();
-        [source_timers, self.resync_at].into_iter().flatten().min()
+        [source_timers, self.resync_at, self.edge.rebind_at]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Deletes targets whose removal grace ended and turns failing sources stale on time.
@@ -376,7 +379,9 @@ impl ControlTask {
             resynced = self.sync_sources_or_retry().await;
         }
         let ids: Vec<Id> = self.sources.keys().copied().collect();
-        let mut changed = resynced;
+        // A rebuild binds the stream listeners that could not be bound before.
+        let rebind_due = self.edge.rebind_at.is_some_and(|due| due <= now);
+        let mut changed = resynced || rebind_due;
         for id in ids {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;

@@ -81,6 +81,14 @@ impl TestGateway {
         Self::start_with(self.dir.clone(), self.config.clone()).await
     }
 
+    /// The HTTPS listener's address; the config must set `proxy.tls_listen` (e.g. 127.0.0.1:0).
+    pub fn tls_addr(&self) -> SocketAddr {
+        self.gateway
+            .as_ref()
+            .and_then(|gateway| gateway.tls_addr)
+            .expect("gateway started with proxy.tls_listen")
+    }
+
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{}", self.admin, path)
     }
