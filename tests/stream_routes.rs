@@ -1,0 +1,685 @@
+//! L4 stream routes through real sockets (DESIGN.md §6): plain TCP with half-close, balancing
+//! across connections, TLS passthrough chosen by SNI without terminating TLS, listeners bound and
+//! retired at runtime, bind conflicts, connect failover, draining targets, shutdown drain, and
+//! a gigabyte with flat memory.
+
+mod common;
+use common::*;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+const DEADLINE: Duration = Duration::from_secs(10);
+/// Bound on any single socket operation of a test, so a hang fails instead of blocking forever.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------------
+// Upstreams
+// ---------------------------------------------------------------------------------------------
+
+/// A raw TCP upstream. Each connection echoes what it reads; when the client ends its writes it
+/// appends `|eof:NAME` and closes, which proves it saw the half-close and could still reply.
+struct EchoUpstream {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl EchoUpstream {
+    async fn start(name: &str) -> EchoUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counted = connections.clone();
+        let trailer = format!("|eof:{name}");
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                counted.fetch_add(1, Ordering::SeqCst);
+                let trailer = trailer.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 16 * 1024];
+                    loop {
+                        match stream.read(&mut buffer).await {
+                            Ok(0) => break,
+                            Ok(n) => {
+                                if stream.write_all(&buffer[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                            Err(_) => return,
+                        }
+                    }
+                    let _ = stream.write_all(trailer.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        EchoUpstream {
+            addr,
+            connections,
+            task,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    fn target(&self) -> Value {
+        json!({"host": "127.0.0.1", "port": self.addr.port()})
+    }
+}
+
+impl Drop for EchoUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A TLS upstream with its own certificate for `name`; after the handshake it sends its name and
+/// then waits for the client to close.
+struct TlsUpstream {
+    addr: SocketAddr,
+    certificate: CertificateDer<'static>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// A test CA and the leaf certificates it issues.
+struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    fn new() -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "raahi stream test CA");
+        let key = rcgen::KeyPair::generate().unwrap();
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).unwrap(),
+        }
+    }
+
+    fn root(&self) -> CertificateDer<'static> {
+        self.issuer.der().clone()
+    }
+
+    fn leaf(&self, name: &str) -> (CertificateDer<'static>, PrivateKeyDer<'static>) {
+        let params = rcgen::CertificateParams::new(vec![name.to_owned()]).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let certificate = params.signed_by(&key, &self.issuer).unwrap();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        (certificate.der().clone(), key)
+    }
+}
+
+fn ring() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl TlsUpstream {
+    async fn start(ca: &TestCa, name: &str) -> TlsUpstream {
+        let (certificate, key) = ca.leaf(name);
+        let config = rustls::ServerConfig::builder_with_provider(ring())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![certificate.clone()], key)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let greeting = name.as_bytes().to_vec();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let acceptor = acceptor.clone();
+                let greeting = greeting.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let _ = tls.write_all(&greeting).await;
+                    let _ = tls.flush().await;
+                    let mut rest = Vec::new();
+                    let _ = tls.read_to_end(&mut rest).await;
+                });
+            }
+        });
+        TlsUpstream {
+            addr,
+            certificate,
+            task,
+        }
+    }
+
+    fn target(&self) -> Value {
+        json!({"host": "127.0.0.1", "port": self.addr.port()})
+    }
+}
+
+impl Drop for TlsUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// A loopback address nothing listens on right now: bound once, read, released.
+fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+async fn service(gateway: &TestGateway, name: &str, protocol: &str, targets: &[Value]) -> i64 {
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": name, "protocol": protocol, "timeouts": {"connect_ms": 2000}}),
+        )
+        .await;
+    for target in targets {
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                target.clone(),
+            )
+            .await;
+    }
+    service
+}
+
+async fn stream_route(
+    gateway: &TestGateway,
+    listen: SocketAddr,
+    sni: Option<&str>,
+    service: i64,
+) -> i64 {
+    let mut body = json!({"listen": listen.to_string(), "service_id": service});
+    if let Some(sni) = sni {
+        body["sni"] = json!(sni);
+    }
+    gateway.create("/api/v1/stream-routes", body).await
+}
+
+/// One exchange on a fresh connection: sends `payload`, ends the writes (half-close), reads
+/// everything until the gateway closes.
+async fn exchange(addr: SocketAddr, payload: &[u8]) -> io::Result<Vec<u8>> {
+    let work = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.write_all(payload).await?;
+        stream.shutdown().await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok(answer)
+    };
+    tokio::time::timeout(IO_TIMEOUT, work)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "exchange timed out"))?
+}
+
+/// Waits until an exchange through `addr` reaches an upstream; returns its name.
+async fn wait_for_echo(addr: SocketAddr) -> String {
+    let name = std::sync::Mutex::new(None);
+    wait_until("the stream route answers", DEADLINE, || async {
+        let answer = exchange(addr, b"hi").await.ok();
+        let found = answer.and_then(|answer| upstream_name(&answer, b"hi"));
+        let reached = found.is_some();
+        *name.lock().unwrap() = found;
+        reached
+    })
+    .await;
+    let found = name.lock().unwrap().take();
+    found.expect("an upstream answered")
+}
+
+/// The upstream's name from an echo answer to `payload`, if the answer is complete.
+fn upstream_name(answer: &[u8], payload: &[u8]) -> Option<String> {
+    let rest = answer.strip_prefix(payload)?;
+    let name = rest.strip_prefix(b"|eof:")?;
+    Some(String::from_utf8_lossy(name).into_owned())
+}
+
+/// A round trip on an open connection: writes `line`, reads the same bytes back.
+async fn round_trip(stream: &mut TcpStream, line: &[u8]) {
+    stream.write_all(line).await.expect("write to the gateway");
+    let mut echoed = vec![0u8; line.len()];
+    tokio::time::timeout(IO_TIMEOUT, stream.read_exact(&mut echoed))
+        .await
+        .expect("echo in time")
+        .expect("echo read");
+    assert_eq!(echoed, line);
+}
+
+/// Ends the client's writes and reads the rest: the upstream's trailer.
+async fn finish(mut stream: TcpStream) -> String {
+    stream.shutdown().await.expect("half-close");
+    let mut rest = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT, stream.read_to_end(&mut rest))
+        .await
+        .expect("trailer in time")
+        .expect("trailer read");
+    String::from_utf8_lossy(&rest).into_owned()
+}
+
+/// Whether a fresh connection to `addr` is refused (nothing listens).
+async fn refused(addr: SocketAddr) -> bool {
+    matches!(
+        TcpStream::connect(addr).await,
+        Err(error) if error.kind() == io::ErrorKind::ConnectionRefused
+    )
+}
+
+fn tls_client(roots: &[CertificateDer<'static>]) -> tokio_rustls::TlsConnector {
+    let mut store = rustls::RootCertStore::empty();
+    for root in roots {
+        store.add(root.clone()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(ring())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// A TLS handshake through the gateway naming `sni`; returns the certificate the server showed
+/// and the greeting it sent.
+async fn tls_hello(
+    connector: &tokio_rustls::TlsConnector,
+    addr: SocketAddr,
+    sni: &str,
+) -> io::Result<(CertificateDer<'static>, String)> {
+    let work = async {
+        let tcp = TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from(sni.to_owned())
+            .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))?;
+        let mut tls = connector.connect(name, tcp).await?;
+        let certificate = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|chain| chain.first().cloned())
+            .ok_or_else(|| io::Error::other("no peer certificate"))?;
+        let mut greeting = vec![0u8; sni.len()];
+        tls.read_exact(&mut greeting).await?;
+        let _ = tls.shutdown().await;
+        Ok((certificate, String::from_utf8_lossy(&greeting).into_owned()))
+    };
+    tokio::time::timeout(IO_TIMEOUT, work)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS exchange timed out"))?
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_echo_with_half_close() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("alpha").await;
+    let service = service(&gateway, "echo", "tcp", &[upstream.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    // The client ends its writes first; the upstream sees EOF, still replies, and the client
+    // reads the whole reply.
+    let payload = vec![b'x'; 300 * 1024];
+    let answer = exchange(listen, &payload).await.expect("exchange");
+    assert_eq!(answer.len(), payload.len() + "|eof:alpha".len());
+    assert_eq!(upstream_name(&answer, &payload).as_deref(), Some("alpha"));
+
+    // Interactive traffic on one connection, then the half-close.
+    let mut stream = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut stream, b"ping").await;
+    round_trip(&mut stream, b"pong").await;
+    assert_eq!(finish(stream).await, "|eof:alpha");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_over_two_tcp_upstreams_across_connections() {
+    let gateway = TestGateway::start().await;
+    let a = EchoUpstream::start("a").await;
+    let b = EchoUpstream::start("b").await;
+    let service = service(&gateway, "pair", "tcp", &[a.target(), b.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    let mut counts = std::collections::HashMap::<String, usize>::new();
+    for _ in 0..20 {
+        let answer = exchange(listen, b"q").await.expect("exchange");
+        let name = upstream_name(&answer, b"q").expect("an echo answer");
+        *counts.entry(name).or_default() += 1;
+    }
+    assert_eq!(counts.get("a"), Some(&10), "{counts:?}");
+    assert_eq!(counts.get("b"), Some(&10), "{counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_passthrough_picks_the_upstream_by_sni() {
+    let gateway = TestGateway::start().await;
+    let ca = TestCa::new();
+    let a = TlsUpstream::start(&ca, "a.test").await;
+    let b = TlsUpstream::start(&ca, "b.test").await;
+    let service_a = service(&gateway, "tls-a", "tls", &[a.target()]).await;
+    let service_b = service(&gateway, "tls-b", "tls", &[b.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, Some("a.test"), service_a).await;
+    stream_route(&gateway, listen, Some("b.test"), service_b).await;
+    let client = tls_client(&[ca.root()]);
+
+    let answer = std::sync::Mutex::new(None);
+    wait_until("TLS passthrough answers", DEADLINE, || async {
+        let reached = tls_hello(&client, listen, "a.test").await.ok();
+        let done = reached.is_some();
+        *answer.lock().unwrap() = reached;
+        done
+    })
+    .await;
+    // The certificate is the upstream's own: the gateway did not terminate TLS.
+    let (certificate, greeting) = answer.lock().unwrap().take().unwrap();
+    assert_eq!(certificate, a.certificate);
+    assert_eq!(greeting, "a.test");
+
+    let (certificate, greeting) = tls_hello(&client, listen, "b.test").await.expect("b.test");
+    assert_eq!(certificate, b.certificate);
+    assert_eq!(greeting, "b.test");
+    assert_ne!(a.certificate, b.certificate);
+
+    // No route for this name and no route without SNI: the gateway closes the connection.
+    let unmatched = tls_hello(&client, listen, "c.test").await;
+    assert!(unmatched.is_err(), "c.test must not be answered");
+    // A client that does not speak TLS at all is closed too, without an answer.
+    let garbage = exchange(listen, b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n").await;
+    assert!(
+        matches!(&garbage, Ok(answer) if answer.is_empty()) || garbage.is_err(),
+        "{garbage:?}"
+    );
+    // And the listener still serves matching names afterwards.
+    let (certificate, _) = tls_hello(&client, listen, "b.test").await.expect("b.test");
+    assert_eq!(certificate, b.certificate);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_without_sni_takes_the_other_tls_names() {
+    let gateway = TestGateway::start().await;
+    let ca = TestCa::new();
+    let named = TlsUpstream::start(&ca, "a.test").await;
+    let rest = TlsUpstream::start(&ca, "other.test").await;
+    let service_named = service(&gateway, "named", "tls", &[named.target()]).await;
+    let service_rest = service(&gateway, "rest", "tls", &[rest.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, Some("a.test"), service_named).await;
+    stream_route(&gateway, listen, None, service_rest).await;
+    let client = tls_client(&[ca.root()]);
+
+    wait_until("TLS passthrough answers", DEADLINE, || async {
+        tls_hello(&client, listen, "a.test").await.is_ok()
+    })
+    .await;
+    let (certificate, greeting) = tls_hello(&client, listen, "other.test")
+        .await
+        .expect("the route without SNI takes other.test");
+    assert_eq!(certificate, rest.certificate);
+    assert_eq!(greeting, "other.test");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creating_binds_and_deleting_stops_accepting_while_open_connections_continue() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("live").await;
+    let service = service(&gateway, "live", "tcp", &[upstream.target()]).await;
+    let listen = free_addr();
+    assert!(refused(listen).await, "nothing listens before the route");
+
+    let route = stream_route(&gateway, listen, None, service).await;
+    assert_eq!(wait_for_echo(listen).await, "live");
+
+    let mut open = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut open, b"before").await;
+
+    let (status, body) = gateway
+        .api("DELETE", &format!("/api/v1/stream-routes/{route}"), None)
+        .await;
+    assert_eq!(status, 204, "{body}");
+    wait_until("the listener stops accepting", DEADLINE, || refused(listen)).await;
+
+    // The connection accepted before the deletion keeps working to its end.
+    round_trip(&mut open, b"after").await;
+    assert_eq!(finish(open).await, "|eof:live");
+
+    // Creating it again binds the same address again.
+    stream_route(&gateway, listen, None, service).await;
+    assert_eq!(wait_for_echo(listen).await, "live");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_failure_is_a_conflict_naming_the_address() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("x").await;
+    let service = service(&gateway, "x", "tcp", &[upstream.target()]).await;
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = held.local_addr().unwrap();
+
+    let (status, body) = gateway
+        .api(
+            "POST",
+            "/api/v1/stream-routes",
+            Some(json!({"listen": listen.to_string(), "service_id": service})),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["field"], "listen", "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&listen.to_string()), "{body}");
+
+    // Nothing was kept: the list is empty and, once the address is free, the route can be made.
+    let (status, list) = gateway.api("GET", "/api/v1/stream-routes", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(list["items"].as_array().map(Vec::len), Some(0), "{list}");
+    drop(held);
+    stream_route(&gateway, listen, None, service).await;
+    assert_eq!(wait_for_echo(listen).await, "x");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failure_falls_over_to_another_target() {
+    let gateway = TestGateway::start().await;
+    let live = EchoUpstream::start("live").await;
+    let dead = free_addr();
+    let service = service(&gateway, "failover", "tcp", &[]).await;
+    let targets = format!("/api/v1/services/{service}/targets");
+    // The dead target is heavier, so most first picks go to it and must fail over.
+    let dead_target = gateway
+        .create(
+            &targets,
+            json!({"host": "127.0.0.1", "port": dead.port(), "weight": 300}),
+        )
+        .await;
+    gateway
+        .create(
+            &targets,
+            json!({"host": "127.0.0.1", "port": live.addr.port(), "weight": 100}),
+        )
+        .await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+    for round in 0..12 {
+        let answer = exchange(listen, b"f").await.expect("exchange");
+        assert_eq!(
+            upstream_name(&answer, b"f").as_deref(),
+            Some("live"),
+            "connection {round} must reach the live target"
+        );
+    }
+    assert!(live.connections() >= 13);
+    // The connect failures count as passive failures, as for HTTP: the dead target is ejected
+    // (default policy: 5 failures within 30 s).
+    let (status, dead_state) = gateway
+        .api("GET", &format!("/api/v1/targets/{dead_target}"), None)
+        .await;
+    assert_eq!(status, 200);
+    assert!(
+        !dead_state["ejected_until"].is_null(),
+        "the dead target is ejected: {dead_state}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_target_keeps_its_open_connection() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("old").await;
+    let service = service(&gateway, "drain", "tcp", &[upstream.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    let mut open = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut open, b"one").await;
+
+    let (status, targets) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+        .await;
+    assert_eq!(status, 200);
+    let target = targets["items"][0]["id"].as_i64().expect("a target id");
+    let (status, body) = gateway
+        .api("DELETE", &format!("/api/v1/targets/{target}"), None)
+        .await;
+    assert_eq!(status, 204, "{body}");
+
+    // New connections no longer reach it...
+    wait_until("new connections are no longer served", DEADLINE, || async {
+        let answer = exchange(listen, b"n").await.unwrap_or_default();
+        upstream_name(&answer, b"n").is_none()
+    })
+    .await;
+    // ...while the open one keeps going until it ends.
+    round_trip(&mut open, b"two").await;
+    assert_eq!(finish(open).await, "|eof:old");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_accepting_and_waits_for_open_connections() {
+    let mut gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("up").await;
+    let service = service(&gateway, "up", "tcp", &[upstream.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    let mut open = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut open, b"a").await;
+    let running = gateway.gateway.take().expect("a running gateway");
+    let shutdown = tokio::spawn(running.shutdown());
+
+    wait_until("the stream listener closes", DEADLINE, || refused(listen)).await;
+    assert!(
+        !shutdown.is_finished(),
+        "shutdown waits for the open stream"
+    );
+    round_trip(&mut open, b"b").await;
+    assert_eq!(finish(open).await, "|eof:up");
+    tokio::time::timeout(DEADLINE, shutdown)
+        .await
+        .expect("shutdown ends once the stream has closed")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gigabyte_through_a_stream_route_with_flat_memory() {
+    const TOTAL: u64 = 1 << 30;
+    const CHUNK: usize = 256 * 1024;
+    let gateway = TestGateway::start().await;
+
+    // A sink: counts what it reads and answers the count when the client ends its writes.
+    let sink = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sink_addr = sink.local_addr().unwrap();
+    let sink_task = tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = sink.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 64 * 1024];
+                let mut received: u64 = 0;
+                loop {
+                    match stream.read(&mut buffer).await {
+                        Ok(0) => break,
+                        Ok(n) => received += n as u64,
+                        Err(_) => return,
+                    }
+                }
+                let _ = stream.write_all(received.to_string().as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    let service = service(
+        &gateway,
+        "sink",
+        "tcp",
+        &[json!({"host": "127.0.0.1", "port": sink_addr.port()})],
+    )
+    .await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_until("the sink answers", DEADLINE, || async {
+        matches!(exchange(listen, b"1234").await, Ok(answer) if answer == b"4")
+    })
+    .await;
+
+    let before = rss_kib();
+    let mut peak = before;
+    let mut stream = TcpStream::connect(listen).await.unwrap();
+    let chunk = vec![b'z'; CHUNK];
+    let mut sent: u64 = 0;
+    let transfer = async {
+        while sent < TOTAL {
+            let take = (TOTAL - sent).min(CHUNK as u64) as usize;
+            stream.write_all(&chunk[..take]).await?;
+            sent += take as u64;
+            if sent % (64 << 20) == 0 {
+                peak = peak.max(rss_kib());
+            }
+        }
+        stream.shutdown().await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        io::Result::Ok(answer)
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(300), transfer)
+        .await
+        .expect("1 GiB in time")
+        .expect("1 GiB transfer");
+    peak = peak.max(rss_kib());
+    sink_task.abort();
+    assert_eq!(String::from_utf8_lossy(&answer), TOTAL.to_string());
+    let growth_mib = peak.saturating_sub(before) / 1024;
+    assert!(
+        growth_mib < 64,
+        "resident memory grew by {growth_mib} MiB moving 1 GiB"
+    );
+}
