@@ -37,6 +37,51 @@ pub struct Config {
     pub resources: ResourcesConfig,
     #[serde(default)]
     pub tls: TlsConfig,
+    #[serde(default)]
+    pub cluster: ClusterConfig,
+}
+
+/// Several instances on one PostgreSQL store (see README "Scaling out with PostgreSQL").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Names this instance in source leases and in source status (`refreshed_by`). Unset: the
+    /// host name and a random suffix, new at every start.
+    #[serde(default)]
+    pub instance_id: Option<String>,
+    /// How long a discovery-source lease lasts without renewal (renewed every third of it); when
+    /// the refreshing instance dies, another takes over within two of these.
+    #[serde(default = "ClusterConfig::default_lease_ms")]
+    pub lease_ms: u64,
+    /// Period of the full reload that backs up change notifications (PostgreSQL only).
+    #[serde(default = "ClusterConfig::default_resync_ms")]
+    pub resync_ms: u64,
+}
+
+impl ClusterConfig {
+    fn default_lease_ms() -> u64 {
+        15_000
+    }
+    fn default_resync_ms() -> u64 {
+        15_000
+    }
+
+    /// The configured instance id, or a generated one.
+    pub fn instance_id_or_generated(&self) -> String {
+        self.instance_id
+            .clone()
+            .unwrap_or_else(crate::store::default_instance_id)
+    }
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            instance_id: None,
+            lease_ms: Self::default_lease_ms(),
+            resync_ms: Self::default_resync_ms(),
+        }
+    }
 }
 
 /// Certificates from files for the HTTPS listener, beside those managed through the admin API.
@@ -207,6 +252,9 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_ADMIN_LISTEN", "admin.listen"),
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
     ("RAAHI_DATABASE_URL", "database.url"),
+    ("RAAHI_CLUSTER_INSTANCE_ID", "cluster.instance_id"),
+    ("RAAHI_CLUSTER_LEASE_MS", "cluster.lease_ms"),
+    ("RAAHI_CLUSTER_RESYNC_MS", "cluster.resync_ms"),
     ("RAAHI_RESOURCES_FILE", "resources.file"),
     ("RAAHI_LOG_FORMAT", "log.format"),
     ("RUST_LOG", "log.level"),
@@ -275,6 +323,22 @@ impl Config {
                 "database.url",
                 "expected sqlite://PATH or postgres://USER@HOST:PORT/DATABASE",
             ));
+        }
+        if let Some(id) = &self.cluster.instance_id {
+            // PostgreSQL keeps 63 printable ASCII bytes of an application_name, which carries the
+            // id in change notifications.
+            if id.is_empty() || id.len() > 63 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(invalid(
+                    "cluster.instance_id",
+                    "must be 1 to 63 printable ASCII characters without spaces",
+                ));
+            }
+        }
+        if self.cluster.lease_ms < 300 {
+            return Err(invalid("cluster.lease_ms", "must be at least 300"));
+        }
+        if self.cluster.resync_ms == 0 {
+            return Err(invalid("cluster.resync_ms", "must be greater than 0"));
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid(
@@ -416,6 +480,39 @@ mod tests {
         let error = Config::from_parts("conf.toml", Some("[proxy\n"), &[]).unwrap_err();
         assert!(matches!(error, ConfigError::Syntax { .. }));
         assert!(error.to_string().starts_with("conf.toml: not valid TOML"));
+    }
+
+    #[test]
+    fn cluster_keys_have_defaults_and_environment_overrides() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap();
+        assert_eq!(defaults.cluster.lease_ms, 15_000);
+        assert_eq!(defaults.cluster.resync_ms, 15_000);
+        assert_eq!(defaults.cluster.instance_id, None);
+        let config = Config::from_parts(
+            "c",
+            None,
+            &env(&[
+                (
+                    "RAAHI_DATABASE_URL",
+                    "postgres://raahi@127.0.0.1:5432/raahi",
+                ),
+                ("RAAHI_CLUSTER_INSTANCE_ID", "gw-1"),
+                ("RAAHI_CLUSTER_LEASE_MS", "2000"),
+                ("RAAHI_CLUSTER_RESYNC_MS", "5000"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.cluster.instance_id.as_deref(), Some("gw-1"));
+        assert_eq!(config.cluster.lease_ms, 2000);
+        assert_eq!(config.cluster.resync_ms, 5000);
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_CLUSTER_INSTANCE_ID", "a b")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("cluster.instance_id"), "{error}");
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_CLUSTER_LEASE_MS", "10")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("cluster.lease_ms"), "{error}");
     }
 
     #[test]

@@ -11,13 +11,15 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, auth, AdminState};
 use crate::config::{Config, TlsConfig};
-use crate::control::{self, ControlError, ControlHandle, EdgeOptions, FileCertificates};
+use crate::control::{
+    self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificates,
+};
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
-use crate::tls::{self, CertResolver};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
+use crate::tls::{self, CertResolver};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -90,6 +92,13 @@ fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, StartE
     Ok(certificates)
 }
 
+fn cluster_settings(config: &Config) -> ClusterSettings {
+    ClusterSettings {
+        lease: Duration::from_millis(config.cluster.lease_ms),
+        resync: Duration::from_millis(config.cluster.resync_ms),
+    }
+}
+
 async fn bind(role: &'static str, address: SocketAddr) -> Result<TcpListener, StartError> {
     TcpListener::bind(address)
         .await
@@ -104,7 +113,8 @@ impl Gateway {
     /// Opens the store, publishes the first snapshot from it, then starts accepting.
     pub async fn start(config: &Config) -> Result<Gateway, StartError> {
         tls::install_crypto_provider();
-        let store = Store::connect(&config.database.url).await?;
+        let instance_id = config.cluster.instance_id_or_generated();
+        let store = Store::connect_as(&config.database.url, &instance_id).await?;
         let generated_admin_token =
             match auth::bootstrap(&store, config.admin.token.as_deref()).await? {
                 auth::Bootstrap::Generated(token) => Some(token),
@@ -124,18 +134,19 @@ impl Gateway {
                 shutdown_grace: settings.shutdown_grace,
             },
         );
-        let certificates = config
-            .proxy
-            .tls_listen
-            .is_some()
-            .then(CertResolver::new);
+        let certificates = config.proxy.tls_listen.is_some().then(CertResolver::new);
         let edge = EdgeOptions {
             streams: Some(streams.clone()),
             certificates: certificates.clone(),
             file_certificates: load_file_certificates(&config.tls)?,
         };
-        let (control, control_task) =
-            control::start(store.clone(), snapshots.clone(), edge).await?;
+        let (control, control_task) = control::start(
+            store.clone(),
+            snapshots.clone(),
+            edge,
+            cluster_settings(config),
+        )
+        .await?;
         // Applied before the listeners open, so the first request already sees it.
         let resources = match &config.resources.file {
             Some(path) => {

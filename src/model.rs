@@ -466,6 +466,9 @@ pub struct SourceStatus {
     #[serde(flatten)]
     pub progress: SourceProgress,
     pub endpoints: EndpointCounts,
+    /// The gateway instance that refreshes this source (holds its lease); null while none does.
+    #[serde(default)]
+    pub refreshed_by: Option<String>,
 }
 
 /// One endpoint as a discovery provider reports it. `key` is its identity across refreshes

@@ -113,6 +113,7 @@ async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError>
         source_id: id,
         progress,
         endpoints,
+        refreshed_by: state.store.source_lease_holder(id).await?,
     })
 }
 

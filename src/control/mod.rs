@@ -5,8 +5,14 @@
 //! snapshot and publishes it. Refresh outcomes, removal-grace and stale timers arrive here too,
 //! so every change to targets and every snapshot has one writer. Requests that arrive while a
 //! rebuild runs are coalesced into the next one.
+//!
+//! On a shared (PostgreSQL) store other instances' changes arrive as notifications and trigger the
+//! same reload, and each discovery source runs only on the instance holding its lease
+//! (`cluster.rs`). A store that fails never empties the live snapshot: the previous one keeps
+//! serving while reloads are retried with backoff.
 
 mod build;
+mod cluster;
 mod edge;
 mod health;
 mod sources;
@@ -24,8 +30,10 @@ use crate::snapshot::SnapshotHandle;
 use crate::store::{Store, StoreError};
 
 pub use build::{build_snapshot, CarriedState};
-pub use edge::{EdgeOptions, FileCertificates};
+use cluster::ClusterEvent;
+pub use cluster::ClusterSettings;
 use edge::Edge;
+pub use edge::{EdgeOptions, FileCertificates};
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -145,8 +153,19 @@ struct ControlTask {
     sources: HashMap<Id, SourceEntry>,
     source_stats: SourceStatsMap,
     health_checkers: health::HealthCheckers,
-    /// When to retry a sync of sources that failed on a store error.
+    /// When to retry a sync of sources (or a rebuild) that failed on a store error.
     resync_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Store failures in a row, for the retry backoff.
+    store_failures: u32,
+    /// A rebuild failed: the next retry rebuilds even if the sources did not change.
+    rebuild_due: bool,
+    cluster: ClusterSettings,
+    /// Next renewal of held leases and bid for free ones.
+    lease_round_at: tokio::time::Instant,
+    /// Next full reload that backs up change notifications (shared stores only).
+    periodic_resync_at: Option<tokio::time::Instant>,
+    /// Listens for other instances' changes (shared stores only); stops when dropped.
+    _listener: Option<cluster::ListenerTask>,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
     /// Stream listeners and served certificates, kept in step with each snapshot.
@@ -155,7 +174,15 @@ struct ControlTask {
 
 impl ControlTask {
     async fn rebuild(&mut self) -> Result<u64, ControlError> {
-        let config = self.store.load_routing_config().await?;
+        let config = match self.store.load_routing_config().await {
+            Ok(config) => config,
+            Err(error) => {
+                self.rebuild_due = true;
+                self.schedule_retry();
+                return Err(error.into());
+            }
+        };
+        self.rebuild_due = false;
         self.generation += 1;
         self.health_checkers.stop_unwanted(&config.services);
         let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
@@ -173,21 +200,96 @@ impl ControlTask {
     async fn apply(&mut self) -> Result<u64, ControlError> {
         let synced = self.sync_sources().await;
         if synced.is_err() {
-            self.resync_at = Some(self.clock.now() + chrono::Duration::seconds(1));
+            self.schedule_retry();
         }
         let generation = self.rebuild().await?;
         synced?;
         self.resync_at = None;
+        self.store_failures = 0;
         Ok(generation)
+    }
+
+    async fn apply_logged(&mut self) {
+        if let Err(error) = self.apply().await {
+            tracing::error!(%error, "configuration not reloaded; the previous snapshot stays live");
+        }
+    }
+
+    /// Retries a failed sync or rebuild after 1 s, doubling up to 8 s while the store keeps
+    /// failing (a database outage), so the log and the database are not flooded.
+    fn schedule_retry(&mut self) {
+        let delay = 1i64 << self.store_failures.min(3);
+        self.store_failures = self.store_failures.saturating_add(1);
+        self.resync_at = Some(self.clock.now() + chrono::Duration::seconds(delay));
+    }
+
+    /// Handles what the listener reported: one reload for any number of changes.
+    async fn handle_cluster_events(
+        &mut self,
+        first: ClusterEvent,
+        events: &mut mpsc::Receiver<ClusterEvent>,
+    ) {
+        let mut reload = false;
+        let mut next = Some(first);
+        while let Some(event) = next {
+            match event {
+                ClusterEvent::Changed | ClusterEvent::Resync => reload = true,
+                ClusterEvent::RefreshRequested(source_id) => {
+                    self.refresh_if_held(source_id);
+                }
+            }
+            next = events.try_recv().ok();
+        }
+        if reload {
+            self.apply_logged().await;
+        }
+    }
+
+    /// When the lease round, a held lease's expiry or the periodic resync is due.
+    fn next_cluster_wake(&self) -> tokio::time::Instant {
+        let lease_expiry = self
+            .sources
+            .values()
+            .filter_map(|entry| entry.lease_until())
+            .min();
+        [
+            Some(self.lease_round_at),
+            lease_expiry,
+            self.periodic_resync_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(self.lease_round_at)
+    }
+
+    async fn run_cluster_timers(&mut self) {
+        let now = tokio::time::Instant::now();
+        let changed = if self.lease_round_at <= now {
+            self.lease_round_at = now + self.cluster.lease / 3;
+            self.lease_round().await
+        } else {
+            self.expire_leases();
+            false
+        };
+        if changed {
+            self.rebuild_logged().await;
+        }
+        if self.periodic_resync_at.is_some_and(|due| due <= now) {
+            self.periodic_resync_at = Some(now + self.cluster.resync);
+            self.apply_logged().await;
+        }
     }
 
     async fn run(
         mut self,
         mut commands: mpsc::Receiver<Command>,
         mut outcomes: mpsc::Receiver<RefreshOutcome>,
+        mut cluster_events: mpsc::Receiver<ClusterEvent>,
     ) {
         loop {
             let wake_at = self.next_timer().map(|time| self.clock.instant_of(time));
+            let cluster_wake = self.next_cluster_wake();
             tokio::select! {
                 command = commands.recv() => {
                     let Some(command) = command else { return };
@@ -203,9 +305,16 @@ impl ControlTask {
                     }
                 }
                 _ = sleep_until_or_forever(wake_at) => {
-                    if self.run_timers().await {
+                    let rebuild_due = self.rebuild_due;
+                    if self.run_timers().await || rebuild_due {
                         self.rebuild_logged().await;
                     }
+                }
+                Some(event) = cluster_events.recv() => {
+                    self.handle_cluster_events(event, &mut cluster_events).await;
+                }
+                _ = tokio::time::sleep_until(cluster_wake) => {
+                    self.run_cluster_timers().await;
                 }
             }
         }
@@ -218,7 +327,7 @@ impl ControlTask {
             match command {
                 Command::Apply(reply) => apply_waiting.push(reply),
                 Command::Refresh { source_id, reply } => {
-                    let _ = reply.send(Ok(self.request_refresh(source_id)));
+                    let _ = reply.send(Ok(self.request_refresh(source_id).await));
                 }
                 Command::BindStream { listen, reply } => {
                     let _ = reply.send(self.edge.bind_stream_listener(listen));
@@ -258,8 +367,20 @@ pub async fn start(
     store: Store,
     snapshots: SnapshotHandle,
     edge: EdgeOptions,
+    cluster: ClusterSettings,
 ) -> Result<(ControlHandle, JoinHandle<()>), ControlError> {
     let (outcome_sender, outcome_receiver) = mpsc::channel(1024);
+    // Bounded: a burst of notifications needs one reload, not one each.
+    let (cluster_sender, cluster_receiver) = mpsc::channel(16);
+    let listener = store.postgres_pool().map(|pool| {
+        cluster::spawn_listener(
+            pool.clone(),
+            store.instance_id().to_owned(),
+            cluster_sender.clone(),
+        )
+    });
+    let now = tokio::time::Instant::now();
+    let shared = store.is_shared();
     let mut task = ControlTask {
         store,
         snapshots,
@@ -270,6 +391,12 @@ pub async fn start(
         source_stats: SourceStatsMap::default(),
         health_checkers: health::HealthCheckers::default(),
         resync_at: None,
+        store_failures: 0,
+        rebuild_due: false,
+        cluster,
+        lease_round_at: now + cluster.lease / 3,
+        periodic_resync_at: shared.then(|| now + cluster.resync),
+        _listener: listener,
         next_runner_generation: 1,
         outcomes: outcome_sender,
         edge: Edge::new(edge),
@@ -281,7 +408,11 @@ pub async fn start(
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();
     let source_stats = task.source_stats.clone();
-    let join = tokio::spawn(task.run(receiver, outcome_receiver));
+    // Without a listener (SQLite) the sender stays alive in the task, so the receiver just waits.
+    let join = tokio::spawn(async move {
+        let _cluster_sender = cluster_sender;
+        task.run(receiver, outcome_receiver, cluster_receiver).await
+    });
     Ok((
         ControlHandle {
             commands: sender,

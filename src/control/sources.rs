@@ -1,5 +1,10 @@
 //! The control task's side of discovery: refresh loops per source, applying their outcomes,
 //! removal-grace and stale timers.
+//!
+//! Every source has a lease in the store; only the instance holding it runs the source's loop and
+//! timers and writes its results (the store also refuses a result from an instance that lost the
+//! lease). Other instances only track the source, bid for its lease every third of a lease
+//! period, and take it over (with the stored progress and schedule) once it is free or expired.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -21,6 +26,9 @@ pub(super) struct SourceEntry {
     runner: Option<RunnerHandle>,
     /// Earliest removal deadline among its draining targets.
     next_removal: Option<DateTime<Utc>>,
+    /// Until when this instance holds the source's lease, judged conservatively from the start
+    /// of the request that took or renewed it. None: another instance (or nobody) holds it.
+    lease_until: Option<tokio::time::Instant>,
 }
 
 impl SourceEntry {
@@ -31,7 +39,25 @@ impl SourceEntry {
     fn stale_after(&self) -> Duration {
         Duration::from_millis(self.source.stale_after_ms)
     }
+
+    pub(super) fn lease_until(&self) -> Option<tokio::time::Instant> {
+        self.lease_until
+    }
+
+    fn holds_lease(&self) -> bool {
+        self.lease_until
+            .is_some_and(|until| until > tokio::time::Instant::now())
+    }
+
+    /// Stops the loop and timers: another instance refreshes the source now.
+    fn let_go(&mut self) {
+        self.runner = None;
+        self.lease_until = None;
+    }
 }
+
+/// The longest a taken-over source waits for the refresh its previous holder scheduled.
+const LONGEST_TAKEOVER_DELAY: Duration = Duration::from_secs(600);
 
 impl ControlTask {
     /// Brings the running loops in line with the stored sources. Returns whether targets changed.
@@ -72,11 +98,12 @@ impl ControlTask {
         match self.sync_sources().await {
             Ok(changed) => {
                 self.resync_at = None;
+                self.store_failures = 0;
                 changed
             }
             Err(error) => {
-                tracing::error!(%error, "discovery sources not fully applied; retrying in 1 s");
-                self.resync_at = Some(self.clock.now() + chrono::Duration::seconds(1));
+                self.schedule_retry();
+                tracing::error!(%error, retry_at = ?self.resync_at, "discovery sources not fully applied; retrying");
                 // Some sources may have changed before the failure.
                 true
             }
@@ -95,7 +122,15 @@ impl ControlTask {
             source,
             progress,
             runner: None,
+            lease_until: None,
         };
+        match self.bid_for_lease(entry.source.id).await {
+            Ok(until) => entry.lease_until = until,
+            // The lease round bids again.
+            Err(error) => {
+                tracing::warn!(source_id = entry.source.id, %error, "cannot bid for the source lease")
+            }
+        }
         // Kept even when enforcing fails, so its loop and timers are not lost with the error.
         let outcome = self.enforce_enabled(&mut entry, true).await;
         self.sources.insert(entry.source.id, entry);
@@ -125,13 +160,18 @@ impl ControlTask {
         entry: &mut SourceEntry,
         was_enabled: bool,
     ) -> Result<bool, ControlError> {
+        if !entry.holds_lease() {
+            // The holder applies the change when it sees it.
+            entry.runner = None;
+            return Ok(false);
+        }
         let now = self.clock.now();
         if entry.source.enabled {
             if entry.progress.state == SourceState::Disabled || !was_enabled {
                 lifecycle::enable(&mut entry.progress, now);
             }
             entry.progress.next_refresh_at = Some(now);
-            self.start_runner(entry);
+            self.start_runner(entry, Duration::ZERO);
             self.store
                 .save_progress(entry.source.id, &entry.progress)
                 .await?;
@@ -155,7 +195,7 @@ impl ControlTask {
         Ok(changed)
     }
 
-    fn start_runner(&mut self, entry: &mut SourceEntry) {
+    fn start_runner(&mut self, entry: &mut SourceEntry, first_delay: Duration) {
         match providers::build(entry.source.provider, &entry.source.config) {
             Ok((provider, schedule)) => {
                 let generation = self.next_runner_generation;
@@ -166,7 +206,7 @@ impl ControlTask {
                         generation,
                         provider,
                         schedule,
-                        first_delay: Duration::ZERO,
+                        first_delay,
                     },
                     self.clock,
                     self.outcomes.clone(),
@@ -182,7 +222,28 @@ impl ControlTask {
         }
     }
 
-    pub(super) fn request_refresh(&self, source_id: Id) -> RefreshAnswer {
+    pub(super) async fn request_refresh(&self, source_id: Id) -> RefreshAnswer {
+        let Some(entry) = self.sources.get(&source_id) else {
+            return RefreshAnswer::Unknown;
+        };
+        if !entry.source.enabled {
+            return RefreshAnswer::Disabled;
+        }
+        if entry.holds_lease() {
+            return self.refresh_if_held(source_id);
+        }
+        // Another instance refreshes this source: pass the request on to it.
+        match self.store.request_refresh_by_holder(source_id).await {
+            Ok(()) => RefreshAnswer::Queued,
+            Err(error) => {
+                tracing::warn!(source_id, %error, "cannot pass the refresh request to the source's holder");
+                RefreshAnswer::Joined
+            }
+        }
+    }
+
+    /// Refreshes a source now if this instance runs its loop.
+    pub(super) fn refresh_if_held(&self, source_id: Id) -> RefreshAnswer {
         match self.sources.get(&source_id) {
             None => RefreshAnswer::Unknown,
             Some(entry) => match &entry.runner {
@@ -191,6 +252,115 @@ impl ControlTask {
                 Some(_) => RefreshAnswer::Joined,
             },
         }
+    }
+
+    /// Takes or renews the lease of `source_id`. Ok(Some(until)): held until then.
+    async fn bid_for_lease(
+        &self,
+        source_id: Id,
+    ) -> Result<Option<tokio::time::Instant>, StoreError> {
+        let lease = self.cluster.lease;
+        let started = tokio::time::Instant::now();
+        // Bounded, so a hanging database cannot keep the control task past the lease's end.
+        match tokio::time::timeout(lease / 2, self.store.take_source_lease(source_id, lease)).await
+        {
+            Ok(Ok(true)) => Ok(Some(started + lease)),
+            Ok(Ok(false)) => Ok(None),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(StoreError::Database(sqlx::Error::PoolTimedOut)),
+        }
+    }
+
+    /// Renews held leases, bids for free and expired ones, takes over the sources it wins and
+    /// lets go of those another instance holds. Returns whether targets changed.
+    pub(super) async fn lease_round(&mut self) -> bool {
+        let ids: Vec<Id> = self.sources.keys().copied().collect();
+        let mut changed = false;
+        let mut store_failed = false;
+        for id in ids {
+            let Some(mut entry) = self.sources.remove(&id) else {
+                continue;
+            };
+            // One failure stands for the rest: with the database away, each bid would only wait
+            // for its own timeout.
+            if !store_failed {
+                match self.bid_for_lease(id).await {
+                    Ok(Some(until)) => {
+                        let gained = entry.lease_until.is_none();
+                        entry.lease_until = Some(until);
+                        if gained {
+                            match self.take_over(&mut entry).await {
+                                Ok(source_changed) => changed |= source_changed,
+                                Err(error) => {
+                                    tracing::error!(source_id = id, %error, "cannot take the discovery source over; retrying at the next lease round");
+                                    entry.let_go();
+                                }
+                            }
+                        }
+                    }
+                    Ok(None) => {
+                        if entry.lease_until.is_some() {
+                            tracing::info!(
+                                source_id = id,
+                                "another instance refreshes this discovery source now"
+                            );
+                        }
+                        entry.let_go();
+                    }
+                    Err(error) => {
+                        store_failed = true;
+                        tracing::warn!(%error, "cannot renew discovery source leases");
+                    }
+                }
+            }
+            self.sources.insert(id, entry);
+        }
+        self.expire_leases();
+        changed
+    }
+
+    /// Stops every source whose lease ran out without renewal (the database is unreachable): by
+    /// now another instance may refresh it.
+    pub(super) fn expire_leases(&mut self) {
+        let now = tokio::time::Instant::now();
+        for entry in self.sources.values_mut() {
+            if entry.lease_until.is_some_and(|until| until <= now) {
+                tracing::warn!(
+                    source_id = entry.source.id,
+                    "discovery source lease expired without renewal; no longer refreshing it"
+                );
+                entry.let_go();
+            }
+        }
+    }
+
+    /// A source whose lease this instance just won: continue where the previous holder left off
+    /// (its stored progress, its next refresh time, its draining targets).
+    async fn take_over(&mut self, entry: &mut SourceEntry) -> Result<bool, ControlError> {
+        let id = entry.source.id;
+        let (_, progress) = self.store.get_source_with_progress(id).await?;
+        entry.progress = progress;
+        let targets = self.store.source_targets(id).await?;
+        entry.next_removal = reconcile::next_removal(&targets);
+        tracing::info!(
+            source_id = id,
+            instance = self.store.instance_id(),
+            "took the discovery source over"
+        );
+        if !entry.source.enabled || entry.progress.state == SourceState::Disabled {
+            return self
+                .enforce_enabled(entry, entry.progress.state != SourceState::Disabled)
+                .await;
+        }
+        let now = self.clock.now();
+        let first_delay = entry
+            .progress
+            .next_refresh_at
+            .and_then(|at| (at - now).to_std().ok())
+            .unwrap_or(Duration::ZERO)
+            .min(LONGEST_TAKEOVER_DELAY);
+        self.start_runner(entry, first_delay);
+        Ok(false)
     }
 
     fn count_refresh(&self, outcome: &RefreshOutcome) {
@@ -219,6 +389,14 @@ impl ControlTask {
         let changed = if current == Some(outcome.generation) {
             match self.apply_outcome(&mut entry, outcome).await {
                 Ok(changed) => changed,
+                Err(StoreError::Conflict {
+                    field: "source_id",
+                    message,
+                }) => {
+                    tracing::info!(source_id = entry.source.id, %message, "lost the discovery source lease");
+                    entry.let_go();
+                    false
+                }
                 Err(error) => {
                     // Reconcile reads the stored targets each time, so the next refresh repairs this.
                     tracing::error!(source_id = entry.source.id, %error, "refresh result not stored");
@@ -353,9 +531,11 @@ impl ControlTask {
 
     /// The earliest removal deadline or stale deadline of any source.
     pub(super) fn next_timer(&self) -> Option<DateTime<Utc>> {
+        // Only the holder runs a source's timers.
         let source_timers = self
             .sources
             .values()
+            .filter(|entry| entry.lease_until.is_some())
             .flat_map(|entry| {
                 [
                     entry.next_removal,
@@ -386,6 +566,14 @@ impl ControlTask {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;
             };
+            if !entry.holds_lease() {
+                // Its lease may have run out since the last round: no timers without one.
+                if entry.lease_until.is_some() {
+                    entry.let_go();
+                }
+                self.sources.insert(id, entry);
+                continue;
+            }
             match self.run_source_timers(&mut entry, now).await {
                 Ok(source_changed) => changed |= source_changed,
                 Err(error) => {

@@ -76,6 +76,18 @@ impl Store {
             .await)?)
     }
 
+    /// Asks whichever instance holds the lease of `source_id` to refresh it now (a notification
+    /// its listener turns into a refresh). On SQLite this instance is the only one: nothing to do.
+    pub async fn request_refresh_by_holder(&self, source_id: Id) -> Result<(), StoreError> {
+        if let Backend::Postgres(pool) = &self.backend {
+            sqlx::query("SELECT pg_notify('raahi_refresh', $1)")
+                .bind(source_id.to_string())
+                .execute(pool)
+                .await?;
+        }
+        Ok(())
+    }
+
     /// The statement that reads a source's lease holder inside a refresh's transaction, locking
     /// the lease row on PostgreSQL so a takeover waits until this write is committed.
     pub(super) fn lease_fence_sql(&self) -> &'static str {

@@ -111,7 +111,14 @@ pub fn default_instance_id() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
-        .map(|name| name.trim().to_owned())
+        .map(|name| {
+            // Within PostgreSQL's 63-byte application_name, printable ASCII only.
+            name.trim()
+                .chars()
+                .filter(|c| c.is_ascii_graphic())
+                .take(48)
+                .collect::<String>()
+        })
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "raahi".to_owned());
     format!("{host}-{:06x}", fastrand::u32(..0x100_0000))

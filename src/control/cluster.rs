@@ -1,0 +1,142 @@
+//! Several gateway instances on one PostgreSQL store: change notifications and source leases.
+//!
+//! - Notifications: triggers in the database raise `NOTIFY raahi_config` (payload: the writer's
+//!   instance id) on every change that affects routing. A listener task here turns another
+//!   instance's notification into a reload of this instance's snapshot; after a lost connection
+//!   it reconnects with backoff and asks for a full resync, since notifications sent meanwhile
+//!   are gone. A periodic full resync backs this up.
+//! - Leases: see `sources.rs` (`lease_round`): only the instance holding a source's lease runs
+//!   its refresh loop and timers and writes its results.
+//!
+//! On SQLite there is one instance: no listener and no periodic resync; leases still apply (the
+//! one instance always wins), so status names the refreshing instance there too.
+
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::model::Id;
+
+/// The channel the triggers of `migrations/postgres/0005_cluster.sql` notify.
+pub const CONFIG_CHANNEL: &str = "raahi_config";
+/// Asks the holder of a source's lease to refresh it now (payload: the source id).
+pub const REFRESH_CHANNEL: &str = "raahi_refresh";
+
+const RECONNECT_BACKOFF_START: Duration = Duration::from_millis(100);
+const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Settings for sharing a store with other instances.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterSettings {
+    /// How long a source lease lasts without renewal; renewed every third of it.
+    pub lease: Duration,
+    /// Period of the full reload that backs up notifications (shared stores only).
+    pub resync: Duration,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        ClusterSettings {
+            lease: Duration::from_secs(15),
+            resync: Duration::from_secs(15),
+        }
+    }
+}
+
+/// What the listener tells the control task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ClusterEvent {
+    /// Another instance changed the configuration.
+    Changed,
+    /// The listener (re)connected: notifications may have been missed.
+    Resync,
+    /// Someone asked (through another instance) for this source to be refreshed now.
+    RefreshRequested(Id),
+}
+
+/// Aborts the task when dropped, so the listener ends with the control task.
+pub(super) struct ListenerTask(JoinHandle<()>);
+
+impl Drop for ListenerTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Listens for other instances' changes until dropped.
+pub(super) fn spawn_listener(
+    pool: PgPool,
+    instance_id: String,
+    events: mpsc::Sender<ClusterEvent>,
+) -> ListenerTask {
+    ListenerTask(tokio::spawn(listen(pool, instance_id, events)))
+}
+
+async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterEvent>) {
+    let mut backoff = RECONNECT_BACKOFF_START;
+    let mut was_lost = false;
+    loop {
+        let mut listener = match connect(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                if !was_lost {
+                    tracing::warn!(%error, "cannot listen for configuration changes; retrying");
+                }
+                was_lost = true;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_BACKOFF_MAX);
+                continue;
+            }
+        };
+        if was_lost {
+            tracing::info!("listening for configuration changes again; resyncing");
+        }
+        backoff = RECONNECT_BACKOFF_START;
+        // Whatever changed while nobody listened (or before the first listen) is read now.
+        if events.send(ClusterEvent::Resync).await.is_err() {
+            return;
+        }
+        loop {
+            let event = match listener.try_recv().await {
+                Ok(Some(notification)) => match notification.channel() {
+                    CONFIG_CHANNEL if notification.payload() != instance_id => {
+                        Some(ClusterEvent::Changed)
+                    }
+                    REFRESH_CHANNEL => notification
+                        .payload()
+                        .parse::<Id>()
+                        .ok()
+                        .map(ClusterEvent::RefreshRequested),
+                    _ => None,
+                },
+                Ok(None) => {
+                    tracing::warn!("lost the connection that listens for configuration changes");
+                    was_lost = true;
+                    break;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "listening for configuration changes failed");
+                    was_lost = true;
+                    break;
+                }
+            };
+            if let Some(event) = event {
+                // A full queue already holds a reload; the control task coalesces them.
+                if let Err(mpsc::error::TrySendError::Closed(_)) = events.try_send(event) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn connect(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener
+        .listen_all([CONFIG_CHANNEL, REFRESH_CHANNEL])
+        .await?;
+    Ok(listener)
+}
