@@ -373,7 +373,8 @@ async fn bad_certificates_are_refused_and_keys_never_returned() {
 }
 
 #[tokio::test]
-async fn tls_1_2_and_1_3_both_handshake() {
+async fn tls_1_2_and_1_3_both_handshake_and_resume() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pki = Pki::new("test CA");
     let default = pki.leaf(&["default.test"]);
     let (_gateway, tls_addr) = tls_gateway(&default).await;
@@ -381,14 +382,36 @@ async fn tls_1_2_and_1_3_both_handshake() {
         (&rustls::version::TLS12, rustls::ProtocolVersion::TLSv1_2),
         (&rustls::version::TLS13, rustls::ProtocolVersion::TLSv1_3),
     ] {
-        let stream = handshake(
-            tls_addr,
-            Some("default.test"),
-            client_config(&[version], &[]),
-        )
-        .await
-        .unwrap_or_else(|error| panic!("{expected:?} handshake: {error}"));
+        let config = client_config(&[version], &[]);
+        let mut stream = handshake(tls_addr, Some("default.test"), config.clone())
+            .await
+            .unwrap_or_else(|error| panic!("{expected:?} handshake: {error}"));
         assert_eq!(stream.get_ref().1.protocol_version(), Some(expected));
+        assert_eq!(
+            stream.get_ref().1.handshake_kind(),
+            Some(rustls::HandshakeKind::Full)
+        );
+        // One exchange, so the client also reads the TLS 1.3 session tickets.
+        stream
+            .write_all(b"GET / HTTP/1.1\r\nHost: default.test\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer).await;
+        assert!(
+            answer.starts_with(b"HTTP/1.1 404"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+
+        let again = handshake(tls_addr, Some("default.test"), config)
+            .await
+            .expect("second handshake");
+        assert_eq!(
+            again.get_ref().1.handshake_kind(),
+            Some(rustls::HandshakeKind::Resumed),
+            "{expected:?} session resumed"
+        );
     }
 }
 
@@ -505,14 +528,10 @@ impl TlsUpstream {
                             version: request.version(),
                         });
                         let name = name.clone();
-                        async move {
-                            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(
-                                name.as_str().to_owned(),
-                            ))))
-                        }
+                        async move { Ok::<_, Infallible>(tls_upstream_answer(request, &name)) }
                     });
                     let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
+                        .serve_connection_with_upgrades(TokioIo::new(stream), service)
                         .await;
                 });
             }
@@ -533,6 +552,35 @@ impl TlsUpstream {
             .cloned()
             .expect("the TLS upstream saw a request")
     }
+}
+
+/// `/ws` switches to an echo protocol (HTTP/1.1 only); anything else gets 200 and the name.
+fn tls_upstream_answer(
+    mut request: Request<hyper::body::Incoming>,
+    name: &str,
+) -> Response<Full<Bytes>> {
+    if request.uri().path() != "/ws" {
+        return Response::new(Full::new(Bytes::from(name.to_owned())));
+    }
+    let on_upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        if let Ok(upgraded) = on_upgrade.await {
+            let mut io = TokioIo::new(upgraded);
+            let (mut reader, mut writer) = tokio::io::split(&mut io);
+            let _ = tokio::io::copy(&mut reader, &mut writer).await;
+        }
+    });
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    response.headers_mut().insert(
+        http::header::UPGRADE,
+        http::HeaderValue::from_static("echo"),
+    );
+    response.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("upgrade"),
+    );
+    response
 }
 
 impl Drop for TlsUpstream {
@@ -706,7 +754,7 @@ async fn untrusted_upstream_certificate_is_a_named_502_until_its_ca_is_trusted()
     let body = get_until(&gateway, "/verified", 502).await;
     assert_eq!(body["error"]["code"], "upstream_tls_failed", "{body}");
     let message = body["error"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("NotValidForName"), "{message}");
+    assert!(message.contains("not valid for name"), "{message}");
 }
 
 #[tokio::test]
@@ -758,4 +806,99 @@ async fn upstream_speaks_http2_when_alpn_offers_it() {
 
     assert_eq!(get_until(&gateway, "/h1", 200).await, "h1-upstream");
     assert_eq!(h1_upstream.last_seen().version, http::Version::HTTP_11);
+}
+
+#[tokio::test]
+async fn upgrade_to_an_http2_capable_upstream_goes_over_http1() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new("upstream CA");
+    let leaf = pki.leaf(&["ws.test"]);
+    let upstream = TlsUpstream::start("ws-upstream", &leaf, &[b"h2", b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+    https_service(
+        &gateway,
+        "ws",
+        json!({ "tls_sni": "ws.test", "tls_ca_pem": pki.ca_pem }),
+        &upstream,
+        "/",
+    )
+    .await;
+    // An ordinary request first, so the HTTP/2 pool exists when the upgrade comes.
+    assert_eq!(get_until(&gateway, "/plain", 200).await, "ws-upstream");
+    assert_eq!(upstream.last_seen().version, http::Version::HTTP_2);
+
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    stream
+        .write_all(
+            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let read = tokio::time::timeout(WAIT, stream.read(&mut byte))
+            .await
+            .expect("101 in time")
+            .expect("read");
+        assert_eq!(
+            read,
+            1,
+            "connection closed after {:?}",
+            String::from_utf8_lossy(&head)
+        );
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert_eq!(upstream.last_seen().version, http::Version::HTTP_11);
+
+    stream.write_all(b"ping over tls").await.unwrap();
+    let mut echoed = [0u8; 13];
+    tokio::time::timeout(WAIT, stream.read_exact(&mut echoed))
+        .await
+        .expect("echo in time")
+        .expect("echo");
+    assert_eq!(&echoed, b"ping over tls");
+}
+
+#[tokio::test]
+async fn a_tls_handshake_that_never_finishes_is_a_connect_timeout() {
+    // Accepts TCP and then says nothing, like a server stuck before its ServerHello.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            open.push(stream);
+        }
+    });
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({ "name": "mute", "protocol": "https", "timeouts": { "connect_ms": 300 } }),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({ "host": "127.0.0.1", "port": addr.port() }),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({ "name": "mute", "path_prefix": "/", "service_id": service }),
+        )
+        .await;
+    let started = std::time::Instant::now();
+    let body = get_until(&gateway, "/", 504).await;
+    assert_eq!(body["error"]["code"], "upstream_connect_timeout", "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    held.abort();
 }

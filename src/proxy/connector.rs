@@ -44,7 +44,8 @@ pub struct TlsTargetConnector {
     tcp: HttpConnector,
     dial: Uri,
     target: Authority,
-    handshake_timeout: Duration,
+    /// Bounds TCP connect and TLS handshake together.
+    connect_timeout: Duration,
     /// The server name and client config, or why they could not be built (reported per connect).
     tls: Result<(ServerName<'static>, Arc<rustls::ClientConfig>), String>,
     server_name_text: String,
@@ -60,7 +61,6 @@ impl TlsTargetConnector {
     ) -> TlsTargetConnector {
         let mut tcp = HttpConnector::new();
         tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(connect_timeout));
         tcp.set_keepalive(Some(Duration::from_secs(60)));
         let dial = Uri::builder()
             .scheme(Scheme::HTTP)
@@ -88,7 +88,7 @@ impl TlsTargetConnector {
             tcp,
             dial,
             target,
-            handshake_timeout: connect_timeout,
+            connect_timeout,
             tls,
             server_name_text: server_name.to_string(),
         }
@@ -122,26 +122,29 @@ impl tower::Service<Uri> for TlsTargetConnector {
                 Ok(tls) => tls.clone(),
                 Err(reason) => return Err(connector.tls_error(reason.clone()).into()),
             };
-            let tcp = connecting.await?.into_inner();
-            let handshake = TlsConnector::from(config).connect(server_name, tcp);
-            let stream = match tokio::time::timeout(connector.handshake_timeout, handshake).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => return Err(connector.tls_error(handshake_reason(&error)).into()),
-                Err(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!(
-                            "TLS handshake with {} took longer than {} ms",
-                            connector.target,
-                            connector.handshake_timeout.as_millis()
-                        ),
-                    )
-                    .into())
-                }
+            let connect_and_handshake = async {
+                let tcp = connecting.await?.into_inner();
+                TlsConnector::from(config)
+                    .connect(server_name, tcp)
+                    .await
+                    .map_err(|error| BoxError::from(connector.tls_error(handshake_reason(&error))))
             };
-            Ok(TlsConnection {
-                inner: TokioIo::new(stream),
-            })
+            match tokio::time::timeout(connector.connect_timeout, connect_and_handshake).await {
+                Ok(Ok(stream)) => Ok(TlsConnection {
+                    inner: TokioIo::new(stream),
+                }),
+                Ok(Err(error)) => Err(error),
+                // TimedOut is what the pool's classification reads as a connect timeout.
+                Err(_) => Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "connecting to {} over TLS took longer than {} ms",
+                        connector.target,
+                        connector.connect_timeout.as_millis()
+                    ),
+                )
+                .into()),
+            }
         })
     }
 }
