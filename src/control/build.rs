@@ -56,7 +56,9 @@ pub fn build_snapshot(
     let routes: HashSet<Id> = config.routes.iter().map(|route| route.id).collect();
     carried.route_stats.retain(|id, _| routes.contains(id));
     let stream_routes: HashSet<Id> = config.stream_routes.iter().map(|route| route.id).collect();
-    carried.stream_stats.retain(|id, _| stream_routes.contains(id));
+    carried
+        .stream_stats
+        .retain(|id, _| stream_routes.contains(id));
 
     let services = config
         .services
