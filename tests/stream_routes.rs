@@ -683,3 +683,171 @@ async fn a_gigabyte_through_a_stream_route_with_flat_memory() {
         "resident memory grew by {growth_mib} MiB moving 1 GiB"
     );
 }
+
+/// The value of the first series named `name` whose labels include every one of `labels`.
+fn metric(metrics: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .find(|line| labels.iter().all(|label| line.contains(label)))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|number| number.parse().ok())
+}
+
+async fn scrape(gateway: &TestGateway) -> String {
+    let response = gateway
+        .http
+        .get(gateway.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_stream_connections_bytes_and_unmatched() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("m").await;
+    let service_id = service(&gateway, "metered", "tcp", &[upstream.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service_id).await;
+    wait_for_echo(listen).await;
+
+    let listen_label = format!("listen=\"{listen}\"");
+    let series = |metrics: &str, name: &str, direction: Option<&str>| {
+        let mut labels = vec![listen_label.as_str()];
+        let direction = direction.map(|direction| format!("direction=\"{direction}\""));
+        if let Some(direction) = &direction {
+            labels.push(direction);
+        }
+        metric(metrics, name, &labels).unwrap_or(0.0)
+    };
+    // Wait for the warm-up connection's close to be counted before taking the baseline.
+    wait_until("no stream connection is open", DEADLINE, || async {
+        series(
+            &scrape(&gateway).await,
+            "raahi_stream_active_connections",
+            None,
+        ) == 0.0
+    })
+    .await;
+    let before = scrape(&gateway).await;
+    for _ in 0..3 {
+        let answer = exchange(listen, b"abc").await.expect("exchange");
+        assert_eq!(upstream_name(&answer, b"abc").as_deref(), Some("m"));
+    }
+    let reply_len = ("abc".len() + "|eof:m".len()) as f64;
+    let expected = [
+        ("raahi_stream_connections_total", None, 3.0),
+        (
+            "raahi_stream_sent_bytes_total",
+            Some("client_to_upstream"),
+            9.0,
+        ),
+        (
+            "raahi_stream_sent_bytes_total",
+            Some("upstream_to_client"),
+            3.0 * reply_len,
+        ),
+    ];
+    wait_until("the three connections are counted", DEADLINE, || async {
+        let now = scrape(&gateway).await;
+        expected.iter().all(|(name, direction, delta)| {
+            series(&now, name, *direction) - series(&before, name, *direction) == *delta
+        })
+    })
+    .await;
+
+    // A passthrough listener closes a client that sends no ClientHello, and counts it.
+    let passthrough = free_addr();
+    stream_route(&gateway, passthrough, Some("only.test"), {
+        service(&gateway, "tls-only", "tls", &[upstream.target()]).await
+    })
+    .await;
+    let unmatched_before = metric(
+        &scrape(&gateway).await,
+        "raahi_stream_unmatched_connections_total",
+        &[],
+    )
+    .unwrap_or(0.0);
+    wait_until(
+        "a non-TLS client is counted as unmatched",
+        DEADLINE,
+        || async {
+            let _ = exchange(passthrough, b"not tls at all").await;
+            metric(
+                &scrape(&gateway).await,
+                "raahi_stream_unmatched_connections_total",
+                &[],
+            )
+            .unwrap_or(0.0)
+                > unmatched_before
+        },
+    )
+    .await;
+}
+
+/// One access-log line per stream connection, with what an operator filters on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_has_one_line_per_stream_connection() {
+    let upstream = EchoUpstream::start("logged").await;
+    let mut process = common::process::RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "json"),
+    ])
+    .await;
+    let service = process
+        .create(
+            "/api/v1/services",
+            json!({"name": "logged", "protocol": "tcp"}),
+        )
+        .await["id"]
+        .as_i64()
+        .unwrap();
+    process
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            upstream.target(),
+        )
+        .await;
+    let listen = free_addr();
+    let route = process
+        .create(
+            "/api/v1/stream-routes",
+            json!({"listen": listen.to_string(), "service_id": service}),
+        )
+        .await["id"]
+        .as_i64()
+        .unwrap();
+    let payload = b"twelve bytes";
+    wait_until("the stream route answers", DEADLINE, || async {
+        let answer = exchange(listen, payload).await.unwrap_or_default();
+        upstream_name(&answer, payload).is_some()
+    })
+    .await;
+
+    let line = process
+        .stderr_line(|line| {
+            line.contains("raahi::access") && line.contains("\"outcome\":\"closed\"")
+        })
+        .await;
+    let entry: Value = serde_json::from_str(&line).expect("a JSON line");
+    let fields = &entry["fields"];
+    assert_eq!(fields["kind"], "stream", "{line}");
+    assert_eq!(fields["listen"], listen.to_string(), "{line}");
+    assert_eq!(fields["route"], route, "{line}");
+    assert_eq!(fields["service"], "logged", "{line}");
+    assert_eq!(fields["target"], upstream.addr.to_string(), "{line}");
+    assert_eq!(fields["bytes_client_to_upstream"], 12, "{line}");
+    assert_eq!(
+        fields["bytes_upstream_to_client"],
+        12 + "|eof:logged".len(),
+        "{line}"
+    );
+    assert!(fields["client"]
+        .as_str()
+        .unwrap_or_default()
+        .starts_with("127.0.0.1:"));
+    assert!(fields["duration_ms"].as_f64().is_some(), "{line}");
+}

@@ -732,6 +732,9 @@ async fn relay(
     idle: Duration,
     progress: &Progress,
 ) -> Ended {
+    // The idle clock starts now, not at the accept: reading a ClientHello and connecting have
+    // their own timeouts.
+    progress.moved();
     let (client_read, client_write) = client.into_split();
     let (upstream_read, upstream_write) = upstream.into_split();
     let to_upstream = pump(
