@@ -851,3 +851,45 @@ async fn the_access_log_has_one_line_per_stream_connection() {
         .starts_with("127.0.0.1:"));
     assert!(fields["duration_ms"].as_f64().is_some(), "{line}");
 }
+
+/// No byte either way for the service's `timeouts.idle_ms` closes the connection; traffic keeps
+/// it open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stream_is_closed_after_the_idle_timeout() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("quiet").await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "quiet", "protocol": "tcp", "timeouts": {"idle_ms": 400}}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            upstream.target(),
+        )
+        .await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    let mut stream = TcpStream::connect(listen).await.unwrap();
+    let opened = tokio::time::Instant::now();
+    // Traffic every 100 ms for over twice the idle timeout keeps the connection open.
+    let mut last_traffic = opened;
+    while opened.elapsed() < Duration::from_millis(1000) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        round_trip(&mut stream, b"keepalive").await;
+        last_traffic = tokio::time::Instant::now();
+    }
+    // Then silence: the gateway closes it, without the upstream's trailer (no half-close
+    // reached the upstream; the connection was dropped).
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(IO_TIMEOUT, stream.read_to_end(&mut rest))
+        .await
+        .expect("the idle connection is closed");
+    assert!(rest.is_empty(), "{rest:?}");
+    // Some slack: the gateway saw the last byte slightly before the client read it.
+    assert!(last_traffic.elapsed() >= Duration::from_millis(300));
+}
