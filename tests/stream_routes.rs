@@ -786,6 +786,30 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         },
     )
     .await;
+
+    // A connection that stays open shows its bytes while it lasts, not only when it closes.
+    let counted = series(
+        &scrape(&gateway).await,
+        "raahi_stream_sent_bytes_total",
+        Some("client_to_upstream"),
+    );
+    let mut open = TcpStream::connect(listen).await.expect("connect");
+    round_trip(&mut open, b"still open\n").await;
+    wait_until(
+        "an open connection's bytes are counted",
+        DEADLINE,
+        || async {
+            let now = scrape(&gateway).await;
+            series(&now, "raahi_stream_active_connections", None) == 1.0
+                && series(
+                    &now,
+                    "raahi_stream_sent_bytes_total",
+                    Some("client_to_upstream"),
+                ) >= counted + "still open\n".len() as f64
+        },
+    )
+    .await;
+    drop(open);
 }
 
 /// One access-log line per stream connection, with what an operator filters on.

@@ -38,13 +38,17 @@ use super::error::Blame;
 use super::forward::{record_outcome, ACCESS_LOG_TARGET};
 use super::sni::{parse_client_hello, Hello, HelloError, MAX_CLIENT_HELLO_BUFFER};
 use crate::model::Id;
-use crate::snapshot::{GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry};
+use crate::snapshot::{
+    GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry, StreamStats,
+};
 
 /// Upper bound on connect attempts whatever a service asks for (as for HTTP).
 const MAX_ATTEMPTS: usize = 10;
 /// Per direction and connection: large enough for loopback throughput, small enough for many
 /// idle connections.
-const COPY_BUFFER: usize = 32 * 1024;
+const COPY_BUFFER: usize = 16 * 1024;
+/// How often an accept loop looks for its route while the route's snapshot is not live yet.
+const ROUTE_WAIT_POLL: Duration = Duration::from_millis(5);
 /// Read size while waiting for a ClientHello, which is usually well under this.
 const HELLO_READ_CHUNK: usize = 4 * 1024;
 /// After the shutdown grace, how long the dropped connections get to write their log lines.
@@ -404,6 +408,15 @@ async fn accept_loop(
     stop: Arc<Notify>,
 ) {
     loop {
+        // The admin API binds a new route's address before its snapshot is live: leave
+        // connections in the kernel's backlog until the route is there rather than close them
+        // as unmatched.
+        while shared.snapshots.load().streams().listener(listen).is_none() {
+            tokio::select! {
+                _ = stop.notified() => return,
+                _ = tokio::time::sleep(ROUTE_WAIT_POLL) => {}
+            }
+        }
         let accepted = tokio::select! {
             _ = stop.notified() => break,
             accepted = poll_fn(|cx| poll_accept(&socket, &shared, cx)) => accepted,
@@ -432,11 +445,19 @@ async fn accept_loop(
     tracing::debug!(%listen, "stream accept loop ended");
 }
 
+#[derive(Debug, Clone, Copy)]
+enum Direction {
+    ClientToUpstream,
+    UpstreamToClient,
+}
+
 /// Bytes moved by one connection, and when a byte last moved either way.
 struct Progress {
     started: Instant,
     client_to_upstream: AtomicU64,
     upstream_to_client: AtomicU64,
+    /// The route's statistics, once the connection has a route.
+    route_stats: Option<Arc<StreamStats>>,
     /// Milliseconds after `started`.
     last_moved_ms: AtomicU64,
 }
@@ -447,6 +468,7 @@ impl Progress {
             started: Instant::now(),
             client_to_upstream: AtomicU64::new(0),
             upstream_to_client: AtomicU64::new(0),
+            route_stats: None,
             last_moved_ms: AtomicU64::new(0),
         }
     }
@@ -454,6 +476,23 @@ impl Progress {
     fn moved(&self) {
         let now = self.started.elapsed().as_millis() as u64;
         self.last_moved_ms.store(now, Ordering::Relaxed);
+    }
+
+    fn count(&self, direction: Direction, bytes: u64) {
+        match direction {
+            Direction::ClientToUpstream => {
+                self.client_to_upstream.fetch_add(bytes, Ordering::Relaxed);
+                if let Some(stats) = &self.route_stats {
+                    stats.moved_client_to_upstream(bytes);
+                }
+            }
+            Direction::UpstreamToClient => {
+                self.upstream_to_client.fetch_add(bytes, Ordering::Relaxed);
+                if let Some(stats) = &self.route_stats {
+                    stats.moved_upstream_to_client(bytes);
+                }
+            }
+        }
     }
 
     /// Returns once no byte has moved either way for `idle`.
@@ -529,7 +568,7 @@ async fn serve_connection(
     let client_to_upstream = record.progress.client_to_upstream.load(Ordering::Relaxed);
     let upstream_to_client = record.progress.upstream_to_client.load(Ordering::Relaxed);
     if let Some(route) = &record.route {
-        route.stats.closed(client_to_upstream, upstream_to_client);
+        route.stats.closed();
     }
     let outcome = match &result {
         Ok(ended) => {
@@ -611,6 +650,7 @@ async fn proxy_connection(
         sni: record.sni.clone(),
     })?;
     route.stats.opened();
+    record.progress.route_stats = Some(route.stats.clone());
     record.route = Some(route.clone());
     let service = &route.service;
     let (upstream, in_flight) = connect_upstream(service, &route, &mut record.target).await?;
@@ -741,14 +781,14 @@ async fn relay(
         client_read,
         upstream_write,
         first,
-        &progress.client_to_upstream,
+        Direction::ClientToUpstream,
         progress,
     );
     let to_client = pump(
         upstream_read,
         client_write,
         &[],
-        &progress.upstream_to_client,
+        Direction::UpstreamToClient,
         progress,
     );
     let both = async {
@@ -789,7 +829,7 @@ async fn pump<R, W>(
     mut from: R,
     mut to: W,
     first: &[u8],
-    moved: &AtomicU64,
+    direction: Direction,
     progress: &Progress,
 ) -> Result<(), Side>
 where
@@ -798,7 +838,7 @@ where
 {
     if !first.is_empty() {
         to.write_all(first).await.map_err(Side::Writer)?;
-        moved.fetch_add(first.len() as u64, Ordering::Relaxed);
+        progress.count(direction, first.len() as u64);
         progress.moved();
     }
     let mut buffer = vec![0u8; COPY_BUFFER];
@@ -809,7 +849,7 @@ where
         }
         progress.moved();
         to.write_all(&buffer[..read]).await.map_err(Side::Writer)?;
-        moved.fetch_add(read as u64, Ordering::Relaxed);
+        progress.count(direction, read as u64);
         progress.moved();
     }
 }

@@ -35,12 +35,12 @@ impl StreamStats {
         self.connections_active.load(Ordering::Relaxed)
     }
 
-    /// Bytes from clients to upstream targets, counted when each connection closes.
+    /// Bytes from clients to upstream targets, counted as they move.
     pub fn bytes_client_to_upstream(&self) -> u64 {
         self.bytes_client_to_upstream.load(Ordering::Relaxed)
     }
 
-    /// Bytes from upstream targets to clients, counted when each connection closes.
+    /// Bytes from upstream targets to clients, counted as they move.
     pub fn bytes_upstream_to_client(&self) -> u64 {
         self.bytes_upstream_to_client.load(Ordering::Relaxed)
     }
@@ -56,16 +56,23 @@ impl StreamStats {
         self.connections_active.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A connection counted by [`StreamStats::opened`] ended after moving these bytes.
-    pub fn closed(&self, client_to_upstream: u64, upstream_to_client: u64) {
+    /// A connection counted by [`StreamStats::opened`] ended.
+    pub fn closed(&self) {
         // Saturating: a stats object shared by a recreated route must never wrap to 2^64.
         let _ = self
             .connections_active
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    /// Counted per chunk, so a long-lived connection shows its traffic while it lasts.
+    pub fn moved_client_to_upstream(&self, bytes: u64) {
         self.bytes_client_to_upstream
-            .fetch_add(client_to_upstream, Ordering::Relaxed);
+            .fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn moved_upstream_to_client(&self, bytes: u64) {
         self.bytes_upstream_to_client
-            .fetch_add(upstream_to_client, Ordering::Relaxed);
+            .fetch_add(bytes, Ordering::Relaxed);
     }
 
     pub fn connect_failed(&self) {
@@ -409,15 +416,18 @@ mod tests {
         let stats = StreamStats::default();
         stats.opened();
         stats.opened();
-        stats.closed(10, 20);
+        stats.moved_client_to_upstream(4);
+        stats.moved_client_to_upstream(6);
+        stats.moved_upstream_to_client(20);
+        stats.closed();
         stats.connect_failed();
         assert_eq!(stats.connections_total(), 2);
         assert_eq!(stats.connections_active(), 1);
         assert_eq!(stats.bytes_client_to_upstream(), 10);
         assert_eq!(stats.bytes_upstream_to_client(), 20);
         assert_eq!(stats.connect_failures(), 1);
-        stats.closed(0, 0);
-        stats.closed(0, 0);
+        stats.closed();
+        stats.closed();
         assert_eq!(stats.connections_active(), 0);
     }
 }
