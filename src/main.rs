@@ -127,7 +127,7 @@ fn init_tracing(config: &Config) -> tracing_appender::non_blocking::WorkerGuard 
         .with_env_filter(filter)
         .with_writer(writer);
     match config.log.format {
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Json => builder.event_format(raahi::telemetry::Json).init(),
         LogFormat::Logfmt => builder.event_format(raahi::telemetry::Logfmt).init(),
         LogFormat::Text => builder.init(),
     }
