@@ -92,6 +92,9 @@ fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, StartE
     Ok(certificates)
 }
 
+/// How long a graceful shutdown waits to hand its discovery-source leases over.
+const RELEASE_LEASES_TIMEOUT: Duration = Duration::from_secs(2);
+
 fn cluster_settings(config: &Config) -> ClusterSettings {
     ClusterSettings {
         lease: Duration::from_millis(config.cluster.lease_ms),
@@ -254,7 +257,23 @@ impl Gateway {
                 let _ = task.await;
             }
         };
-        tokio::join!(listeners, self.streams.shutdown());
+        // Meanwhile another instance may take the discovery sources over (bounded: with the
+        // database away the leases simply expire).
+        let handover = tokio::time::timeout(RELEASE_LEASES_TIMEOUT, self.control.release_leases());
+        let (_, _, _) = tokio::join!(listeners, self.streams.shutdown(), handover);
+        self.control_task.abort();
+    }
+
+    /// Stops everything at once, without finishing requests or freeing leases: what a crash
+    /// looks like to the other instances (for tests).
+    pub fn abort(self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.sighup_task {
+            task.abort();
+        }
+        for task in self.tasks {
+            task.abort();
+        }
         self.control_task.abort();
     }
 }

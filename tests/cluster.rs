@@ -275,9 +275,9 @@ async fn another_instance_takes_a_source_over_within_two_lease_periods() {
     .await;
     assert_eq!(local_refreshes(&survivor, source), 0);
 
-    // The holder stops without a goodbye: its lease runs out on its own.
+    // The holder dies (no graceful shutdown, no goodbye): its lease runs out on its own.
     let stopped = Instant::now();
-    holder.gateway.take().expect("running").shutdown().await;
+    holder.gateway.take().expect("running").abort();
     let takeover = Duration::from_millis(2 * LEASE_MS);
     wait_until(
         "the survivor takes the source over",
@@ -297,6 +297,44 @@ async fn another_instance_takes_a_source_over_within_two_lease_periods() {
     })
     .await;
     assert_eq!(status_of(&survivor, source).await["state"], "healthy");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gracefully_stopped_instance_hands_its_sources_over_at_once() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let first = Upstream::start("first").await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([registry_endpoint("one", &first)]));
+    let source = discovered_service(&a, &registry, 200).await;
+    wait_until("a source holder is named", WAIT, || async {
+        status_of(&a, source).await["refreshed_by"].is_string()
+    })
+    .await;
+    let holder_id = status_of(&a, source).await["refreshed_by"]
+        .as_str()
+        .expect("a holder")
+        .to_owned();
+    let (mut holder, survivor, survivor_id) = if holder_id == "gw-a" {
+        (a, b, "gw-b")
+    } else {
+        (b, a, "gw-a")
+    };
+    let stopping = Instant::now();
+    holder.gateway.take().expect("running").shutdown().await;
+    // The released lease is free at once: the survivor's next lease round (every third of a
+    // lease) takes it, well before the lease could have expired.
+    wait_until(
+        "the survivor takes the released source over",
+        Duration::from_millis(LEASE_MS * 2 / 3),
+        || async { status_of(&survivor, source).await["refreshed_by"] == json!(survivor_id) },
+    )
+    .await;
+    assert!(stopping.elapsed() < Duration::from_millis(LEASE_MS));
+    wait_until("the survivor refreshes the source", WAIT, || async {
+        local_refreshes(&survivor, source) > 0
+    })
+    .await;
 }
 
 /// Requests through both instances in a loop until stopped; counts answers that are not 200.

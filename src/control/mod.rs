@@ -81,6 +81,8 @@ enum Command {
         listen: std::net::SocketAddr,
         reply: oneshot::Sender<Result<(), crate::proxy::stream::StreamError>>,
     },
+    /// Stop refreshing and give up every held lease (graceful shutdown).
+    ReleaseLeases(oneshot::Sender<()>),
 }
 
 /// Asks the control task to apply the stored configuration or to refresh a source.
@@ -120,6 +122,17 @@ impl ControlHandle {
         let (reply, done) = oneshot::channel();
         self.commands
             .send(Command::BindStream { listen, reply })
+            .await
+            .map_err(|_| Arc::new(ControlError::Stopped))?;
+        done.await.map_err(|_| Arc::new(ControlError::Stopped))
+    }
+
+    /// Stops this instance's discovery loops and frees their leases, so another instance takes
+    /// the sources over at its next lease round instead of waiting for the leases to expire.
+    pub async fn release_leases(&self) -> Result<(), Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.commands
+            .send(Command::ReleaseLeases(reply))
             .await
             .map_err(|_| Arc::new(ControlError::Stopped))?;
         done.await.map_err(|_| Arc::new(ControlError::Stopped))
@@ -331,6 +344,10 @@ impl ControlTask {
                 }
                 Command::BindStream { listen, reply } => {
                     let _ = reply.send(self.edge.bind_stream_listener(listen));
+                }
+                Command::ReleaseLeases(reply) => {
+                    self.release_leases().await;
+                    let _ = reply.send(());
                 }
             }
             next = commands.try_recv().ok();

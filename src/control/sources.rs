@@ -319,6 +319,28 @@ impl ControlTask {
         changed
     }
 
+    /// Stops every loop and frees the leases this instance holds. The lease round is pushed past
+    /// the shutdown so the sources are not taken back meanwhile.
+    pub(super) async fn release_leases(&mut self) {
+        self.lease_round_at = tokio::time::Instant::now() + Duration::from_secs(3600);
+        let held: Vec<Id> = self
+            .sources
+            .values_mut()
+            .filter(|entry| entry.lease_until.is_some())
+            .map(|entry| {
+                entry.let_go();
+                entry.source.id
+            })
+            .collect();
+        for id in held {
+            if let Err(error) = self.store.release_source_lease(id).await {
+                // It expires on its own.
+                tracing::warn!(source_id = id, %error, "cannot release the discovery source lease");
+                break;
+            }
+        }
+    }
+
     /// Stops every source whose lease ran out without renewal (the database is unreachable): by
     /// now another instance may refresh it.
     pub(super) fn expire_leases(&mut self) {

@@ -13,7 +13,15 @@ use crate::model::Id;
 const POSTGRES_NOW: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
 const SQLITE_NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
 
-fn take_or_renew_sql(now: &str) -> String {
+/// `contested`: whether another live holder keeps the lease (PostgreSQL). A SQLite file serves
+/// one process, so there the asker always wins: a restarted gateway (with a new generated
+/// instance id) refreshes at once instead of waiting for its previous life's lease to run out.
+fn take_or_renew_sql(now: &str, contested: bool) -> String {
+    let only_if_free = if contested {
+        format!("WHERE source_leases.holder = excluded.holder OR source_leases.expires_at <= {now}")
+    } else {
+        String::new()
+    };
     // `WHERE EXISTS`: no lease for a source deleted meanwhile (and SQLite needs a WHERE on an
     // upsert's SELECT to parse ON CONFLICT).
     format!(
@@ -21,7 +29,7 @@ fn take_or_renew_sql(now: &str) -> String {
          SELECT $1, $2, {now} + $3 WHERE EXISTS (SELECT 1 FROM discovery_sources WHERE id = $1)
          ON CONFLICT (source_id) DO UPDATE
             SET holder = excluded.holder, expires_at = excluded.expires_at
-            WHERE source_leases.holder = excluded.holder OR source_leases.expires_at <= {now}
+            {only_if_free}
          RETURNING holder"
     )
 }
@@ -32,14 +40,14 @@ fn holder_sql(now: &str) -> String {
 
 impl Store {
     /// Takes the lease of `source_id` for `period` if it is free or expired, or renews it if this
-    /// instance holds it. Returns whether this instance holds it now.
+    /// instance holds it (on SQLite: always). Returns whether this instance holds it now.
     pub async fn take_source_lease(
         &self,
         source_id: Id,
         period: Duration,
     ) -> Result<bool, StoreError> {
         let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX / 2);
-        let sql = take_or_renew_sql(self.now_sql());
+        let sql = take_or_renew_sql(self.now_sql(), self.is_shared());
         let taken: Option<String> = on_pool!(self, |pool| sqlx::query_scalar(&sql)
             .bind(source_id)
             .bind(self.instance_id())
