@@ -50,12 +50,10 @@ struct RequestLine {
     version: Version,
 }
 
-/// `over_tls`: the client connection is TLS (the HTTPS listener).
 pub async fn handle(
     state: &ProxyState,
     request: Request<Incoming>,
-    client: SocketAddr,
-    over_tls: bool,
+    downstream: &Downstream,
 ) -> Response<ProxyBody> {
     let started = Instant::now();
     let request_id = headers::request_id(request.headers());
@@ -67,9 +65,7 @@ pub async fn handle(
             version: request.version(),
         });
     let mut exchange = Exchange::default();
-    let mut response = match forward(state, request, client, over_tls, &request_id, &mut exchange)
-        .await
-    {
+    let mut response = match forward(state, request, downstream, &request_id, &mut exchange).await {
         Ok(response) => response,
         Err(error) => {
             // Upstream and gateway failures are what an operator must see; a client's own
@@ -93,7 +89,14 @@ pub async fn handle(
         }
     }
     if let Some(line) = request_line {
-        log_access(&line, &request_id, client, &exchange, &response, elapsed);
+        log_access(
+            &line,
+            &request_id,
+            downstream.client,
+            &exchange,
+            &response,
+            elapsed,
+        );
     }
     response
         .headers_mut()
@@ -184,8 +187,7 @@ enum PendingBody {
 async fn forward(
     state: &ProxyState,
     mut request: Request<Incoming>,
-    client: SocketAddr,
-    over_tls: bool,
+    downstream: &Downstream,
     request_id: &HeaderValue,
     exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -212,7 +214,7 @@ async fn forward(
         &route,
         &service,
         request,
-        Downstream { client, over_tls },
+        downstream,
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
@@ -224,17 +226,32 @@ async fn forward(
     ))
 }
 
-/// The client connection a request came on.
-struct Downstream {
+/// The client connection a request came on, with what every request on it forwards about it,
+/// worked out once per connection.
+#[derive(Clone)]
+pub struct Downstream {
     client: SocketAddr,
+    /// The connection is TLS (the HTTPS listener).
     over_tls: bool,
+    /// The client's address as an `X-Forwarded-For` entry.
+    forwarded_for: HeaderValue,
+}
+
+impl Downstream {
+    pub fn new(client: SocketAddr, over_tls: bool) -> Downstream {
+        Downstream {
+            client,
+            over_tls,
+            forwarded_for: headers::forwarded_for(client.ip()),
+        }
+    }
 }
 
 fn prepare(
     route: &RouteEntry,
     service: &ServiceRuntime,
     request: Request<Incoming>,
-    downstream: Downstream,
+    downstream: &Downstream,
     request_id: &HeaderValue,
     upgrade_protocol: Option<HeaderValue>,
 ) -> Outgoing {
@@ -253,7 +270,7 @@ fn prepare(
     headers::strip_hop_by_hop(&mut headers);
     headers::add_forwarding_headers(
         &mut headers,
-        downstream.client.ip(),
+        &downstream.forwarded_for,
         downstream.over_tls,
         original_host.as_ref(),
         parts.version,

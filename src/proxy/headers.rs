@@ -24,6 +24,11 @@ pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Removes hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none of them: one pass over the few names present is cheaper than
+    // seven hashed removals, and `Connection` is among the names looked for.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     if headers.contains_key(header::CONNECTION) {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
@@ -63,9 +68,20 @@ fn via_value(version: Version) -> HeaderValue {
 
 /// Appends to a list header, keeping every field line the client sent (RFC 9110 §5.3: several
 /// lines are one comma-separated list).
-fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &str) {
+fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &HeaderValue) {
+    let mut existing = match headers.entry(name) {
+        // The usual case, nobody before us set it: nothing to join, nothing to allocate.
+        header::Entry::Vacant(entry) => {
+            entry.insert(value.clone());
+            return;
+        }
+        header::Entry::Occupied(entry) => entry,
+    };
+    let Ok(value) = value.to_str() else {
+        return;
+    };
     let mut combined = String::new();
-    for existing in headers.get_all(name) {
+    for existing in existing.iter() {
         if let Ok(existing) = existing.to_str() {
             if !existing.trim().is_empty() {
                 combined.push_str(existing);
@@ -75,20 +91,27 @@ fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &str) {
     }
     combined.push_str(value);
     if let Ok(combined) = HeaderValue::from_str(&combined) {
-        headers.insert(name.clone(), combined);
+        existing.insert(combined);
     }
+}
+
+/// The client's address as an `X-Forwarded-For` entry; made once per client connection.
+pub fn forwarded_for(client_ip: IpAddr) -> HeaderValue {
+    HeaderValue::from_str(&client_ip.to_string()).expect("an IP address is a valid header value")
 }
 
 /// Adds what the upstream needs to know about the original request; `over_tls`: it came to the
 /// HTTPS listener.
+///
+/// `forwarded_for`: the client's address from [`forwarded_for`].
 pub fn add_forwarding_headers(
     headers: &mut HeaderMap,
-    client_ip: IpAddr,
+    forwarded_for: &HeaderValue,
     over_tls: bool,
     original_host: Option<&HeaderValue>,
     version: Version,
 ) {
-    append_to_list(headers, &X_FORWARDED_FOR, &client_ip.to_string());
+    append_to_list(headers, &X_FORWARDED_FOR, forwarded_for);
     let proto = if over_tls { "https" } else { "http" };
     headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
     match original_host {
@@ -103,8 +126,7 @@ pub fn add_forwarding_headers(
 }
 
 pub fn add_via(headers: &mut HeaderMap, version: Version) {
-    let via = via_value(version);
-    append_to_list(headers, &header::VIA, via.to_str().unwrap_or("1.1 raahi"));
+    append_to_list(headers, &header::VIA, &via_value(version));
 }
 
 /// The client's `X-Request-Id` when it is a sane token, else a new one.
@@ -144,13 +166,38 @@ mod tests {
     }
 
     #[test]
+    fn messages_without_hop_by_hop_headers_are_left_alone() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("shop.test"));
+        headers.append("x-kept", HeaderValue::from_static("1"));
+        headers.append("x-kept", HeaderValue::from_static("2"));
+        let before = headers.clone();
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers, before);
+        // One hop-by-hop header among them still takes the full path.
+        headers.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers, before);
+    }
+
+    #[test]
+    fn via_is_added_or_appended() {
+        let mut headers = HeaderMap::new();
+        add_via(&mut headers, Version::HTTP_2);
+        assert_eq!(headers[header::VIA], "2 raahi");
+        add_via(&mut headers, Version::HTTP_11);
+        assert_eq!(headers[header::VIA], "2 raahi, 1.1 raahi");
+        assert_eq!(headers.get_all(header::VIA).iter().count(), 1);
+    }
+
+    #[test]
     fn forwarded_for_appends() {
         let mut headers = HeaderMap::new();
         headers.insert(&X_FORWARDED_FOR, HeaderValue::from_static("1.2.3.4"));
         let host = HeaderValue::from_static("shop.test");
         add_forwarding_headers(
             &mut headers,
-            "127.0.0.1".parse().unwrap(),
+            &forwarded_for("127.0.0.1".parse().unwrap()),
             false,
             Some(&host),
             Version::HTTP_11,
@@ -162,7 +209,7 @@ mod tests {
         // The client's own claim is replaced by what the gateway saw.
         add_forwarding_headers(
             &mut headers,
-            "127.0.0.1".parse().unwrap(),
+            &forwarded_for("127.0.0.1".parse().unwrap()),
             true,
             Some(&host),
             Version::HTTP_11,
@@ -177,7 +224,7 @@ mod tests {
         headers.append(&X_FORWARDED_FOR, HeaderValue::from_static("198.51.100.2"));
         add_forwarding_headers(
             &mut headers,
-            "127.0.0.1".parse().unwrap(),
+            &forwarded_for("127.0.0.1".parse().unwrap()),
             false,
             None,
             Version::HTTP_11,

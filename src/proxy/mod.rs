@@ -202,9 +202,11 @@ async fn serve_protocol<I>(
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let downstream = forward::Downstream::new(client, over_tls);
     let service = service_fn(move |request| {
         let state = state.clone();
-        async move { Ok::<_, Infallible>(forward::handle(&state, request, client, over_tls).await) }
+        let downstream = downstream.clone();
+        async move { Ok::<_, Infallible>(forward::handle(&state, request, &downstream).await) }
     });
     let io = TokioIo::new(io);
     let result = if http2 {
