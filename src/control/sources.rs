@@ -411,11 +411,8 @@ impl ControlTask {
         let changed = if current == Some(outcome.generation) {
             match self.apply_outcome(&mut entry, outcome).await {
                 Ok(changed) => changed,
-                Err(StoreError::Conflict {
-                    field: "source_id",
-                    message,
-                }) => {
-                    tracing::info!(source_id = entry.source.id, %message, "lost the discovery source lease");
+                Err(error) if error.is_lease_lost() => {
+                    tracing::info!(source_id = entry.source.id, %error, "lost the discovery source lease");
                     entry.let_go();
                     false
                 }

@@ -31,11 +31,20 @@ fn millis(time: Option<DateTime<Utc>>) -> Option<i64> {
     time.map(|time| time.timestamp_millis())
 }
 
+const LEASE_LOST_FIELD: &str = "source_id";
+
+impl StoreError {
+    /// Whether a source write was refused because another instance holds the source's lease.
+    pub fn is_lease_lost(&self) -> bool {
+        matches!(self, StoreError::Conflict { field, .. } if *field == LEASE_LOST_FIELD)
+    }
+}
+
 /// A refresh result or timer write from an instance that no longer holds the source's lease: the
 /// new holder's writes win, this one is dropped.
 fn lease_lost(source_id: Id, holder: &str) -> StoreError {
     StoreError::Conflict {
-        field: "source_id",
+        field: LEASE_LOST_FIELD,
         message: format!(
             "discovery source {source_id} is now refreshed by {holder}; write dropped"
         ),
