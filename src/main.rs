@@ -98,10 +98,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let _log_writer = init_tracing(&config);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match build_runtime() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("raahi: cannot start the runtime: {error}");
@@ -115,6 +112,20 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Tokio's multi-thread scheduler with `TOKIO_WORKER_THREADS` workers (default: one a CPU); with
+/// exactly one worker asked for (like nginx's `worker_processes 1`), the current-thread scheduler,
+/// which runs the same tasks on one thread without the multi-thread one's work-stealing queues and
+/// cross-thread wake-ups.
+fn build_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    let one_worker = std::env::var("TOKIO_WORKER_THREADS").is_ok_and(|value| value.trim() == "1");
+    let mut builder = if one_worker {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    builder.enable_all().build()
 }
 
 /// Logs go to stderr through a background writer thread: a request that logs its access line
