@@ -348,6 +348,51 @@ async fn a_gracefully_stopped_instance_hands_its_sources_over_at_once() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_asked_of_the_other_instance_is_run_by_the_holder() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let first = Upstream::start("first").await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([registry_endpoint("one", &first)]));
+    // A long interval: only the first refresh and the one asked for reach the registry.
+    let source = discovered_service(&a, &registry, 600_000).await;
+    wait_until("the first refresh", WAIT, || async {
+        registry.requests() == 1 && status_of(&a, source).await["state"] == "healthy"
+    })
+    .await;
+    let holder_id = status_of(&a, source).await["refreshed_by"]
+        .as_str()
+        .expect("a holder")
+        .to_owned();
+    let (holder, other) = if holder_id == "gw-a" {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    wait_until("the other instance knows the source", WAIT, || async {
+        other
+            .api("GET", &format!("/api/v1/discovery-sources/{source}"), None)
+            .await
+            .0
+            == StatusCode::OK
+    })
+    .await;
+    let (status, body) = other
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/refresh"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    wait_until("the holder refreshes on request", WAIT, || async {
+        registry.requests() == 2 && local_refreshes(holder, source) == 2
+    })
+    .await;
+    assert_eq!(local_refreshes(other, source), 0);
+}
+
 /// Requests through both instances in a loop until stopped; counts answers that are not 200.
 struct Load {
     stop: Arc<AtomicBool>,
