@@ -13,7 +13,7 @@ use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvi
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
-use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::pem::{PemObject, SectionKind};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
 /// Why a certificate, key or CA bundle was refused. Every variant is the operator's input being
@@ -24,6 +24,10 @@ pub enum TlsError {
     NoCertificate,
     #[error("cert_pem is not valid PEM: {0}")]
     CertificatePem(String),
+    #[error(
+        "cert_pem must hold only CERTIFICATE blocks, found a {0} block; the key goes in key_pem"
+    )]
+    NotOnlyCertificates(String),
     #[error("the leaf certificate in cert_pem cannot be parsed: {0}")]
     CertificateInvalid(String),
     #[error("key_pem holds no PEM private key (PKCS#8, PKCS#1 or SEC1)")]
@@ -50,6 +54,7 @@ impl TlsError {
         match self {
             TlsError::NoCertificate
             | TlsError::CertificatePem(_)
+            | TlsError::NotOnlyCertificates(_)
             | TlsError::CertificateInvalid(_) => "cert_pem",
             TlsError::NoKey
             | TlsError::KeyPem(_)
@@ -97,6 +102,15 @@ impl fmt::Debug for ParsedCertificate {
 
 /// Parses a PEM chain (leaf first) and its PEM private key and checks that the key is the leaf's.
 pub fn parse_certificate(cert_pem: &str, key_pem: &str) -> Result<ParsedCertificate, TlsError> {
+    // `cert_pem` is stored and shown back as given: a private key pasted into it (a combined
+    // PEM file) would leak through the API.
+    for section in <(SectionKind, Vec<u8>)>::pem_slice_iter(cert_pem.as_bytes()) {
+        match section {
+            Ok((SectionKind::Certificate, _)) => {}
+            Ok((other, _)) => return Err(TlsError::NotOnlyCertificates(format!("{other:?}"))),
+            Err(error) => return Err(TlsError::CertificatePem(error.to_string())),
+        }
+    }
     let chain = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|error| TlsError::CertificatePem(error.to_string()))?;
@@ -254,7 +268,7 @@ impl CertificateSet {
         set
     }
 
-    /// Exact name first, then the longest matching `*.suffix`, then the default.
+    /// Exact name first, then the `*.suffix` covering it, then the default.
     pub fn select(&self, sni: Option<&str>) -> Option<Arc<CertifiedKey>> {
         let Some(sni) = sni else {
             return self.default.clone();
@@ -263,18 +277,13 @@ impl CertificateSet {
         if let Some(key) = self.exact.get(&sni) {
             return Some(key.clone());
         }
-        if !self.wildcard.is_empty() {
-            // Suffixes from longest to shortest: each dot after the first label starts one.
-            for (position, _) in sni.match_indices('.') {
-                if position == 0 {
-                    continue;
-                }
-                if let Some(key) = self.wildcard.get(&sni[position..]) {
-                    return Some(key.clone());
-                }
-            }
-        }
-        self.default.clone()
+        // A wildcard covers exactly one label (RFC 6125), as `name_covered` checks: the suffix
+        // after the first label is the only candidate.
+        let wildcard = sni
+            .find('.')
+            .filter(|&position| position > 0)
+            .and_then(|position| self.wildcard.get(&sni[position..]));
+        wildcard.cloned().or_else(|| self.default.clone())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -517,7 +526,7 @@ mod tests {
     }
 
     #[test]
-    fn selects_exact_then_longest_wildcard_then_default() {
+    fn selects_exact_then_one_label_wildcard_then_default() {
         let default = key_for(&["default.test"]);
         let exact = key_for(&["api.example.com"]);
         let wide = key_for(&["*.example.com"]);
@@ -534,7 +543,9 @@ mod tests {
         assert!(Arc::ptr_eq(&pick(Some("api.example.com")), &exact));
         assert!(Arc::ptr_eq(&pick(Some("www.example.com")), &wide));
         assert!(Arc::ptr_eq(&pick(Some("www.eu.example.com")), &narrow));
-        assert!(Arc::ptr_eq(&pick(Some("a.b.eu.example.com")), &narrow));
+        // A wildcard covers one label only: a deeper name gets the default, not a certificate
+        // the client would refuse.
+        assert!(Arc::ptr_eq(&pick(Some("a.b.eu.example.com")), &default));
         assert!(Arc::ptr_eq(&pick(Some("example.com")), &default));
         assert!(Arc::ptr_eq(&pick(Some("other.test")), &default));
         assert!(Arc::ptr_eq(&pick(None), &default));
@@ -543,6 +554,15 @@ mod tests {
         assert!(without_default.select(Some("b.test")).is_none());
         assert!(without_default.select(None).is_none());
         assert!(CertificateSet::new(None, Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn a_key_in_cert_pem_is_refused() {
+        let (cert, key) = self_signed(&["a.test"]);
+        let combined = format!("{cert}{key}");
+        let error = parse_certificate(&combined, &key).expect_err("a key block in cert_pem");
+        assert_eq!(error.field(), "cert_pem");
+        assert!(error.to_string().contains("only CERTIFICATE"), "{error}");
     }
 
     #[test]

@@ -258,6 +258,17 @@ async fn stream_route_fits_its_service_and_listen_address() {
         .await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
 
+    // The catch-all's tls service cannot turn tcp: its address is shared with SNI routes.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{tls_b}"),
+            Some(json!({"protocol": "tcp"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(error_field(&body), "protocol", "{body}");
+
     // An HTTP route cannot send to a tcp service, and an http service with routes stays http.
     let (status, body) = gateway
         .api(

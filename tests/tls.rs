@@ -902,3 +902,86 @@ async fn a_tls_handshake_that_never_finishes_is_a_connect_timeout() {
     );
     held.abort();
 }
+
+#[tokio::test]
+async fn a_certificate_is_renewed_in_place_and_an_api_certificate_beats_the_file_one() {
+    let pki = Pki::new("test CA");
+    let default = pki.leaf(&["default.test", "shared.test"]);
+    let old = pki.leaf(&["renew.test"]);
+    let renewed = pki.leaf(&["renew.test", "www.renew.test"]);
+    let (gateway, tls_addr) = tls_gateway(&default).await;
+
+    let id = add_certificate(&gateway, &old, None).await;
+    wait_until("the first certificate is served", WAIT, || async {
+        served_cert(tls_addr, Some("renew.test")).await.as_deref() == Some(&old.der[..])
+    })
+    .await;
+    // PUT swaps certificate, key and names in one step: the name never falls back to the
+    // default, and the answer is the renewed object (without its key).
+    let (status, body) = gateway
+        .api(
+            "PUT",
+            &format!("/api/v1/certificates/{id}"),
+            Some(json!({ "cert_pem": renewed.cert_pem, "key_pem": renewed.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["snis"], json!(["renew.test", "www.renew.test"]));
+    assert!(body.get("key_pem").is_none(), "{body}");
+    assert_eq!(
+        served_cert(tls_addr, Some("www.renew.test")).await,
+        Some(renewed.der.clone()),
+        "live once the PUT returns"
+    );
+    assert_eq!(
+        served_cert(tls_addr, Some("renew.test")).await,
+        Some(renewed.der.clone())
+    );
+    // A renewal whose key does not match is refused and changes nothing.
+    let (status, body) = gateway
+        .api(
+            "PUT",
+            &format!("/api/v1/certificates/{id}"),
+            Some(json!({ "cert_pem": old.cert_pem, "key_pem": renewed.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+    assert_eq!(
+        served_cert(tls_addr, Some("renew.test")).await,
+        Some(renewed.der.clone())
+    );
+
+    // A name the config file's certificate also covers is served from the API's certificate.
+    let shared = pki.leaf(&["shared.test"]);
+    add_certificate(&gateway, &shared, None).await;
+    assert_eq!(
+        served_cert(tls_addr, Some("shared.test")).await,
+        Some(shared.der.clone())
+    );
+    assert_eq!(
+        served_cert(tls_addr, None).await,
+        Some(default.der.clone()),
+        "the file certificate stays the default"
+    );
+}
+
+#[tokio::test]
+async fn a_private_key_pasted_into_cert_pem_is_refused_not_stored() {
+    let pki = Pki::new("test CA");
+    let leaf = pki.leaf(&["combined.test"]);
+    let gateway = TestGateway::start().await;
+    let combined = format!("{}{}", leaf.cert_pem, leaf.key_pem);
+    let (status, body) = gateway
+        .api(
+            "POST",
+            "/api/v1/certificates",
+            Some(json!({ "cert_pem": combined, "key_pem": leaf.key_pem })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(body["error"]["field"], "cert_pem", "{body}");
+    let (_, listed) = gateway.api("GET", "/api/v1/certificates", None).await;
+    assert_eq!(listed["items"], json!([]));
+    assert!(!listed.to_string().contains("PRIVATE KEY"));
+}

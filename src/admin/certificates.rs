@@ -17,7 +17,11 @@ use crate::store::NewCertificate;
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
         .routes(routes!(list_certificates, create_certificate))
-        .routes(routes!(get_certificate, delete_certificate))
+        .routes(routes!(
+            get_certificate,
+            replace_certificate,
+            delete_certificate
+        ))
 }
 
 #[utoipa::path(get, path = "/certificates", tag = "certificates", params(PageQuery),
@@ -62,6 +66,34 @@ async fn get_certificate(
     IdPath(id): IdPath,
 ) -> Result<Json<Certificate>, ApiError> {
     Ok(Json(state.store.get_certificate(id).await?))
+}
+
+/// Replaces the certificate, key and names at once (a renewal): handshakes switch to the new
+/// certificate without a moment in which its names fall back to the default.
+#[utoipa::path(put, path = "/certificates/{id}", tag = "certificates", request_body = CertificateSpec,
+    responses((status = 200, body = Certificate), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn replace_certificate(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+    ApiJson(spec): ApiJson<CertificateSpec>,
+) -> Result<Json<Certificate>, ApiError> {
+    let (spec, parsed) = validate::certificate(spec)?;
+    let snis = spec.snis.unwrap_or_default();
+    let certificate = state
+        .store
+        .update_certificate(
+            id,
+            &NewCertificate {
+                snis: &snis,
+                cert_pem: &spec.cert_pem,
+                key_pem: &spec.key_pem,
+                not_after: parsed.not_after,
+            },
+        )
+        .await?;
+    state.apply().await?;
+    Ok(Json(certificate))
 }
 
 #[utoipa::path(delete, path = "/certificates/{id}", tag = "certificates",

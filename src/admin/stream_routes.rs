@@ -46,6 +46,7 @@ async fn create_stream_route(
     State(state): State<AdminState>,
     ApiJson(spec): ApiJson<StreamRouteSpec>,
 ) -> Result<(StatusCode, Json<StreamRoute>), ApiError> {
+    let _serialised = STREAM_ROUTE_WRITES.lock().await;
     let spec = checked(&state, spec, None).await?;
     let route =
         store_after_bind(&state, spec.listen, state.store.create_stream_route(&spec)).await?;
@@ -70,6 +71,7 @@ async fn replace_stream_route(
     IdPath(id): IdPath,
     ApiJson(spec): ApiJson<StreamRouteSpec>,
 ) -> Result<Json<StreamRoute>, ApiError> {
+    let _serialised = STREAM_ROUTE_WRITES.lock().await;
     state.store.get_stream_route(id).await?;
     let spec = checked(&state, spec, Some(id)).await?;
     let route = store_after_bind(
@@ -89,6 +91,7 @@ async fn patch_stream_route(
     IdPath(id): IdPath,
     patch: MergePatch,
 ) -> Result<Json<StreamRoute>, ApiError> {
+    let _serialised = STREAM_ROUTE_WRITES.lock().await;
     let current = state.store.get_stream_route(id).await?;
     let spec = checked(&state, patch.apply(&current.spec())?, Some(id)).await?;
     let route = store_after_bind(
@@ -107,6 +110,7 @@ async fn delete_stream_route(
     State(state): State<AdminState>,
     IdPath(id): IdPath,
 ) -> Result<StatusCode, ApiError> {
+    let _serialised = STREAM_ROUTE_WRITES.lock().await;
     state.store.delete_stream_route(id).await?;
     state.apply().await?;
     Ok(StatusCode::NO_CONTENT)
@@ -125,17 +129,16 @@ async fn store_after_bind(
             message: error.to_string(),
         });
     }
-    match write.await {
-        Ok(route) => {
-            state.apply().await?;
-            Ok(route)
-        }
-        Err(error) => {
-            let _ = state.control.apply().await;
-            Err(error.into())
-        }
-    }
+    let written = write.await;
+    let applied = state.control.apply_after_bind(listen).await;
+    let route = written?;
+    applied?;
+    Ok(route)
 }
+
+/// Stream-route writes one at a time: the check that a tcp route has its address to itself
+/// reads the live routes, and two concurrent writes must not both pass it.
+static STREAM_ROUTE_WRITES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Validates the spec and checks it against its service and the other routes of its listen
 /// address (`editing`: the route being replaced, which does not count).
@@ -225,9 +228,15 @@ pub(super) fn check_protocol_change(
         if route.service_id != service_id {
             continue;
         }
+        let shares_address = || {
+            snapshot
+                .streams()
+                .routes()
+                .any(|other| other.route.id != route.id && other.route.listen == route.listen)
+        };
         let fits = match protocol {
             Protocol::Tls => true,
-            Protocol::Tcp => route.sni.is_none(),
+            Protocol::Tcp => route.sni.is_none() && !shares_address(),
             Protocol::Http | Protocol::Https => false,
         };
         if !fits {

@@ -13,8 +13,10 @@ use crate::model::{CertificateWithKey, Id, StreamRoute};
 use crate::proxy::stream::{StreamError, StreamListeners};
 use crate::tls::{self, CertResolver, CertificateSet};
 
-/// How long to wait before binding again a stream listener whose address was taken.
-const REBIND_AFTER: chrono::Duration = chrono::Duration::seconds(2);
+/// First wait before binding again a stream listener whose address was taken; it doubles up to
+/// [`REBIND_MAX`] while the address stays taken.
+const REBIND_FIRST: chrono::Duration = chrono::Duration::seconds(2);
+const REBIND_MAX: chrono::Duration = chrono::Duration::seconds(60);
 
 /// Certificates read from the files named in the bootstrap config.
 #[derive(Default)]
@@ -39,6 +41,12 @@ pub(super) struct Edge {
     parsed: HashMap<Id, (DateTime<Utc>, Arc<CertifiedKey>)>,
     /// Set while some stream route's address could not be bound.
     pub(super) rebind_at: Option<DateTime<Utc>>,
+    rebind_backoff: chrono::Duration,
+    /// The listen addresses of the live snapshot's stream routes.
+    wanted: HashSet<SocketAddr>,
+    /// Addresses bound for admin calls whose route is not stored yet (with how many calls), so
+    /// a rebuild in between does not close them.
+    pending: HashMap<SocketAddr, usize>,
 }
 
 impl Edge {
@@ -47,15 +55,29 @@ impl Edge {
             options,
             parsed: HashMap::new(),
             rebind_at: None,
+            rebind_backoff: REBIND_FIRST,
+            wanted: HashSet::new(),
+            pending: HashMap::new(),
         }
     }
 
     /// Binds `listen` now, so the admin API can refuse a stream route whose address is taken
-    /// before storing it.
-    pub(super) fn bind_stream_listener(&self, listen: SocketAddr) -> Result<(), StreamError> {
-        match &self.options.streams {
-            Some(streams) => streams.bind(listen),
-            None => Ok(()),
+    /// before storing it. The address counts as wanted until [`Edge::release_pending`].
+    pub(super) fn bind_stream_listener(&mut self, listen: SocketAddr) -> Result<(), StreamError> {
+        if let Some(streams) = &self.options.streams {
+            streams.bind(listen)?;
+        }
+        *self.pending.entry(listen).or_default() += 1;
+        Ok(())
+    }
+
+    /// The admin call that bound `listen` has stored its route (or failed to).
+    pub(super) fn release_pending(&mut self, listen: SocketAddr) {
+        if let Some(count) = self.pending.get_mut(&listen) {
+            *count -= 1;
+            if *count == 0 {
+                self.pending.remove(&listen);
+            }
         }
     }
 
@@ -65,20 +87,37 @@ impl Edge {
         let Some(streams) = &self.options.streams else {
             return;
         };
-        let wanted: HashSet<SocketAddr> = routes.iter().map(|route| route.listen).collect();
-        streams.retain(&wanted);
+        self.wanted = routes.iter().map(|route| route.listen).collect();
+        let mut kept = self.wanted.clone();
+        kept.extend(self.pending.keys());
+        streams.retain(&kept);
+        self.bind_wanted(now);
+    }
+
+    /// Binds every wanted address not bound yet; while one fails, retries with a growing pause.
+    pub(super) fn bind_wanted(&mut self, now: DateTime<Utc>) {
+        let Some(streams) = &self.options.streams else {
+            return;
+        };
         let mut failed = false;
-        for listen in &wanted {
+        for listen in &self.wanted {
             if let Err(error) = streams.bind(*listen) {
-                tracing::error!(%error, "stream listener not bound; retrying in 2 s");
+                tracing::error!(%error, retry_in_s = self.rebind_backoff.num_seconds(), "stream listener not bound");
                 failed = true;
             }
         }
-        self.rebind_at = failed.then(|| now + REBIND_AFTER);
+        if failed {
+            self.rebind_at = Some(now + self.rebind_backoff);
+            self.rebind_backoff = (self.rebind_backoff * 2).min(REBIND_MAX);
+        } else {
+            self.rebind_at = None;
+            self.rebind_backoff = REBIND_FIRST;
+        }
     }
 
-    /// Publishes the certificate set: the config files' certificates, then the API's. Without
-    /// a default certificate from the config, the oldest API certificate is the default.
+    /// Publishes the certificate set. A name served by an API certificate and by a config file's
+    /// goes to the API's: the API is where operators change certificates live. Without a
+    /// default certificate from the config, the oldest API certificate is the default.
     pub(super) fn publish_certificates(&mut self, certificates: &[CertificateWithKey]) {
         let Some(resolver) = &self.options.certificates else {
             return;
@@ -88,7 +127,7 @@ impl Edge {
             .map(|stored| stored.certificate.id)
             .collect();
         self.parsed.retain(|id, _| ids.contains(id));
-        let mut entries = self.options.file_certificates.others.clone();
+        let mut entries = Vec::with_capacity(certificates.len());
         for stored in certificates {
             let certificate = &stored.certificate;
             let cached = self
@@ -113,6 +152,8 @@ impl Edge {
             };
             entries.push((certificate.snis.clone(), key));
         }
+        // The set keeps the first entry of a shared name.
+        entries.extend(self.options.file_certificates.others.iter().cloned());
         let default = self.options.file_certificates.default.clone().or_else(|| {
             certificates
                 .first()

@@ -81,6 +81,11 @@ enum Command {
         listen: std::net::SocketAddr,
         reply: oneshot::Sender<Result<(), crate::proxy::stream::StreamError>>,
     },
+    /// An apply after an admin call that bound `listen` stored (or failed to store) its route.
+    ApplyAfterBind {
+        listen: std::net::SocketAddr,
+        reply: Reply<u64>,
+    },
     /// Stop refreshing and give up every held lease (graceful shutdown).
     ReleaseLeases(oneshot::Sender<()>),
 }
@@ -113,8 +118,21 @@ impl ControlHandle {
         self.send(Command::Apply(reply), done).await
     }
 
+    /// Like [`ControlHandle::apply`], for the admin call that bound `listen` with
+    /// [`ControlHandle::bind_stream_listener`]: from now on the stored routes alone decide
+    /// whether the address stays bound.
+    pub async fn apply_after_bind(
+        &self,
+        listen: std::net::SocketAddr,
+    ) -> Result<u64, Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.send(Command::ApplyAfterBind { listen, reply }, done)
+            .await
+    }
+
     /// Starts listening on `listen` for a stream route about to be stored; the outer error means
-    /// the control task is gone, the inner one that the address cannot be bound.
+    /// the control task is gone, the inner one that the address cannot be bound. Call
+    /// [`ControlHandle::apply_after_bind`] once the route is stored or refused.
     pub async fn bind_stream_listener(
         &self,
         listen: std::net::SocketAddr,
@@ -344,6 +362,10 @@ impl ControlTask {
                 }
                 Command::BindStream { listen, reply } => {
                     let _ = reply.send(self.edge.bind_stream_listener(listen));
+                }
+                Command::ApplyAfterBind { listen, reply } => {
+                    self.edge.release_pending(listen);
+                    apply_waiting.push(reply);
                 }
                 Command::ReleaseLeases(reply) => {
                     self.release_leases().await;

@@ -578,9 +578,10 @@ impl ControlTask {
             resynced = self.sync_sources_or_retry().await;
         }
         let ids: Vec<Id> = self.sources.keys().copied().collect();
-        // A rebuild binds the stream listeners that could not be bound before.
-        let rebind_due = self.edge.rebind_at.is_some_and(|due| due <= now);
-        let mut changed = resynced || rebind_due;
+        if self.edge.rebind_at.is_some_and(|due| due <= now) {
+            self.edge.bind_wanted(now);
+        }
+        let mut changed = resynced;
         for id in ids {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;

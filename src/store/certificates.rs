@@ -113,19 +113,63 @@ impl Store {
                     .bind(id)
                     .execute(&mut *transaction)
                     .await
-                    .map_err(|error| match &error {
-                        sqlx::Error::Database(db) if db.is_unique_violation() => {
-                            StoreError::Conflict {
-                                field: "snis",
-                                message: format!("another certificate already serves {sni:?}"),
-                            }
-                        }
-                        _ => StoreError::Database(error),
-                    })?;
+                    .map_err(|error| sni_conflict(error, sni))?;
             }
             transaction.commit().await?;
             id
         });
+        self.get_certificate(id).await
+    }
+
+    /// Replaces a certificate, its key and its names in one transaction, so a renewal never
+    /// leaves a moment in which its names are served by nothing (or by the default).
+    pub async fn update_certificate(
+        &self,
+        id: Id,
+        new: &NewCertificate<'_>,
+    ) -> Result<Certificate, StoreError> {
+        let now = now_ms();
+        let updated = on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            let updated = sqlx::query(
+                "UPDATE certificates SET snis = $1, cert_pem = $2, key_pem = $3, not_after = $4,
+                    updated_at = $5
+                 WHERE id = $6",
+            )
+            .bind(json_text(new.snis))
+            .bind(new.cert_pem)
+            .bind(new.key_pem)
+            .bind(new.not_after.timestamp_millis())
+            .bind(now)
+            .bind(id)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+            if updated > 0 {
+                sqlx::query("DELETE FROM certificate_snis WHERE certificate_id = $1")
+                    .bind(id)
+                    .execute(&mut *transaction)
+                    .await?;
+                for sni in new.snis {
+                    sqlx::query(
+                        "INSERT INTO certificate_snis (sni, certificate_id) VALUES ($1, $2)",
+                    )
+                    .bind(sni)
+                    .bind(id)
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(|error| sni_conflict(error, sni))?;
+                }
+            }
+            transaction.commit().await?;
+            updated
+        });
+        if updated == 0 {
+            return Err(StoreError::NotFound {
+                kind: "certificate",
+                id,
+            });
+        }
         self.get_certificate(id).await
     }
 
@@ -144,5 +188,16 @@ impl Store {
             });
         }
         Ok(())
+    }
+}
+
+/// A name another certificate already serves is the operator's conflict, not a store failure.
+fn sni_conflict(error: sqlx::Error, sni: &str) -> StoreError {
+    match &error {
+        sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict {
+            field: "snis",
+            message: format!("another certificate already serves {sni:?}"),
+        },
+        _ => StoreError::Database(error),
     }
 }
