@@ -247,9 +247,72 @@ fn valid_host_name(name: &[u8]) -> Result<String, HelloError> {
     Ok(text.to_ascii_lowercase())
 }
 
+/// Real clients send their ClientHello in one record, rarely a few; more than this many
+/// fragments is a client wasting the gateway's time.
+pub const MAX_CLIENT_HELLO_RECORDS: usize = 32;
+
+/// Where the complete TLS records among the buffered bytes end, found incrementally, so the
+/// caller parses the ClientHello again only when another record has completed rather than on
+/// every read (a client trickling bytes would otherwise cost a full parse per byte).
+#[derive(Debug, Default)]
+pub struct RecordBoundary {
+    complete_end: usize,
+    records: usize,
+}
+
+impl RecordBoundary {
+    /// Whether at least one more record is complete than at the last call.
+    pub fn advance(&mut self, buffered: &[u8]) -> Result<bool, HelloError> {
+        let before = self.complete_end;
+        while let Some(header) =
+            buffered.get(self.complete_end..self.complete_end + RECORD_HEADER_LEN)
+        {
+            let payload = usize::from(u16::from_be_bytes([header[3], header[4]]));
+            let end = self.complete_end + RECORD_HEADER_LEN + payload;
+            if end > buffered.len() {
+                break;
+            }
+            self.complete_end = end;
+            self.records += 1;
+            if self.records > MAX_CLIENT_HELLO_RECORDS {
+                return Err(HelloError::Malformed(
+                    "ClientHello split into too many records",
+                ));
+            }
+        }
+        Ok(self.complete_end > before)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn record_boundary_advances_only_when_a_record_completes() {
+        let mut boundary = RecordBoundary::default();
+        let record = [22u8, 3, 1, 0, 3, 1, 2, 3];
+        assert!(!boundary.advance(&record[..2]).unwrap(), "no header yet");
+        assert!(
+            !boundary.advance(&record[..6]).unwrap(),
+            "payload incomplete"
+        );
+        assert!(boundary.advance(&record).unwrap(), "the record completed");
+        assert!(!boundary.advance(&record).unwrap(), "nothing new");
+        let mut two = record.to_vec();
+        two.extend_from_slice(&record);
+        assert!(boundary.advance(&two).unwrap());
+
+        let mut many = Vec::new();
+        for _ in 0..=MAX_CLIENT_HELLO_RECORDS {
+            many.extend_from_slice(&[22, 3, 1, 0, 1, 0]);
+        }
+        let mut boundary = RecordBoundary::default();
+        assert!(matches!(
+            boundary.advance(&many),
+            Err(HelloError::Malformed(_))
+        ));
+    }
 
     /// A ClientHello handshake message (header included) with the given extensions.
     fn client_hello_message(extensions: Option<Vec<u8>>) -> Vec<u8> {

@@ -36,7 +36,7 @@ use tokio::time::Instant;
 use super::body::InFlight;
 use super::error::Blame;
 use super::forward::{record_outcome, ACCESS_LOG_TARGET};
-use super::sni::{parse_client_hello, Hello, HelloError, MAX_CLIENT_HELLO_BUFFER};
+use super::sni::{parse_client_hello, Hello, HelloError, RecordBoundary, MAX_CLIENT_HELLO_BUFFER};
 use crate::model::Id;
 use crate::snapshot::{
     GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry, StreamStats,
@@ -260,13 +260,15 @@ impl StreamListeners {
     /// Starts accepting on `listen`; does nothing when it is already bound. Must run inside the
     /// tokio runtime (the control task calls it).
     pub fn bind(&self, listen: SocketAddr) -> Result<(), StreamError> {
-        if self.shut_down.load(Ordering::SeqCst) {
-            return Err(StreamError::ShuttingDown { listen });
-        }
         let mut listeners = self
             .listeners
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        // Checked under the lock `shutdown` drains the listeners with, so no listener is added
+        // after the drain.
+        if self.shut_down.load(Ordering::SeqCst) {
+            return Err(StreamError::ShuttingDown { listen });
+        }
         if listeners.contains_key(&listen) {
             return Ok(());
         }
@@ -669,12 +671,22 @@ async fn read_client_hello(
 ) -> Result<(Vec<u8>, Option<String>), StreamError> {
     let deadline = Instant::now() + timeout;
     let mut buffered = Vec::new();
+    let mut boundary = RecordBoundary::default();
+    let mut judged_first_bytes = false;
     loop {
-        if let Hello::Complete { sni } = parse_client_hello(&buffered)? {
-            return Ok((buffered, sni));
+        // The first bytes are judged at once (a non-TLS client is refused without waiting for a
+        // record); after that, only a newly completed record can complete the ClientHello.
+        let worth_parsing = !buffered.is_empty() && !judged_first_bytes;
+        if worth_parsing || boundary.advance(&buffered)? {
+            judged_first_bytes = true;
+            if let Hello::Complete { sni } = parse_client_hello(&buffered)? {
+                return Ok((buffered, sni));
+            }
         }
-        // The parser refuses a buffer at the limit, so there is room here.
         let room = MAX_CLIENT_HELLO_BUFFER.saturating_sub(buffered.len());
+        if room == 0 {
+            return Err(HelloError::TooLarge.into());
+        }
         let filled = buffered.len();
         buffered.resize(filled + room.min(HELLO_READ_CHUNK), 0);
         let read = tokio::time::timeout_at(deadline, client.read(&mut buffered[filled..]))
