@@ -985,3 +985,57 @@ async fn a_private_key_pasted_into_cert_pem_is_refused_not_stored() {
     assert_eq!(listed["items"], json!([]));
     assert!(!listed.to_string().contains("PRIVATE KEY"));
 }
+
+/// With `preserve_host` the Host is the client's to choose: distinct values must not each open
+/// (and keep) their own upstream TLS connection.
+#[tokio::test]
+async fn client_chosen_hosts_share_the_targets_connections() {
+    let pki = Pki::new("upstream CA");
+    let leaf = pki.leaf(&["h2.test"]);
+    let upstream = TlsUpstream::start("h2-upstream", &leaf, &[b"h2", b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({ "name": "kept", "protocol": "https", "tls_sni": "h2.test", "tls_ca_pem": pki.ca_pem }),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({ "host": upstream.addr.ip().to_string(), "port": upstream.addr.port() }),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({ "name": "kept", "service_id": service, "preserve_host": true }),
+        )
+        .await;
+    // One at a time, each with a Host of its own.
+    for port in 1..=30 {
+        let response = gateway
+            .http
+            .get(gateway.proxy_url("/"))
+            .header("host", format!("client-{port}.test:{port}"))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(response.status(), reqwest::StatusCode::OK);
+    }
+    let seen = upstream.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 30);
+    assert_eq!(
+        seen.last().and_then(|seen| seen.host.clone()).as_deref(),
+        Some("client-30.test:30"),
+        "the client's Host reaches the upstream"
+    );
+    assert!(seen
+        .iter()
+        .all(|seen| seen.version == http::Version::HTTP_11));
+    let handshakes = upstream.connections.load(Ordering::SeqCst);
+    assert!(
+        handshakes <= 2,
+        "30 client Hosts opened {handshakes} upstream TLS connections"
+    );
+}

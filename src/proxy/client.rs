@@ -96,8 +96,9 @@ fn server_name<'a>(service: &'a Service, target: &'a Authority) -> &'a str {
     )
 }
 
-/// One target's TLS pools: the usual one, and one offering only HTTP/1.1 for upgrade requests
-/// (an HTTP/2 connection cannot carry an HTTP/1.1 `Upgrade`), made on first need.
+/// One target's TLS pools: the usual one, and one offering only HTTP/1.1 (made on first need)
+/// for requests that switch protocols (an HTTP/2 connection cannot carry an HTTP/1.1 `Upgrade`)
+/// or carry a client's own Host (see `forward::Outgoing::host_from_client`).
 struct TlsTargetPools {
     settings: TlsPoolSettings,
     config: Result<Arc<rustls::ClientConfig>, String>,
@@ -118,7 +119,7 @@ impl TlsTargetPools {
         }
     }
 
-    fn upgrade_client(&self) -> Arc<TlsClient> {
+    fn http1_client(&self) -> Arc<TlsClient> {
         self.upgrade
             .get_or_init(|| {
                 Arc::new(tls_client(
@@ -139,13 +140,13 @@ pub struct UpstreamClients {
 }
 
 impl UpstreamClients {
-    /// The client for one attempt at `target` of `service`. `upgrade`: the request asks to
-    /// switch protocols and must go over HTTP/1.1.
+    /// The client for one attempt at `target` of `service`. `http1_only`: the request must go
+    /// over HTTP/1.1 (it switches protocols, or carries a Host the client chose).
     pub fn for_target(
         &self,
         service: &ServiceRuntime,
         target: &TargetRuntime,
-        upgrade: bool,
+        http1_only: bool,
     ) -> UpstreamClient {
         let settings = &service.service;
         if settings.protocol != Protocol::Https {
@@ -156,8 +157,8 @@ impl UpstreamClients {
             Some(pools) if pools.settings.matches(settings, &target.authority) => pools.clone(),
             _ => self.new_tls_pools(key, service, &target.authority),
         };
-        UpstreamClient::Tls(if upgrade {
-            pools.upgrade_client()
+        UpstreamClient::Tls(if http1_only {
+            pools.http1_client()
         } else {
             pools.main.clone()
         })

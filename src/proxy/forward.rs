@@ -174,7 +174,18 @@ struct Outgoing {
     host_from_target: bool,
     /// The request switches protocols, so it must reach the upstream over HTTP/1.1.
     upgrade: bool,
+    /// The Host is the client's (a route with `preserve_host`): unbounded values, so over TLS
+    /// the request goes over HTTP/1.1 on the target's own pool rather than a pool (and an
+    /// HTTP/2 connection for its `:authority`) per value a client chooses.
+    host_from_client: bool,
     body: PendingBody,
+}
+
+impl Outgoing {
+    /// The request must not ride an HTTP/2 connection keyed by its Host.
+    fn http1_only(&self) -> bool {
+        self.upgrade || self.host_from_client
+    }
 }
 
 enum PendingBody {
@@ -281,9 +292,9 @@ fn prepare(
         headers.insert(header::UPGRADE, protocol);
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
-    let chosen_host = match (route.route.preserve_host, &original_host) {
-        (true, Some(host)) => Some(host.clone()),
-        _ => service.upstream_host.clone(),
+    let (chosen_host, host_from_client) = match (route.route.preserve_host, &original_host) {
+        (true, Some(host)) => (Some(host.clone()), true),
+        _ => (service.upstream_host.clone(), false),
     };
     let host_from_target = chosen_host.is_none();
     match chosen_host {
@@ -296,6 +307,7 @@ fn prepare(
         headers,
         host_from_target,
         upgrade,
+        host_from_client,
         body: if http_body::Body::is_end_stream(&body) {
             PendingBody::Empty
         } else {
@@ -372,7 +384,9 @@ async fn send_with_retries(
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
         let may_retry_later = attempt < attempts;
-        let client = state.clients.for_target(service, target, outgoing.upgrade);
+        let client = state
+            .clients
+            .for_target(service, target, outgoing.http1_only());
         let (request, streaming) =
             build_attempt(&mut outgoing, target, may_retry_later, client.is_tls());
         let in_flight = InFlight::start(&target.load);
@@ -569,9 +583,10 @@ impl Tried {
 }
 
 /// One attempt's request. Headers are copied only while another attempt may follow.
-/// Over TLS the URI says `https` and its authority is the request's Host, which HTTP/2 sends as
-/// `:authority` (the connector dials the target whatever the URI names); in plain HTTP the
-/// authority is the target, which the pool dials.
+/// Over TLS the URI says `https`; the connector dials the target whatever the URI names. The
+/// URI's authority keys the pool: when HTTP/2 may be used it is the request's Host (sent as
+/// `:authority`; one of the service's few values), otherwise the target's, as in plain HTTP,
+/// and the upstream reads the Host header.
 fn build_attempt(
     outgoing: &mut Outgoing,
     target: &TargetRuntime,
@@ -606,13 +621,11 @@ fn build_attempt(
     let mut uri = http::uri::Parts::default();
     if over_tls {
         uri.scheme = Some(Scheme::HTTPS);
-        uri.authority = Some(
-            request
-                .headers()
-                .get(header::HOST)
-                .and_then(|host| Authority::try_from(host.as_bytes()).ok())
-                .unwrap_or_else(|| target.authority.clone()),
-        );
+        let host_authority = (!outgoing.http1_only())
+            .then(|| request.headers().get(header::HOST))
+            .flatten()
+            .and_then(|host| Authority::try_from(host.as_bytes()).ok());
+        uri.authority = Some(host_authority.unwrap_or_else(|| target.authority.clone()));
     } else {
         uri.scheme = Some(Scheme::HTTP);
         uri.authority = Some(target.authority.clone());
