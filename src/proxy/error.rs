@@ -18,8 +18,12 @@ pub enum ProxyError {
     NoRoute { host: String, path: String },
     #[error("no available target for service {service}")]
     NoAvailableTarget { service: String },
-    #[error("could not connect to a target of service {service}: {reason}")]
-    ConnectFailed { service: String, reason: String },
+    #[error("could not connect to target {target} of service {service}: {reason}")]
+    ConnectFailed {
+        service: String,
+        target: String,
+        reason: String,
+    },
     /// The TLS handshake with a target failed (certificate refused, no common version, not TLS);
     /// nothing was sent, so another target may be tried.
     #[error("TLS with target {target} of service {service} failed: {reason}")]
@@ -102,10 +106,51 @@ impl ProxyError {
         }
     }
 
+    /// What the client is told: the log line's story without the targets' addresses, which
+    /// are internal network details. The log has them, under the same request id.
+    pub fn client_message(&self) -> String {
+        match self {
+            ProxyError::ConnectFailed {
+                service, reason, ..
+            } => format!("could not connect to a target of service {service}: {reason}"),
+            ProxyError::UpstreamTlsFailed {
+                service, reason, ..
+            } => format!("TLS with a target of service {service} failed: {reason}"),
+            ProxyError::ConnectTimeout {
+                service,
+                timeout_ms,
+                ..
+            } => format!(
+                "connecting to a target of service {service} timed out after {timeout_ms} ms"
+            ),
+            ProxyError::ResponseTimeout {
+                service,
+                timeout_ms,
+                ..
+            } => format!(
+                "a target of service {service} sent no response headers within {timeout_ms} ms"
+            ),
+            ProxyError::UpstreamSendTimeout {
+                service,
+                timeout_ms,
+                ..
+            } => format!(
+                "a target of service {service} read no request body bytes for {timeout_ms} ms"
+            ),
+            ProxyError::UpstreamFailed {
+                service, reason, ..
+            } => format!("a target of service {service} failed before responding: {reason}"),
+            ProxyError::NoRoute { .. }
+            | ProxyError::NoAvailableTarget { .. }
+            | ProxyError::ClientBody { .. }
+            | ProxyError::ClientBodyTimeout { .. } => self.to_string(),
+        }
+    }
+
     /// `{"error": {"code": ..., "message": ...}}` with the status this error maps to.
     pub fn to_response(&self) -> Response<Full<Bytes>> {
         let body = serde_json::json!({
-            "error": { "code": self.code(), "message": self.to_string() }
+            "error": { "code": self.code(), "message": self.client_message() }
         });
         let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
         *response.status_mut() = self.status();
@@ -144,5 +189,50 @@ mod tests {
         assert_eq!(tls.code(), "upstream_tls_failed");
         assert_eq!(tls.blame(), Blame::Upstream);
         assert!(tls.to_string().contains("UnknownIssuer"));
+    }
+
+    #[test]
+    fn clients_are_not_told_target_addresses() {
+        let failures = [
+            ProxyError::ConnectFailed {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                reason: "connection refused".into(),
+            },
+            ProxyError::UpstreamTlsFailed {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                reason: "invalid peer certificate: UnknownIssuer".into(),
+            },
+            ProxyError::ConnectTimeout {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                timeout_ms: 5,
+            },
+            ProxyError::ResponseTimeout {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                timeout_ms: 5,
+            },
+            ProxyError::UpstreamSendTimeout {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                timeout_ms: 5,
+            },
+            ProxyError::UpstreamFailed {
+                service: "web".into(),
+                target: "10.0.0.7:8443".into(),
+                reason: "connection reset".into(),
+            },
+        ];
+        for failure in failures {
+            assert!(
+                failure.to_string().contains("10.0.0.7:8443"),
+                "the log has it"
+            );
+            let told = failure.client_message();
+            assert!(!told.contains("10.0.0.7"), "{told}");
+            assert!(told.contains("service web"), "{told}");
+        }
     }
 }

@@ -665,7 +665,8 @@ fn classify(
         }
         return ProxyError::ConnectFailed {
             service: service.service.name.clone(),
-            reason: format!("{}: {reason}", target.authority),
+            target: target.authority.to_string(),
+            reason,
         };
     }
     ProxyError::UpstreamFailed {
