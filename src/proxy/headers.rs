@@ -26,10 +26,22 @@ pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none of them: one pass over the few names present is cheaper than
     // seven hashed removals, and `Connection` is among the names looked for.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    if !has_hop_by_hop(headers) {
         return;
     }
-    if headers.contains_key(header::CONNECTION) {
+    let connection_lines = headers.get_all(header::CONNECTION).iter().count();
+    if connection_lines == 1 {
+        // The usual case (`Connection: keep-alive` from an HTTP/1.1 upstream): take the one
+        // line out and remove what it names by string, without collecting owned names.
+        if let Some(connection) = headers.remove(header::CONNECTION) {
+            for token in connection.to_str().unwrap_or("").split(',') {
+                let token = token.trim();
+                if !token.is_empty() {
+                    headers.remove(token);
+                }
+            }
+        }
+    } else if connection_lines > 1 {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -41,9 +53,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
+    if !has_hop_by_hop(headers) {
+        return;
+    }
     for name in &HOP_BY_HOP {
         headers.remove(name);
     }
+}
+
+fn has_hop_by_hop(headers: &HeaderMap) -> bool {
+    headers.keys().any(|name| HOP_BY_HOP.contains(name))
 }
 
 /// An HTTP/1.1 request asking to switch protocols (e.g. WebSocket).
@@ -160,6 +179,37 @@ mod tests {
         headers.insert("x-secret", HeaderValue::from_static("1"));
         headers.insert(header::TE, HeaderValue::from_static("trailers"));
         headers.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn every_connection_line_is_honoured() {
+        let mut headers = HeaderMap::new();
+        headers.append(
+            header::CONNECTION,
+            HeaderValue::from_static("x-one, bad name"),
+        );
+        headers.append(header::CONNECTION, HeaderValue::from_static("X-Two"));
+        headers.insert("x-one", HeaderValue::from_static("1"));
+        headers.insert("x-two", HeaderValue::from_static("2"));
+        headers.insert("x-kept", HeaderValue::from_static("3"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key("x-kept"));
+
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static(" , bad name,X-One "),
+        );
+        headers.insert("x-one", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert("x-kept", HeaderValue::from_static("3"));
         strip_hop_by_hop(&mut headers);
         assert_eq!(headers.len(), 1);
         assert!(headers.contains_key("x-kept"));
