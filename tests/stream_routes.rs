@@ -411,6 +411,17 @@ async fn tls_passthrough_picks_the_upstream_by_sni() {
     // No route for this name and no route without SNI: the gateway closes the connection.
     let unmatched = tls_hello(&client, listen, "c.test").await;
     assert!(unmatched.is_err(), "c.test must not be answered");
+    // Closed by the gateway as unmatched, not sent to an upstream that refused the name.
+    wait_until("c.test is counted as unmatched", DEADLINE, || async {
+        metric(
+            &scrape(&gateway).await,
+            "raahi_stream_unmatched_connections_total",
+            &[],
+        )
+        .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
     // A client that does not speak TLS at all is closed too, without an answer.
     let garbage = exchange(listen, b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n").await;
     assert!(
@@ -916,4 +927,66 @@ async fn an_idle_stream_is_closed_after_the_idle_timeout() {
     assert!(rest.is_empty(), "{rest:?}");
     // Some slack: the gateway saw the last byte slightly before the client read it.
     assert!(last_traffic.elapsed() >= Duration::from_millis(300));
+}
+
+/// A target that discovery stops listing turns draining: new connections go to the endpoint
+/// that replaced it while the connection already open keeps its target until it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_drained_by_discovery_keeps_its_open_connection() {
+    let gateway = TestGateway::start().await;
+    let old = EchoUpstream::start("old").await;
+    let new = EchoUpstream::start("new").await;
+    let registry = common::registry::Registry::start().await;
+    let endpoint = |upstream: &EchoUpstream, key: &str| json!({"host": upstream.addr.ip().to_string(), "port": upstream.addr.port(), "key": key});
+    registry.set_json(json!([endpoint(&old, "old")]));
+    let service = service(&gateway, "discovered", "tcp", &[]).await;
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({
+                "name": "registry",
+                "provider": "http",
+                "config": {"url": registry.url("/endpoints"), "interval_ms": 600000},
+                "removal_grace_ms": 600000
+            }),
+        )
+        .await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    assert_eq!(wait_for_echo(listen).await, "old");
+
+    let mut open = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut open, b"one").await;
+
+    registry.set_json(json!([endpoint(&new, "new")]));
+    let (status, body) = gateway
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/refresh"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    wait_until(
+        "new connections reach the new endpoint",
+        DEADLINE,
+        || async {
+            let answer = exchange(listen, b"n").await.unwrap_or_default();
+            upstream_name(&answer, b"n").as_deref() == Some("new")
+        },
+    )
+    .await;
+    let (_, targets) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+        .await;
+    let old_state = targets["items"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .find(|target| target["provider_key"] == "old")
+        .map(|target| target["state"].clone());
+    assert_eq!(old_state, Some(json!("draining")), "{targets}");
+
+    round_trip(&mut open, b"two").await;
+    assert_eq!(finish(open).await, "|eof:old");
 }
