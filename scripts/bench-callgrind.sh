@@ -4,14 +4,15 @@
 #
 # Starts three nginx origin servers and raahi (under valgrind --tool=callgrind) as
 # scripts/bench-proxy.sh does, warms raahi up, zeroes the counters, sends REQUESTS requests with
-# h2load (HTTP/1.1 keep-alive, or h2c with MODE=h2c), dumps the counters and prints the
+# h2load (HTTP/1.1 keep-alive; MODE=close: a new connection per request; MODE=h2c), dumps the counters and prints the
 # instructions per request and the functions that cost the most (inclusive and self).
 #
 # Usage: scripts/bench-callgrind.sh     (needs valgrind, nginx, h2load, curl; builds raahi)
 # Environment:
 #   REQUESTS=5000    measured requests
 #   CONNECTIONS=16   h2load connections
-#   MODE=h1          h1 (HTTP/1.1 keep-alive) or h2c (prior knowledge, 8 streams a connection)
+#   MODE=h1          h1 (HTTP/1.1 keep-alive), close (HTTP/1.1, "Connection: close": a new
+#                    connection per request) or h2c (prior knowledge, 8 streams a connection)
 #   RAAHI_LOG=warn   RUST_LOG for raahi (info writes the access log)
 #   WORKERS=1        TOKIO_WORKER_THREADS
 #   RAAHI_BIN=...    use this raahi binary instead of building target/release/raahi
@@ -34,7 +35,7 @@ die() { printf '[callgrind] error: %s\n' "$*" >&2; exit 1; }
 
 [[ $REQUESTS =~ ^[0-9]+$ && $REQUESTS -ge 100 ]] || die "REQUESTS must be a whole number >= 100"
 [[ $CONNECTIONS =~ ^[0-9]+$ && $CONNECTIONS -ge 1 ]] || die "CONNECTIONS must be at least 1"
-[[ $MODE == h1 || $MODE == h2c ]] || die "MODE must be h1 or h2c"
+[[ $MODE =~ ^(h1|close|h2c)$ ]] || die "MODE must be h1, close or h2c"
 for cmd in valgrind callgrind_control callgrind_annotate nginx h2load curl; do
     command -v "$cmd" >/dev/null 2>&1 || die "$cmd is missing (apt-get install valgrind nginx nghttp2-client curl)"
 done
@@ -133,6 +134,7 @@ admin_post /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id}" >/dev/
 wait_200 "http://127.0.0.1:$port/" 60
 
 load=(h2load -c"$CONNECTIONS" --h1)
+[[ $MODE == close ]] && load=(h2load -c"$CONNECTIONS" --h1 -H 'Connection: close')
 [[ $MODE == h2c ]] && load=(h2load -c"$CONNECTIONS" -m8)
 log "warm-up: 1000 requests"
 "${load[@]}" -n 1000 "http://127.0.0.1:$port/" >"$WORK/warmup.txt" 2>&1 || die "warm-up load failed"

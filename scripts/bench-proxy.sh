@@ -17,8 +17,8 @@
 # show medians over the rounds: req/s, p99 latency, the proxy's CPU time per request (from
 # /proc/PID/stat, steadier than req/s on a shared machine) and ratios to nginx.
 # Memory (MEMORY=1): the proxy's RSS idle before any load, idle after the load, and holding
-# $IDLE_CONNECTIONS idle keep-alive client connections (scripts/bench/idle_clients.py; each did
-# one request first).
+# $IDLE_CONNECTIONS idle client connections (scripts/bench/idle_clients.py), once connected
+# without a request yet, once as keep-alive connections that each made one request.
 #
 # Usage: scripts/bench-proxy.sh   (as root on Debian 12; installs nginx haproxy wrk nghttp2-client
 #                                  curl openssl python3 when missing)
@@ -415,13 +415,15 @@ probe() {
 }
 
 declare -A IDLE_MEM AFTER_MEM CONN_MEM CONN_OPEN
-# idle_connections PROXY: memory of PROXY while IDLE_CONNECTIONS idle keep-alive clients are open
+# idle_connections PROXY KIND: memory of PROXY while IDLE_CONNECTIONS idle clients are open; KIND
+# "silent": connected, no request sent; "used": keep-alive connections after one request each
 idle_connections() {
-    local proxy=$1 out="$WORK/idle-$1.txt" port deadline
+    local proxy=$1 kind=$2 out="$WORK/idle-$1-$2.txt" port deadline extra=()
     port=${URL[keepalive $proxy]#http://127.0.0.1:}
     port=${port%/}
+    [[ $kind == silent ]] && extra=(--no-request)
     taskset -c "$LOADGEN_CPU" python3 "$TEMPLATES/idle_clients.py" --port "$port" \
-        --connections "$IDLE_CONNECTIONS" --hold 4 >"$out" 2>&1 </dev/null &
+        --connections "$IDLE_CONNECTIONS" --hold 4 "${extra[@]}" >"$out" 2>&1 </dev/null &
     LOAD_PID=$!
     deadline=$((SECONDS + 300))
     while ! grep -q '^ready ' "$out"; do
@@ -430,7 +432,7 @@ idle_connections() {
         sleep 0.1
     done
     sleep 2 # let the proxy settle with every connection open
-    CONN_MEM[$proxy]=$(memory_kib "${PID[$proxy]}")
+    CONN_MEM[$kind $proxy]=$(memory_kib "${PID[$proxy]}")
     local rc=0
     wait "$LOAD_PID" || rc=$?
     LOAD_PID=
@@ -438,8 +440,8 @@ idle_connections() {
     local ready open
     ready=$(awk '/^ready / {print $2 " opened, " $3 " failed"}' "$out")
     open=$(awk '/^open / {print $2}' "$out")
-    CONN_OPEN[$proxy]="$ready, ${open:-?} still open after the hold"
-    log "$proxy: $IDLE_CONNECTIONS idle connections: ${CONN_OPEN[$proxy]}"
+    CONN_OPEN[$kind $proxy]="$ready, ${open:-?} still open after the hold"
+    log "$proxy: $IDLE_CONNECTIONS idle connections ($kind): ${CONN_OPEN[$kind $proxy]}"
     kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited while holding idle connections"
 }
 
@@ -628,7 +630,10 @@ echo
 
 if ((MEMORY)); then
     for proxy in "${PROXIES[@]}"; do AFTER_MEM[$proxy]=$(memory_kib "${PID[$proxy]}"); done
-    for proxy in "${PROXIES[@]}"; do idle_connections "$proxy"; done
+    for proxy in "${PROXIES[@]}"; do
+        idle_connections "$proxy" silent
+        idle_connections "$proxy" used
+    done
 fi
 
 # Tables of medians; ratios are against nginx.
@@ -696,16 +701,20 @@ done
 
 if ((MEMORY)); then
     echo
-    echo "Memory of the proxy process tree, MiB (RSS summed over processes / PSS):"
-    printf '%-8s %15s %17s %26s\n' proxy 'idle at start' 'idle after load' "$IDLE_CONNECTIONS idle connections"
+    echo "Memory of the proxy process tree, MiB (RSS summed over processes / PSS); $IDLE_CONNECTIONS idle"
+    echo "client connections, silent: connected, no request yet; used: keep-alive after one request each:"
+    printf '%-8s %15s %17s %17s %17s\n' proxy 'idle at start' 'idle after load' 'silent conns' 'used conns'
     for proxy in "${PROXIES[@]}"; do
         read -r a_rss a_pss <<<"${IDLE_MEM[$proxy]}"
         read -r b_rss b_pss <<<"${AFTER_MEM[$proxy]}"
-        read -r c_rss c_pss <<<"${CONN_MEM[$proxy]}"
-        printf '%-8s %7s / %5s %9s / %5s %18s / %5s\n' "$proxy" "$(mib "$a_rss")" "$(mib "$a_pss")" \
-            "$(mib "$b_rss")" "$(mib "$b_pss")" "$(mib "$c_rss")" "$(mib "$c_pss")"
+        read -r c_rss c_pss <<<"${CONN_MEM[silent $proxy]}"
+        read -r d_rss d_pss <<<"${CONN_MEM[used $proxy]}"
+        printf '%-8s %7s / %5s %9s / %5s %9s / %5s %9s / %5s\n' "$proxy" "$(mib "$a_rss")" "$(mib "$a_pss")" \
+            "$(mib "$b_rss")" "$(mib "$b_pss")" "$(mib "$c_rss")" "$(mib "$c_pss")" "$(mib "$d_rss")" "$(mib "$d_pss")"
     done
-    for proxy in "${PROXIES[@]}"; do echo "  $proxy: ${CONN_OPEN[$proxy]}"; done
+    for proxy in "${PROXIES[@]}"; do
+        echo "  $proxy: silent: ${CONN_OPEN[silent $proxy]}; used: ${CONN_OPEN[used $proxy]}"
+    done
 fi
 
 # Anything the proxies complained about.

@@ -2,7 +2,8 @@
 """Opens many idle keep-alive client connections to a proxy, for scripts/bench-proxy.sh.
 
 Each connection sends one HTTP/1.1 GET and reads the whole response, then stays open and
-idle, the way browsers and API clients keep connections to a gateway. After every connection
+idle, the way browsers and API clients keep connections to a gateway (with --no-request it
+only connects and sends nothing). After every connection
 is set up the client prints "ready OK FAILED", holds them for --hold seconds (the caller measures
 the proxy's memory meanwhile), then prints "open N": how many the proxy still kept open.
 
@@ -17,12 +18,14 @@ import sys
 REQUEST = b"GET / HTTP/1.1\r\nHost: bench\r\nUser-Agent: raahi-bench-idle\r\n\r\n"
 
 
-async def open_one(host, port, timeout):
-    """One connection after one complete exchange, or None when it failed."""
+async def open_one(host, port, timeout, request):
+    """One connection after one complete exchange (or none), or None when it failed."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, asyncio.TimeoutError):
         return None
+    if not request:
+        return reader, writer
     try:
         writer.write(REQUEST)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
@@ -61,6 +64,8 @@ async def main():
     parser.add_argument("--batch", type=int, default=250, help="connections opened at once")
     parser.add_argument("--hold", type=float, default=5.0, help="seconds to stay idle")
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--no-request", action="store_true",
+                        help="connect only; send no request")
     args = parser.parse_args()
 
     opened = []
@@ -68,7 +73,7 @@ async def main():
     for start in range(0, args.connections, args.batch):
         count = min(args.batch, args.connections - start)
         results = await asyncio.gather(
-            *(open_one(args.host, args.port, args.timeout) for _ in range(count)))
+            *(open_one(args.host, args.port, args.timeout, not args.no_request) for _ in range(count)))
         for result in results:
             if result is None:
                 failed += 1
