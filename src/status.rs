@@ -67,6 +67,8 @@ pub struct SourceReport {
     pub last_success_at: Option<DateTime<Utc>>,
     pub next_refresh_at: Option<DateTime<Utc>>,
     pub failing_since: Option<DateTime<Utc>>,
+    /// The gateway instance holding the source's lease (the one that refreshes it).
+    pub refreshed_by: Option<String>,
 }
 
 /// Why `raahi status` could not build its report.
@@ -168,6 +170,9 @@ fn source_line(source: &SourceReport, now: DateTime<Utc>) -> String {
     }
     if let Some(at) = source.next_refresh_at {
         parts.push(format!("next refresh {}", when(at, now)));
+    }
+    if let Some(instance) = &source.refreshed_by {
+        parts.push(format!("refreshed by {instance}"));
     }
     if let Some(error) = &source.last_error {
         parts.push(format!("last error: {}", one_line(error)));
@@ -277,6 +282,8 @@ struct ApiSourceStatus {
     next_refresh_at: Option<DateTime<Utc>>,
     #[serde(default)]
     failing_since: Option<DateTime<Utc>>,
+    #[serde(default)]
+    refreshed_by: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -340,6 +347,7 @@ impl Api {
                 last_success_at: status.last_success_at,
                 next_refresh_at: status.next_refresh_at,
                 failing_since: status.failing_since,
+                refreshed_by: status.refreshed_by,
             });
         }
         Ok(Some(ServiceReport {
@@ -460,6 +468,7 @@ mod tests {
             last_success_at: None,
             next_refresh_at: None,
             failing_since: None,
+            refreshed_by: None,
         }
     }
 
@@ -517,9 +526,10 @@ mod tests {
         failing.last_refresh_at = Some(at(-1));
         failing.failing_since = Some(at(-3 * 60));
         failing.last_error = Some("HTTP 503\nfrom registry".to_owned());
+        failing.refreshed_by = Some("gw-2".to_owned());
         let text = render_text(&report(vec![failing]));
         assert!(
-            text.contains("failing, endpoints active/draining/stale 2/1/0, never succeeded, failing since 2023-11-14T22:10:20Z (3m ago), last error: HTTP 503 from registry\n"),
+            text.contains("failing, endpoints active/draining/stale 2/1/0, never succeeded, failing since 2023-11-14T22:10:20Z (3m ago), refreshed by gw-2, last error: HTTP 503 from registry\n"),
             "{text}"
         );
     }
