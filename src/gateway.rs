@@ -31,6 +31,8 @@ pub enum StartError {
     Resources(#[from] ResourcesError),
     #[error("{file}: {reason}")]
     Certificate { file: String, reason: String },
+    #[error("read but not live: {0}")]
+    NotLive(Arc<ControlError>),
     #[error("cannot listen on {address} ({role}): {source}")]
     Bind {
         role: &'static str,
@@ -218,9 +220,15 @@ impl Gateway {
             }
         });
         tasks.push(admin_task);
-        let sighup_task = resources
-            .as_ref()
-            .map(|(file, _)| reload_on_sighup(file.clone()));
+        let certificate_files = (config.proxy.tls_listen.is_some()
+            && (config.tls.cert_file.is_some() || !config.tls.certificates.is_empty()))
+        .then(|| config.tls.clone());
+        let reloads = Reloads {
+            resources: resources.as_ref().map(|(file, _)| file.clone()),
+            certificate_files,
+            control: control.clone(),
+        };
+        let sighup_task = reloads.wanted().then(|| reload_on_sighup(reloads));
         tracing::info!(proxy = %proxy_addr, https = ?tls_addr, admin = %admin_addr, "raahi is serving");
         Ok(Gateway {
             proxy_addr,
@@ -237,6 +245,16 @@ impl Gateway {
             sighup_task,
             streams,
         })
+    }
+
+    /// Reads the certificate files named in `config` again and serves them (what SIGHUP does).
+    pub async fn reload_certificate_files(&self, config: &TlsConfig) -> Result<(), StartError> {
+        let certificates = load_file_certificates(config)?;
+        self.control
+            .replace_file_certificates(certificates)
+            .await
+            .map_err(StartError::NotLive)?;
+        Ok(())
     }
 
     /// Applies the resources file again (what SIGHUP does).
@@ -278,21 +296,21 @@ impl Gateway {
     }
 }
 
-/// Re-applies the resources file on every SIGHUP; a file that fails changes nothing. The
-/// handler is installed before this returns: a SIGHUP that arrives as soon as the gateway says it
-/// is serving must reload, not end the process (SIGHUP's default action).
-fn reload_on_sighup(file: ResourcesFile) -> JoinHandle<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let hangups = signal(SignalKind::hangup());
-    tokio::spawn(async move {
-        let mut hangups = match hangups {
-            Ok(hangups) => hangups,
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGHUP; the resources file applies only at start");
-                return;
-            }
-        };
-        while hangups.recv().await.is_some() {
+/// What a SIGHUP reads again: the resources file and the certificate files, when configured.
+struct Reloads {
+    resources: Option<ResourcesFile>,
+    certificate_files: Option<TlsConfig>,
+    control: ControlHandle,
+}
+
+impl Reloads {
+    fn wanted(&self) -> bool {
+        self.resources.is_some() || self.certificate_files.is_some()
+    }
+
+    /// Each part on its own: a file that fails changes nothing of what it configures.
+    async fn reload(&self) {
+        if let Some(file) = &self.resources {
             match file.apply().await {
                 Ok(report) => {
                     tracing::info!(file = %file.path.display(), %report, "resources file applied")
@@ -301,6 +319,41 @@ fn reload_on_sighup(file: ResourcesFile) -> JoinHandle<()> {
                     tracing::error!(%error, "resources file not applied; the previous configuration stays")
                 }
             }
+        }
+        if let Some(files) = &self.certificate_files {
+            match load_file_certificates(files) {
+                Ok(certificates) => {
+                    match self.control.replace_file_certificates(certificates).await {
+                        Ok(_) => tracing::info!("certificate files read again and served"),
+                        Err(error) => {
+                            tracing::error!(%error, "certificate files read but not served yet")
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(%error, "certificate files not reloaded; the previous certificates stay")
+                }
+            }
+        }
+    }
+}
+
+/// Reads the resources file and the certificate files again on every SIGHUP. The handler is
+/// installed before this returns: a SIGHUP that arrives as soon as the gateway says it is
+/// serving must reload, not end the process (SIGHUP's default action).
+fn reload_on_sighup(reloads: Reloads) -> JoinHandle<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let hangups = signal(SignalKind::hangup());
+    tokio::spawn(async move {
+        let mut hangups = match hangups {
+            Ok(hangups) => hangups,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGHUP; files are read only at start");
+                return;
+            }
+        };
+        while hangups.recv().await.is_some() {
+            reloads.reload().await;
         }
     })
 }

@@ -1039,3 +1039,37 @@ async fn client_chosen_hosts_share_the_targets_connections() {
         "30 client Hosts opened {handshakes} upstream TLS connections"
     );
 }
+
+/// What SIGHUP does for certificate files: read them again and serve them; a file that fails
+/// to load changes nothing.
+#[tokio::test]
+async fn certificate_files_are_read_again_on_reload() {
+    let pki = Pki::new("test CA");
+    let first = pki.leaf(&["default.test"]);
+    let renewed = pki.leaf(&["default.test"]);
+    let (gateway, tls_addr) = tls_gateway(&first).await;
+    let files = raahi::config::TlsConfig {
+        cert_file: Some(gateway.dir.path().join("default.crt")),
+        key_file: Some(gateway.dir.path().join("default.key")),
+        certificates: Vec::new(),
+    };
+    let running = gateway.gateway.as_ref().expect("running");
+    assert_eq!(served_cert(tls_addr, None).await, Some(first.der.clone()));
+
+    // A half-written renewal (new certificate, old key) is refused; the first one stays.
+    std::fs::write(files.cert_file.as_ref().unwrap(), &renewed.cert_pem).unwrap();
+    let refused = running.reload_certificate_files(&files).await;
+    assert!(refused.is_err(), "a key that does not match is refused");
+    assert_eq!(served_cert(tls_addr, None).await, Some(first.der.clone()));
+
+    std::fs::write(files.key_file.as_ref().unwrap(), &renewed.key_pem).unwrap();
+    running
+        .reload_certificate_files(&files)
+        .await
+        .expect("the renewed files load");
+    assert_eq!(served_cert(tls_addr, None).await, Some(renewed.der.clone()));
+    assert_eq!(
+        served_cert(tls_addr, Some("default.test")).await,
+        Some(renewed.der.clone())
+    );
+}

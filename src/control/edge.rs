@@ -71,6 +71,10 @@ impl Edge {
         Ok(())
     }
 
+    pub(super) fn replace_file_certificates(&mut self, certificates: FileCertificates) {
+        self.options.file_certificates = certificates;
+    }
+
     /// The admin call that bound `listen` has stored its route (or failed to).
     pub(super) fn release_pending(&mut self, listen: SocketAddr) {
         if let Some(count) = self.pending.get_mut(&listen) {

@@ -81,6 +81,11 @@ enum Command {
         listen: std::net::SocketAddr,
         reply: oneshot::Sender<Result<(), crate::proxy::stream::StreamError>>,
     },
+    /// The config files' certificates were read again (SIGHUP); serve them from now on.
+    FileCertificates {
+        certificates: FileCertificates,
+        reply: Reply<u64>,
+    },
     /// An apply after an admin call that bound `listen` stored (or failed to store) its route.
     ApplyAfterBind {
         listen: std::net::SocketAddr,
@@ -116,6 +121,23 @@ impl ControlHandle {
     pub async fn apply(&self) -> Result<u64, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
         self.send(Command::Apply(reply), done).await
+    }
+
+    /// Serves `certificates` in place of the config files' certificates read before; returns
+    /// once the HTTPS listener uses them.
+    pub async fn replace_file_certificates(
+        &self,
+        certificates: FileCertificates,
+    ) -> Result<u64, Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.send(
+            Command::FileCertificates {
+                certificates,
+                reply,
+            },
+            done,
+        )
+        .await
     }
 
     /// Like [`ControlHandle::apply`], for the admin call that bound `listen` with
@@ -362,6 +384,13 @@ impl ControlTask {
                 }
                 Command::BindStream { listen, reply } => {
                     let _ = reply.send(self.edge.bind_stream_listener(listen));
+                }
+                Command::FileCertificates {
+                    certificates,
+                    reply,
+                } => {
+                    self.edge.replace_file_certificates(certificates);
+                    apply_waiting.push(reply);
                 }
                 Command::ApplyAfterBind { listen, reply } => {
                     self.edge.release_pending(listen);
