@@ -64,7 +64,7 @@ pub struct Gateway {
 
 /// Reads and checks the certificates named in the config; the default one is also served for
 /// its own names.
-fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, StartError> {
+pub fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, StartError> {
     let load = |cert_file: &Path, key_file: &Path| {
         let read = |path: &Path| {
             std::fs::read_to_string(path).map_err(|error| StartError::Certificate {

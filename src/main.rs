@@ -94,6 +94,12 @@ fn main() -> ExitCode {
         }
     };
     if let Command::CheckConfig = cli.command {
+        // The certificate files are part of the configuration: a renewal gone wrong must show
+        // here, not at the next start.
+        if let Err(error) = raahi::gateway::load_file_certificates(&config.tls) {
+            eprintln!("raahi: invalid configuration: {error}");
+            return ExitCode::from(2);
+        }
         println!("configuration is valid");
         return ExitCode::SUCCESS;
     }

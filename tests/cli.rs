@@ -53,6 +53,34 @@ fn environment_value_is_validated_like_the_file() {
 }
 
 #[test]
+fn check_config_reads_the_certificate_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let generated = rcgen::generate_simple_self_signed(vec!["gw.test".to_owned()]).unwrap();
+    let other = rcgen::generate_simple_self_signed(vec!["gw.test".to_owned()]).unwrap();
+    let cert_file = dir.path().join("gw.crt");
+    let key_file = dir.path().join("gw.key");
+    std::fs::write(&cert_file, generated.cert.pem()).unwrap();
+    std::fs::write(&key_file, other.signing_key.serialize_pem()).unwrap();
+    let check = || {
+        raahi()
+            .env("RAAHI_TLS_CERT_FILE", &cert_file)
+            .env("RAAHI_TLS_KEY_FILE", &key_file)
+            .args(["--config", "config/raahi.toml", "check-config"])
+            .output()
+            .unwrap()
+    };
+    let output = check();
+    assert_eq!(output.status.code(), Some(2), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&*key_file.to_string_lossy()) && stderr.contains("does not match"),
+        "names the key file and why: {stderr}"
+    );
+    std::fs::write(&key_file, generated.signing_key.serialize_pem()).unwrap();
+    assert!(check().status.success());
+}
+
+#[test]
 fn shipped_config_is_valid() {
     let output = raahi()
         .args(["--config", "config/raahi.toml", "check-config"])
