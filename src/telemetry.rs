@@ -201,8 +201,20 @@ struct JsonEscaped<'a, 'w>(&'a mut Writer<'w>);
 
 impl fmt::Write for JsonEscaped<'_, '_> {
     fn write_str(&mut self, text: &str) -> fmt::Result {
+        let bytes = text.as_bytes();
+        // Eight bytes at a time up to the first word holding something to escape; most values
+        // (paths, hosts, ids, names) hold nothing and are written in one piece.
+        let mut start = 0;
+        while start + 8 <= bytes.len() {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&bytes[start..start + 8]);
+            if word_needs_escape(u64::from_le_bytes(word)) {
+                break;
+            }
+            start += 8;
+        }
         let mut plain_from = 0;
-        for (index, &byte) in text.as_bytes().iter().enumerate() {
+        for (index, &byte) in bytes.iter().enumerate().skip(start) {
             if !NEEDS_ESCAPE[usize::from(byte)] {
                 continue;
             }
@@ -227,6 +239,19 @@ impl fmt::Write for JsonEscaped<'_, '_> {
         }
         self.0.write_str(&text[plain_from..])
     }
+}
+
+/// Whether any of the eight bytes is a control character, `"` or `\` (the "has a byte less than
+/// n" and "has a zero byte" word tricks; exact for "any", which is all that is asked).
+fn word_needs_escape(word: u64) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let below_space = word.wrapping_sub(ONES * 0x20) & !word & HIGH;
+    let quote = word ^ (ONES * u64::from(b'"'));
+    let backslash = word ^ (ONES * u64::from(b'\\'));
+    let has_quote = quote.wrapping_sub(ONES) & !quote & HIGH;
+    let has_backslash = backslash.wrapping_sub(ONES) & !backslash & HIGH;
+    below_space | has_quote | has_backslash != 0
 }
 
 /// Bytes a JSON string cannot hold as they are: control characters, `"` and `\`. A table lookup
@@ -361,12 +386,29 @@ mod tests {
     }
 
     #[test]
+    fn word_check_agrees_with_the_byte_table() {
+        for special in 0..=255u8 {
+            for position in 0..8 {
+                let mut word = *b"abcdefgh";
+                word[position] = special;
+                let expected = word.iter().any(|byte| NEEDS_ESCAPE[usize::from(*byte)]);
+                assert_eq!(
+                    word_needs_escape(u64::from_le_bytes(word)),
+                    expected,
+                    "byte {special:#04x} at {position}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn json_strings_are_escaped() {
         let (ours, theirs) = both_json_lines(|| {
             tracing::warn!(
                 path = "/say \"hi\"\\back",
                 control = "tab\there\nnew line\r\u{1}\u{1f}\u{8}\u{c}",
                 unicode = "café ✓ 🚀",
+                long = "/a/rather/long/path/with/a\"quote/and\\a/backslash/after/24/bytes\u{1}",
                 debug = ?"quoted \"debug\"",
                 "message with \"quotes\" and \u{7f}"
             );
