@@ -66,8 +66,13 @@ pub async fn bootstrap(store: &Store, configured: Option<&str>) -> Result<Bootst
         name: "initial-admin".to_owned(),
         role: Role::Admin,
     };
-    let (_, secret) = create_token(store, &spec).await?;
-    Ok(Bootstrap::Generated(secret))
+    match create_token(store, &spec).await {
+        Ok((_, secret)) => Ok(Bootstrap::Generated(secret)),
+        // Another instance starting on the same empty database created it first (and printed
+        // its secret): this one has a token to use too.
+        Err(StoreError::Conflict { .. }) => Ok(Bootstrap::Existing),
+        Err(other) => Err(other),
+    }
 }
 
 async fn caller_role(parts: &Parts, state: &AdminState) -> Result<Role, ApiError> {

@@ -33,6 +33,8 @@ type Labels = Vec<(&'static str, String)>;
 /// Everything one scrape reports, gathered before encoding (the store is async; encoding is not).
 #[derive(Debug, Default)]
 struct Scrape {
+    /// Whether the store answered this scrape (its series are missing otherwise).
+    store_up: bool,
     unrouted: u64,
     stream_unmatched: u64,
     streams: Vec<StreamSample>,
@@ -88,17 +90,10 @@ struct SourceSample {
 }
 
 pub async fn metrics(State(state): State<AdminState>) -> Response {
-    match gather(&state).await {
-        Ok(scrape) => encode(scrape),
-        Err(error) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("# metrics unavailable: {error}\n"),
-        )
-            .into_response(),
-    }
+    encode(gather(&state).await)
 }
 
-async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> {
+async fn gather(state: &AdminState) -> Scrape {
     let snapshot = state.control.snapshot();
     let now = unix_ms();
     let mut scrape = Scrape {
@@ -124,22 +119,6 @@ async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> 
             bytes_out: stats.bytes_upstream_to_client(),
             connect_failures: stats.connect_failures(),
         });
-    }
-    for certificate in state
-        .store
-        .list_certificates(crate::store::Page {
-            limit: 10_000,
-            after: None,
-        })
-        .await?
-    {
-        scrape.certificates.push((
-            vec![
-                ("certificate_id", certificate.id.to_string()),
-                ("sni", certificate.snis.first().cloned().unwrap_or_default()),
-            ],
-            certificate.not_after.timestamp(),
-        ));
     }
     let mut service_names: HashMap<Id, String> = HashMap::new();
     for service in snapshot.services() {
@@ -176,6 +155,37 @@ async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> 
             latency_sum,
         });
     }
+    match gather_store(state, &service_names, &mut scrape).await {
+        Ok(()) => scrape.store_up = true,
+        // What the data path and the control task know is still worth reporting while the
+        // store is away, and this is when operators look.
+        Err(error) => tracing::warn!(%error, "metrics without the store's part"),
+    }
+    scrape
+}
+
+/// The series read from the store: targets by state, sources, certificates.
+async fn gather_store(
+    state: &AdminState,
+    service_names: &HashMap<Id, String>,
+    scrape: &mut Scrape,
+) -> Result<(), crate::store::StoreError> {
+    for certificate in state
+        .store
+        .list_certificates(crate::store::Page {
+            limit: 10_000,
+            after: None,
+        })
+        .await?
+    {
+        scrape.certificates.push((
+            vec![
+                ("certificate_id", certificate.id.to_string()),
+                ("sni", certificate.snis.first().cloned().unwrap_or_default()),
+            ],
+            certificate.not_after.timestamp(),
+        ));
+    }
     for (service_id, target_state, count) in state.store.target_state_counts().await? {
         let service = service_names
             .get(&service_id)
@@ -206,7 +216,7 @@ async fn gather(state: &AdminState) -> Result<Scrape, crate::store::StoreError> 
                 / 1_000_000.0,
         });
     }
-    Ok(scrape)
+    Ok(())
 }
 
 fn encode(scrape: Scrape) -> Response {
@@ -267,6 +277,12 @@ impl Collector for Scrape {
             "raahi_unrouted_requests",
             "Requests that matched no route (answered 404).",
             [(Labels::new(), self.unrouted)],
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_store_up",
+            "1 when the configuration store answered this scrape; 0 leaves its series out.",
+            [(Labels::new(), i64::from(self.store_up))],
         )?;
         counter(
             &mut encoder,

@@ -686,7 +686,11 @@ async fn connect_postgres(url: &str, instance_id: &str) -> Result<PgPool, StoreE
         .connect_with(options)
         .await?;
     // sqlx takes an advisory lock around migrations, so instances may start together.
-    sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+    // An instance of an older version must still start (and a rollout be rolled back) after a
+    // newer one applied migrations it does not know; migrations are additive.
+    let mut migrator = sqlx::migrate!("./migrations/postgres");
+    migrator.set_ignore_missing(true);
+    migrator.run(&pool).await?;
     Ok(pool)
 }
 

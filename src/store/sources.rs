@@ -272,7 +272,17 @@ impl Store {
                     .execute(&mut *transaction)
                     .await?;
             }
-            for change in changes {
+            // Existing rows in id order, as every writer of targets locks them (no deadlock
+            // with another instance's health-check writes), new ones after.
+            let mut ordered: Vec<&TargetChange> = changes.iter().collect();
+            ordered.sort_by_key(|change| match change {
+                TargetChange::Create(_) => Id::MAX,
+                TargetChange::Refresh { id, .. }
+                | TargetChange::Drain { id, .. }
+                | TargetChange::MarkStale { id }
+                | TargetChange::Delete { id } => *id,
+            });
+            for change in ordered {
                 match change {
                     TargetChange::Create(endpoint) => {
                         sqlx::query(
@@ -358,9 +368,13 @@ impl Store {
         if records.is_empty() {
             return Ok(());
         }
+        // Rows are locked in id order: instances checking the same targets (each its own
+        // view) write them concurrently, and any other order can deadlock on PostgreSQL.
+        let mut ordered: Vec<_> = records.iter().collect();
+        ordered.sort_by_key(|(id, _, _)| *id);
         on_pool!(self, |pool| {
             let mut transaction = pool.begin().await?;
-            for (id, health, result) in records {
+            for (id, health, result) in &ordered {
                 let last_check =
                     serde_json::to_string(result).expect("plain data always serialises");
                 sqlx::query("UPDATE targets SET health = $1, last_check = $2 WHERE id = $3")
