@@ -21,8 +21,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
 fi
 
-# The newest installed PostgreSQL.
-pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+# The newest installed PostgreSQL server (a newer client-only install has no initdb).
+pg_bin=$(dirname "$(ls -d /usr/lib/postgresql/*/bin/initdb | sort -V | tail -n 1)")
 
 # initdb refuses to run as root: the cluster belongs to the postgres user then.
 as_cluster_owner() {
@@ -37,7 +37,8 @@ pg_dir=$(mktemp -d -t raahi-pg.XXXXXX)
 pg_started=false
 stop_postgres() {
   local status=$?
-  if [ "$pg_started" = true ]; then
+  # Also when the start timed out: the server may be up anyway.
+  if [ -f "$pg_dir/data/postmaster.pid" ]; then
     as_cluster_owner "$pg_bin/pg_ctl" -D "$pg_dir/data" -m immediate stop >/dev/null 2>&1 || true
   fi
   rm -rf "$pg_dir"
