@@ -195,11 +195,24 @@ impl Store {
         Ok(())
     }
 
+    /// Fenced like [`Store::apply_refresh`]: an instance that lost the source's lease while it
+    /// was busy must not overwrite the new holder's progress.
     pub async fn save_progress(&self, id: Id, progress: &SourceProgress) -> Result<(), StoreError> {
-        on_pool!(self, |pool| save_progress_query!(id, progress)
-            .execute(pool)
-            .await
-            .map(|done| done.rows_affected()))?;
+        let fence = self.lease_fence_sql();
+        on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            let holder: Option<String> = sqlx::query_scalar(fence)
+                .bind(id)
+                .fetch_optional(&mut *transaction)
+                .await?;
+            if let Some(holder) = holder.filter(|holder| holder.as_str() != self.instance_id()) {
+                return Err(lease_lost(id, &holder));
+            }
+            save_progress_query!(id, progress)
+                .execute(&mut *transaction)
+                .await?;
+            transaction.commit().await?;
+        });
         Ok(())
     }
 

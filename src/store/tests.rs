@@ -431,6 +431,12 @@ async fn a_refresh_from_an_instance_that_lost_the_lease_is_dropped(kind: Kind) {
         .await
         .unwrap_err();
     assert!(late.is_lease_lost(), "{late:?}");
+    // Progress alone (a stale timer, a disable) is fenced the same way.
+    let late = a
+        .save_progress(source.id, &progress("late"))
+        .await
+        .unwrap_err();
+    assert!(late.is_lease_lost(), "{late:?}");
     assert!(a.source_targets(source.id).await.unwrap().is_empty());
     let (_, stored) = a.get_source_with_progress(source.id).await.unwrap();
     assert_eq!(stored.revision, None);
