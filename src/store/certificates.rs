@@ -16,7 +16,7 @@ pub struct NewCertificate<'a> {
 }
 
 #[derive(sqlx::FromRow)]
-struct CertificateRow {
+pub(super) struct CertificateRow {
     id: i64,
     snis: String,
     cert_pem: String,
@@ -27,7 +27,7 @@ struct CertificateRow {
 }
 
 impl CertificateRow {
-    fn into_parts(self) -> Result<CertificateWithKey, StoreError> {
+    pub(super) fn into_parts(self) -> Result<CertificateWithKey, StoreError> {
         Ok(CertificateWithKey {
             certificate: Certificate {
                 id: self.id,

@@ -178,28 +178,48 @@ impl Store {
     }
 
     /// Everything the routing snapshot is built from.
+    /// Read in one transaction (on PostgreSQL a repeatable-read one): the tables are seen at one
+    /// moment, so a route is never read without the service it was written with.
     pub async fn load_routing_config(&self) -> Result<RoutingConfig, StoreError> {
-        let services = on_pool!(self, |pool| sqlx::query_as::<_, ServiceRow>(
-            "SELECT * FROM services ORDER BY id"
-        )
-        .fetch_all(pool)
-        .await)?;
-        let targets = on_pool!(self, |pool| sqlx::query_as::<_, TargetRow>(
-            "SELECT * FROM targets ORDER BY id"
-        )
-        .fetch_all(pool)
-        .await)?;
-        let routes = on_pool!(self, |pool| sqlx::query_as::<_, RouteRow>(
-            "SELECT * FROM routes ORDER BY id"
-        )
-        .fetch_all(pool)
-        .await)?;
+        let shared = self.is_shared();
+        let (services, targets, routes, stream_routes, certificates) = on_pool!(self, |pool| {
+            let mut transaction = pool.begin().await?;
+            if shared {
+                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    .execute(&mut *transaction)
+                    .await?;
+            }
+            let services = sqlx::query_as::<_, ServiceRow>("SELECT * FROM services ORDER BY id")
+                .fetch_all(&mut *transaction)
+                .await?;
+            let targets = sqlx::query_as::<_, TargetRow>("SELECT * FROM targets ORDER BY id")
+                .fetch_all(&mut *transaction)
+                .await?;
+            let routes = sqlx::query_as::<_, RouteRow>("SELECT * FROM routes ORDER BY id")
+                .fetch_all(&mut *transaction)
+                .await?;
+            let stream_routes = sqlx::query_as::<_, stream_routes::StreamRouteRow>(
+                "SELECT * FROM stream_routes ORDER BY id",
+            )
+            .fetch_all(&mut *transaction)
+            .await?;
+            let certificates = sqlx::query_as::<_, certificates::CertificateRow>(
+                "SELECT * FROM certificates ORDER BY id",
+            )
+            .fetch_all(&mut *transaction)
+            .await?;
+            transaction.commit().await?;
+            (services, targets, routes, stream_routes, certificates)
+        });
         Ok(RoutingConfig {
             services: convert_all(services)?,
             targets: convert_all(targets)?,
             routes: convert_all(routes)?,
-            stream_routes: self.all_stream_routes().await?,
-            certificates: self.all_certificates_with_keys().await?,
+            stream_routes: convert_all(stream_routes)?,
+            certificates: certificates
+                .into_iter()
+                .map(certificates::CertificateRow::into_parts)
+                .collect::<Result<_, _>>()?,
         })
     }
 

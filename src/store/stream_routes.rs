@@ -7,7 +7,7 @@ use super::{convert_all, now_ms, Page, Store, StoreError};
 use crate::model::{Id, StreamRoute, StreamRouteSpec};
 
 #[derive(sqlx::FromRow)]
-struct StreamRouteRow {
+pub(super) struct StreamRouteRow {
     id: i64,
     listen: String,
     sni: String,
