@@ -1496,3 +1496,43 @@ async fn a_client_aborting_its_upload_is_not_an_upstream_failure() {
     );
     assert_eq!(only_runtime_target(&view)["available"], true, "{view}");
 }
+
+/// A client that connects and stays silent is closed after `proxy.client_header_timeout_ms`;
+/// one that speaks late, within it, is served as usual (the connection waits cheaply for its
+/// first bytes before HTTP is set up).
+#[tokio::test]
+async fn a_silent_connection_is_closed_after_the_client_header_timeout() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let mut config = test_config(dir.path());
+    config.proxy.client_header_timeout_ms = 400;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let upstream = Upstream::start("late").await;
+    let service = gateway
+        .service_with_targets("late", &[target(&upstream, 100, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "late", "service_id": service}),
+        )
+        .await;
+
+    let mut late = TcpStream::connect(gateway.proxy).await.unwrap();
+    let mut silent = TcpStream::connect(gateway.proxy).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    late.write_all(b"GET /late HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), late.read_to_end(&mut answer))
+        .await
+        .expect("the late client is answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), silent.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the silent connection is closed");
+    assert!(rest.is_empty(), "nothing is sent to a silent client");
+}

@@ -133,12 +133,13 @@ fn serve(
             match accepted {
                 Ok((stream, client)) => {
                     let _ = stream.set_nodelay(true);
-                    tokio::spawn(serve_connection(
+                    tokio::spawn(wait_for_first_bytes(
                         stream,
                         client,
                         state.clone(),
                         connection_settings.clone(),
                         connections.watcher(),
+                        shutdown.clone(),
                     ));
                 }
                 Err(error) => {
@@ -162,6 +163,34 @@ fn serve(
             ),
         }
     })
+}
+
+/// A connection that has sent nothing yet is held by this small task, not by a whole HTTP (and
+/// TLS) connection's state, which is only built once bytes arrive: thousands of clients that
+/// connect ahead of need cost little. Clients speak first in HTTP and TLS, so nothing waits on
+/// the gateway. The wait is bounded by the client header timeout and ends at shutdown.
+async fn wait_for_first_bytes(
+    stream: tokio::net::TcpStream,
+    client: SocketAddr,
+    state: Arc<ProxyState>,
+    settings: Arc<ConnectionSettings>,
+    watcher: Watcher,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    // `peek`, not `readable`: readiness can be reported before any byte is there.
+    let mut first = [0u8; 1];
+    let arrived = tokio::time::timeout(settings.handshake_timeout, stream.peek(&mut first));
+    tokio::select! {
+        waited = arrived => match waited {
+            Ok(Ok(1..)) => {
+                tokio::spawn(serve_connection(stream, client, state, settings, watcher));
+            }
+            Ok(Ok(_)) => tracing::debug!(%client, "client closed before sending anything"),
+            Ok(Err(error)) => tracing::debug!(%client, %error, "client connection failed before its first bytes"),
+            Err(_) => tracing::debug!(%client, "client sent nothing within the client header timeout; closed"),
+        },
+        _ = shutdown.wait_for(|stop| *stop) => {}
+    }
 }
 
 async fn serve_connection(
