@@ -29,6 +29,7 @@ mod rows;
 mod sources;
 mod stream_routes;
 #[cfg(test)]
+#[path = "../../tests/common/postgres.rs"]
 mod test_postgres;
 pub use certificates::NewCertificate;
 pub use sources::ManagedKind;
