@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 
 use super::rows::{string_list, time};
-use super::{convert_all, json_text, now_ms, Page, Store, StoreError};
+use super::{convert_all, found, json_text, now_ms, Page, Store, StoreError};
 use crate::model::{Certificate, CertificateWithKey, Id};
 
 /// A certificate after the admin API parsed it: the names it is served for and its expiry.
@@ -164,12 +164,7 @@ impl Store {
             transaction.commit().await?;
             updated
         });
-        if updated == 0 {
-            return Err(StoreError::NotFound {
-                kind: "certificate",
-                id,
-            });
-        }
+        found(updated, "certificate", id)?;
         self.get_certificate(id).await
     }
 
@@ -181,12 +176,7 @@ impl Store {
         .execute(pool)
         .await
         .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "certificate",
-                id,
-            });
-        }
+        found(affected, "certificate", id)?;
         Ok(())
     }
 }

@@ -306,12 +306,7 @@ impl Store {
         .await
 .map(|done| done.rows_affected()))
         .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "service",
-                id,
-            });
-        }
+        found(affected, "service", id)?;
         self.get_service(id).await
     }
 
@@ -363,12 +358,7 @@ impl Store {
             // A route created between the check above and this delete.
             foreign_key(error, "id", format!("service {id} is used by a route"))
         })?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "service",
-                id,
-            });
-        }
+        found(affected, "service", id)?;
         Ok(())
     }
 
@@ -451,9 +441,7 @@ impl Store {
         .await
         .map(|done| done.rows_affected())
         })?;
-        if affected == 0 {
-            return Err(StoreError::NotFound { kind: "target", id });
-        }
+        found(affected, "target", id)?;
         self.get_target(id).await
     }
 
@@ -465,9 +453,7 @@ impl Store {
         .execute(pool)
         .await
         .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound { kind: "target", id });
-        }
+        found(affected, "target", id)?;
         Ok(())
     }
 
@@ -556,9 +542,7 @@ impl Store {
             ),
             other => other,
         })?;
-        if affected == 0 {
-            return Err(StoreError::NotFound { kind: "route", id });
-        }
+        found(affected, "route", id)?;
         self.get_route(id).await
     }
 
@@ -568,9 +552,7 @@ impl Store {
             .execute(pool)
             .await
             .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound { kind: "route", id });
-        }
+        found(affected, "route", id)?;
         Ok(())
     }
 
@@ -670,9 +652,7 @@ impl Store {
             .execute(pool)
             .await
             .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound { kind: "token", id });
-        }
+        found(affected, "token", id)?;
         Ok(())
     }
 }
@@ -713,6 +693,14 @@ async fn connect_postgres(url: &str, instance_id: &str) -> Result<PgPool, StoreE
     migrator.set_ignore_missing(true);
     migrator.run(&pool).await?;
     Ok(pool)
+}
+
+/// A write that touched no row: the object does not exist (any more).
+fn found(affected: u64, kind: &'static str, id: Id) -> Result<(), StoreError> {
+    if affected == 0 {
+        return Err(StoreError::NotFound { kind, id });
+    }
+    Ok(())
 }
 
 fn convert_all<R, T>(rows: Vec<R>) -> Result<Vec<T>, StoreError>

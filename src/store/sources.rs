@@ -22,7 +22,7 @@ macro_rules! save_progress_query {
 }
 
 use super::rows::{SourceRow, TargetRow};
-use super::{convert_all, now_ms, Page, Store, StoreError};
+use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
     DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
 };
@@ -168,12 +168,7 @@ impl Store {
         .await
         .map(|done| done.rows_affected()))
         .map_err(|e| unique_source_name(e, &spec.name))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "discovery source",
-                id,
-            });
-        }
+        found(affected, "discovery source", id)?;
         self.get_source(id).await
     }
 
@@ -186,12 +181,7 @@ impl Store {
         .execute(pool)
         .await
         .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "discovery source",
-                id,
-            });
-        }
+        found(affected, "discovery source", id)?;
         Ok(())
     }
 

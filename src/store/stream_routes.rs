@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use super::rows::time;
-use super::{convert_all, now_ms, Page, Store, StoreError};
+use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{Id, StreamRoute, StreamRouteSpec};
 
 #[derive(sqlx::FromRow)]
@@ -132,12 +132,7 @@ impl Store {
         .await
         .map(|done| done.rows_affected()))
         .map_err(|error| duplicate_route(error, spec))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "stream route",
-                id,
-            });
-        }
+        found(affected, "stream route", id)?;
         self.get_stream_route(id).await
     }
 
@@ -149,12 +144,7 @@ impl Store {
         .execute(pool)
         .await
         .map(|done| done.rows_affected()))?;
-        if affected == 0 {
-            return Err(StoreError::NotFound {
-                kind: "stream route",
-                id,
-            });
-        }
+        found(affected, "stream route", id)?;
         Ok(())
     }
 }
