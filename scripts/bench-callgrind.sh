@@ -42,6 +42,7 @@ done
 
 if [[ -n ${RAAHI_BIN:-} ]]; then
     [[ -x $RAAHI_BIN ]] || die "RAAHI_BIN=$RAAHI_BIN is not an executable file"
+    RAAHI_BIN=$(cd "$(dirname "$RAAHI_BIN")" && pwd)/$(basename "$RAAHI_BIN")
 else
     log "building raahi (cargo build --release)"
     (cd "$REPO" && cargo build --release >&2)
@@ -81,10 +82,11 @@ free_port() { # sets FREE_PORT to a port no local socket uses
     done
 }
 
-wait_200() { # URL SECONDS
+wait_200() { # URL SECONDS [PID that must stay alive]
     local deadline=$((SECONDS + $2))
     until [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 --noproxy '*' "$1" || true) == 200 ]]; do
         ((SECONDS < deadline)) || die "$1 does not answer 200 after $2 s"
+        [[ -z ${3:-} ]] || kill -0 "$3" 2>/dev/null || die "the server for $1 exited (see its log in OUT=...)"
         sleep 0.2
     done
 }
@@ -119,7 +121,7 @@ token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 RAAHI_PID=$!
 PIDS+=("$RAAHI_PID")
 log "raahi under callgrind: pid $RAAHI_PID, port $port"
-wait_200 "http://127.0.0.1:$admin_port/healthz" 300
+wait_200 "http://127.0.0.1:$admin_port/healthz" 300 "$RAAHI_PID"
 
 admin_post() {
     curl -sf --max-time 30 --noproxy '*' -H "Authorization: Bearer $token" \

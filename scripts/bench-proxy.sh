@@ -254,15 +254,17 @@ wait_200() {
 
 CLK_TCK=$(getconf CLK_TCK)
 
-cpu_ticks() { # PID: utime+stime (clock ticks) of PID and all its live descendants
-    local pid total=0 ticks
+cpu_ticks() { # PID: "utime+stime utime" (clock ticks) of PID and all its live descendants
+    local pid total=0 user=0 ticks
     for pid in "$1" $(descendants "$1"); do
         [[ -r /proc/$pid/stat ]] || continue
         # Fields after "pid (comm) ": $1 is field 3 (state), so utime (14) is $12, stime (15) $13.
-        ticks=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | awk '{print $12 + $13}') || continue
-        [[ -n $ticks ]] && total=$((total + ticks))
+        ticks=$(sed 's/^.*) //' "/proc/$pid/stat" 2>/dev/null | awk '{print $12 + $13, $12}') || continue
+        [[ -n $ticks ]] || continue
+        total=$((total + ${ticks% *}))
+        user=$((user + ${ticks#* }))
     done
-    echo "$total"
+    echo "$total $user"
 }
 
 memory_kib() { # PID: "RSS PSS" in KiB, summed over PID and its live descendants
@@ -360,17 +362,19 @@ parse_load() {
 
 measure() { # SCENARIO PROXY ROUND
     local scenario=$1 proxy=$2 round=$3 key="$1 $2" out="$WORK/load-$1-$2-$3.txt"
-    local before after acc_before acc_after
+    local before after acc_before acc_after user_before user_after
     acc_before=$(upstream_accepts)
-    before=$(cpu_ticks "${PID[$proxy]}")
+    read -r before user_before < <(cpu_ticks "${PID[$proxy]}")
     run_load "$scenario" "$proxy" "$DURATION" "$out"
-    after=$(cpu_ticks "${PID[$proxy]}")
+    read -r after user_after < <(cpu_ticks "${PID[$proxy]}")
     acc_after=$(upstream_accepts)
     kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited during the $scenario run"
     parse_load "$scenario" "$out" || { cat "$out" >&2; die "cannot parse the $scenario output for $proxy"; }
     ((L_REQS > 0)) || { cat "$out" >&2; die "no requests completed through $proxy ($scenario)"; }
 
-    local ticks=$((after - before)) us pct
+    local ticks=$((after - before)) us pct user_pct
+    # the share of the proxy's CPU time spent in user space (the rest is the kernel's socket work)
+    user_pct=$(awk -v u="$((user_after - user_before))" -v t="$ticks" 'BEGIN { printf "%.0f", t ? u / t * 100 : 0 }')
     # connections the proxy opened to the upstreams (the 3 status reads after the run count too)
     local conns=$((acc_after - acc_before - 3))
     us=$(awk -v t="$ticks" -v hz="$CLK_TCK" -v n="$L_REQS" 'BEGIN { printf "%.2f", t / hz * 1e6 / n }')
@@ -382,8 +386,8 @@ measure() { # SCENARIO PROXY ROUND
     UP_CONNS[$key]+="$conns "
     ERRORS[$key]=$((${ERRORS[$key]:-0} + L_ERRORS))
     TOTAL_REQS[$key]=$((${TOTAL_REQS[$key]:-0} + L_REQS))
-    printf '  round %d  %-9s %-8s %8.0f req/s  p99 %8.3f ms  %7.2f us CPU/req (%3d%% CPU)  %5d new upstream conns  errors %d\n' \
-        "$round" "$scenario" "$proxy" "$L_RPS" "$L_P99_MS" "$us" "$pct" "$conns" "$L_ERRORS"
+    printf '  round %d  %-9s %-8s %8.0f req/s  p99 %8.3f ms  %7.2f us CPU/req (%3d%% CPU, %3d%% user)  %5d new upstream conns  errors %d\n' \
+        "$round" "$scenario" "$proxy" "$L_RPS" "$L_P99_MS" "$us" "$pct" "$user_pct" "$conns" "$L_ERRORS"
     if ((L_ERRORS > 0)); then
         grep -E 'Non-2xx|Socket errors|^requests:|^status codes:' "$out" | sed "s/^/           $proxy: /" || true
     fi
