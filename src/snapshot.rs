@@ -50,6 +50,10 @@ pub struct GatewayCounters {
     pub unrouted: AtomicU64,
     /// Stream connections closed because no stream route matched (no SNI match, no ClientHello).
     pub stream_unmatched: AtomicU64,
+    /// Idle HTTP/1.1 client connections that gave back their HTTP state (parks so far).
+    pub client_connection_parks: AtomicU64,
+    /// HTTP/1.1 client connections parked now: open, idle, holding no HTTP buffers.
+    pub parked_client_connections: AtomicU64,
 }
 
 /// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.

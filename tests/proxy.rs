@@ -1536,3 +1536,174 @@ async fn a_silent_connection_is_closed_after_the_client_header_timeout() {
     assert!(closed.is_ok(), "the silent connection is closed");
     assert!(rest.is_empty(), "nothing is sent to a silent client");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 11. Idle HTTP/1.1 connections park: they give back their HTTP buffers and stay open
+// ---------------------------------------------------------------------------------------------
+
+/// One `/metrics` series without labels.
+async fn metric(gateway: &TestGateway, series: &str) -> u64 {
+    let text = gateway
+        .http
+        .get(gateway.admin_url("/metrics"))
+        .send()
+        .await
+        .expect("metrics answer")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{text}"))
+}
+
+/// Reads one response with a Content-Length body off a keep-alive connection.
+async fn read_response(stream: &mut TcpStream) -> (String, Vec<u8>) {
+    let (head, mut body) = read_head(stream).await;
+    let length: usize = head_values(&head, "content-length")
+        .first()
+        .expect("a Content-Length response")
+        .parse()
+        .unwrap();
+    let mut chunk = vec![0u8; 64 * 1024];
+    while body.len() < length {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
+            .await
+            .expect("body bytes within 10 s")
+            .expect("read");
+        assert!(n > 0, "closed after {} of {length} body bytes", body.len());
+        body.extend_from_slice(&chunk[..n]);
+    }
+    assert_eq!(body.len(), length, "bytes past the response on {head}");
+    (head, body)
+}
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_parks_and_serves_its_next_request() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("park").await;
+    let service = gateway
+        .service_with_targets("park", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(b"GET /first HTTP/1.1\r\nHost: park.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_response(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    wait_until(
+        "the idle connection parks",
+        Duration::from_secs(10),
+        || async { metric(&gateway, "raahi_parked_client_connections").await == 1 },
+    )
+    .await;
+    assert!(metric(&gateway, "raahi_client_connection_parks_total").await >= 1);
+
+    client
+        .write_all(b"GET /second HTTP/1.1\r\nHost: park.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_response(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(upstream.last_seen().path, "/second");
+    assert_eq!(upstream.hits(), 2);
+    assert_eq!(
+        metric(&gateway, "raahi_parked_client_connections").await,
+        0,
+        "a connection with a request in hand is no longer parked"
+    );
+}
+
+/// hyper hands back the bytes it read but had not parsed when the connection parks: a request
+/// head interrupted by a pause longer than the idle check must still arrive whole.
+#[tokio::test]
+async fn a_request_head_split_by_a_park_arrives_whole() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("split").await;
+    let service = gateway
+        .service_with_targets("split", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(b"GET /first HTTP/1.1\r\nHost: split.test\r\n\r\n")
+        .await
+        .unwrap();
+    read_response(&mut client).await;
+    client
+        .write_all(b"GET /split-head HTTP/1.1\r\nHost: split.test\r\n")
+        .await
+        .unwrap();
+    wait_until(
+        "the connection parks with half a request head",
+        Duration::from_secs(10),
+        || async { metric(&gateway, "raahi_client_connection_parks_total").await >= 1 },
+    )
+    .await;
+    client.write_all(b"X-Rest: arrived\r\n\r\n").await.unwrap();
+    let (head, body) = read_response(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(!body.is_empty());
+    let seen = upstream.last_seen();
+    assert_eq!(seen.path, "/split-head");
+    assert_eq!(seen.header("x-rest"), Some("arrived"));
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A response still streaming to a client that is not reading is activity, not idleness: the
+/// connection is neither parked nor closed under it, and stays usable afterwards.
+#[tokio::test]
+async fn a_stalled_reader_of_a_long_response_keeps_its_connection() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("stall").await;
+    let service = gateway
+        .service_with_targets("stall", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    const BIG: usize = 32 * 1024 * 1024;
+    let mut stalled = TcpStream::connect(gateway.proxy).await.unwrap();
+    stalled
+        .write_all(format!("GET /bytes/{BIG} HTTP/1.1\r\nHost: stall.test\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    // Another connection parks twice while the first one reads nothing: the stalled
+    // connection has sat through at least one whole idle check by then.
+    let mut idle = TcpStream::connect(gateway.proxy).await.unwrap();
+    for parks in 1..=2u64 {
+        idle.write_all(b"GET /tick HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+            .await
+            .unwrap();
+        read_response(&mut idle).await;
+        wait_until(
+            "the other connection parks",
+            Duration::from_secs(10),
+            || async { metric(&gateway, "raahi_client_connection_parks_total").await >= parks },
+        )
+        .await;
+    }
+    assert_eq!(
+        metric(&gateway, "raahi_parked_client_connections").await,
+        1,
+        "only the idle connection is parked"
+    );
+    let (head, body) = read_response(&mut stalled).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body.len(), BIG);
+    assert!(
+        head_values(&head, "connection").is_empty(),
+        "keep-alive was not turned off: {head}"
+    );
+    stalled
+        .write_all(b"GET /after HTTP/1.1\r\nHost: stall.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_response(&mut stalled).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+}

@@ -37,6 +37,8 @@ struct Scrape {
     store_up: bool,
     unrouted: u64,
     stream_unmatched: u64,
+    client_connection_parks: u64,
+    parked_client_connections: u64,
     streams: Vec<StreamSample>,
     certificates: Vec<(Labels, i64)>,
     routes: Vec<RouteSample>,
@@ -101,6 +103,14 @@ async fn gather(state: &AdminState) -> Scrape {
         stream_unmatched: state
             .gateway_counters
             .stream_unmatched
+            .load(Ordering::Relaxed),
+        client_connection_parks: state
+            .gateway_counters
+            .client_connection_parks
+            .load(Ordering::Relaxed),
+        parked_client_connections: state
+            .gateway_counters
+            .parked_client_connections
             .load(Ordering::Relaxed),
         ..Scrape::default()
     };
@@ -283,6 +293,21 @@ impl Collector for Scrape {
             "raahi_store_up",
             "1 when the configuration store answered this scrape; 0 leaves its series out.",
             [(Labels::new(), i64::from(self.store_up))],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_client_connection_parks",
+            "Idle HTTP/1.1 client connections that gave back their HTTP buffers between requests.",
+            [(Labels::new(), self.client_connection_parks)],
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_parked_client_connections",
+            "HTTP/1.1 client connections open and idle now, holding no HTTP buffers.",
+            [(
+                Labels::new(),
+                i64::try_from(self.parked_client_connections).unwrap_or(i64::MAX),
+            )],
         )?;
         counter(
             &mut encoder,

@@ -13,6 +13,7 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
 
 use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponseBody};
@@ -234,6 +235,7 @@ async fn forward(
         upstream,
         in_flight,
         upgrade.map(|(on_upgrade, _)| on_upgrade),
+        downstream,
     ))
 }
 
@@ -246,6 +248,9 @@ pub struct Downstream {
     over_tls: bool,
     /// The client's address as an `X-Forwarded-For` entry.
     forwarded_for: HeaderValue,
+    /// Where an upgraded exchange leaves its upstream side when the connection's own driver
+    /// runs the tunnel (see `http1`); without it the tunnel runs on hyper's upgrade.
+    upgrade_handoff: Option<Arc<UpgradeHandoff>>,
 }
 
 impl Downstream {
@@ -254,7 +259,32 @@ impl Downstream {
             client,
             over_tls,
             forwarded_for: headers::forwarded_for(client.ip()),
+            upgrade_handoff: None,
         }
+    }
+
+    pub fn with_upgrade_handoff(mut self, handoff: Arc<UpgradeHandoff>) -> Downstream {
+        self.upgrade_handoff = Some(handoff);
+        self
+    }
+}
+
+/// The upstream side of an upgraded exchange, waiting for the client connection's driver to
+/// get the client's socket back from hyper.
+#[derive(Default)]
+pub struct UpgradeHandoff {
+    upstream: std::sync::Mutex<Option<(OnUpgrade, InFlight)>>,
+}
+
+impl UpgradeHandoff {
+    fn put(&self, upstream: OnUpgrade, in_flight: InFlight) {
+        if let Ok(mut slot) = self.upstream.lock() {
+            *slot = Some((upstream, in_flight));
+        }
+    }
+
+    pub fn take(&self) -> Option<(OnUpgrade, InFlight)> {
+        self.upstream.lock().ok()?.take()
     }
 }
 
@@ -717,12 +747,25 @@ fn respond(
     upstream: Response<Incoming>,
     in_flight: InFlight,
     client_upgrade: Option<OnUpgrade>,
+    downstream: &Downstream,
 ) -> Response<ProxyBody> {
     let mut upstream = upstream;
     if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_upgrade) = client_upgrade {
             let upstream_upgrade = hyper::upgrade::on(&mut upstream);
-            tokio::spawn(tunnel(client_upgrade, upstream_upgrade, in_flight));
+            match &downstream.upgrade_handoff {
+                Some(handoff) => handoff.put(upstream_upgrade, in_flight),
+                None => {
+                    tokio::spawn(async move {
+                        match client_upgrade.await {
+                            Ok(client) => {
+                                tunnel(TokioIo::new(client), upstream_upgrade, in_flight).await
+                            }
+                            Err(error) => tracing::debug!(%error, "protocol upgrade failed"),
+                        }
+                    });
+                }
+            }
             let (parts, _) = upstream.into_parts();
             let mut response = Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
             headers::add_via(response.headers_mut(), Version::HTTP_11);
@@ -741,16 +784,17 @@ fn respond(
 }
 
 /// Copies bytes both ways between the upgraded client and upstream connections.
-async fn tunnel(client: OnUpgrade, upstream: OnUpgrade, in_flight: InFlight) {
-    let (client, upstream) = match tokio::try_join!(client, upstream) {
-        Ok(both) => both,
+pub async fn tunnel<C>(mut client: C, upstream: OnUpgrade, in_flight: InFlight)
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut upstream = match upstream.await {
+        Ok(upstream) => TokioIo::new(upstream),
         Err(error) => {
             tracing::debug!(%error, "protocol upgrade failed");
             return;
         }
     };
-    let mut client = TokioIo::new(client);
-    let mut upstream = TokioIo::new(upstream);
     if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
         tracing::debug!(%error, "upgraded connection ended with an error");
     }

@@ -9,6 +9,7 @@ mod connector;
 mod error;
 mod forward;
 mod headers;
+mod http1;
 mod sni;
 pub mod stream;
 
@@ -17,11 +18,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::server::conn::http1 as hyper_http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
@@ -92,6 +94,9 @@ pub fn serve_https(
 
 /// How a listener serves its connections.
 struct ConnectionSettings {
+    /// Plain HTTP/1.1 connections, which park while idle (see `http1`).
+    http1: hyper_http1::Builder,
+    park: http1::ParkSettings,
     /// HTTP/1.1 with upgrades, or HTTP/2 when the connection starts with its preface.
     any: auto::Builder<TokioExecutor>,
     /// HTTP/2 only, for TLS connections whose ALPN chose `h2`.
@@ -117,7 +122,14 @@ fn serve(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs(30)));
+    let mut http1 = hyper_http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.client_header_timeout)
+        .keep_alive(true);
     let connection_settings = Arc::new(ConnectionSettings {
+        http1,
+        park: http1::ParkSettings::for_header_timeout(settings.client_header_timeout),
         http2: builder.clone().http2_only(),
         any: builder,
         tls,
@@ -170,31 +182,76 @@ fn serve(
 /// connect ahead of need cost little. Clients speak first in HTTP and TLS, so nothing waits on
 /// the gateway. The wait is bounded by the client header timeout and ends at shutdown.
 async fn wait_for_first_bytes(
-    stream: tokio::net::TcpStream,
+    stream: TcpStream,
     client: SocketAddr,
     state: Arc<ProxyState>,
     settings: Arc<ConnectionSettings>,
     watcher: Watcher,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    // `peek`, not `readable`: readiness can be reported before any byte is there.
-    let mut first = [0u8; 1];
-    let arrived = tokio::time::timeout(settings.handshake_timeout, stream.peek(&mut first));
+    let mut first = [0u8; HTTP2_PREFACE_START.len()];
+    let Some(peeked) = peek_client(
+        &stream,
+        client,
+        &mut first,
+        settings.handshake_timeout,
+        &mut shutdown,
+    )
+    .await
+    else {
+        return;
+    };
+    // Plain connections that do not open with HTTP/2's preface ("PRI * HTTP/2.0…", a method
+    // HTTP/1.1 reserves for it) are HTTP/1.1, served by the parking driver.
+    if settings.tls.is_none() && !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
+        let (http1, park) = (settings.http1.clone(), settings.park);
+        tokio::spawn(http1::serve(
+            stream, client, state, http1, park, watcher, shutdown,
+        ));
+    } else {
+        tokio::spawn(serve_connection(stream, client, state, settings, watcher));
+    }
+}
+
+const HTTP2_PREFACE_START: &[u8] = b"PRI ";
+
+/// Whether the client sends bytes within `within` (not read: the connection's protocol reads
+/// them); false when it closes, fails, stays silent or the listener shuts down.
+async fn bytes_arrive(
+    stream: &TcpStream,
+    client: SocketAddr,
+    within: Duration,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    peek_client(stream, client, &mut [0u8; 1], within, shutdown)
+        .await
+        .is_some()
+}
+
+/// Peeks at the first bytes a client sends: `peek`, not `readable`, as readiness can be
+/// reported before any byte is there.
+async fn peek_client(
+    stream: &TcpStream,
+    client: SocketAddr,
+    buf: &mut [u8],
+    within: Duration,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<usize> {
+    let arrived = tokio::time::timeout(within, stream.peek(buf));
     tokio::select! {
         waited = arrived => match waited {
-            Ok(Ok(1..)) => {
-                tokio::spawn(serve_connection(stream, client, state, settings, watcher));
-            }
-            Ok(Ok(_)) => tracing::debug!(%client, "client closed before sending anything"),
-            Ok(Err(error)) => tracing::debug!(%client, %error, "client connection failed before its first bytes"),
+            Ok(Ok(peeked @ 1..)) => return Some(peeked),
+            Ok(Ok(_)) => tracing::debug!(%client, "client closed its connection"),
+            Ok(Err(error)) => tracing::debug!(%client, %error, "client connection failed"),
             Err(_) => tracing::debug!(%client, "client sent nothing within the client header timeout; closed"),
         },
         _ = shutdown.wait_for(|stop| *stop) => {}
     }
+    None
 }
 
 async fn serve_connection(
-    stream: tokio::net::TcpStream,
+    stream: TcpStream,
     client: SocketAddr,
     state: Arc<ProxyState>,
     settings: Arc<ConnectionSettings>,

@@ -1,0 +1,489 @@
+//! Plain HTTP/1.1 client connections that give their HTTP state back while idle.
+//!
+//! hyper keeps a connection's read buffer (8–16 KiB) and write buffer for as long as the
+//! connection lives, so ten thousand keep-alive clients resting between requests would hold a
+//! quarter of a gigabyte. Here a connection that has been quiet for a whole idle check is
+//! *parked*: hyper is asked to stop while idle, hands back the socket and any bytes it had
+//! read but not parsed, and the connection waits as a bare socket (the same small wait as a
+//! connection that has sent nothing yet). The next bytes build a fresh HTTP/1.1 connection
+//! state, fed first with the bytes hyper handed back, so nothing the client sent is lost and
+//! the client sees one ordinary keep-alive connection.
+//!
+//! Upgrades (`101 Switching Protocols`) are finished here as well: hyper hands the socket back
+//! after writing the 101, and the tunnel runs on it with the upstream side that the forwarding
+//! code left in the connection's [`UpgradeHandoff`].
+
+use std::convert::Infallible;
+use std::future::{poll_fn, Future};
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::Watcher;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::MissedTickBehavior;
+
+use super::forward::{self, Downstream, ProxyBody, UpgradeHandoff};
+use super::{bytes_arrive, ProxyState};
+
+/// What one client connection has been doing, as seen by its idle check. Every field is
+/// written only from the connection's own task (its socket, hyper's dispatch and the response
+/// bodies hyper drops all run there), so plain loads and stores suffice: no locked
+/// read-modify-write on the request path.
+#[derive(Default)]
+pub(super) struct ConnectionActivity {
+    /// Bumped when bytes move either way or a request starts.
+    moves: AtomicU64,
+    /// Requests started on this connection.
+    requests: AtomicU64,
+    /// Requests whose response hyper has not finished with (dropped) yet.
+    in_flight: AtomicU32,
+    /// The last write found the client's socket full: hyper still holds bytes to send.
+    write_blocked: AtomicBool,
+}
+
+impl ConnectionActivity {
+    fn bump(counter: &AtomicU64) {
+        counter.store(
+            counter.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn moved(&self) {
+        Self::bump(&self.moves);
+    }
+
+    fn request_started(&self) {
+        Self::bump(&self.moves);
+        Self::bump(&self.requests);
+        let in_flight = &self.in_flight;
+        in_flight.store(in_flight.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
+    fn request_finished(&self) {
+        let in_flight = &self.in_flight;
+        in_flight.store(
+            in_flight.load(Ordering::Relaxed).saturating_sub(1),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn moves(&self) -> u64 {
+        self.moves.load(Ordering::Relaxed)
+    }
+
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::Relaxed) > 0 || self.write_blocked.load(Ordering::Relaxed)
+    }
+}
+
+/// Decides, once per idle check, whether a connection may be parked: it has served a request
+/// (hyper counts a connection as between requests only after its first one), nothing moved
+/// since the previous check, no request is in flight and no response bytes wait for the
+/// client. hyper is then between requests; a partial request head may sit in its buffer, and
+/// is handed back.
+struct IdleCheck {
+    moves_at_last_check: u64,
+    /// The request count once this HTTP state has served one. A connection rebuilt around a
+    /// partial head thus parks again only after that request, so a client dribbling a head
+    /// gets hyper's header timeout, not a fresh one at every park.
+    park_after_requests: u64,
+}
+
+impl IdleCheck {
+    fn new(activity: &ConnectionActivity) -> IdleCheck {
+        IdleCheck {
+            moves_at_last_check: activity.moves(),
+            park_after_requests: activity.requests() + 1,
+        }
+    }
+
+    fn may_park(&mut self, activity: &ConnectionActivity) -> bool {
+        let moves = activity.moves();
+        let quiet = moves == self.moves_at_last_check;
+        self.moves_at_last_check = moves;
+        quiet && !activity.busy() && activity.requests() >= self.park_after_requests
+    }
+}
+
+/// The client's socket, with the bytes a previous HTTP state read but did not parse put back
+/// in front of it, counting what moves for the idle check.
+pub(super) struct ClientIo {
+    stream: TcpStream,
+    replay: Bytes,
+    activity: Arc<ConnectionActivity>,
+}
+
+impl AsyncRead for ClientIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.replay.is_empty() {
+            let n = this.replay.len().min(buf.remaining());
+            buf.put_slice(&this.replay[..n]);
+            this.replay.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            this.activity.moved();
+        }
+        polled
+    }
+}
+
+impl ClientIo {
+    fn after_write(&self, polled: &Poll<io::Result<usize>>) {
+        let blocked = polled.is_pending();
+        self.activity
+            .write_blocked
+            .store(blocked, Ordering::Relaxed);
+        if !blocked {
+            self.activity.moved();
+        }
+    }
+}
+
+impl AsyncWrite for ClientIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.after_write(&polled);
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.after_write(&polled);
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Holds a request against its connection's in-flight count until hyper drops the response
+/// (the body is finished, or the connection ended).
+struct RequestGuard(Arc<ConnectionActivity>);
+
+impl RequestGuard {
+    fn start(activity: &Arc<ConnectionActivity>) -> RequestGuard {
+        activity.request_started();
+        RequestGuard(activity.clone())
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
+}
+
+/// A response body that keeps its request counted as in flight.
+pub(super) struct TrackedBody {
+    inner: ProxyBody,
+    _request: RequestGuard,
+}
+
+impl Body for TrackedBody {
+    type Data = Bytes;
+    type Error = <ProxyBody as Body>::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+type ResponseFuture =
+    Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
+
+/// hyper's `poll_without_shutdown`, which hands the socket back, needs an `Unpin` request
+/// future: hence the box (hyper boxes each request's future anyway).
+#[derive(Clone)]
+struct Http1Service {
+    state: Arc<ProxyState>,
+    downstream: Downstream,
+    activity: Arc<ConnectionActivity>,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Http1Service {
+    type Response = Response<TrackedBody>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn call(&self, request: Request<Incoming>) -> ResponseFuture {
+        let guard = RequestGuard::start(&self.activity);
+        let state = self.state.clone();
+        let downstream = self.downstream.clone();
+        Box::pin(async move {
+            let response = forward::handle(&state, request, &downstream).await;
+            Ok(response.map(|inner| TrackedBody {
+                inner,
+                _request: guard,
+            }))
+        })
+    }
+}
+
+type Connection = http1::Connection<TokioIo<ClientIo>, Http1Service>;
+
+/// How a run of hyper over the connection ended.
+enum Ended {
+    /// Idle, state dropped: the socket waits for the client's next bytes.
+    Parked,
+    /// The client closed, keep-alive ended, or the connection was upgraded.
+    Finished,
+}
+
+/// Serves one plain HTTP/1.1 client connection to its end, parking it whenever it rests.
+pub(super) async fn serve(
+    stream: TcpStream,
+    client: SocketAddr,
+    state: Arc<ProxyState>,
+    builder: http1::Builder,
+    settings: ParkSettings,
+    watcher: Watcher,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let activity = Arc::new(ConnectionActivity::default());
+    let handoff = Arc::new(UpgradeHandoff::default());
+    let service = Http1Service {
+        state: state.clone(),
+        downstream: Downstream::new(client, false).with_upgrade_handoff(handoff.clone()),
+        activity: activity.clone(),
+    };
+    let mut io = ClientIo {
+        stream,
+        replay: Bytes::new(),
+        activity: activity.clone(),
+    };
+    loop {
+        let connection = Box::pin(builder.serve_connection(TokioIo::new(io), service.clone()));
+        let check = IdleCheck::new(&activity);
+        let (parts, ended) =
+            // Boxed, like the tunnel below: the task keeps only the parked wait's small state
+            // between requests, not room for these.
+            match Box::pin(drive(connection, check, &activity, &settings, &mut shutdown)).await {
+                Ok(done) => done,
+                Err(error) => {
+                    tracing::debug!(%client, %error, "client connection ended with an error");
+                    return;
+                }
+            };
+        // The handed-back bytes are a view of hyper's whole read buffer: they are copied and
+        // the rest of `parts` dropped here, so a parked connection holds none of it.
+        io = {
+            let parts = parts;
+            let mut io = parts.io.into_inner();
+            io.replay = Bytes::copy_from_slice(&parts.read_buf);
+            io
+        };
+        let counters = &state.counters;
+        if matches!(ended, Ended::Parked) {
+            counters
+                .client_connection_parks
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        match ended {
+            Ended::Finished => {
+                if let Some((upstream, in_flight)) = handoff.take() {
+                    // An upgraded connection is no longer an HTTP exchange: the drain on
+                    // shutdown does not wait for it (as with every other tunnel).
+                    drop(watcher);
+                    Box::pin(forward::tunnel(io, upstream, in_flight)).await;
+                }
+                return;
+            }
+            Ended::Parked if !io.replay.is_empty() => continue,
+            Ended::Parked => {
+                counters
+                    .parked_client_connections
+                    .fetch_add(1, Ordering::Relaxed);
+                let woke =
+                    bytes_arrive(&io.stream, client, settings.parked_wait, &mut shutdown).await;
+                counters
+                    .parked_client_connections
+                    .fetch_sub(1, Ordering::Relaxed);
+                if !woke {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Timing of the idle check.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ParkSettings {
+    /// How often a connection's activity is looked at; a connection quiet for a whole period
+    /// is parked, so it parks after one to two periods of rest.
+    pub idle_check: Duration,
+    /// How long a parked connection may wait for the client's next request.
+    pub parked_wait: Duration,
+}
+
+impl ParkSettings {
+    /// Parks after 0.5–1 s of rest (sooner when the header timeout is shorter): a client that
+    /// sends its requests back to back keeps its HTTP state, thousands that paused give theirs
+    /// back soon. The whole idle time of a keep-alive connection stays near the client header
+    /// timeout hyper applies.
+    pub fn for_header_timeout(client_header_timeout: Duration) -> ParkSettings {
+        let idle_check = Duration::from_millis(500).min(client_header_timeout / 2);
+        ParkSettings {
+            idle_check,
+            parked_wait: client_header_timeout.saturating_sub(idle_check),
+        }
+    }
+}
+
+/// Runs hyper until the connection ends or parks. Shutdown turns keep-alive off (a request in
+/// flight finishes, then the connection closes); a park attempt that finds a request begun
+/// after all does the same.
+async fn drive(
+    mut connection: Pin<Box<Connection>>,
+    mut check: IdleCheck,
+    activity: &ConnectionActivity,
+    settings: &ParkSettings,
+    shutdown: &mut watch::Receiver<bool>,
+) -> hyper::Result<(http1::Parts<TokioIo<ClientIo>, Http1Service>, Ended)> {
+    let start = tokio::time::Instant::now() + settings.idle_check;
+    let mut ticks = tokio::time::interval_at(start, settings.idle_check);
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut stop = std::pin::pin!(shutdown.wait_for(|stop| *stop));
+    let mut closing = false;
+    let ended = poll_fn(|cx| {
+        if !closing && stop.as_mut().poll(cx).is_ready() {
+            connection.as_mut().graceful_shutdown();
+            closing = true;
+        }
+        if let Poll::Ready(result) = connection.poll_without_shutdown(cx) {
+            return Poll::Ready(result.map(|()| Ended::Finished));
+        }
+        while !closing && ticks.poll_tick(cx).is_ready() {
+            if !check.may_park(activity) {
+                continue;
+            }
+            // Between requests hyper stops at once and hands everything back; if a request
+            // did begin, keep-alive is now off and the connection closes after it.
+            connection.as_mut().graceful_shutdown();
+            match connection.poll_without_shutdown(cx) {
+                Poll::Ready(result) => return Poll::Ready(result.map(|()| Ended::Parked)),
+                Poll::Pending => closing = true,
+            }
+        }
+        Poll::Pending
+    })
+    .await?;
+    let parts = Pin::into_inner(connection).into_parts();
+    Ok((parts, ended))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_parks_only_after_a_whole_quiet_period() {
+        let activity = Arc::new(ConnectionActivity::default());
+        let mut check = IdleCheck::new(&activity);
+        drop(RequestGuard::start(&activity));
+        assert!(
+            !check.may_park(&activity),
+            "bytes moved since the last check"
+        );
+        assert!(check.may_park(&activity), "quiet for a whole period");
+    }
+
+    #[test]
+    fn a_request_in_flight_or_a_blocked_write_keeps_the_connection() {
+        let activity = Arc::new(ConnectionActivity::default());
+        let mut check = IdleCheck::new(&activity);
+        let guard = RequestGuard::start(&activity);
+        assert!(!check.may_park(&activity));
+        assert!(
+            !check.may_park(&activity),
+            "a slow upstream moves no bytes, but the request is in flight"
+        );
+        drop(guard);
+        activity.write_blocked.store(true, Ordering::Relaxed);
+        assert!(
+            !check.may_park(&activity),
+            "response bytes still wait for the client"
+        );
+        activity.write_blocked.store(false, Ordering::Relaxed);
+        assert!(check.may_park(&activity));
+    }
+
+    #[test]
+    fn a_connection_parks_only_once_it_served_a_request() {
+        let activity = Arc::new(ConnectionActivity::default());
+        drop(RequestGuard::start(&activity));
+        let mut check = IdleCheck::new(&activity);
+        assert!(!check.may_park(&activity));
+        assert!(
+            !check.may_park(&activity),
+            "quiet, but this HTTP state has not served a request (a partial head may wait)"
+        );
+        drop(RequestGuard::start(&activity));
+        assert!(!check.may_park(&activity), "the request moved");
+        assert!(check.may_park(&activity));
+    }
+
+    #[test]
+    fn park_settings_follow_the_header_timeout() {
+        let default = ParkSettings::for_header_timeout(Duration::from_secs(30));
+        assert_eq!(default.idle_check, Duration::from_millis(500));
+        assert_eq!(default.parked_wait, Duration::from_millis(29_500));
+        let short = ParkSettings::for_header_timeout(Duration::from_millis(600));
+        assert_eq!(short.idle_check, Duration::from_millis(300));
+        assert_eq!(short.parked_wait, Duration::from_millis(300));
+    }
+}
