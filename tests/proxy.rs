@@ -1707,3 +1707,72 @@ async fn a_stalled_reader_of_a_long_response_keeps_its_connection() {
     let (head, _) = read_response(&mut stalled).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
 }
+
+/// Shutdown waits for requests in flight, not for idle clients: parked connections and idle
+/// ones not yet parked close at once, and the drain ends long before the 30 s grace.
+#[tokio::test]
+async fn shutdown_closes_parked_and_idle_connections_at_once() {
+    let mut gateway = TestGateway::start().await;
+    let upstream = Upstream::start("bye").await;
+    let service = gateway
+        .service_with_targets("bye", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    let request = b"GET / HTTP/1.1\r\nHost: bye.test\r\n\r\n";
+    let mut parked = TcpStream::connect(gateway.proxy).await.unwrap();
+    parked.write_all(request).await.unwrap();
+    read_response(&mut parked).await;
+    wait_until("a connection parks", Duration::from_secs(10), || async {
+        metric(&gateway, "raahi_parked_client_connections").await == 1
+    })
+    .await;
+    let mut idle = TcpStream::connect(gateway.proxy).await.unwrap();
+    idle.write_all(request).await.unwrap();
+    read_response(&mut idle).await;
+
+    let shutdown = gateway.gateway.take().expect("running").shutdown();
+    tokio::time::timeout(Duration::from_secs(5), shutdown)
+        .await
+        .expect("shutdown does not wait for idle client connections");
+    for (name, stream) in [("parked", &mut parked), ("idle", &mut idle)] {
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest))
+            .await
+            .unwrap_or_else(|_| panic!("the {name} connection is closed"));
+        assert!(read.is_ok() && rest.is_empty(), "{name}: {read:?} {rest:?}");
+    }
+}
+
+/// A request waiting on a slow upstream moves no bytes for several idle checks; it is in
+/// flight, so its connection neither parks nor loses keep-alive under it.
+#[tokio::test]
+async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("slow").await;
+    let service = gateway
+        .service_with_targets("slow", &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    // Three idle checks (0.5 s each) pass while the upstream thinks.
+    client
+        .write_all(b"GET /slow/1600 HTTP/1.1\r\nHost: slow.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, body) = read_response(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body, b"slow");
+    assert!(
+        head_values(&head, "connection").is_empty(),
+        "keep-alive was not turned off: {head}"
+    );
+    client
+        .write_all(b"GET /again HTTP/1.1\r\nHost: slow.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_response(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(upstream.hits(), 2);
+}

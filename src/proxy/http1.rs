@@ -308,16 +308,22 @@ pub(super) async fn serve(
     loop {
         let connection = Box::pin(builder.serve_connection(TokioIo::new(io), service.clone()));
         let check = IdleCheck::new(&activity);
-        let (parts, ended) =
-            // Boxed, like the tunnel below: the task keeps only the parked wait's small state
-            // between requests, not room for these.
-            match Box::pin(drive(connection, check, &activity, &settings, &mut shutdown)).await {
-                Ok(done) => done,
-                Err(error) => {
-                    tracing::debug!(%client, %error, "client connection ended with an error");
-                    return;
-                }
-            };
+        // Boxed, like the tunnel below: between requests the task keeps only the parked wait's
+        // small state, not room for these.
+        let driven = Box::pin(drive(
+            connection,
+            check,
+            &activity,
+            &settings,
+            &mut shutdown,
+        ));
+        let (parts, ended) = match driven.await {
+            Ok(done) => done,
+            Err(error) => {
+                tracing::debug!(%client, %error, "client connection ended with an error");
+                return;
+            }
+        };
         // The handed-back bytes are a view of hyper's whole read buffer: they are copied and
         // the rest of `parts` dropped here, so a parked connection holds none of it.
         io = {
