@@ -427,7 +427,7 @@ idle_connections() {
     port=${port%/}
     [[ $kind == silent ]] && extra=(--no-request)
     taskset -c "$LOADGEN_CPU" python3 "$TEMPLATES/idle_clients.py" --port "$port" \
-        --connections "$IDLE_CONNECTIONS" --hold 4 "${extra[@]}" >"$out" 2>&1 </dev/null &
+        --connections "$IDLE_CONNECTIONS" --hold 8 "${extra[@]}" >"$out" 2>&1 </dev/null &
     LOAD_PID=$!
     deadline=$((SECONDS + 300))
     while ! grep -q '^ready ' "$out"; do
@@ -435,7 +435,9 @@ idle_connections() {
         ((SECONDS < deadline)) || die "idle client against $proxy: no connections after 300s"
         sleep 0.1
     done
-    sleep 2 # let the proxy settle with every connection open
+    # Steady state with every connection open: raahi parks a resting connection after 0.5-1 s
+    # and its allocator returns the freed memory within about a second after that.
+    sleep 5
     CONN_MEM[$kind $proxy]=$(memory_kib "${PID[$proxy]}")
     local rc=0
     wait "$LOAD_PID" || rc=$?
