@@ -1776,3 +1776,63 @@ async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(upstream.hits(), 2);
 }
+
+/// Requests to a plain target reuse one keep-alive connection: each goes back to the pool once
+/// its response (here with a Content-Length body) has been read.
+#[tokio::test]
+async fn sequential_requests_reuse_one_upstream_connection() {
+    use hyper::server::conn::http1;
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let service = service_fn(
+                    |request: hyper::Request<hyper::body::Incoming>| async move {
+                        let body = if request.method() == hyper::Method::HEAD {
+                            ""
+                        } else {
+                            "ok\n"
+                        };
+                        Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(body))))
+                    },
+                );
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .service_with_targets(
+            "reuse",
+            &[json!({"host": "127.0.0.1", "port": address.port(), "weight": 1})],
+        )
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    for round in 0..20 {
+        let response = gateway.get(&format!("/round/{round}")).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.text().await.unwrap(), "ok\n");
+        let head = gateway
+            .http
+            .head(gateway.proxy_url("/head"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(head.status(), 200);
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "40 sequential requests should share one upstream connection"
+    );
+}

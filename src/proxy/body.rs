@@ -10,6 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
+use super::pool::PooledConnection;
 use crate::balance::{unix_ms, TargetLoad};
 
 /// Counts a request against its target from pick until the response body is finished or dropped.
@@ -30,17 +31,31 @@ impl Drop for InFlight {
     }
 }
 
-/// The upstream response body, holding the target's in-flight count until it ends.
+/// The upstream response body, holding the target's in-flight count until it ends, and the
+/// pooled connection it came on, which goes back to its pool only once the body was read to
+/// its end.
 pub struct UpstreamResponseBody {
     inner: Incoming,
     _in_flight: InFlight,
+    connection: Option<PooledConnection>,
 }
 
 impl UpstreamResponseBody {
-    pub fn new(inner: Incoming, in_flight: InFlight) -> Self {
-        UpstreamResponseBody {
+    pub fn new(inner: Incoming, in_flight: InFlight, connection: Option<PooledConnection>) -> Self {
+        let mut body = UpstreamResponseBody {
             inner,
             _in_flight: in_flight,
+            connection,
+        };
+        if body.inner.is_end_stream() {
+            body.finished();
+        }
+        body
+    }
+
+    fn finished(&mut self) {
+        if let Some(connection) = &mut self.connection {
+            connection.finished();
         }
     }
 }
@@ -53,7 +68,18 @@ impl Body for UpstreamResponseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        // hyper's server stops polling once a body says it has ended (a Content-Length body
+        // after its last byte), so the end is looked for after every frame too.
+        let ended = match &polled {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            _ => false,
+        };
+        if ended {
+            self.finished();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

@@ -1,10 +1,11 @@
-//! Pooled keep-alive upstream HTTP clients, so a pool's lock is shared only by the requests of one
-//! service (plain `http`) or of one target (`https`), never by all requests.
+//! Pooled keep-alive upstream connections, one pool per target, so a pool's lock is shared only
+//! by the requests of one target, never by all requests.
 //!
-//! `https` pools are per target: the request URI's authority is then free to carry the `Host`
-//! chosen for the request, which HTTP/2 sends as `:authority`, while the connector dials the
-//! target. A pool is keyed by everything its connections were made with, so a changed service
-//! TLS setting (or timeout) gets a new pool and old connections are not reused.
+//! Plain `http` targets use our own HTTP/1.1 pool (`pool.rs`). `https` targets use hyper-util's
+//! client, one per target: the request URI's authority is then free to carry the `Host` chosen
+//! for the request, which HTTP/2 sends as `:authority`, while the connector dials the target. A
+//! pool is keyed by everything its connections were made with, so a changed setting (address,
+//! TLS, timeout) gets a new pool and old connections are not reused.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
@@ -12,46 +13,75 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::Authority;
-use http::Request;
-use hyper_util::client::legacy::connect::{Connect, HttpConnector};
-use hyper_util::client::legacy::{Client, ResponseFuture};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::Connect;
+use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
 use super::connector::{upstream_server_name, AlpnOffer, TlsTargetConnector};
-use crate::model::{Id, Protocol, Service, Timeouts};
+use super::pool::{PoolError, PooledConnection, TargetPool};
+use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
-type PlainClient = Client<HttpConnector, UpstreamRequestBody>;
 type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
 
 /// The client one attempt uses.
 #[derive(Clone)]
 pub enum UpstreamClient {
-    Plain(Arc<PlainClient>),
+    Plain(Arc<TargetPool>),
     Tls(Arc<TlsClient>),
 }
 
-impl UpstreamClient {
-    pub fn request(&self, request: Request<UpstreamRequestBody>) -> ResponseFuture {
+/// Why one attempt got no response.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error(transparent)]
+    Plain(#[from] PoolError),
+    #[error(transparent)]
+    Tls(#[from] hyper_util::client::legacy::Error),
+}
+
+impl UpstreamError {
+    /// Nothing of the request reached the target.
+    pub fn is_connect(&self) -> bool {
         match self {
-            UpstreamClient::Plain(client) => client.request(request),
-            UpstreamClient::Tls(client) => client.request(request),
+            UpstreamError::Plain(error) => error.is_connect(),
+            UpstreamError::Tls(error) => error.is_connect(),
+        }
+    }
+}
+
+impl UpstreamClient {
+    /// Sends one attempt; a plain target's connection comes back with the response, to return
+    /// to its pool once the body has been read.
+    pub async fn send(
+        &self,
+        request: Request<UpstreamRequestBody>,
+    ) -> Result<(Response<Incoming>, Option<PooledConnection>), UpstreamError> {
+        match self {
+            UpstreamClient::Plain(pool) => {
+                let (response, connection) = pool.send(request).await?;
+                Ok((response, Some(connection)))
+            }
+            UpstreamClient::Tls(client) => Ok((client.request(request).await?, None)),
         }
     }
 
     /// Whether the request URI must say `https`; its authority then names the request's host.
+    /// Otherwise it is origin-form (`/path?query`), sent as is on the target's connection.
     pub fn is_tls(&self) -> bool {
         matches!(self, UpstreamClient::Tls(_))
     }
 }
 
-/// A service and the connection settings its pool was built with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct PoolSettings {
-    service_id: Id,
-    connect_ms: u64,
-    idle_ms: u64,
+impl TargetPool {
+    fn matches(&self, service: &Service, target: &Authority) -> bool {
+        *self.target() == *target
+            && self.connect_timeout() == Duration::from_millis(service.timeouts.connect_ms)
+            && self.idle_timeout() == Duration::from_millis(service.timeouts.idle_ms)
+    }
 }
 
 /// What a target's TLS connections were made with; compared on each request (no hashing of the
@@ -132,10 +162,10 @@ impl TlsTargetPools {
     }
 }
 
-/// Clients are created on first use and kept; the request path reads them lock-free.
+/// Pools are created on first use and kept; the request path reads them lock-free.
 #[derive(Default)]
 pub struct UpstreamClients {
-    clients: ArcSwap<HashMap<PoolSettings, Arc<PlainClient>>>,
+    plain: ArcSwap<HashMap<(Id, Id), Arc<TargetPool>>>,
     tls: ArcSwap<HashMap<(Id, Id), Arc<TlsTargetPools>>>,
 }
 
@@ -149,10 +179,13 @@ impl UpstreamClients {
         http1_only: bool,
     ) -> UpstreamClient {
         let settings = &service.service;
-        if settings.protocol != Protocol::Https {
-            return UpstreamClient::Plain(self.for_service(settings.id, &settings.timeouts));
-        }
         let key = (settings.id, target.id);
+        if settings.protocol != Protocol::Https {
+            return UpstreamClient::Plain(match self.plain.load().get(&key) {
+                Some(pool) if pool.matches(settings, &target.authority) => pool.clone(),
+                _ => self.new_plain_pool(key, service, &target.authority),
+            });
+        }
         let pools = match self.tls.load().get(&key) {
             Some(pools) if pools.settings.matches(settings, &target.authority) => pools.clone(),
             _ => self.new_tls_pools(key, service, &target.authority),
@@ -191,35 +224,35 @@ impl UpstreamClients {
         chosen
     }
 
-    pub fn for_service(&self, service_id: Id, timeouts: &Timeouts) -> Arc<PlainClient> {
-        let settings = PoolSettings {
-            service_id,
-            connect_ms: timeouts.connect_ms,
-            idle_ms: timeouts.idle_ms,
-        };
-        if let Some(client) = self.clients.load().get(&settings) {
-            return client.clone();
-        }
-        let created = Arc::new(new_client(settings));
+    fn new_plain_pool(
+        &self,
+        key: (Id, Id),
+        runtime: &ServiceRuntime,
+        target: &Authority,
+    ) -> Arc<TargetPool> {
+        let service = &runtime.service;
+        let live_targets: HashSet<Id> = runtime.targets.iter().map(|target| target.id).collect();
+        let created = Arc::new(TargetPool::new(
+            target.clone(),
+            Duration::from_millis(service.timeouts.connect_ms),
+            Duration::from_millis(service.timeouts.idle_ms),
+        ));
         let mut chosen = created.clone();
-        self.clients.rcu(|current| {
+        self.plain.rcu(|current| {
             let mut next = HashMap::clone(current);
-            chosen = next
-                .entry(settings)
-                .or_insert_with(|| created.clone())
-                .clone();
+            // As for TLS pools: a miss is the moment to forget the pools of gone targets.
+            next.retain(|(service_id, target_id), _| {
+                *service_id != key.0 || live_targets.contains(target_id)
+            });
+            let entry = next.entry(key).or_insert_with(|| created.clone());
+            if !entry.matches(service, target) {
+                *entry = created.clone();
+            }
+            chosen = entry.clone();
             next
         });
         chosen
     }
-}
-
-fn new_client(settings: PoolSettings) -> PlainClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_millis(settings.connect_ms)));
-    connector.set_keepalive(Some(Duration::from_secs(60)));
-    build_client(connector, settings.idle_ms)
 }
 
 fn tls_client(

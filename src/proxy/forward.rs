@@ -17,9 +17,11 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::oneshot;
 
 use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponseBody};
+use super::client::UpstreamError;
 use super::connector::UpstreamTlsError;
 use super::error::ProxyError;
 use super::headers::{self, X_REQUEST_ID};
+use super::pool::PooledConnection;
 use super::ProxyState;
 use crate::balance::unix_ms;
 use crate::model::Id;
@@ -230,10 +232,12 @@ async fn forward(
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
-    let (upstream, in_flight) = send_with_retries(state, &service, outgoing, exchange).await?;
+    let (upstream, in_flight, connection) =
+        send_with_retries(state, &service, outgoing, exchange).await?;
     Ok(respond(
         upstream,
         in_flight,
+        connection,
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
     ))
@@ -394,7 +398,7 @@ async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
-) -> Result<(Response<Incoming>, InFlight), ProxyError> {
+) -> Result<(Response<Incoming>, InFlight, Option<PooledConnection>), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
@@ -420,12 +424,8 @@ async fn send_with_retries(
         let (request, streaming) =
             build_attempt(&mut outgoing, target, may_retry_later, client.is_tls());
         let in_flight = InFlight::start(&target.load);
-        let outcome = await_response(
-            client.request(request),
-            streaming.as_ref(),
-            response_timeout,
-        )
-        .await;
+        let outcome =
+            await_response(client.send(request), streaming.as_ref(), response_timeout).await;
         exchange.upstream_elapsed = Some(started.elapsed());
         if matches!(
             outcome,
@@ -437,14 +437,14 @@ async fn send_with_retries(
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         let error = match outcome {
-            Ok(Ok(response)) => {
+            Ok(Ok((response, connection))) => {
                 let failed = service
                     .service
                     .ejection
                     .failure_statuses
                     .contains(&response.status().as_u16());
                 record_outcome(service, target, failed);
-                return Ok((response, in_flight));
+                return Ok((response, in_flight, connection));
             }
             Ok(Err(error)) => {
                 let client_failed = streaming
@@ -615,8 +615,8 @@ impl Tried {
 /// One attempt's request. Headers are copied only while another attempt may follow.
 /// Over TLS the URI says `https`; the connector dials the target whatever the URI names. The
 /// URI's authority keys the pool: when HTTP/2 may be used it is the request's Host (sent as
-/// `:authority`; one of the service's few values), otherwise the target's, as in plain HTTP,
-/// and the upstream reads the Host header.
+/// `:authority`; one of the service's few values), otherwise the target's, and the upstream
+/// reads the Host header. Plain HTTP goes on the target's own connection, in origin form.
 fn build_attempt(
     outgoing: &mut Outgoing,
     target: &TargetRuntime,
@@ -656,9 +656,6 @@ fn build_attempt(
             .flatten()
             .and_then(|host| Authority::try_from(host.as_bytes()).ok());
         uri.authority = Some(host_authority.unwrap_or_else(|| target.authority.clone()));
-    } else {
-        uri.scheme = Some(Scheme::HTTP);
-        uri.authority = Some(target.authority.clone());
     }
     uri.path_and_query = Some(outgoing.path_and_query.clone());
     *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
@@ -672,11 +669,7 @@ fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
     }
 }
 
-fn classify(
-    service: &ServiceRuntime,
-    target: &TargetRuntime,
-    error: &hyper_util::client::legacy::Error,
-) -> ProxyError {
+fn classify(service: &ServiceRuntime, target: &TargetRuntime, error: &UpstreamError) -> ProxyError {
     let reason = error_chain(error);
     if error.is_connect() {
         if let Some(tls) = find_source::<UpstreamTlsError>(error) {
@@ -686,7 +679,9 @@ fn classify(
                 reason: format!("{} (server name {:?})", tls.reason, tls.server_name),
             };
         }
-        if is_timeout(error) {
+        let plain_timeout =
+            matches!(error, UpstreamError::Plain(plain) if plain.is_connect_timeout());
+        if plain_timeout || is_timeout(error) {
             return ProxyError::ConnectTimeout {
                 service: service.service.name.clone(),
                 target: target.authority.to_string(),
@@ -746,6 +741,7 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 fn respond(
     upstream: Response<Incoming>,
     in_flight: InFlight,
+    connection: Option<PooledConnection>,
     client_upgrade: Option<OnUpgrade>,
     downstream: &Downstream,
 ) -> Response<ProxyBody> {
@@ -779,7 +775,7 @@ fn respond(
     parts.version = Version::default();
     Response::from_parts(
         parts,
-        Either::Left(UpstreamResponseBody::new(body, in_flight)),
+        Either::Left(UpstreamResponseBody::new(body, in_flight, connection)),
     )
 }
 

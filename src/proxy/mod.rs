@@ -10,6 +10,7 @@ mod error;
 mod forward;
 mod headers;
 mod http1;
+mod pool;
 mod sni;
 pub mod stream;
 
