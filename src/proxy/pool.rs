@@ -182,7 +182,11 @@ impl TargetPool {
             });
         }
         if !self.reaper_running.swap(true, Ordering::AcqRel) {
-            tokio::spawn(reap(Arc::downgrade(self)));
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(reap(Arc::downgrade(self)))),
+                // The runtime is going away, and the pool with it.
+                Err(_) => self.reaper_running.store(false, Ordering::Release),
+            }
         }
     }
 
@@ -256,8 +260,11 @@ impl Drop for PooledConnection {
             return;
         }
         // The connection task has not yet seen the end of the response it delivered.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let pool = self.pool.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             if sender.ready().await.is_ok() {
                 pool.put_back(sender);
             }
