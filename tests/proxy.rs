@@ -1778,7 +1778,7 @@ async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
 }
 
 /// Requests to a plain target reuse one keep-alive connection: each goes back to the pool once
-/// its response (here with a Content-Length body) has been read.
+/// its response (a body of known length, an empty HEAD answer) has been read.
 #[tokio::test]
 async fn sequential_requests_reuse_one_upstream_connection() {
     use hyper::server::conn::http1;
@@ -1834,5 +1834,58 @@ async fn sequential_requests_reuse_one_upstream_connection() {
         accepted.load(Ordering::SeqCst),
         1,
         "40 sequential requests should share one upstream connection"
+    );
+}
+
+/// A chunked response that ends with trailers also gives its upstream connection back (hyper
+/// stops polling a body after its trailers). The origin writes raw HTTP/1.1, as servers that
+/// send trailers unasked do.
+#[tokio::test]
+async fn a_chunked_response_with_trailers_gives_its_connection_back() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                        pending.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+                            3\r\nok\n\r\n0\r\nX-Checksum: 1\r\n\r\n";
+                        if stream.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => pending.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .service_with_targets(
+            "trailers",
+            &[json!({"host": "127.0.0.1", "port": address.port(), "weight": 1})],
+        )
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+
+    for round in 0..10 {
+        let response = gateway.get(&format!("/chunked/{round}")).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.text().await.unwrap(), "ok\n");
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "10 sequential requests should share one upstream connection"
     );
 }

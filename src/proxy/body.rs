@@ -70,10 +70,10 @@ impl Body for UpstreamResponseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         // hyper's server stops polling once a body says it has ended (a Content-Length body
-        // after its last byte), so the end is looked for after every frame too.
+        // after its last byte) or after trailers, so the end is looked for after every frame.
         let ended = match &polled {
             Poll::Ready(None) => true,
-            Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || self.inner.is_end_stream(),
             _ => false,
         };
         if ended {

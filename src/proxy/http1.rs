@@ -334,6 +334,8 @@ pub(super) async fn serve(
         };
         let counters = &state.counters;
         if matches!(ended, Ended::Parked) {
+            // Counted even when a partial request head came back and the state is rebuilt at
+            // once: hyper's buffers were still given back.
             counters
                 .client_connection_parks
                 .fetch_add(1, Ordering::Relaxed);
@@ -350,19 +352,28 @@ pub(super) async fn serve(
             }
             Ended::Parked if !io.replay.is_empty() => continue,
             Ended::Parked => {
-                counters
-                    .parked_client_connections
-                    .fetch_add(1, Ordering::Relaxed);
-                let woke =
-                    bytes_arrive(&io.stream, client, settings.parked_wait, &mut shutdown).await;
-                counters
-                    .parked_client_connections
-                    .fetch_sub(1, Ordering::Relaxed);
-                if !woke {
+                let _parked = ParkedGauge::enter(&counters.parked_client_connections);
+                if !bytes_arrive(&io.stream, client, settings.parked_wait, &mut shutdown).await {
                     return;
                 }
             }
         }
+    }
+}
+
+/// Counts a connection as parked for as long as it lives, however the wait ends.
+struct ParkedGauge<'a>(&'a AtomicU64);
+
+impl<'a> ParkedGauge<'a> {
+    fn enter(gauge: &'a AtomicU64) -> ParkedGauge<'a> {
+        gauge.fetch_add(1, Ordering::Relaxed);
+        ParkedGauge(gauge)
+    }
+}
+
+impl Drop for ParkedGauge<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

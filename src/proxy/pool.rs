@@ -115,7 +115,15 @@ impl TargetPool {
                 }
                 Err(mut failed) => match failed.take_message() {
                     Some(unsent) if reused => request = unsent,
-                    _ => return Err(PoolError::Request(failed.into_error())),
+                    // A new connection that would not take the request ended before anything
+                    // was sent: a connect failure, which may go to another target.
+                    Some(_) => {
+                        return Err(PoolError::Handshake {
+                            target: self.target.clone(),
+                            source: failed.into_error(),
+                        })
+                    }
+                    None => return Err(PoolError::Request(failed.into_error())),
                 },
             }
         }
@@ -259,13 +267,15 @@ impl Drop for PooledConnection {
             self.pool.put_back(sender);
             return;
         }
-        // The connection task has not yet seen the end of the response it delivered.
+        // The connection task has not yet seen the end of the response it delivered (or the
+        // request body is still going up after an early response): bounded by the idle timeout.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let pool = self.pool.clone();
         runtime.spawn(async move {
-            if sender.ready().await.is_ok() {
+            let ready = tokio::time::timeout(pool.idle_timeout, sender.ready()).await;
+            if matches!(ready, Ok(Ok(()))) {
                 pool.put_back(sender);
             }
         });
