@@ -54,6 +54,17 @@ async fn add_route(gateway: &TestGateway, body: Value) -> i64 {
     gateway.create("/api/v1/routes", body).await
 }
 
+/// A gateway whose route `all` sends every request to one upstream (service `name`).
+async fn gateway_to_one_upstream(name: &str) -> (TestGateway, Upstream) {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start(name).await;
+    let service = gateway
+        .service_with_targets(name, &[target(&upstream, 1, 0)])
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    (gateway, upstream)
+}
+
 async fn patch_target(gateway: &TestGateway, id: i64, body: Value) {
     let (status, answer) = gateway
         .api("PATCH", &format!("/api/v1/targets/{id}"), Some(body))
@@ -721,12 +732,7 @@ async fn forwarding_lists_keep_every_incoming_field_line() {
 
 #[tokio::test]
 async fn hop_by_hop_headers_are_not_forwarded() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("hop").await;
-    let service = gateway
-        .service_with_targets("hop", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("hop").await;
 
     let (head, body) = raw_exchange(
         gateway.proxy,
@@ -1167,12 +1173,7 @@ async fn one_gib_download_streams_with_flat_memory() {
 
 #[tokio::test]
 async fn upgrade_tunnels_bytes_both_ways() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("ws").await;
-    let service = gateway
-        .service_with_targets("ws", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("ws").await;
 
     let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
     stream
@@ -1323,12 +1324,7 @@ fn only_runtime_target(view: &Value) -> Value {
 /// upstream must get them as one field joined with "; ".
 #[tokio::test]
 async fn http2_cookie_fields_reach_an_http1_upstream_as_one_joined_field() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("cookies").await;
-    let service = gateway
-        .service_with_targets("cookies", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("cookies").await;
 
     // hyper's HTTP/2 client sends each appended value as its own header field (reqwest may
     // merge them itself).
@@ -1581,12 +1577,7 @@ async fn read_response(stream: &mut TcpStream) -> (String, Vec<u8>) {
 
 #[tokio::test]
 async fn an_idle_keep_alive_connection_parks_and_serves_its_next_request() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("park").await;
-    let service = gateway
-        .service_with_targets("park", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("park").await;
 
     let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
     client
@@ -1623,12 +1614,7 @@ async fn an_idle_keep_alive_connection_parks_and_serves_its_next_request() {
 /// head interrupted by a pause longer than the idle check must still arrive whole.
 #[tokio::test]
 async fn a_request_head_split_by_a_park_arrives_whole() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("split").await;
-    let service = gateway
-        .service_with_targets("split", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("split").await;
 
     let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
     client
@@ -1660,12 +1646,7 @@ async fn a_request_head_split_by_a_park_arrives_whole() {
 /// connection is neither parked nor closed under it, and stays usable afterwards.
 #[tokio::test]
 async fn a_stalled_reader_of_a_long_response_keeps_its_connection() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("stall").await;
-    let service = gateway
-        .service_with_targets("stall", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, _upstream) = gateway_to_one_upstream("stall").await;
 
     const BIG: usize = 32 * 1024 * 1024;
     let mut stalled = TcpStream::connect(gateway.proxy).await.unwrap();
@@ -1712,12 +1693,7 @@ async fn a_stalled_reader_of_a_long_response_keeps_its_connection() {
 /// ones not yet parked close at once, and the drain ends long before the 30 s grace.
 #[tokio::test]
 async fn shutdown_closes_parked_and_idle_connections_at_once() {
-    let mut gateway = TestGateway::start().await;
-    let upstream = Upstream::start("bye").await;
-    let service = gateway
-        .service_with_targets("bye", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (mut gateway, _upstream) = gateway_to_one_upstream("bye").await;
 
     let request = b"GET / HTTP/1.1\r\nHost: bye.test\r\n\r\n";
     let mut parked = TcpStream::connect(gateway.proxy).await.unwrap();
@@ -1748,12 +1724,7 @@ async fn shutdown_closes_parked_and_idle_connections_at_once() {
 /// flight, so its connection neither parks nor loses keep-alive under it.
 #[tokio::test]
 async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
-    let gateway = TestGateway::start().await;
-    let upstream = Upstream::start("slow").await;
-    let service = gateway
-        .service_with_targets("slow", &[target(&upstream, 1, 0)])
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (gateway, upstream) = gateway_to_one_upstream("slow").await;
 
     let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
     // Three idle checks (0.5 s each) pass while the upstream thinks.
