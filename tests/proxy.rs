@@ -938,8 +938,10 @@ async fn connect_failures_are_retried_on_a_live_target() {
 async fn dead_targets_answer_502_and_an_empty_service_503() {
     let gateway = TestGateway::start().await;
     let dead = create_service(&gateway, json!({"name": "all-dead", "max_attempts": 3})).await;
-    add_dead_target(&gateway, dead, dead_addr()).await;
-    add_dead_target(&gateway, dead, dead_addr()).await;
+    let dead_targets = [dead_addr(), dead_addr()];
+    for address in dead_targets {
+        add_dead_target(&gateway, dead, address).await;
+    }
     let empty = create_service(&gateway, json!({"name": "empty-svc"})).await;
     add_route(
         &gateway,
@@ -966,6 +968,13 @@ async fn dead_targets_answer_502_and_an_empty_service_503() {
             (502, "upstream_connect_failed"),
             "{method}: {message}"
         );
+        // Target addresses are internal network details: the log has them, the client not.
+        for address in dead_targets {
+            assert!(
+                !message.contains(&address.to_string()),
+                "{method}: the answer names target {address}: {message}"
+            );
+        }
     }
 
     let (status, code, message) = error_answer(gateway.get("/empty/x").await).await;

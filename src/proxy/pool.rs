@@ -23,23 +23,16 @@ use super::body::UpstreamRequestBody;
 
 type Sender = http1::SendRequest<UpstreamRequestBody>;
 
-/// Why an attempt on a pooled target got no response.
+/// Why an attempt on a pooled target got no response. The messages leave the target's address
+/// out: they reach clients inside error answers (`ProxyError` carries the target for the log).
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
-    #[error("connecting to {target} failed")]
-    Connect {
-        target: Authority,
-        #[source]
-        source: io::Error,
-    },
-    #[error("connecting to {target} took longer than {timeout_ms} ms")]
-    ConnectTimeout { target: Authority, timeout_ms: u64 },
-    #[error("HTTP/1.1 setup with {target} failed")]
-    Handshake {
-        target: Authority,
-        #[source]
-        source: hyper::Error,
-    },
+    #[error("TCP connect failed")]
+    Connect(#[source] io::Error),
+    #[error("connecting took longer than {timeout_ms} ms")]
+    ConnectTimeout { timeout_ms: u64 },
+    #[error("HTTP/1.1 connection setup failed")]
+    Handshake(#[source] hyper::Error),
     /// The connection failed after the request was handed to it (it may have been sent).
     #[error(transparent)]
     Request(hyper::Error),
@@ -117,12 +110,7 @@ impl TargetPool {
                     Some(unsent) if reused => request = unsent,
                     // A new connection that would not take the request ended before anything
                     // was sent: a connect failure, which may go to another target.
-                    Some(_) => {
-                        return Err(PoolError::Handshake {
-                            target: self.target.clone(),
-                            source: failed.into_error(),
-                        })
-                    }
+                    Some(_) => return Err(PoolError::Handshake(failed.into_error())),
                     None => return Err(PoolError::Request(failed.into_error())),
                 },
             }
@@ -146,15 +134,9 @@ impl TargetPool {
         let connecting = TcpStream::connect(self.target.as_str());
         let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
             Ok(Ok(stream)) => stream,
-            Ok(Err(source)) => {
-                return Err(PoolError::Connect {
-                    target: self.target.clone(),
-                    source,
-                })
-            }
+            Ok(Err(error)) => return Err(PoolError::Connect(error)),
             Err(_) => {
                 return Err(PoolError::ConnectTimeout {
-                    target: self.target.clone(),
                     timeout_ms: self.connect_timeout.as_millis() as u64,
                 })
             }
@@ -162,13 +144,9 @@ impl TargetPool {
         let _ = stream.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
-        let (sender, connection) =
-            http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(|source| PoolError::Handshake {
-                    target: self.target.clone(),
-                    source,
-                })?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(PoolError::Handshake)?;
         let target = self.target.clone();
         tokio::spawn(async move {
             if let Err(error) = connection.with_upgrades().await {
