@@ -1757,6 +1757,38 @@ async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
     assert_eq!(upstream.hits(), 2);
 }
 
+/// An origin that serves each accepted connection with `serve`, counting the connections.
+async fn counting_origin<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicU64>)
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(stream));
+        }
+    });
+    (address, accepted)
+}
+
+/// A gateway whose route `all` sends every request to the one target at `address`.
+async fn gateway_to_address(name: &str, address: SocketAddr) -> TestGateway {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .service_with_targets(
+            name,
+            &[json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1})],
+        )
+        .await;
+    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    gateway
+}
+
 /// Requests to a plain target reuse one keep-alive connection: each goes back to the pool once
 /// its response (a body of known length, an empty HEAD answer) has been read.
 #[tokio::test]
@@ -1765,38 +1797,23 @@ async fn sequential_requests_reuse_one_upstream_connection() {
     use hyper::service::service_fn;
     use hyper_util::rt::TokioIo;
 
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counter = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let service = service_fn(
-                    |request: hyper::Request<hyper::body::Incoming>| async move {
-                        let body = if request.method() == hyper::Method::HEAD {
-                            ""
-                        } else {
-                            "ok\n"
-                        };
-                        Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(body))))
-                    },
-                );
-                let _ = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    let gateway = TestGateway::start().await;
-    let service = gateway
-        .service_with_targets(
-            "reuse",
-            &[json!({"host": "127.0.0.1", "port": address.port(), "weight": 1})],
-        )
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    let (address, accepted) = counting_origin(|stream| async move {
+        let service = service_fn(
+            |request: hyper::Request<hyper::body::Incoming>| async move {
+                let body = if request.method() == hyper::Method::HEAD {
+                    ""
+                } else {
+                    "ok\n"
+                };
+                Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(body))))
+            },
+        );
+        let _ = http1::Builder::new()
+            .serve_connection(TokioIo::new(stream), service)
+            .await;
+    })
+    .await;
+    let gateway = gateway_to_address("reuse", address).await;
 
     for round in 0..20 {
         let response = gateway.get(&format!("/round/{round}")).await;
@@ -1822,41 +1839,26 @@ async fn sequential_requests_reuse_one_upstream_connection() {
 /// send trailers unasked do.
 #[tokio::test]
 async fn a_chunked_response_with_trailers_gives_its_connection_back() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counter = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(async move {
-                let mut pending = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
-                        pending.drain(..end + 4);
-                        let answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
-                            3\r\nok\n\r\n0\r\nX-Checksum: 1\r\n\r\n";
-                        if stream.write_all(answer).await.is_err() {
-                            return;
-                        }
-                    }
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => pending.extend_from_slice(&chunk[..n]),
-                    }
+    let (address, accepted) = counting_origin(|mut stream| async move {
+        let mut pending = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                pending.drain(..end + 4);
+                let answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+                    3\r\nok\n\r\n0\r\nX-Checksum: 1\r\n\r\n";
+                if stream.write_all(answer).await.is_err() {
+                    return;
                 }
-            });
+            }
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => pending.extend_from_slice(&chunk[..n]),
+            }
         }
-    });
-    let gateway = TestGateway::start().await;
-    let service = gateway
-        .service_with_targets(
-            "trailers",
-            &[json!({"host": "127.0.0.1", "port": address.port(), "weight": 1})],
-        )
-        .await;
-    add_route(&gateway, json!({"name": "all", "service_id": service})).await;
+    })
+    .await;
+    let gateway = gateway_to_address("trailers", address).await;
 
     for round in 0..10 {
         let response = gateway.get(&format!("/chunked/{round}")).await;

@@ -293,6 +293,15 @@ mod tests {
         (address.to_string().parse().unwrap(), accepted)
     }
 
+    /// A pool with a 1 s connect timeout.
+    fn pool_to(target: Authority, idle_timeout: Duration) -> Arc<TargetPool> {
+        Arc::new(TargetPool::new(
+            target,
+            Duration::from_secs(1),
+            idle_timeout,
+        ))
+    }
+
     fn get(target: &Authority) -> Request<UpstreamRequestBody> {
         Request::builder()
             .uri("/")
@@ -313,11 +322,7 @@ mod tests {
     #[tokio::test]
     async fn a_finished_exchange_gives_its_connection_back_for_the_next() {
         let (target, accepted) = origin().await;
-        let pool = Arc::new(TargetPool::new(
-            target,
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-        ));
+        let pool = pool_to(target, Duration::from_secs(60));
         for _ in 0..3 {
             drop(exchange(&pool).await);
             tokio::task::yield_now().await;
@@ -333,11 +338,7 @@ mod tests {
     #[tokio::test]
     async fn a_response_cut_short_closes_its_connection() {
         let (target, accepted) = origin().await;
-        let pool = Arc::new(TargetPool::new(
-            target,
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-        ));
+        let pool = pool_to(target, Duration::from_secs(60));
         let (_response, connection) = pool.send(get(pool.target())).await.unwrap();
         drop(connection);
         assert_eq!(pool.idle_count(), 0);
@@ -348,11 +349,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_close_after_the_idle_timeout() {
         let (target, _) = origin().await;
-        let pool = Arc::new(TargetPool::new(
-            target,
-            Duration::from_secs(1),
-            Duration::from_millis(100),
-        ));
+        let pool = pool_to(target, Duration::from_millis(100));
         drop(exchange(&pool).await);
         tokio::task::yield_now().await;
         assert_eq!(pool.idle_count(), 1);
@@ -375,11 +372,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
         drop(listener);
-        let pool = Arc::new(TargetPool::new(
-            target.clone(),
-            Duration::from_secs(1),
-            Duration::from_secs(60),
-        ));
+        let pool = pool_to(target.clone(), Duration::from_secs(60));
         let error = pool.send(get(&target)).await.err().expect("refused");
         assert!(error.is_connect(), "{error}");
         assert!(!error.is_connect_timeout());
