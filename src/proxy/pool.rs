@@ -367,6 +367,45 @@ mod tests {
         );
     }
 
+    /// A target that closes each connection right after answering on it, without saying so in
+    /// the response: the closed connection never goes back to the pool, and every request
+    /// succeeds on a new one.
+    #[tokio::test]
+    async fn a_connection_the_target_closed_costs_no_request() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                    let _ = stream.write_all(answer).await;
+                });
+            }
+        });
+        let pool = pool_to(target, Duration::from_secs(60));
+        for _ in 0..20 {
+            drop(exchange(&pool).await);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 20);
+        assert_eq!(
+            pool.idle_count(),
+            0,
+            "no closed connection waits in the pool"
+        );
+    }
+
     #[tokio::test]
     async fn a_refused_connection_is_a_connect_error() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
