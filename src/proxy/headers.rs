@@ -62,7 +62,19 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 fn has_hop_by_hop(headers: &HeaderMap) -> bool {
-    headers.keys().any(|name| HOP_BY_HOP.contains(name))
+    // By name: comparing against `HOP_BY_HOP` builds (and drops) that array at every call.
+    headers.keys().any(|name| {
+        matches!(
+            name.as_str(),
+            "connection"
+                | "keep-alive"
+                | "proxy-connection"
+                | "te"
+                | "trailer"
+                | "transfer-encoding"
+                | "upgrade"
+        )
+    })
 }
 
 /// An HTTP/1.1 request asking to switch protocols (e.g. WebSocket).
@@ -167,6 +179,17 @@ pub fn request_id(headers: &HeaderMap) -> HeaderValue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_hop_by_hop_name_is_recognised() {
+        for name in &HOP_BY_HOP {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-kept", HeaderValue::from_static("1"));
+            assert!(!has_hop_by_hop(&headers));
+            headers.insert(name.clone(), HeaderValue::from_static("1"));
+            assert!(has_hop_by_hop(&headers), "{name}");
+        }
+    }
 
     #[test]
     fn strips_fixed_and_connection_named_headers() {
