@@ -10,7 +10,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
-use super::pool::PooledConnection;
+use super::h1client::ResponseBody;
 use crate::balance::{unix_ms, TargetLoad};
 
 /// Counts a request against its target from pick until the response body is finished or dropped.
@@ -31,55 +31,68 @@ impl Drop for InFlight {
     }
 }
 
-/// The upstream response body, holding the target's in-flight count until it ends, and the
-/// pooled connection it came on, which goes back to its pool only once the body was read to
-/// its end.
+/// A response body from a target: read by hyper's client (`https` targets) or straight off a
+/// plain target's pooled connection, which goes back to its pool at the body's end.
+pub enum UpstreamBody {
+    Hyper(Incoming),
+    Pooled(ResponseBody),
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            UpstreamBody::Hyper(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            UpstreamBody::Pooled(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Hyper(body) => body.is_end_stream(),
+            UpstreamBody::Pooled(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Hyper(body) => body.size_hint(),
+            UpstreamBody::Pooled(body) => body.size_hint(),
+        }
+    }
+}
+
+/// The upstream response body, holding the target's in-flight count until it ends.
 pub struct UpstreamResponseBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     _in_flight: InFlight,
-    connection: Option<PooledConnection>,
 }
 
 impl UpstreamResponseBody {
-    pub fn new(inner: Incoming, in_flight: InFlight, connection: Option<PooledConnection>) -> Self {
-        let mut body = UpstreamResponseBody {
+    pub fn new(inner: UpstreamBody, in_flight: InFlight) -> Self {
+        UpstreamResponseBody {
             inner,
             _in_flight: in_flight,
-            connection,
-        };
-        if body.inner.is_end_stream() {
-            body.finished();
-        }
-        body
-    }
-
-    fn finished(&mut self) {
-        if let Some(connection) = &mut self.connection {
-            connection.finished();
         }
     }
 }
 
 impl Body for UpstreamResponseBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        // hyper's server stops polling once a body says it has ended (a Content-Length body
-        // after its last byte) or after trailers, so the end is looked for after every frame.
-        let ended = match &polled {
-            Poll::Ready(None) => true,
-            Poll::Ready(Some(Ok(frame))) => frame.is_trailers() || self.inner.is_end_stream(),
-            _ => false,
-        };
-        if ended {
-            self.finished();
-        }
-        polled
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {

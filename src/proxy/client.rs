@@ -13,15 +13,13 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::Authority;
-use http::{Request, Response};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::Connect;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
 use super::connector::{upstream_server_name, AlpnOffer, TlsTargetConnector};
-use super::pool::{PoolError, PooledConnection, TargetPool};
+use super::pool::{PoolError, TargetPool};
 use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
@@ -50,29 +48,6 @@ impl UpstreamError {
             UpstreamError::Plain(error) => error.is_connect(),
             UpstreamError::Tls(error) => error.is_connect(),
         }
-    }
-}
-
-impl UpstreamClient {
-    /// Sends one attempt; a plain target's connection comes back with the response, to return
-    /// to its pool once the body has been read.
-    pub async fn send(
-        &self,
-        request: Request<UpstreamRequestBody>,
-    ) -> Result<(Response<Incoming>, Option<PooledConnection>), UpstreamError> {
-        match self {
-            UpstreamClient::Plain(pool) => {
-                let (response, connection) = pool.send(request).await?;
-                Ok((response, Some(connection)))
-            }
-            UpstreamClient::Tls(client) => Ok((client.request(request).await?, None)),
-        }
-    }
-
-    /// Whether the request URI must say `https`; its authority then names the request's host.
-    /// Otherwise it is origin-form (`/path?query`), sent as is on the target's connection.
-    pub fn is_tls(&self) -> bool {
-        matches!(self, UpstreamClient::Tls(_))
     }
 }
 

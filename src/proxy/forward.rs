@@ -13,15 +13,18 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-use super::body::{InFlight, StreamingBody, UpstreamRequestBody, UpstreamResponseBody};
-use super::client::UpstreamError;
+use super::body::{
+    InFlight, StreamingBody, UpstreamBody, UpstreamRequestBody, UpstreamResponseBody,
+};
+use super::client::{UpstreamClient, UpstreamError};
 use super::connector::UpstreamTlsError;
 use super::error::ProxyError;
+use super::h1client::RequestHead;
 use super::headers::{self, X_REQUEST_ID};
-use super::pool::PooledConnection;
 use super::ProxyState;
 use crate::balance::unix_ms;
 use crate::model::Id;
@@ -232,12 +235,10 @@ async fn forward(
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
-    let (upstream, in_flight, connection) =
-        send_with_retries(state, &service, outgoing, exchange).await?;
+    let (upstream, in_flight) = send_with_retries(state, &service, outgoing, exchange).await?;
     Ok(respond(
         upstream,
         in_flight,
-        connection,
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
     ))
@@ -277,19 +278,29 @@ impl Downstream {
 /// get the client's socket back from hyper.
 #[derive(Default)]
 pub struct UpgradeHandoff {
-    upstream: std::sync::Mutex<Option<(OnUpgrade, InFlight)>>,
+    upstream: std::sync::Mutex<Option<(UpstreamUpgrade, InFlight)>>,
 }
 
 impl UpgradeHandoff {
-    fn put(&self, upstream: OnUpgrade, in_flight: InFlight) {
+    fn put(&self, upstream: UpstreamUpgrade, in_flight: InFlight) {
         if let Ok(mut slot) = self.upstream.lock() {
             *slot = Some((upstream, in_flight));
         }
     }
 
-    pub fn take(&self) -> Option<(OnUpgrade, InFlight)> {
+    pub fn take(&self) -> Option<(UpstreamUpgrade, InFlight)> {
         self.upstream.lock().ok()?.take()
     }
+}
+
+/// The upstream side of a switched protocol: hyper's upgrade still to complete (`https`
+/// targets), or a plain target's connection with the bytes it already sent past the 101.
+pub enum UpstreamUpgrade {
+    Pending(OnUpgrade),
+    Plain {
+        stream: TcpStream,
+        already_read: Bytes,
+    },
 }
 
 fn prepare(
@@ -302,6 +313,9 @@ fn prepare(
 ) -> Outgoing {
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
+    // hyper sized the map for the client's fields: make room once for the ones added below
+    // (X-Forwarded-*, Via, X-Request-Id, Host), rather than growing it field by field.
+    headers.reserve(6);
     // The authority of an absolute-form or HTTP/2 request wins over a Host header (RFC 9112
     // §3.2.2), as it did for routing.
     let original_host = parts
@@ -398,7 +412,7 @@ async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
-) -> Result<(Response<Incoming>, InFlight, Option<PooledConnection>), ProxyError> {
+) -> Result<(Response<UpstreamBody>, InFlight), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS);
@@ -421,11 +435,32 @@ async fn send_with_retries(
         let client = state
             .clients
             .for_target(service, target, outgoing.http1_only());
-        let (request, streaming) =
-            build_attempt(&mut outgoing, target, may_retry_later, client.is_tls());
+        let (body, streaming) = take_body(&mut outgoing);
         let in_flight = InFlight::start(&target.load);
-        let outcome =
-            await_response(client.send(request), streaming.as_ref(), response_timeout).await;
+        let outcome = match &client {
+            UpstreamClient::Plain(pool) => {
+                // Written straight from the request kept for retries: no copy of its fields.
+                let head = RequestHead {
+                    method: &outgoing.method,
+                    path_and_query: outgoing.path_and_query.as_str(),
+                    headers: &outgoing.headers,
+                    host: outgoing.host_from_target.then_some(&target.host_header),
+                };
+                let sending = async {
+                    let response = pool.send(head, body).await?;
+                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
+                };
+                await_response(sending, streaming.as_ref(), response_timeout).await
+            }
+            UpstreamClient::Tls(tls) => {
+                let request = tls_request(&mut outgoing, body, target, may_retry_later);
+                let sending = async {
+                    let response = tls.request(request).await?;
+                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
+                };
+                await_response(sending, streaming.as_ref(), response_timeout).await
+            }
+        };
         exchange.upstream_elapsed = Some(started.elapsed());
         if matches!(
             outcome,
@@ -437,14 +472,14 @@ async fn send_with_retries(
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         let error = match outcome {
-            Ok(Ok((response, connection))) => {
+            Ok(Ok(response)) => {
                 let failed = service
                     .service
                     .ejection
                     .failure_statuses
                     .contains(&response.status().as_u16());
                 record_outcome(service, target, failed);
-                return Ok((response, in_flight, connection));
+                return Ok((response, in_flight));
             }
             Ok(Err(error)) => {
                 let client_failed = streaming
@@ -612,18 +647,10 @@ impl Tried {
     }
 }
 
-/// One attempt's request. Headers are copied only while another attempt may follow.
-/// Over TLS the URI says `https`; the connector dials the target whatever the URI names. The
-/// URI's authority keys the pool: when HTTP/2 may be used it is the request's Host (sent as
-/// `:authority`; one of the service's few values), otherwise the target's, and the upstream
-/// reads the Host header. Plain HTTP goes on the target's own connection, in origin form.
-fn build_attempt(
-    outgoing: &mut Outgoing,
-    target: &TargetRuntime,
-    may_retry_later: bool,
-    over_tls: bool,
-) -> (Request<UpstreamRequestBody>, Option<StreamingBody>) {
-    let (body, returned) = match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
+/// The body for one attempt: a streaming body goes to it (and comes back if the attempt drops
+/// it unread); an empty one can be sent again.
+fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingBody>) {
+    match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
         PendingBody::Empty => {
             outgoing.body = PendingBody::Empty;
             (UpstreamRequestBody::Empty, None)
@@ -633,7 +660,20 @@ fn build_attempt(
             (body, Some(streaming))
         }
         PendingBody::Consumed => (UpstreamRequestBody::Empty, None),
-    };
+    }
+}
+
+/// One attempt's request to an `https` target, for hyper-util's client. Headers are copied
+/// only while another attempt may follow. The URI says `https`; the connector dials the target
+/// whatever the URI names. The URI's authority keys the pool: when HTTP/2 may be used it is
+/// the request's Host (sent as `:authority`; one of the service's few values), otherwise the
+/// target's, and the upstream reads the Host header.
+fn tls_request(
+    outgoing: &mut Outgoing,
+    body: UpstreamRequestBody,
+    target: &TargetRuntime,
+    may_retry_later: bool,
+) -> Request<UpstreamRequestBody> {
     let headers = if may_retry_later {
         outgoing.headers.clone()
     } else {
@@ -648,18 +688,16 @@ fn build_attempt(
             .headers_mut()
             .insert(header::HOST, target.host_header.clone());
     }
+    let host_authority = (!outgoing.http1_only())
+        .then(|| request.headers().get(header::HOST))
+        .flatten()
+        .and_then(|host| Authority::try_from(host.as_bytes()).ok());
     let mut uri = http::uri::Parts::default();
-    if over_tls {
-        uri.scheme = Some(Scheme::HTTPS);
-        let host_authority = (!outgoing.http1_only())
-            .then(|| request.headers().get(header::HOST))
-            .flatten()
-            .and_then(|host| Authority::try_from(host.as_bytes()).ok());
-        uri.authority = Some(host_authority.unwrap_or_else(|| target.authority.clone()));
-    }
+    uri.scheme = Some(Scheme::HTTPS);
+    uri.authority = Some(host_authority.unwrap_or_else(|| target.authority.clone()));
     uri.path_and_query = Some(outgoing.path_and_query.clone());
     *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
-    (request, returned)
+    request
 }
 
 fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
@@ -739,19 +777,30 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 }
 
 fn respond(
-    upstream: Response<Incoming>,
+    mut upstream: Response<UpstreamBody>,
     in_flight: InFlight,
-    connection: Option<PooledConnection>,
     client_upgrade: Option<OnUpgrade>,
     downstream: &Downstream,
 ) -> Response<ProxyBody> {
-    let mut upstream = upstream;
     if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_upgrade) = client_upgrade {
-            let upstream_upgrade = hyper::upgrade::on(&mut upstream);
-            match &downstream.upgrade_handoff {
-                Some(handoff) => handoff.put(upstream_upgrade, in_flight),
-                None => {
+            let hyper_upgrade = matches!(upstream.body(), UpstreamBody::Hyper(_))
+                .then(|| hyper::upgrade::on(&mut upstream));
+            let (parts, body) = upstream.into_parts();
+            let upstream_upgrade = match (hyper_upgrade, body) {
+                (Some(pending), _) => Some(UpstreamUpgrade::Pending(pending)),
+                (None, UpstreamBody::Pooled(body)) => {
+                    body.into_upgraded()
+                        .map(|(stream, already_read)| UpstreamUpgrade::Plain {
+                            stream,
+                            already_read,
+                        })
+                }
+                (None, UpstreamBody::Hyper(_)) => None,
+            };
+            match (upstream_upgrade, &downstream.upgrade_handoff) {
+                (Some(upstream_upgrade), Some(handoff)) => handoff.put(upstream_upgrade, in_flight),
+                (Some(upstream_upgrade), None) => {
                     tokio::spawn(async move {
                         match client_upgrade.await {
                             Ok(client) => {
@@ -761,37 +810,55 @@ fn respond(
                         }
                     });
                 }
+                // The request body was still going up when the target switched protocols:
+                // its connection is no longer whole.
+                (None, _) => tracing::warn!("the target switched protocols while the request body was still being sent; the upgrade is abandoned"),
             }
-            let (parts, _) = upstream.into_parts();
             let mut response = Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
             headers::add_via(response.headers_mut(), Version::HTTP_11);
             return response;
         }
     }
     let (mut parts, body) = upstream.into_parts();
+    // A length beside a transfer coding is wrong, and the body was read by the coding; passed
+    // on, the client's side would cut the body at that length (RFC 9112 §6.3 says remove it).
+    if parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        parts.headers.remove(header::CONTENT_LENGTH);
+    }
     headers::strip_hop_by_hop(&mut parts.headers);
     headers::add_via(&mut parts.headers, parts.version);
     // The client connection keeps its own protocol whatever the upstream spoke.
     parts.version = Version::default();
     Response::from_parts(
         parts,
-        Either::Left(UpstreamResponseBody::new(body, in_flight, connection)),
+        Either::Left(UpstreamResponseBody::new(body, in_flight)),
     )
 }
 
 /// Copies bytes both ways between the upgraded client and upstream connections.
-pub async fn tunnel<C>(mut client: C, upstream: OnUpgrade, in_flight: InFlight)
+pub async fn tunnel<C>(mut client: C, upstream: UpstreamUpgrade, in_flight: InFlight)
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut upstream = match upstream.await {
-        Ok(upstream) => TokioIo::new(upstream),
-        Err(error) => {
-            tracing::debug!(%error, "protocol upgrade failed");
-            return;
-        }
+    let copied = match upstream {
+        UpstreamUpgrade::Pending(on_upgrade) => match on_upgrade.await {
+            Ok(upgraded) => {
+                tokio::io::copy_bidirectional(&mut client, &mut TokioIo::new(upgraded)).await
+            }
+            Err(error) => {
+                tracing::debug!(%error, "protocol upgrade failed");
+                return;
+            }
+        },
+        UpstreamUpgrade::Plain {
+            mut stream,
+            already_read,
+        } => match client.write_all(&already_read).await {
+            Ok(()) => tokio::io::copy_bidirectional(&mut client, &mut stream).await,
+            Err(error) => Err(error),
+        },
     };
-    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+    if let Err(error) = copied {
         tracing::debug!(%error, "upgraded connection ended with an error");
     }
     drop(in_flight);

@@ -8,6 +8,7 @@ mod client;
 mod connector;
 mod error;
 mod forward;
+mod h1client;
 mod headers;
 mod http1;
 mod pool;

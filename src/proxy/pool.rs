@@ -12,16 +12,12 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use http::uri::Authority;
-use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use http::{Method, Response};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::body::UpstreamRequestBody;
-
-type Sender = http1::SendRequest<UpstreamRequestBody>;
+use super::h1client::{self, Connection, ExchangeError, RequestHead, ResponseBody};
 
 /// Why an attempt on a pooled target got no response. The messages leave the target's address
 /// out: they reach clients inside error answers (`ProxyError` carries the target for the log).
@@ -31,11 +27,11 @@ pub enum PoolError {
     Connect(#[source] io::Error),
     #[error("connecting took longer than {timeout_ms} ms")]
     ConnectTimeout { timeout_ms: u64 },
-    #[error("HTTP/1.1 connection setup failed")]
-    Handshake(#[source] hyper::Error),
-    /// The connection failed after the request was handed to it (it may have been sent).
+    #[error("the new connection failed before the request was sent")]
+    Unsent(#[source] io::Error),
+    /// The exchange failed after the request head was written (it may have been acted on).
     #[error(transparent)]
-    Request(hyper::Error),
+    Request(ExchangeError),
 }
 
 impl PoolError {
@@ -50,7 +46,7 @@ impl PoolError {
 }
 
 struct IdleConnection {
-    sender: Sender,
+    connection: Box<Connection>,
     since: Instant,
 }
 
@@ -86,51 +82,47 @@ impl TargetPool {
     }
 
     /// Sends `request` on an idle connection or a new one. An idle connection that turns out
-    /// closed before taking the request (the target ended it meanwhile) hands the request back,
-    /// and it goes on a new connection: nothing was sent.
+    /// closed when the request head is written to it (the target ended it meanwhile) is
+    /// dropped and the request goes on another: its body was not touched yet.
     pub async fn send(
         self: &Arc<Self>,
-        mut request: Request<UpstreamRequestBody>,
-    ) -> Result<(Response<Incoming>, PooledConnection), PoolError> {
-        loop {
-            let (mut sender, reused) = match self.take_idle() {
-                Some(sender) => (sender, true),
+        head: RequestHead<'_>,
+        body: UpstreamRequestBody,
+    ) -> Result<Response<ResponseBody>, PoolError> {
+        let method_is_head = *head.method == Method::HEAD;
+        let (head, framing) = h1client::encode_head(&head, &body);
+        let connection = loop {
+            let (mut connection, reused) = match self.take_idle() {
+                Some(connection) => (connection, true),
                 None => (self.connect().await?, false),
             };
-            match sender.try_send_request(request).await {
-                Ok(response) => {
-                    let connection = PooledConnection {
-                        sender: Some(sender),
-                        pool: self.clone(),
-                        finished: false,
-                    };
-                    return Ok((response, connection));
-                }
-                Err(mut failed) => match failed.take_message() {
-                    Some(unsent) if reused => request = unsent,
-                    // A new connection that would not take the request ended before anything
-                    // was sent: a connect failure, which may go to another target.
-                    Some(_) => return Err(PoolError::Handshake(failed.into_error())),
-                    None => return Err(PoolError::Request(failed.into_error())),
-                },
+            match connection.write_head(&head).await {
+                Ok(()) => break connection,
+                Err(_) if reused => continue,
+                // A new connection that would not take the request head: a connect failure,
+                // which may go to another target.
+                Err(error) => return Err(PoolError::Unsent(error)),
             }
-        }
+        };
+        h1client::finish_exchange(connection, method_is_head, body, framing, self.clone())
+            .await
+            .map_err(PoolError::Request)
     }
 
-    fn take_idle(&self) -> Option<Sender> {
+    fn take_idle(&self) -> Option<Box<Connection>> {
         let mut idle = self
             .idle
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         while let Some(candidate) = idle.pop() {
-            if candidate.sender.is_ready() && candidate.since.elapsed() < self.idle_timeout {
-                return Some(candidate.sender);
+            if candidate.since.elapsed() < self.idle_timeout && candidate.connection.is_reusable() {
+                return Some(candidate.connection);
             }
         }
         None
     }
 
-    async fn connect(&self) -> Result<Sender, PoolError> {
+    async fn connect(&self) -> Result<Box<Connection>, PoolError> {
         let connecting = TcpStream::connect(self.target.as_str());
         let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
             Ok(Ok(stream)) => stream,
@@ -144,26 +136,18 @@ impl TargetPool {
         let _ = stream.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(PoolError::Handshake)?;
-        let target = self.target.clone();
-        tokio::spawn(async move {
-            if let Err(error) = connection.with_upgrades().await {
-                tracing::debug!(%target, %error, "upstream connection ended with an error");
-            }
-        });
-        Ok(sender)
+        Ok(Connection::new(stream))
     }
 
-    fn put_back(self: &Arc<Self>, sender: Sender) {
+    /// Takes back a connection whose exchange ended cleanly.
+    pub(super) fn put_back(self: &Arc<Self>, connection: Box<Connection>) {
         {
             let mut idle = self
                 .idle
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             idle.push(IdleConnection {
-                sender,
+                connection,
                 since: Instant::now(),
             });
         }
@@ -184,7 +168,7 @@ impl TargetPool {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let idle_timeout = self.idle_timeout;
-        idle.retain(|entry| !entry.sender.is_closed() && entry.since.elapsed() < idle_timeout);
+        idle.retain(|entry| entry.since.elapsed() < idle_timeout && entry.connection.is_reusable());
         if idle.is_empty() {
             self.reaper_running.store(false, Ordering::Release);
             return true;
@@ -218,53 +202,12 @@ fn reap_period(idle_timeout: Duration) -> Duration {
     (idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-/// A connection lent to one exchange. It goes back to its pool when the response was read to
-/// its end ([`PooledConnection::finished`]); otherwise it is dropped, which closes it.
-pub struct PooledConnection {
-    sender: Option<Sender>,
-    pool: Arc<TargetPool>,
-    finished: bool,
-}
-
-impl PooledConnection {
-    /// The response body was read to its end: the connection can carry another request.
-    pub fn finished(&mut self) {
-        self.finished = true;
-    }
-}
-
-impl Drop for PooledConnection {
-    fn drop(&mut self) {
-        let Some(mut sender) = self.sender.take() else {
-            return;
-        };
-        if !self.finished || sender.is_closed() {
-            return;
-        }
-        if sender.is_ready() {
-            self.pool.put_back(sender);
-            return;
-        }
-        // The connection task has not yet seen the end of the response it delivered (or the
-        // request body is still going up after an early response): bounded by the idle timeout.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let pool = self.pool.clone();
-        runtime.spawn(async move {
-            let ready = tokio::time::timeout(pool.idle_timeout, sender.ready()).await;
-            if matches!(ready, Ok(Ok(()))) {
-                pool.put_back(sender);
-            }
-        });
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::Full;
     use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
     use std::convert::Infallible;
     use std::sync::atomic::AtomicUsize;
 
@@ -302,21 +245,23 @@ mod tests {
         ))
     }
 
-    fn get(target: &Authority) -> Request<UpstreamRequestBody> {
-        Request::builder()
-            .uri("/")
-            .header(http::header::HOST, target.as_str())
-            .body(UpstreamRequestBody::Empty)
-            .unwrap()
+    /// `GET /` with the target as Host.
+    async fn get(pool: &Arc<TargetPool>) -> Result<Response<ResponseBody>, PoolError> {
+        let host = http::HeaderValue::from_str(pool.target().as_str()).unwrap();
+        let head = RequestHead {
+            method: &Method::GET,
+            path_and_query: "/",
+            headers: &http::HeaderMap::new(),
+            host: Some(&host),
+        };
+        pool.send(head, UpstreamRequestBody::Empty).await
     }
 
-    async fn exchange(pool: &Arc<TargetPool>) -> PooledConnection {
+    async fn exchange(pool: &Arc<TargetPool>) {
         use http_body_util::BodyExt;
-        let (response, mut connection) = pool.send(get(pool.target())).await.unwrap();
+        let response = get(pool).await.unwrap();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, "ok");
-        connection.finished();
-        connection
     }
 
     #[tokio::test]
@@ -324,7 +269,7 @@ mod tests {
         let (target, accepted) = origin().await;
         let pool = pool_to(target, Duration::from_secs(60));
         for _ in 0..3 {
-            drop(exchange(&pool).await);
+            exchange(&pool).await;
             tokio::task::yield_now().await;
         }
         assert_eq!(
@@ -339,10 +284,10 @@ mod tests {
     async fn a_response_cut_short_closes_its_connection() {
         let (target, accepted) = origin().await;
         let pool = pool_to(target, Duration::from_secs(60));
-        let (_response, connection) = pool.send(get(pool.target())).await.unwrap();
-        drop(connection);
+        let response = get(&pool).await.unwrap();
+        drop(response);
         assert_eq!(pool.idle_count(), 0);
-        drop(exchange(&pool).await);
+        exchange(&pool).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
@@ -350,7 +295,7 @@ mod tests {
     async fn idle_connections_close_after_the_idle_timeout() {
         let (target, _) = origin().await;
         let pool = pool_to(target, Duration::from_millis(100));
-        drop(exchange(&pool).await);
+        exchange(&pool).await;
         tokio::task::yield_now().await;
         assert_eq!(pool.idle_count(), 1);
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -396,7 +341,7 @@ mod tests {
         });
         let pool = pool_to(target, Duration::from_secs(60));
         for _ in 0..20 {
-            drop(exchange(&pool).await);
+            exchange(&pool).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 20);
         assert_eq!(
@@ -412,7 +357,7 @@ mod tests {
         let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
         drop(listener);
         let pool = pool_to(target.clone(), Duration::from_secs(60));
-        let error = pool.send(get(&target)).await.err().expect("refused");
+        let error = get(&pool).await.err().expect("refused");
         assert!(error.is_connect(), "{error}");
         assert!(!error.is_connect_timeout());
     }

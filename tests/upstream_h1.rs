@@ -1,0 +1,1243 @@
+//! The HTTP/1.1 client for plain `http` targets (`src/proxy/h1client.rs`, `src/proxy/pool.rs`)
+//! through real sockets. Every origin here is a raw TCP server writing exact bytes, so each test
+//! controls the wire: framing, fragmentation, informational answers, early answers, upgrades and
+//! broken responses, and whether the upstream connection is reused afterwards.
+
+mod common;
+use common::*;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+/// How long any single step may take before the test fails.
+const STEP: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------------
+// Origins
+// ---------------------------------------------------------------------------------------------
+
+/// An origin that serves each accepted connection with `serve`, counting the connections.
+async fn counting_origin<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicU64>)
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(stream));
+        }
+    });
+    (address, accepted)
+}
+
+/// One request as an origin read it off the wire.
+#[derive(Debug, Clone, Default)]
+struct WireRequest {
+    /// Request line and fields, without the empty line.
+    head: String,
+    /// The body as framed on the wire (chunk-size lines and the last chunk included).
+    wire_body: Vec<u8>,
+    /// The body's content.
+    body: Vec<u8>,
+}
+
+impl WireRequest {
+    fn request_line(&self) -> &str {
+        self.head.split("\r\n").next().unwrap_or("")
+    }
+
+    fn method(&self) -> &str {
+        self.request_line().split(' ').next().unwrap_or("")
+    }
+
+    fn path(&self) -> &str {
+        self.request_line().split(' ').nth(1).unwrap_or("")
+    }
+
+    fn header(&self, name: &str) -> Vec<String> {
+        head_values(&self.head, name)
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+/// Reads more bytes into `pending`; false at the end of the connection.
+async fn fill<R: AsyncRead + Unpin>(stream: &mut R, pending: &mut Vec<u8>) -> bool {
+    let mut chunk = vec![0u8; 64 * 1024];
+    match stream.read(&mut chunk).await {
+        Ok(0) | Err(_) => false,
+        Ok(n) => {
+            pending.extend_from_slice(&chunk[..n]);
+            true
+        }
+    }
+}
+
+/// Reads one request head; `None` when the connection ends first.
+async fn read_request_head(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<WireRequest> {
+    loop {
+        if let Some(end) = find(pending, b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+            pending.drain(..end + 4);
+            return Some(WireRequest {
+                head,
+                ..WireRequest::default()
+            });
+        }
+        if !fill(stream, pending).await {
+            return None;
+        }
+    }
+}
+
+/// One line, CRLF included.
+async fn take_line(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
+    loop {
+        if let Some(end) = find(pending, b"\r\n") {
+            return Some(pending.drain(..end + 2).collect());
+        }
+        if !fill(stream, pending).await {
+            return None;
+        }
+    }
+}
+
+/// Reads the body of `request` by its framing: chunked, Content-Length, or none.
+async fn read_request_body(
+    stream: &mut TcpStream,
+    pending: &mut Vec<u8>,
+    request: &mut WireRequest,
+) -> Option<()> {
+    let chunked = request
+        .header("transfer-encoding")
+        .iter()
+        .any(|value| value.eq_ignore_ascii_case("chunked"));
+    if chunked {
+        loop {
+            let line = take_line(stream, pending).await?;
+            request.wire_body.extend_from_slice(&line);
+            let text = String::from_utf8_lossy(&line[..line.len() - 2]).into_owned();
+            let digits = text.split(';').next().unwrap_or("").trim();
+            let size = usize::from_str_radix(digits, 16)
+                .unwrap_or_else(|_| panic!("bad chunk-size line from the gateway: {text:?}"));
+            if size == 0 {
+                loop {
+                    let line = take_line(stream, pending).await?;
+                    request.wire_body.extend_from_slice(&line);
+                    if line == b"\r\n" {
+                        return Some(());
+                    }
+                }
+            }
+            while pending.len() < size + 2 {
+                if !fill(stream, pending).await {
+                    return None;
+                }
+            }
+            assert_eq!(&pending[size..size + 2], b"\r\n", "chunk data without CRLF");
+            request.body.extend_from_slice(&pending[..size]);
+            request.wire_body.extend(pending.drain(..size + 2));
+        }
+    }
+    if let Some(length) = request.header("content-length").first() {
+        let length: usize = length.parse().expect("numeric content-length");
+        while pending.len() < length {
+            if !fill(stream, pending).await {
+                return None;
+            }
+        }
+        request.body = pending.drain(..length).collect();
+        request.wire_body = request.body.clone();
+    }
+    Some(())
+}
+
+/// What a scripted origin writes for one request.
+struct Answer {
+    bytes: Vec<u8>,
+    /// Written 1, 2 and 3 bytes at a time in turn, yielding to the gateway between writes.
+    trickle: bool,
+    /// Close the connection once written.
+    close: bool,
+    /// When closing: first wait for this (the test's go-ahead).
+    close_when: Option<Arc<Notify>>,
+}
+
+/// Written in one go; the connection stays open for the next request.
+fn answer(bytes: impl AsRef<[u8]>) -> Answer {
+    Answer {
+        bytes: bytes.as_ref().to_vec(),
+        trickle: false,
+        close: false,
+        close_when: None,
+    }
+}
+
+/// Written in one go, then the origin closes the connection.
+fn answer_and_close(bytes: impl AsRef<[u8]>) -> Answer {
+    Answer {
+        close: true,
+        ..answer(bytes)
+    }
+}
+
+/// Written in one go, then the origin closes the connection once `go` is notified.
+fn answer_then_close_on(bytes: impl AsRef<[u8]>, go: &Arc<Notify>) -> Answer {
+    Answer {
+        close_when: Some(go.clone()),
+        ..answer_and_close(bytes)
+    }
+}
+
+/// Written in tiny pieces; the connection stays open.
+fn trickled(bytes: impl AsRef<[u8]>) -> Answer {
+    Answer {
+        trickle: true,
+        ..answer(bytes)
+    }
+}
+
+async fn write_answer(stream: &mut TcpStream, reply: &Answer) -> std::io::Result<()> {
+    if !reply.trickle {
+        return stream.write_all(&reply.bytes).await;
+    }
+    let mut rest = &reply.bytes[..];
+    for size in [1usize, 2, 3].into_iter().cycle() {
+        if rest.is_empty() {
+            break;
+        }
+        let (piece, tail) = rest.split_at(size.min(rest.len()));
+        stream.write_all(piece).await?;
+        // Lets the gateway's task read what has arrived so far (on the test's single-threaded
+        // runtime it runs before this task resumes), so it parses the answer in pieces.
+        tokio::task::yield_now().await;
+        rest = tail;
+    }
+    Ok(())
+}
+
+/// A raw origin that reads each request (head, then body by its framing) and answers what
+/// `script` says.
+struct Origin {
+    addr: SocketAddr,
+    accepted: Arc<AtomicU64>,
+    /// Connections the gateway ended while the origin waited for their next request.
+    ended_by_gateway: Arc<AtomicU64>,
+    requests: Arc<Mutex<Vec<WireRequest>>>,
+}
+
+impl Origin {
+    async fn start<F>(script: F) -> Origin
+    where
+        F: Fn(&WireRequest) -> Answer + Send + Sync + 'static,
+    {
+        let script = Arc::new(script);
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let ended_by_gateway = Arc::new(AtomicU64::new(0));
+        let (seen, ended) = (requests.clone(), ended_by_gateway.clone());
+        let (addr, accepted) = counting_origin(move |mut stream| {
+            let (script, seen, ended) = (script.clone(), seen.clone(), ended.clone());
+            async move {
+                let _ = stream.set_nodelay(true);
+                let mut pending = Vec::new();
+                loop {
+                    let Some(mut request) = read_request_head(&mut stream, &mut pending).await
+                    else {
+                        if pending.is_empty() {
+                            ended.fetch_add(1, Ordering::SeqCst);
+                        }
+                        return;
+                    };
+                    if read_request_body(&mut stream, &mut pending, &mut request)
+                        .await
+                        .is_none()
+                    {
+                        return;
+                    }
+                    let reply = script(&request);
+                    seen.lock().unwrap().push(request);
+                    if write_answer(&mut stream, &reply).await.is_err() {
+                        return;
+                    }
+                    if reply.close {
+                        if let Some(go) = &reply.close_when {
+                            go.notified().await;
+                        }
+                        return;
+                    }
+                }
+            }
+        })
+        .await;
+        Origin {
+            addr,
+            accepted,
+            ended_by_gateway,
+            requests,
+        }
+    }
+
+    fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
+    fn requests(&self) -> Vec<WireRequest> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    fn last_request(&self) -> WireRequest {
+        self.requests()
+            .last()
+            .cloned()
+            .expect("the origin saw a request")
+    }
+}
+
+/// `HTTP/1.1 200 OK` with a Content-Length body.
+fn ok(body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gateway and client side
+// ---------------------------------------------------------------------------------------------
+
+/// A gateway whose route `all` sends every request to the one plain target at `address`.
+/// Passive ejection is off, so a test's deliberate failures do not change later picks.
+async fn gateway_to_address(name: &str, address: SocketAddr) -> TestGateway {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create("/api/v1/services", json!({"name": name, "ejection": false}))
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "all", "service_id": service}),
+        )
+        .await;
+    gateway
+}
+
+/// Sends a request through the gateway; returns status, headers and the whole body.
+async fn call(request: reqwest::RequestBuilder) -> (u16, reqwest::header::HeaderMap, Bytes) {
+    let response = tokio::time::timeout(STEP, request.send())
+        .await
+        .expect("response head within the step")
+        .expect("the gateway answers");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = tokio::time::timeout(STEP, response.bytes())
+        .await
+        .expect("response body within the step")
+        .expect("a whole response body");
+    (status, headers, body)
+}
+
+/// A GET through the gateway; returns status, headers and the body as text.
+async fn get(gateway: &TestGateway, path: &str) -> (u16, reqwest::header::HeaderMap, String) {
+    let (status, headers, body) = call(gateway.http.get(gateway.proxy_url(path))).await;
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A GET that must answer `200` with `expected` as its body.
+async fn get_ok(gateway: &TestGateway, path: &str, expected: &str) {
+    let (status, _, body) = get(gateway, path).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    assert_eq!(body, expected, "GET {path}");
+}
+
+/// A JSON error answer from the gateway: `(status, error.code, whole body)`.
+async fn error_answer(gateway: &TestGateway, path: &str) -> (u16, String, String) {
+    let (status, headers, body) = get(gateway, path).await;
+    let content_type = headers
+        .get("content-type")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("");
+    assert!(
+        content_type.starts_with("application/json"),
+        "error answer {status} is not JSON ({content_type:?}): {body}"
+    );
+    let value: Value = serde_json::from_str(&body).expect("error body is JSON");
+    let code = value["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    (status, code, body)
+}
+
+/// Reads until the end of an HTTP response head; returns the head and the bytes after it.
+async fn read_head<R: AsyncRead + Unpin>(stream: &mut R) -> (String, Vec<u8>) {
+    let mut buffer = Vec::new();
+    loop {
+        if let Some(end) = find(&buffer, b"\r\n\r\n") {
+            let rest = buffer.split_off(end + 4);
+            return (String::from_utf8_lossy(&buffer).into_owned(), rest);
+        }
+        let more = tokio::time::timeout(STEP, fill(stream, &mut buffer))
+            .await
+            .expect("response head within the step");
+        assert!(
+            more,
+            "connection closed before the end of the response head: {:?}",
+            String::from_utf8_lossy(&buffer)
+        );
+    }
+}
+
+/// Values of one header (any case) in a raw head.
+fn head_values(head: &str, name: &str) -> Vec<String> {
+    head.split("\r\n")
+        .skip(1)
+        .filter_map(|line| line.split_once(':'))
+        .filter(|(key, _)| key.trim().eq_ignore_ascii_case(name))
+        .map(|(_, value)| value.trim().to_owned())
+        .collect()
+}
+
+/// Reads until the peer closes (or resets) the connection; panics if it stays open.
+async fn read_until_closed<R: AsyncRead + Unpin>(stream: &mut R, mut already: Vec<u8>) -> Vec<u8> {
+    tokio::time::timeout(STEP, async { while fill(stream, &mut already).await {} })
+        .await
+        .expect("the gateway closes the connection");
+    already
+}
+
+// ---------------------------------------------------------------------------------------------
+// Response framing and connection reuse
+// ---------------------------------------------------------------------------------------------
+
+/// A chunked answer with chunk extensions, bad-looking but legal whitespace and a trailer
+/// section, written 1 to 3 bytes at a time (head included), arrives whole; its connection then
+/// carries the next request.
+#[tokio::test]
+async fn a_trickled_chunked_response_with_extensions_arrives_whole_and_reuses_its_connection() {
+    let big: String = (0..300)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let chunked = format!(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Origin: tiny\r\n\r\n\
+         5;name=value\r\nhello\r\n\
+         1;a=1;b=\"x y\"\r\n \r\n\
+         1A ; ext\r\nabcdefghijklmnopqrstuvwxyz\r\n\
+         12c\r\n{big}\r\n\
+         0;last=yes\r\nX-Sum: 42\r\n\r\n"
+    );
+    let origin = Origin::start(move |request| match request.path() {
+        "/chunked" => trickled(&chunked),
+        _ => answer(ok("second")),
+    })
+    .await;
+    let gateway = gateway_to_address("tiny", origin.addr).await;
+
+    let (status, headers, body) = get(&gateway, "/chunked").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(headers["x-origin"], "tiny");
+    assert_eq!(body, format!("hello abcdefghijklmnopqrstuvwxyz{big}"));
+
+    get_ok(&gateway, "/second", "second").await;
+    assert_eq!(origin.requests().len(), 2);
+    assert_eq!(
+        origin.accepted(),
+        1,
+        "the connection of a whole chunked answer is reused"
+    );
+}
+
+/// A body without Content-Length or Transfer-Encoding runs to the end of the connection: it
+/// arrives whole, and the next request needs a new connection.
+#[tokio::test]
+async fn a_close_delimited_response_arrives_whole_and_its_connection_is_not_reused() {
+    let long: String = (0..100_000)
+        .map(|i| char::from(b'0' + (i % 10) as u8))
+        .collect();
+    let expected = long.clone();
+    let origin = Origin::start(move |request| match request.path() {
+        "/until-close" => {
+            answer_and_close(format!("HTTP/1.1 200 OK\r\nX-Framing: none\r\n\r\n{long}"))
+        }
+        _ => answer(ok("next")),
+    })
+    .await;
+    let gateway = gateway_to_address("close-delimited", origin.addr).await;
+
+    let (status, headers, body) = get(&gateway, "/until-close").await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-framing"], "none");
+    assert_eq!(body.len(), expected.len());
+    assert!(
+        body == expected,
+        "the close-delimited body changed on the way"
+    );
+
+    get_ok(&gateway, "/next", "next").await;
+    assert_eq!(
+        origin.accepted(),
+        2,
+        "a close-delimited answer uses up its connection"
+    );
+}
+
+/// `Connection: close` in an answer with a Content-Length ends its connection even though the
+/// origin leaves it open: the next request goes on a new one, and the gateway closes the old.
+#[tokio::test]
+async fn connection_close_in_a_response_is_honoured() {
+    let origin = Origin::start(|request| {
+        let body = format!("answer to {}", request.path());
+        answer(format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ))
+    })
+    .await;
+    let gateway = gateway_to_address("conn-close", origin.addr).await;
+
+    get_ok(&gateway, "/one", "answer to /one").await;
+    get_ok(&gateway, "/two", "answer to /two").await;
+    assert_eq!(
+        origin.accepted(),
+        2,
+        "each answer said Connection: close; the origin kept both open"
+    );
+    wait_until(
+        "the gateway closes the connections it will not reuse",
+        STEP,
+        || async { origin.ended_by_gateway.load(Ordering::SeqCst) == 2 },
+    )
+    .await;
+}
+
+/// An HTTP/1.0 answer (keep-alive is not the default there) is not reused either.
+#[tokio::test]
+async fn an_http10_response_is_not_reused() {
+    let origin =
+        Origin::start(|_| answer(b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nold")).await;
+    let gateway = gateway_to_address("http10", origin.addr).await;
+
+    get_ok(&gateway, "/a", "old").await;
+    get_ok(&gateway, "/b", "old").await;
+    assert_eq!(origin.accepted(), 2);
+}
+
+/// Informational answers (`100 Continue`, `103 Early Hints` with fields) before the real one
+/// are skipped: the client gets the final answer, without the 1xx fields, and the connection
+/// is reused.
+#[tokio::test]
+async fn informational_responses_before_the_final_one_are_skipped() {
+    let origin = Origin::start(|request| match request.path() {
+        "/continue" => trickled(
+            b"HTTP/1.1 100 Continue\r\n\r\n\
+              HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n\
+              HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Final: yes\r\n\r\nfinal",
+        ),
+        _ => answer(ok("after")),
+    })
+    .await;
+    let gateway = gateway_to_address("continue", origin.addr).await;
+
+    let (status, headers, body) = get(&gateway, "/continue").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body, "final");
+    assert_eq!(headers["x-final"], "yes");
+    assert!(
+        headers.get("link").is_none(),
+        "a 1xx answer's fields leaked into the final answer: {headers:?}"
+    );
+    get_ok(&gateway, "/after", "after").await;
+    assert_eq!(origin.accepted(), 1);
+}
+
+/// An answer to HEAD has no body whatever its Content-Length says: the next request's answer
+/// on the same connection is not taken for it.
+#[tokio::test]
+async fn a_head_response_has_no_body_and_keeps_the_connection() {
+    let origin = Origin::start(|request| match request.method() {
+        "HEAD" => answer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nX-Head: yes\r\n\r\n"),
+        _ => answer(ok("get")),
+    })
+    .await;
+    let gateway = gateway_to_address("head", origin.addr).await;
+
+    for _ in 0..2 {
+        let (status, headers, body) = call(gateway.http.head(gateway.proxy_url("/h"))).await;
+        assert_eq!(status, 200);
+        assert_eq!(headers["x-head"], "yes");
+        assert_eq!(
+            headers["content-length"], "1000",
+            "a HEAD answer keeps the length the GET would have"
+        );
+        assert!(body.is_empty());
+        get_ok(&gateway, "/g", "get").await;
+    }
+    let methods: Vec<String> = origin
+        .requests()
+        .iter()
+        .map(|request| request.method().to_owned())
+        .collect();
+    assert_eq!(methods, ["HEAD", "GET", "HEAD", "GET"]);
+    assert_eq!(origin.accepted(), 1);
+}
+
+/// 204 and 304 answers have no body (a 304's Content-Length describes the representation) and
+/// leave the connection reusable.
+#[tokio::test]
+async fn no_content_and_not_modified_keep_the_connection() {
+    let origin = Origin::start(|request| match request.path() {
+        "/204" => answer(b"HTTP/1.1 204 No Content\r\nX-Kind: empty\r\n\r\n"),
+        "/304" => {
+            answer(b"HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nContent-Length: 50\r\n\r\n")
+        }
+        _ => answer(ok("full")),
+    })
+    .await;
+    let gateway = gateway_to_address("bodiless", origin.addr).await;
+
+    for _ in 0..2 {
+        let (status, headers, body) = get(&gateway, "/204").await;
+        assert_eq!(status, 204);
+        assert_eq!(headers["x-kind"], "empty");
+        assert!(body.is_empty());
+        let (status, headers, body) = get(&gateway, "/304").await;
+        assert_eq!(status, 304);
+        assert_eq!(headers["etag"], "\"v1\"");
+        assert!(body.is_empty());
+        get_ok(&gateway, "/200", "full").await;
+    }
+    assert_eq!(origin.requests().len(), 6);
+    assert_eq!(origin.accepted(), 1);
+}
+
+/// Bytes beyond the end of an answer (here one stray byte after the body) make its connection
+/// unfit for another exchange: the next request goes on a new connection and is not answered
+/// with the stray byte.
+#[tokio::test]
+async fn bytes_beyond_a_response_keep_its_connection_out_of_the_pool() {
+    let origin = Origin::start(|request| match request.path() {
+        "/stray" => answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokX"),
+        _ => answer(ok("clean")),
+    })
+    .await;
+    let gateway = gateway_to_address("stray", origin.addr).await;
+
+    get_ok(&gateway, "/stray", "ok").await;
+    get_ok(&gateway, "/next", "clean").await;
+    assert_eq!(origin.accepted(), 2);
+}
+
+/// An origin that closes a connection after answering on it, without saying so: the closed
+/// connection never carries another request, so even POSTs (never retried) all succeed.
+#[tokio::test]
+async fn an_origin_closing_after_each_answer_costs_no_request() {
+    let origin =
+        Origin::start(|request| answer_and_close(ok(&format!("posted {}", request.body.len()))))
+            .await;
+    let gateway = gateway_to_address("closer", origin.addr).await;
+
+    for round in 0..10 {
+        let (status, _, body) = call(
+            gateway
+                .http
+                .post(gateway.proxy_url(&format!("/post/{round}")))
+                .body("x".repeat(round)),
+        )
+        .await;
+        assert_eq!(
+            status,
+            200,
+            "round {round}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        assert_eq!(body, format!("posted {round}"));
+    }
+    assert_eq!(origin.accepted(), 10);
+}
+
+/// An idle pooled connection that the origin closes later (its keep-alive timeout) is noticed
+/// before the next request is written to it: a POST, never retried, still succeeds.
+#[tokio::test]
+async fn an_idle_connection_closed_by_the_origin_is_not_used() {
+    let close_first = Arc::new(Notify::new());
+    let first_closed = Arc::new(AtomicU64::new(0));
+    let (go, closed) = (close_first.clone(), first_closed.clone());
+    let (address, accepted) = counting_origin(move |mut stream| {
+        let (go, closed) = (go.clone(), closed.clone());
+        async move {
+            let mut pending = Vec::new();
+            let Some(mut request) = read_request_head(&mut stream, &mut pending).await else {
+                return;
+            };
+            if read_request_body(&mut stream, &mut pending, &mut request)
+                .await
+                .is_none()
+            {
+                return;
+            }
+            let _ = stream.write_all(&ok(request.path())).await;
+            if request.path() == "/first" {
+                go.notified().await;
+                drop(stream);
+                closed.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            while fill(&mut stream, &mut pending).await {}
+        }
+    })
+    .await;
+    let gateway = gateway_to_address("idle-close", address).await;
+
+    get_ok(&gateway, "/first", "/first").await;
+    close_first.notify_one();
+    wait_until("the origin closed the idle connection", STEP, || async {
+        first_closed.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let (status, _, body) =
+        call(gateway.http.post(gateway.proxy_url("/second")).body("data")).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(body, "/second");
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Broken responses
+// ---------------------------------------------------------------------------------------------
+
+/// What the gateway must never tell a client about a target.
+fn assert_no_address(body: &str, origin: SocketAddr) {
+    assert!(
+        !body.contains(&origin.to_string()) && !body.contains("127.0.0.1"),
+        "the error answer names the target's address: {body}"
+    );
+}
+
+/// An unparseable answer is a named 502, and the client is not told the target's address.
+#[tokio::test]
+async fn an_invalid_response_is_a_502_without_the_target_address() {
+    let origin = Origin::start(|request| match request.path() {
+        "/bad-status" => answer(b"HTTP/1.1 abc OK\r\nContent-Length: 0\r\n\r\n"),
+        "/garbage" => answer(b"hello, this is not HTTP\r\n\r\n"),
+        "/bad-field" => answer(b"HTTP/1.1 200 OK\r\nBad Field: x\r\nContent-Length: 0\r\n\r\n"),
+        _ => answer(ok("fine")),
+    })
+    .await;
+    let gateway = gateway_to_address("invalid", origin.addr).await;
+
+    for path in ["/bad-status", "/garbage", "/bad-field"] {
+        let (status, code, body) = error_answer(&gateway, path).await;
+        assert_eq!(status, 502, "{path}: {body}");
+        assert_eq!(code, "upstream_failed", "{path}: {body}");
+        assert!(body.contains("invalid response"), "{path}: {body}");
+        assert_no_address(&body, origin.addr);
+    }
+    get_ok(&gateway, "/fine", "fine").await;
+    assert_eq!(
+        origin.accepted(),
+        4,
+        "a connection that sent garbage is not reused"
+    );
+}
+
+/// Two different Content-Length values (in two fields or one list) make the answer's length
+/// unknowable: a 502, never a guess.
+#[tokio::test]
+async fn conflicting_content_lengths_are_a_502() {
+    let origin = Origin::start(|request| match request.path() {
+        "/two-fields" => {
+            answer(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd")
+        }
+        "/one-list" => answer(b"HTTP/1.1 200 OK\r\nContent-Length: 3, 4\r\n\r\nabcd"),
+        _ => answer(ok("fine")),
+    })
+    .await;
+    let gateway = gateway_to_address("lengths", origin.addr).await;
+
+    for path in ["/two-fields", "/one-list"] {
+        let (status, code, body) = error_answer(&gateway, path).await;
+        assert_eq!(status, 502, "{path}: {body}");
+        assert_eq!(code, "upstream_failed", "{path}: {body}");
+        assert!(body.contains("Content-Length"), "{path}: {body}");
+        assert_no_address(&body, origin.addr);
+    }
+    get_ok(&gateway, "/fine", "fine").await;
+}
+
+/// RFC 9112 §6.3: with both Transfer-Encoding: chunked and Content-Length, the chunked framing
+/// decides, and an intermediary must drop the Content-Length before forwarding. The client must
+/// get the whole chunked body, not one cut at the stale length.
+#[tokio::test]
+async fn a_content_length_beside_chunked_is_not_forwarded() {
+    let origin = Origin::start(|_| {
+        answer(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n\
+              b\r\nhello world\r\n0\r\n\r\n",
+        )
+    })
+    .await;
+    let gateway = gateway_to_address("both-framings", origin.addr).await;
+
+    let (status, headers, body) = get(&gateway, "/both").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body, "hello world",
+        "the client got the body cut at the stale Content-Length (headers {headers:?})"
+    );
+    assert!(
+        headers
+            .get("content-length")
+            .is_none_or(|value| value == "11"),
+        "a Content-Length that contradicts the body reached the client: {headers:?}"
+    );
+}
+
+/// An origin that dies in the middle of a body: the client's answer is cut (the gateway closes
+/// the client connection rather than end the body cleanly), and the next request works on a
+/// new upstream connection.
+#[tokio::test]
+async fn an_upstream_closing_mid_body_cuts_the_client_response() {
+    let go_length = Arc::new(Notify::new());
+    let go_chunked = Arc::new(Notify::new());
+    let (length_close, chunked_close) = (go_length.clone(), go_chunked.clone());
+    let origin = Origin::start(move |request| match request.path() {
+        "/cut-length" => answer_then_close_on(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789",
+            &length_close,
+        ),
+        "/cut-chunked" => answer_then_close_on(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\na\r\n0123456789\r\n14\r\nonly half",
+            &chunked_close,
+        ),
+        "/cut-at-once" => {
+            answer_and_close(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789")
+        }
+        _ => answer(ok("fine")),
+    })
+    .await;
+    let gateway = gateway_to_address("cut", origin.addr).await;
+
+    // Content-Length: the client is promised 100 bytes; once it has the first 10, the origin
+    // closes. The client gets those 10 and then the end of the connection.
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(b"GET /cut-length HTTP/1.1\r\nHost: cut.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, mut body) = read_head(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(head_values(&head, "content-length"), ["100"], "{head}");
+    while body.len() < 10 {
+        let more = tokio::time::timeout(STEP, fill(&mut client, &mut body))
+            .await
+            .expect("the first body bytes within the step");
+        assert!(more, "closed before the bytes the origin sent");
+    }
+    go_length.notify_one();
+    let body = read_until_closed(&mut client, body).await;
+    assert_eq!(
+        body,
+        b"0123456789",
+        "a cut body must arrive cut: {:?}",
+        String::from_utf8_lossy(&body)
+    );
+
+    // Chunked: the client gets the data that came, then the end of the connection, never the
+    // last chunk.
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(b"GET /cut-chunked HTTP/1.1\r\nHost: cut.test\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, mut body) = read_head(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(
+        head_values(&head, "transfer-encoding"),
+        ["chunked"],
+        "{head}"
+    );
+    while find(&body, b"only half").is_none() {
+        let more = tokio::time::timeout(STEP, fill(&mut client, &mut body))
+            .await
+            .expect("the first chunks within the step");
+        assert!(more, "closed before the bytes the origin sent");
+    }
+    go_chunked.notify_one();
+    let body = read_until_closed(&mut client, body).await;
+    assert!(
+        !body.ends_with(b"0\r\n\r\n") && find(&body, b"0123456789").is_some(),
+        "a cut chunked body was ended cleanly: {:?}",
+        String::from_utf8_lossy(&body)
+    );
+
+    // Head, part of the body and the end all at once: the client sees a failure (the head may
+    // not even have been sent), never a clean answer.
+    let outcome = tokio::time::timeout(STEP, async {
+        let response = gateway
+            .http
+            .get(gateway.proxy_url("/cut-at-once"))
+            .send()
+            .await?;
+        response.bytes().await
+    })
+    .await
+    .expect("an outcome within the step");
+    assert!(outcome.is_err(), "a cut body read as whole: {outcome:?}");
+
+    get_ok(&gateway, "/fine", "fine").await;
+    assert_eq!(
+        origin.accepted(),
+        4,
+        "one connection per cut answer, one more"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request bodies
+// ---------------------------------------------------------------------------------------------
+
+/// The request head goes up in wire form as the client meant it: request line with its
+/// query, one `Host`, the client's own fields, and nothing of the client connection's framing.
+#[tokio::test]
+async fn the_request_head_goes_up_intact_with_one_host() {
+    let origin = Origin::start(|_| answer(ok("seen"))).await;
+    let gateway = gateway_to_address("head-up", origin.addr).await;
+
+    let (status, _, body) = call(
+        gateway
+            .http
+            .get(gateway.proxy_url("/a/b?x=1&y=%2F&z"))
+            .header("x-custom", "one")
+            .header("x-custom", "two"),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let seen = origin.last_request();
+    assert_eq!(seen.request_line(), "GET /a/b?x=1&y=%2F&z HTTP/1.1");
+    assert_eq!(seen.header("host").len(), 1, "{}", seen.head);
+    assert_eq!(seen.header("x-custom"), ["one", "two"], "{}", seen.head);
+    assert!(seen.header("transfer-encoding").is_empty(), "{}", seen.head);
+    assert!(seen.header("content-length").is_empty(), "{}", seen.head);
+    assert!(seen.body.is_empty());
+}
+
+/// A request body of unknown length (the client sent it chunked) goes up chunked, byte for
+/// byte; a body with a Content-Length goes up with that length. Both exchanges end with the
+/// body sent before the answer, so they share one connection.
+#[tokio::test]
+async fn request_bodies_go_up_chunked_or_with_their_length() {
+    use futures_util::stream;
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+
+    let origin = Origin::start(|request| answer(ok(&format!("got {}", request.body.len())))).await;
+    let gateway = gateway_to_address("uploads", origin.addr).await;
+
+    // Pieces of varied sizes, over 300 KiB in all, each with its own content.
+    let pieces: Vec<Bytes> = (0..40u32)
+        .map(|i| {
+            let size = [1usize, 7, 100, 4096, 16_384][i as usize % 5] * (1 + i as usize % 3);
+            Bytes::from(
+                (0..size)
+                    .map(|j| (i as usize * 31 + j) as u8)
+                    .collect::<Vec<u8>>(),
+            )
+        })
+        .collect();
+    let whole: Vec<u8> = pieces
+        .iter()
+        .flat_map(|piece| piece.iter().copied())
+        .collect();
+    let frames = stream::iter(
+        pieces
+            .clone()
+            .into_iter()
+            .map(|piece| Ok::<_, Infallible>(Frame::data(piece))),
+    );
+    let (status, _, body) = call(
+        gateway
+            .http
+            .post(gateway.proxy_url("/chunked-up"))
+            .body(reqwest::Body::wrap(StreamBody::new(frames))),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body, format!("got {}", whole.len()));
+    let seen = origin.last_request();
+    assert_eq!(seen.method(), "POST");
+    assert_eq!(
+        seen.header("transfer-encoding"),
+        ["chunked"],
+        "{}",
+        seen.head
+    );
+    assert!(seen.header("content-length").is_empty(), "{}", seen.head);
+    assert!(seen.body == whole, "the chunked body changed on the way");
+    assert!(
+        seen.wire_body.ends_with(b"\r\n0\r\n\r\n"),
+        "the chunked body is not properly terminated"
+    );
+
+    let (status, _, body) = call(
+        gateway
+            .http
+            .post(gateway.proxy_url("/sized-up"))
+            .body(whole.clone()),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body, format!("got {}", whole.len()));
+    let seen = origin.last_request();
+    assert_eq!(
+        seen.header("content-length"),
+        [whole.len().to_string()],
+        "{}",
+        seen.head
+    );
+    assert!(seen.header("transfer-encoding").is_empty(), "{}", seen.head);
+    assert!(seen.body == whole, "the sized body changed on the way");
+
+    assert_eq!(origin.accepted(), 1);
+}
+
+/// A POST over a raw connection declaring a 4 MiB body, of which a task sends all but the last
+/// byte and then holds the connection: the upload cannot be complete when an answer comes.
+/// Returns the connection's read half and the task (abort it at the end).
+async fn unfinished_upload(
+    gateway: &TestGateway,
+    path: &str,
+) -> (tokio::net::tcp::OwnedReadHalf, tokio::task::JoinHandle<()>) {
+    const DECLARED: usize = 4 * 1024 * 1024;
+    let client = TcpStream::connect(gateway.proxy).await.unwrap();
+    let (reader, mut writer) = client.into_split();
+    writer
+        .write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: upload.test\r\nContent-Length: {DECLARED}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let uploader = tokio::spawn(async move {
+        let chunk = vec![b'u'; 64 * 1024];
+        let mut sent = 0;
+        while sent < DECLARED - 1 {
+            let n = chunk.len().min(DECLARED - 1 - sent);
+            if writer.write_all(&chunk[..n]).await.is_err() {
+                break;
+            }
+            sent += n;
+        }
+        std::future::pending::<()>().await;
+        drop(writer);
+    });
+    (reader, uploader)
+}
+
+/// Reads one answer with a Content-Length body; returns its head and body.
+async fn read_sized_response<R: AsyncRead + Unpin>(stream: &mut R) -> (String, Vec<u8>) {
+    let (head, mut body) = read_head(stream).await;
+    let length: usize = head_values(&head, "content-length")
+        .first()
+        .unwrap_or_else(|| panic!("a Content-Length answer: {head}"))
+        .parse()
+        .unwrap();
+    while body.len() < length {
+        let more = tokio::time::timeout(STEP, fill(stream, &mut body))
+            .await
+            .expect("body bytes within the step");
+        assert!(more, "closed after {} of {length} body bytes", body.len());
+    }
+    (head, body)
+}
+
+/// The request body goes up while the answer is awaited: an origin that answers `413` after
+/// the head, never reading the body, gets its answer to the client although the upload can
+/// never finish. The connection, with a body half sent, is not reused.
+#[tokio::test]
+async fn an_early_response_reaches_the_client_while_the_upload_is_unfinished() {
+    let (address, accepted) = counting_origin(|mut stream| async move {
+        let mut pending = Vec::new();
+        let Some(request) = read_request_head(&mut stream, &mut pending).await else {
+            return;
+        };
+        if request.method() == "POST" {
+            let _ = stream
+                .write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 9\r\n\r\ntoo large")
+                .await;
+            // Reads nothing more, and holds the connection open for the rest of the test.
+            std::future::pending::<()>().await;
+        }
+        let _ = stream.write_all(&ok("after")).await;
+        while fill(&mut stream, &mut pending).await {}
+    })
+    .await;
+    let gateway = gateway_to_address("early", address).await;
+
+    let (mut reader, uploader) = unfinished_upload(&gateway, "/upload").await;
+
+    let (head, body) = read_sized_response(&mut reader).await;
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert_eq!(body, b"too large");
+
+    get_ok(&gateway, "/after", "after").await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "a connection whose request body was cut short is not reused"
+    );
+    uploader.abort();
+}
+
+/// An origin that answers early and then closes at once with request body bytes unread (its
+/// kernel then resets the connection, as simple servers do). The answer reached the gateway's
+/// socket before the reset and stays readable there; the failure of the body still going up
+/// must not throw it away.
+#[tokio::test]
+async fn an_early_response_followed_by_a_reset_still_reaches_the_client() {
+    let (address, accepted) = counting_origin(|mut stream| async move {
+        let mut pending = Vec::new();
+        let Some(request) = read_request_head(&mut stream, &mut pending).await else {
+            return;
+        };
+        if request.method() == "POST" {
+            // Waits for body bytes to sit unread in the socket, so closing sends a reset.
+            let _ = stream.peek(&mut [0u8; 1]).await;
+            let _ = stream
+                .write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 9\r\nConnection: close\r\n\r\ntoo large")
+                .await;
+            return;
+        }
+        let _ = stream.write_all(&ok("after")).await;
+        while fill(&mut stream, &mut pending).await {}
+    })
+    .await;
+    let gateway = gateway_to_address("early-reset", address).await;
+
+    let (mut reader, uploader) = unfinished_upload(&gateway, "/upload").await;
+    let (head, body) = read_sized_response(&mut reader).await;
+    assert!(
+        head.starts_with("HTTP/1.1 413"),
+        "the origin's answer was lost: {head}{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(body, b"too large");
+
+    get_ok(&gateway, "/after", "after").await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    uploader.abort();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Upgrades
+// ---------------------------------------------------------------------------------------------
+
+/// An origin that switches protocols and, in the same write as its 101 head, sends the first
+/// bytes of the new protocol: the client gets them right after the 101 head, then bytes go both
+/// ways, and a half-close travels through.
+#[tokio::test]
+async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
+    const GREETING: &[u8] = b"greeting from the origin\n";
+    let upgrade_head = Arc::new(Mutex::new(None::<String>));
+    let seen = upgrade_head.clone();
+    let (address, accepted) = counting_origin(move |mut stream| {
+        let seen = seen.clone();
+        async move {
+            let mut pending = Vec::new();
+            let Some(request) = read_request_head(&mut stream, &mut pending).await else {
+                return;
+            };
+            *seen.lock().unwrap() = Some(request.head.clone());
+            let mut switch =
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+                    .to_vec();
+            switch.extend_from_slice(GREETING);
+            if stream.write_all(&switch).await.is_err() {
+                return;
+            }
+            // Echo: anything read beyond the head first, then the rest until end of stream.
+            if stream.write_all(&pending).await.is_err() {
+                return;
+            }
+            let (mut read, mut write) = stream.split();
+            let _ = tokio::io::copy(&mut read, &mut write).await;
+        }
+    })
+    .await;
+    let gateway = gateway_to_address("upgrade", address).await;
+
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(
+            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let (head, mut early) = read_head(&mut client).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "upgrade answer: {head}");
+    assert_eq!(head_values(&head, "upgrade"), ["echo"], "{head}");
+    while early.len() < GREETING.len() {
+        let more = tokio::time::timeout(STEP, fill(&mut client, &mut early))
+            .await
+            .expect("the greeting within the step");
+        assert!(more, "closed before the greeting: {early:?}");
+    }
+    assert_eq!(
+        early,
+        GREETING,
+        "the bytes after the 101 head: {:?}",
+        String::from_utf8_lossy(&early)
+    );
+    let origin_saw = upgrade_head
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("origin saw the request");
+    assert!(
+        head_values(&origin_saw, "upgrade") == ["echo"]
+            && head_values(&origin_saw, "connection")
+                .iter()
+                .any(|value| value.eq_ignore_ascii_case("upgrade")),
+        "the upgrade request lost its fields: {origin_saw}"
+    );
+
+    for message in [&b"ping-123"[..], &b"a second, longer message"[..]] {
+        client.write_all(message).await.unwrap();
+        let mut echoed = vec![0u8; message.len()];
+        tokio::time::timeout(STEP, client.read_exact(&mut echoed))
+            .await
+            .expect("echo within the step")
+            .expect("echo read");
+        assert_eq!(echoed, message);
+    }
+
+    client.shutdown().await.unwrap();
+    let rest = read_until_closed(&mut client, Vec::new()).await;
+    assert!(rest.is_empty(), "unexpected bytes after close: {rest:?}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
