@@ -268,6 +268,8 @@ struct ResponseHead {
     status: StatusCode,
     version: Version,
     headers: HeaderMap,
+    /// A `Connection: close` that was read and left out of `headers`.
+    close: bool,
 }
 
 fn invalid(reason: impl std::fmt::Display) -> ExchangeError {
@@ -300,7 +302,20 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ExchangeErr
     // Room for the fields the proxy adds to every answer (`Via`, `X-Request-Id`), so adding
     // them does not grow the map.
     let mut headers = HeaderMap::with_capacity(response.headers.len() + 2);
+    let mut close = false;
     for field in response.headers.iter() {
+        // The usual connection fields are read here and never enter the map, which saves
+        // building them and removing them again as hop-by-hop. A `Connection` naming anything
+        // else (`upgrade`, other fields) goes in, for the hop-by-hop rules to act on.
+        if field.name.eq_ignore_ascii_case("keep-alive") {
+            continue;
+        }
+        if field.name.eq_ignore_ascii_case("connection") {
+            if let Some(says_close) = only_persistence_tokens(field.value) {
+                close |= says_close;
+                continue;
+            }
+        }
         let name = HeaderName::from_bytes(field.name.as_bytes()).map_err(invalid)?;
         let value = HeaderValue::from_bytes(field.value).map_err(invalid)?;
         headers.append(name, value);
@@ -310,7 +325,23 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ExchangeErr
         status,
         version,
         headers,
+        close,
     }))
+}
+
+/// For a `Connection` value made only of `keep-alive` and `close` tokens: whether it says
+/// `close`. `None` when it names anything else.
+fn only_persistence_tokens(value: &[u8]) -> Option<bool> {
+    let mut close = false;
+    for token in value.split(|&byte| byte == b',') {
+        let token = token.trim_ascii();
+        if token.eq_ignore_ascii_case(b"close") {
+            close = true;
+        } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
+            return None;
+        }
+    }
+    Some(close)
 }
 
 /// How the response body is delimited.
@@ -339,7 +370,7 @@ fn response_framing(
     head: &ResponseHead,
 ) -> Result<(Framing, bool), ExchangeError> {
     let headers = &head.headers;
-    let keep_alive = head.version == Version::HTTP_11 && !says_close(headers);
+    let keep_alive = head.version == Version::HTTP_11 && !head.close && !says_close(headers);
     if method_is_head
         || head.status.is_informational()
         || head.status == StatusCode::NO_CONTENT
@@ -875,6 +906,7 @@ mod tests {
             status: StatusCode::from_u16(status).unwrap(),
             version,
             headers,
+            close: false,
         }
     }
 
@@ -943,6 +975,26 @@ mod tests {
             framing_of(Method::GET, &open_ended),
             (Framing::UntilClose, false)
         );
+    }
+
+    #[test]
+    fn persistence_fields_are_read_and_left_out() {
+        let mut buffer = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, close\r\nKeep-Alive: timeout=5\r\nContent-Length: 0\r\n\r\n"[..],
+        );
+        let parsed = parse_head(&mut buffer).unwrap().unwrap();
+        assert!(parsed.close);
+        assert_eq!(parsed.headers.len(), 1, "{:?}", parsed.headers);
+        assert!(!framing_of(Method::GET, &parsed).1, "close is honoured");
+        let mut upgrade = BytesMut::from(
+            &b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n"[..],
+        );
+        let parsed = parse_head(&mut upgrade).unwrap().unwrap();
+        assert_eq!(
+            parsed.headers["connection"], "upgrade",
+            "other tokens stay for the hop-by-hop rules"
+        );
+        assert!(!parsed.close);
     }
 
     #[test]
