@@ -1114,6 +1114,51 @@ async fn an_early_response_reaches_the_client_while_the_upload_is_unfinished() {
     uploader.abort();
 }
 
+/// After an early answer the rest of the request body goes up on a task of its own. That task
+/// ends with the answer: once the client has the whole response, the gateway lets go of the
+/// upstream connection (the origin sees it closed) even while the client's upload stays
+/// stalled, half sent. Without that, one stalled client pins one upstream socket for as long
+/// as it likes.
+#[tokio::test]
+async fn an_early_answer_ends_the_upload_and_frees_the_upstream_connection() {
+    let closed = Arc::new(Notify::new());
+    let seen_closed = closed.clone();
+    let (address, _) = counting_origin(move |mut stream| {
+        let closed = seen_closed.clone();
+        async move {
+            let mut pending = Vec::new();
+            if read_request_head(&mut stream, &mut pending).await.is_none() {
+                return;
+            }
+            let _ = stream.write_all(&ok("early")).await;
+            // Drains whatever body bytes come, until the gateway closes its side.
+            while fill(&mut stream, &mut pending).await {
+                pending.clear();
+            }
+            closed.notify_one();
+        }
+    })
+    .await;
+    let gateway = gateway_to_address("early-end", address).await;
+
+    let client = TcpStream::connect(gateway.proxy).await.unwrap();
+    let (mut reader, mut writer) = client.into_split();
+    writer
+        .write_all(
+            b"POST /stalled HTTP/1.1\r\nHost: upload.test\r\nContent-Length: 1000000\r\n\r\nfirst bytes",
+        )
+        .await
+        .unwrap();
+    let (head, body) = read_sized_response(&mut reader).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body, b"early");
+    // The client keeps its connection and its unfinished upload open.
+    tokio::time::timeout(STEP, closed.notified())
+        .await
+        .expect("the gateway closed its upstream connection once the answer was over");
+    drop(writer);
+}
+
 /// An origin that answers early and then closes at once with request body bytes unread (its
 /// kernel then resets the connection, as simple servers do). The answer reached the gateway's
 /// socket before the reset and stays readable there; the failure of the body still going up

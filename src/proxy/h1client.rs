@@ -17,7 +17,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll, Waker};
+use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -26,6 +26,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncWrite;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 
 use super::body::UpstreamRequestBody;
 use super::pool::TargetPool;
@@ -102,26 +103,23 @@ impl Connection {
         if self.write.is_none() || !self.buffer.is_empty() {
             return false;
         }
-        let mut cx = Context::from_waker(Waker::noop());
-        match self.read.as_ref().poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            // Readable: either stale readiness from the last response (then the read would
-            // block), or the target closed or wrote out of turn.
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                matches!(self.read.try_read(&mut probe), Err(error) if error.kind() == io::ErrorKind::WouldBlock)
-            }
-        }
+        // `try_read` reads only when tokio saw the socket readable (else it answers WouldBlock
+        // at once), and uses neither the task's budget nor a waker. Readable means stale
+        // readiness from the last response (the read then blocks), or the target closed or
+        // wrote out of turn.
+        let mut probe = [0u8; 1];
+        matches!(self.read.try_read(&mut probe), Err(error) if error.kind() == io::ErrorKind::WouldBlock)
     }
 
     /// Before idling: a read buffer grown by a large body is given back, so an idle
     /// connection holds at most a small one.
     fn rest(&mut self) {
-        if self.buffer.capacity() > 2 * FIRST_READ_BYTES {
+        // `capacity()` shows only the unused tail of an allocation that bodies were split from,
+        // so growth is told by the read size, which grows only when reads fill the buffer.
+        if self.read_size > FIRST_READ_BYTES {
             self.buffer = BytesMut::new();
+            self.read_size = FIRST_READ_BYTES;
         }
-        self.read_size = FIRST_READ_BYTES;
     }
 
     /// Writes a request head made by [`encode_head`].
@@ -233,6 +231,11 @@ pub fn encode_head(
     let mut wire = Vec::with_capacity(head.path_and_query.len() + fields_length + 96);
     wire.extend_from_slice(head.method.as_str().as_bytes());
     wire.push(b' ');
+    // origin-form always starts with '/' (a bare "?query" or nothing means the root); "*" is
+    // OPTIONS's asterisk-form.
+    if !head.path_and_query.starts_with('/') && head.path_and_query != "*" {
+        wire.push(b'/');
+    }
     wire.extend_from_slice(head.path_and_query.as_bytes());
     wire.extend_from_slice(b" HTTP/1.1\r\n");
     if let Some(host) = head.host {
@@ -449,6 +452,7 @@ pub async fn finish_exchange(
     // fails while the answer waits, readable, in the socket. So a failed write stops the upload
     // but the head is still read; the write error is what is reported only if none comes.
     let mut write_failed = None;
+    let mut upload_stop = None;
     let head = match &mut upload {
         None => poll_fn(|cx| connection.poll_head(cx)).await?,
         Some(upload) => {
@@ -479,8 +483,15 @@ pub async fn finish_exchange(
         reusable = false;
     } else if let Some(upload) = upload.filter(|upload| !upload.done) {
         reusable = false;
-        if let Some(write) = connection.write.take() {
-            tokio::spawn(upload.finish(write));
+        // The rest goes up on its own task until it is sent or the response is over (read to
+        // its end or dropped): nothing would read the target's reaction to it after that.
+        // With `Connection: close` the target has said it will not read it (RFC 9112 §9.6).
+        if !says_close(&head.headers) && !head.close {
+            if let Some(write) = connection.write.take() {
+                let (stop, stopped) = tokio::sync::oneshot::channel();
+                upload_stop = Some(stop);
+                tokio::spawn(upload.finish(write, stopped));
+            }
         }
     }
     let upgraded = head.status == StatusCode::SWITCHING_PROTOCOLS;
@@ -497,6 +508,7 @@ pub async fn finish_exchange(
         framing,
         reusable,
         upgraded,
+        upload_stop,
         pool,
     };
     if body.is_end_stream() && !upgraded {
@@ -582,7 +594,13 @@ impl Upload {
             RequestFraming::Length(length) if self.sent > length => {
                 return Err(ExchangeError::RequestBodyTooLong)
             }
-            _ => self.pending.push(data),
+            RequestFraming::Length(length) => {
+                self.pending.push(data);
+                // Every declared byte is queued: the body is complete even if the client's
+                // end-of-body signal comes later (HTTP/2 may send it in a frame of its own).
+                self.body_ended |= self.sent == length;
+            }
+            RequestFraming::None => self.pending.push(data),
         }
         Ok(())
     }
@@ -617,9 +635,14 @@ impl Upload {
     }
 
     /// Sends what is left after the target answered early.
-    async fn finish(mut self, mut write: OwnedWriteHalf) {
-        if let Err(error) = poll_fn(|cx| self.poll_send(cx, &mut write)).await {
-            tracing::debug!(%error, "the rest of a request body did not go up");
+    async fn finish(mut self, mut write: OwnedWriteHalf, stopped: oneshot::Receiver<()>) {
+        tokio::select! {
+            sent = poll_fn(|cx| self.poll_send(cx, &mut write)) => {
+                if let Err(error) = sent {
+                    tracing::debug!(%error, "the rest of a request body did not go up");
+                }
+            }
+            _ = stopped => {}
         }
     }
 }
@@ -632,6 +655,8 @@ pub struct ResponseBody {
     framing: Framing,
     reusable: bool,
     upgraded: bool,
+    /// Ends the task still sending the request body after an early answer, when dropped.
+    upload_stop: Option<oneshot::Sender<()>>,
     pool: Arc<TargetPool>,
 }
 
@@ -649,6 +674,7 @@ impl ResponseBody {
 
     fn end(&mut self) {
         self.framing = Framing::Length(0);
+        self.upload_stop = None;
         self.release();
     }
 
@@ -771,6 +797,9 @@ fn decode_chunk(buffer: &mut BytesMut, state: ChunkState) -> Result<ChunkStep, B
                 }
                 return Ok(ChunkStep::NeedMore);
             };
+            if line_end > MAX_CHUNK_LINE_BYTES {
+                return Err(BodyError::InvalidChunk("chunk-size line too long"));
+            }
             let size = parse_chunk_size(&buffer[..line_end])?;
             buffer.advance(line_end + 2);
             Ok(ChunkStep::Next(if size == 0 {
@@ -841,6 +870,13 @@ fn find_crlf(buffer: &[u8]) -> Option<usize> {
 
 /// `1*HEXDIG [ BWS ; chunk-ext ]`; the extensions are ignored.
 fn parse_chunk_size(line: &[u8]) -> Result<u64, BodyError> {
+    // No control bytes (a bare LF or CR included) anywhere in the line, as hyper refuses them.
+    if line
+        .iter()
+        .any(|&byte| (byte < 0x20 && byte != b'\t') || byte == 0x7f)
+    {
+        return Err(BodyError::InvalidChunk("control byte in a chunk-size line"));
+    }
     let digits_end = line
         .iter()
         .position(|b| !b.is_ascii_hexdigit())
@@ -1058,6 +1094,7 @@ mod tests {
             &b"zz\r\n"[..],
             b"5\r\nhelloXX",
             b"5 x\r\nhello\r\n0\r\n\r\n",
+            b"5;a\nb\r\nhello\r\n0\r\n\r\n",
         ] {
             assert!(
                 decode_all(wire, 1).is_err(),
@@ -1093,6 +1130,17 @@ mod tests {
         assert_eq!(
             wire, b"POST /up?x=1 HTTP/1.1\r\nhost: svc\r\nx-kept: 1\r\n\r\n",
             "the chosen Host replaces the client's"
+        );
+        let bare_query = RequestHead {
+            method: &Method::GET,
+            path_and_query: "?x=1",
+            headers: &HeaderMap::new(),
+            host: None,
+        };
+        let (wire, _) = encode_head(&bare_query, &UpstreamRequestBody::Empty);
+        assert!(
+            wire.starts_with(b"GET /?x=1 HTTP/1.1\r\n"),
+            "origin-form starts with '/'"
         );
     }
 }
