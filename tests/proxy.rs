@@ -143,38 +143,6 @@ fn joined(seen: &Seen, name: &str) -> Option<String> {
     seen.headers.get(name).map(|values| values.join(", "))
 }
 
-/// Reads until the end of an HTTP response head; returns the head and the bytes after it.
-async fn read_head(stream: &mut TcpStream) -> (String, Vec<u8>) {
-    let mut buffer = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(end) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
-            let rest = buffer.split_off(end + 4);
-            return (String::from_utf8_lossy(&buffer).into_owned(), rest);
-        }
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
-            .await
-            .expect("response head within 10 s")
-            .expect("read");
-        assert!(
-            n > 0,
-            "connection closed before the end of the response head: {:?}",
-            String::from_utf8_lossy(&buffer)
-        );
-        buffer.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// Values of one header (name lower case) in a raw response head.
-fn head_values(head: &str, name: &str) -> Vec<String> {
-    head.split("\r\n")
-        .skip(1)
-        .filter_map(|line| line.split_once(':'))
-        .filter(|(key, _)| key.trim().eq_ignore_ascii_case(name))
-        .map(|(_, value)| value.trim().to_owned())
-        .collect()
-}
-
 /// One raw request over a fresh connection (left open by neither side's choice); returns the
 /// response head and its body as sent (Content-Length or chunked framing).
 async fn raw_exchange(addr: SocketAddr, request: &str) -> (String, Vec<u8>) {
@@ -1755,25 +1723,6 @@ async fn a_request_waiting_on_a_slow_upstream_keeps_its_connection() {
     let (head, _) = read_response(&mut client).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(upstream.hits(), 2);
-}
-
-/// An origin that serves each accepted connection with `serve`, counting the connections.
-async fn counting_origin<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicU64>)
-where
-    F: Fn(TcpStream) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counter = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(serve(stream));
-        }
-    });
-    (address, accepted)
 }
 
 /// A gateway whose route `all` sends every request to the one target at `address`.

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 /// How long any single step may take before the test fails.
@@ -24,25 +24,6 @@ const STEP: Duration = Duration::from_secs(10);
 // ---------------------------------------------------------------------------------------------
 // Origins
 // ---------------------------------------------------------------------------------------------
-
-/// An origin that serves each accepted connection with `serve`, counting the connections.
-async fn counting_origin<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicU64>)
-where
-    F: Fn(TcpStream) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicU64::new(0));
-    let counter = accepted.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(serve(stream));
-        }
-    });
-    (address, accepted)
-}
 
 /// One request as an origin read it off the wire.
 #[derive(Debug, Clone, Default)]
@@ -391,35 +372,6 @@ async fn error_answer(gateway: &TestGateway, path: &str) -> (u16, String, String
         .unwrap_or_default()
         .to_owned();
     (status, code, body)
-}
-
-/// Reads until the end of an HTTP response head; returns the head and the bytes after it.
-async fn read_head<R: AsyncRead + Unpin>(stream: &mut R) -> (String, Vec<u8>) {
-    let mut buffer = Vec::new();
-    loop {
-        if let Some(end) = find(&buffer, b"\r\n\r\n") {
-            let rest = buffer.split_off(end + 4);
-            return (String::from_utf8_lossy(&buffer).into_owned(), rest);
-        }
-        let more = tokio::time::timeout(STEP, fill(stream, &mut buffer))
-            .await
-            .expect("response head within the step");
-        assert!(
-            more,
-            "connection closed before the end of the response head: {:?}",
-            String::from_utf8_lossy(&buffer)
-        );
-    }
-}
-
-/// Values of one header (any case) in a raw head.
-fn head_values(head: &str, name: &str) -> Vec<String> {
-    head.split("\r\n")
-        .skip(1)
-        .filter_map(|line| line.split_once(':'))
-        .filter(|(key, _)| key.trim().eq_ignore_ascii_case(name))
-        .map(|(_, value)| value.trim().to_owned())
-        .collect()
 }
 
 /// Reads until the peer closes (or resets) the connection; panics if it stays open.

@@ -527,3 +527,56 @@ pub fn rss_kib() -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// An origin that serves each accepted connection with `serve`, counting the connections.
+pub async fn counting_origin<F, Fut>(serve: F) -> (SocketAddr, Arc<AtomicU64>)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(serve(stream));
+        }
+    });
+    (address, accepted)
+}
+
+/// Reads until the end of an HTTP response head (within 10 s); returns the head and the bytes
+/// after it.
+pub async fn read_head<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> (String, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+            let rest = buffer.split_off(end + 4);
+            return (String::from_utf8_lossy(&buffer).into_owned(), rest);
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
+            .await
+            .expect("response head within 10 s")
+            .expect("read");
+        assert!(
+            n > 0,
+            "connection closed before the end of the response head: {:?}",
+            String::from_utf8_lossy(&buffer)
+        );
+        buffer.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Values of one header (any case) in a raw head.
+pub fn head_values(head: &str, name: &str) -> Vec<String> {
+    head.split("\r\n")
+        .skip(1)
+        .filter_map(|line| line.split_once(':'))
+        .filter(|(key, _)| key.trim().eq_ignore_ascii_case(name))
+        .map(|(_, value)| value.trim().to_owned())
+        .collect()
+}
