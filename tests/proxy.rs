@@ -118,19 +118,9 @@ async fn error_answer(response: reqwest::Response) -> (u16, String, String) {
         .unwrap_or("")
         .to_owned();
     let text = response.text().await.unwrap();
-    assert!(
-        content_type.starts_with("application/json"),
-        "error answer {status} is not JSON ({content_type:?}): {text}"
-    );
-    let value: Value = serde_json::from_str(&text).expect("error body is JSON");
-    let code = value["error"]["code"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    let message = value["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
+    let error = json_error(status, &content_type, &text);
+    let code = error["code"].as_str().unwrap_or_default().to_owned();
+    let message = error["message"].as_str().unwrap_or_default().to_owned();
     (status, code, message)
 }
 

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -362,15 +362,8 @@ async fn error_answer(gateway: &TestGateway, path: &str) -> (u16, String, String
         .get("content-type")
         .and_then(|value| value.to_str().ok())
         .unwrap_or("");
-    assert!(
-        content_type.starts_with("application/json"),
-        "error answer {status} is not JSON ({content_type:?}): {body}"
-    );
-    let value: Value = serde_json::from_str(&body).expect("error body is JSON");
-    let code = value["error"]["code"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
+    let error = json_error(status, content_type, &body);
+    let code = error["code"].as_str().unwrap_or_default().to_owned();
     (status, code, body)
 }
 

@@ -580,3 +580,13 @@ pub fn head_values(head: &str, name: &str) -> Vec<String> {
         .map(|(_, value)| value.trim().to_owned())
         .collect()
 }
+
+/// The `error` object of a named JSON error answer, checking that it is one.
+pub fn json_error(status: u16, content_type: &str, body: &str) -> Value {
+    assert!(
+        content_type.starts_with("application/json"),
+        "error answer {status} is not JSON ({content_type:?}): {body}"
+    );
+    let mut value: Value = serde_json::from_str(body).expect("error body is JSON");
+    value["error"].take()
+}
