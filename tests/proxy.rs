@@ -1500,6 +1500,79 @@ async fn a_silent_connection_is_closed_after_the_client_header_timeout() {
     assert!(rest.is_empty(), "nothing is sent to a silent client");
 }
 
+/// A client that sends its request head a byte at a time, slower than
+/// `proxy.client_header_timeout_ms` allows for the whole head, gets a named 408 and a closed
+/// connection: on a fresh connection, and on one that has served a request (and parked) first.
+#[tokio::test]
+async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let mut config = test_config(dir.path());
+    config.proxy.client_header_timeout_ms = 400;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let upstream = Upstream::start("dribble").await;
+    let service = gateway
+        .service_with_targets("dribble", &[target(&upstream, 100, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "dribble", "service_id": service}),
+        )
+        .await;
+
+    let fresh = TcpStream::connect(gateway.proxy).await.unwrap();
+    let mut used = TcpStream::connect(gateway.proxy).await.unwrap();
+    used.write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_head(&mut used).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    for (name, mut stream) in [("fresh", fresh), ("used", used)] {
+        let started = Instant::now();
+        let (mut reader, mut writer) = stream.split();
+        // Each byte moves the connection, so it never rests long enough to park; only the
+        // header timeout can end this.
+        let dribble = async {
+            for byte in b"GET /never-finished HTTP/1.1\r\nHost: x\r\nX-Pad: "
+                .iter()
+                .cycle()
+            {
+                if writer.write_all(&[*byte]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        let answer = async {
+            let mut answer = Vec::new();
+            let _ = reader.read_to_end(&mut answer).await;
+            answer
+        };
+        let answer = tokio::select! {
+            answer = answer => answer,
+            () = dribble => panic!("{name}: the dribbling ended before an answer"),
+            () = tokio::time::sleep(Duration::from_secs(10)) => panic!("{name}: no answer within 10 s"),
+        };
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let (head, body) = answer.split_once("\r\n\r\n").expect("a whole answer");
+        assert!(head.starts_with("HTTP/1.1 408"), "{name}: {head}");
+        assert_eq!(head_values(head, "connection"), ["close"], "{name}: {head}");
+        let error = json_error(408, &head_values(head, "content-type")[0], body);
+        assert_eq!(error["code"], "client_header_timeout", "{name}: {body}");
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "{name}: answered before the header timeout, after {:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(
+        upstream.hits(),
+        1,
+        "the unfinished heads never went upstream"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 11. Idle HTTP/1.1 connections park: they give back their HTTP buffers and stay open
 // ---------------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ pub enum ProxyError {
     ClientBody { reason: String },
     #[error("the client sent no request body bytes for {timeout_ms} ms")]
     ClientBodyTimeout { timeout_ms: u64 },
+    #[error("the client sent no complete request head within {timeout_ms} ms")]
+    ClientHeaderTimeout { timeout_ms: u64 },
     #[error("target {target} of service {service} read no request body bytes for {timeout_ms} ms")]
     UpstreamSendTimeout {
         service: String,
@@ -69,7 +71,9 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
             ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
-            ProxyError::ClientBodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientHeaderTimeout { .. } => {
+                StatusCode::REQUEST_TIMEOUT
+            }
             ProxyError::UpstreamSendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::ConnectFailed { .. }
@@ -86,6 +90,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } => "no_route",
             ProxyError::ClientBody { .. } => "client_body_failed",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
+            ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
             ProxyError::UpstreamSendTimeout { .. } => "upstream_send_timeout",
             ProxyError::NoAvailableTarget { .. } => "no_available_target",
             ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
@@ -100,7 +105,8 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. }
             | ProxyError::ClientBody { .. }
-            | ProxyError::ClientBodyTimeout { .. } => Blame::Client,
+            | ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::ClientHeaderTimeout { .. } => Blame::Client,
             ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
             _ => Blame::Upstream,
         }
@@ -143,22 +149,43 @@ impl ProxyError {
             ProxyError::NoRoute { .. }
             | ProxyError::NoAvailableTarget { .. }
             | ProxyError::ClientBody { .. }
-            | ProxyError::ClientBodyTimeout { .. } => self.to_string(),
+            | ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::ClientHeaderTimeout { .. } => self.to_string(),
         }
     }
 
     /// `{"error": {"code": ..., "message": ...}}` with the status this error maps to.
     pub fn to_response(&self) -> Response<Full<Bytes>> {
-        let body = serde_json::json!({
-            "error": { "code": self.code(), "message": self.client_message() }
-        });
-        let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+        let mut response = Response::new(Full::new(self.json_body()));
         *response.status_mut() = self.status();
         response.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
         response
+    }
+
+    /// The same answer as [`ProxyError::to_response`], as HTTP/1.1 bytes that end the
+    /// connection: for a connection no HTTP state serves any more.
+    pub fn to_http1_close(&self) -> Vec<u8> {
+        let body = self.json_body();
+        let status = self.status();
+        let mut wire = format!(
+            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or(""),
+            body.len()
+        )
+        .into_bytes();
+        wire.extend_from_slice(&body);
+        wire
+    }
+
+    fn json_body(&self) -> Bytes {
+        let body = serde_json::json!({
+            "error": { "code": self.code(), "message": self.client_message() }
+        });
+        Bytes::from(body.to_string())
     }
 }
 
@@ -189,6 +216,28 @@ mod tests {
         assert_eq!(tls.code(), "upstream_tls_failed");
         assert_eq!(tls.blame(), Blame::Upstream);
         assert!(tls.to_string().contains("UnknownIssuer"));
+    }
+
+    #[test]
+    fn a_closing_answer_is_a_whole_http1_response() {
+        let wire = ProxyError::ClientHeaderTimeout { timeout_ms: 400 }.to_http1_close();
+        let wire = String::from_utf8(wire).unwrap();
+        let (head, body) = wire.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("\r\nconnection: close"), "{head}");
+        assert!(
+            head.contains(&format!("\r\ncontent-length: {}", body.len())),
+            "{head}"
+        );
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["error"]["code"], "client_header_timeout");
+        assert!(body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("400 ms"));
     }
 
     #[test]

@@ -30,11 +30,12 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::Watcher;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant, Sleep};
 
+use super::error::ProxyError;
 use super::forward::{self, Downstream, ProxyBody, UpgradeHandoff};
 use super::{bytes_arrive, ProxyState};
 
@@ -103,7 +104,7 @@ struct IdleCheck {
     moves_at_last_check: u64,
     /// The request count once this HTTP state has served one. A connection rebuilt around a
     /// partial head thus parks again only after that request, so a client dribbling a head
-    /// gets hyper's header timeout, not a fresh one at every park.
+    /// gets the header timeout, not a fresh one at every park.
     park_after_requests: u64,
 }
 
@@ -281,6 +282,8 @@ enum Ended {
     Parked,
     /// The client closed, keep-alive ended, or the connection was upgraded.
     Finished,
+    /// No request head was completed within the header timeout.
+    HeaderTimeout,
 }
 
 /// Serves one plain HTTP/1.1 client connection to its end, parking it whenever it rests.
@@ -350,6 +353,10 @@ pub(super) async fn serve(
                 }
                 return;
             }
+            Ended::HeaderTimeout => {
+                end_head_wait(io, client, settings.header_timeout).await;
+                return;
+            }
             Ended::Parked if !io.replay.is_empty() => continue,
             Ended::Parked => {
                 let _parked = ParkedGauge::enter(&counters.parked_client_connections);
@@ -385,6 +392,9 @@ pub(super) struct ParkSettings {
     pub idle_check: Duration,
     /// How long a parked connection may wait for the client's next request.
     pub parked_wait: Duration,
+    /// How long a client may take over a request head, or rest between requests without
+    /// parking (before its first request on this HTTP state): enforced by the idle check.
+    pub header_timeout: Duration,
 }
 
 impl ParkSettings {
@@ -397,13 +407,97 @@ impl ParkSettings {
         ParkSettings {
             idle_check,
             parked_wait: client_header_timeout.saturating_sub(idle_check),
+            header_timeout: client_header_timeout,
         }
     }
 }
 
-/// Runs hyper until the connection ends or parks. Shutdown turns keep-alive off (a request in
-/// flight finishes, then the connection closes); a park attempt that finds a request begun
-/// after all does the same.
+/// The idle check's timer, looked at cheaply: the connection's task wakes for every byte that
+/// moves, and polling a tokio timer each time walks its state, where seeing whether the
+/// registered deadline has passed is one load.
+struct IdleTicks {
+    sleep: Pin<Box<Sleep>>,
+    period: Duration,
+    /// The sleep was polled since its last reset, so the timer wakes this task at its deadline.
+    registered: bool,
+}
+
+impl IdleTicks {
+    fn new(period: Duration) -> IdleTicks {
+        IdleTicks {
+            sleep: Box::pin(tokio::time::sleep(period)),
+            period,
+            registered: false,
+        }
+    }
+
+    /// Ready with the time, once per period; a tick missed while the task was busy is not
+    /// made up for.
+    fn poll_tick(&mut self, cx: &mut Context<'_>) -> Poll<Instant> {
+        if self.registered && !self.sleep.is_elapsed() {
+            return Poll::Pending;
+        }
+        match self.sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                let now = Instant::now();
+                self.sleep.as_mut().reset(now + self.period);
+                self.registered = false;
+                Poll::Ready(now)
+            }
+            Poll::Pending => {
+                self.registered = true;
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// How long the connection has waited for a request head, seen at the idle checks. hyper's
+/// own header timeout would cost a timer set and cleared on every request; this costs nothing
+/// between checks. The wait starts at the first check that finds no request in flight, so it is
+/// never overestimated: a client gets the whole timeout, and at most one check period more.
+struct HeadWait {
+    since: Option<Instant>,
+    requests_seen: u64,
+}
+
+impl HeadWait {
+    /// For an HTTP state that starts now, with its first bytes in hand or on their way.
+    fn new(activity: &ConnectionActivity, now: Instant) -> HeadWait {
+        HeadWait {
+            since: (!activity.busy()).then_some(now),
+            requests_seen: activity.requests(),
+        }
+    }
+
+    /// At an idle check: whether no request head has been completed for `timeout` while no
+    /// request was in flight.
+    fn timed_out(
+        &mut self,
+        activity: &ConnectionActivity,
+        now: Instant,
+        timeout: Duration,
+    ) -> bool {
+        let requests = activity.requests();
+        let request_started = requests != self.requests_seen;
+        self.requests_seen = requests;
+        if activity.busy() {
+            self.since = None;
+            return false;
+        }
+        match self.since {
+            Some(since) if !request_started => now.duration_since(since) >= timeout,
+            _ => {
+                self.since = Some(now);
+                false
+            }
+        }
+    }
+}
+
+/// Runs hyper until the connection ends, parks or runs out of time for a request head.
+/// Shutdown turns keep-alive off (a request in flight finishes, then the connection closes); a
+/// park attempt that finds a request begun after all does the same.
 async fn drive(
     mut connection: Pin<Box<Connection>>,
     mut check: IdleCheck,
@@ -411,9 +505,8 @@ async fn drive(
     settings: &ParkSettings,
     shutdown: &mut watch::Receiver<bool>,
 ) -> hyper::Result<(http1::Parts<TokioIo<ClientIo>, Http1Service>, Ended)> {
-    let start = tokio::time::Instant::now() + settings.idle_check;
-    let mut ticks = tokio::time::interval_at(start, settings.idle_check);
-    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut ticks = IdleTicks::new(settings.idle_check);
+    let mut head_wait = HeadWait::new(activity, Instant::now());
     let mut stop = std::pin::pin!(shutdown.wait_for(|stop| *stop));
     let mut closing = false;
     let ended = poll_fn(|cx| {
@@ -424,8 +517,13 @@ async fn drive(
         if let Poll::Ready(result) = connection.poll_without_shutdown(cx) {
             return Poll::Ready(result.map(|()| Ended::Finished));
         }
-        while !closing && ticks.poll_tick(cx).is_ready() {
-            if !check.may_park(activity) {
+        while let Poll::Ready(now) = ticks.poll_tick(cx) {
+            if head_wait.timed_out(activity, now, settings.header_timeout) {
+                // No request is in flight and hyper is reading a head: nothing of an answer
+                // is left to write, so the socket can be taken back as it is.
+                return Poll::Ready(Ok(Ended::HeaderTimeout));
+            }
+            if closing || !check.may_park(activity) {
                 continue;
             }
             // Between requests hyper stops at once and hands everything back; if a request
@@ -441,6 +539,23 @@ async fn drive(
     .await?;
     let parts = Pin::into_inner(connection).into_parts();
     Ok((parts, ended))
+}
+
+/// Answers a client that took longer than the header timeout over a request head, as hyper
+/// did: 408 when part of a head had arrived, a silent close when nothing had.
+async fn end_head_wait(mut io: ClientIo, client: SocketAddr, timeout: Duration) {
+    if io.replay.is_empty() {
+        return;
+    }
+    tracing::debug!(%client, "client took longer than the header timeout over a request head");
+    let error = ProxyError::ClientHeaderTimeout {
+        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+    };
+    // A few hundred bytes into a socket with nothing else in flight: the write completes at
+    // once unless the client is gone, and then there is nobody to tell.
+    if io.stream.write_all(&error.to_http1_close()).await.is_ok() {
+        let _ = io.stream.shutdown().await;
+    }
 }
 
 #[cfg(test)]
@@ -495,10 +610,64 @@ mod tests {
     }
 
     #[test]
+    fn the_head_wait_counts_only_time_without_a_request_in_flight() {
+        let activity = Arc::new(ConnectionActivity::default());
+        let start = Instant::now();
+        let at = |millis| start + Duration::from_millis(millis);
+        let timeout = Duration::from_millis(1000);
+        let mut wait = HeadWait::new(&activity, start);
+        assert!(!wait.timed_out(&activity, at(500), timeout));
+        assert!(
+            wait.timed_out(&activity, at(1000), timeout),
+            "a whole timeout"
+        );
+
+        let mut wait = HeadWait::new(&activity, start);
+        let guard = RequestGuard::start(&activity);
+        assert!(
+            !wait.timed_out(&activity, at(1500), timeout),
+            "a request in flight is not waiting for a head"
+        );
+        drop(guard);
+        assert!(
+            !wait.timed_out(&activity, at(2000), timeout),
+            "the wait starts again at the first check without a request in flight"
+        );
+        assert!(!wait.timed_out(&activity, at(2500), timeout));
+        assert!(wait.timed_out(&activity, at(3000), timeout));
+
+        let mut wait = HeadWait::new(&activity, start);
+        assert!(!wait.timed_out(&activity, at(500), timeout));
+        drop(RequestGuard::start(&activity));
+        assert!(
+            !wait.timed_out(&activity, at(1000), timeout),
+            "a request came and went between checks: a new wait begins"
+        );
+        assert!(!wait.timed_out(&activity, at(1500), timeout));
+        assert!(wait.timed_out(&activity, at(2000), timeout));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_ticks_come_once_a_period() {
+        let period = Duration::from_millis(500);
+        let mut ticks = IdleTicks::new(period);
+        let start = Instant::now();
+        let first = poll_fn(|cx| ticks.poll_tick(cx)).await;
+        assert_eq!(first - start, period);
+        assert!(
+            poll_fn(|cx| Poll::Ready(ticks.poll_tick(cx).is_pending())).await,
+            "no second tick at the same time"
+        );
+        let second = poll_fn(|cx| ticks.poll_tick(cx)).await;
+        assert_eq!(second - first, period);
+    }
+
+    #[test]
     fn park_settings_follow_the_header_timeout() {
         let default = ParkSettings::for_header_timeout(Duration::from_secs(30));
         assert_eq!(default.idle_check, Duration::from_millis(500));
         assert_eq!(default.parked_wait, Duration::from_millis(29_500));
+        assert_eq!(default.header_timeout, Duration::from_secs(30));
         let short = ParkSettings::for_header_timeout(Duration::from_millis(600));
         assert_eq!(short.idle_check, Duration::from_millis(300));
         assert_eq!(short.parked_wait, Duration::from_millis(300));

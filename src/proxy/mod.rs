@@ -124,10 +124,12 @@ fn serve(
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs(30)));
+    // No header timeout in hyper for plain HTTP/1.1: the parking driver enforces it at its idle
+    // checks, without a timer set and cleared on every request.
     let mut http1 = hyper_http1::Builder::new();
     http1
         .timer(TokioTimer::new())
-        .header_read_timeout(settings.client_header_timeout)
+        .header_read_timeout(None)
         .keep_alive(true);
     let connection_settings = Arc::new(ConnectionSettings {
         http1,
