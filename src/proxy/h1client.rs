@@ -84,6 +84,7 @@ pub struct Connection {
     /// Bytes read from the target and not yet consumed.
     buffer: BytesMut,
     read_size: usize,
+    head_scratch: HeadScratch,
 }
 
 impl Connection {
@@ -94,6 +95,7 @@ impl Connection {
             write: Some(write),
             buffer: BytesMut::new(),
             read_size: FIRST_READ_BYTES,
+            head_scratch: HeadScratch::default(),
         })
     }
 
@@ -153,7 +155,7 @@ impl Connection {
     fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<ResponseHead, ExchangeError>> {
         loop {
             if !self.buffer.is_empty() {
-                if let Some(head) = parse_head(&mut self.buffer)? {
+                if let Some(head) = parse_head(&mut self.buffer, &mut self.head_scratch)? {
                     let informational = head.status.is_informational()
                         && head.status != StatusCode::SWITCHING_PROTOCOLS;
                     if !informational {
@@ -271,16 +273,63 @@ struct ResponseHead {
     status: StatusCode,
     version: Version,
     headers: HeaderMap,
-    /// A `Connection: close` that was read and left out of `headers`.
+    /// A `Connection` field says `close` (whether or not the field went into `headers`).
     close: bool,
+    /// Framing fields seen while parsing, so that the usual answer, which has only a
+    /// `Content-Length`, costs no lookups for the others.
+    transfer_encoding: bool,
+    content_length: bool,
 }
 
 fn invalid(reason: impl std::fmt::Display) -> ExchangeError {
     ExchangeError::InvalidResponse(reason.to_string())
 }
 
-/// Parses one response head off the front of `buffer`; `None` until it is complete.
-fn parse_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ExchangeError> {
+/// A field name as an origin spelled it, and what it parsed to.
+struct RememberedName {
+    raw: Box<[u8]>,
+    name: HeaderName,
+}
+
+/// What parsing a head keeps between the responses on one connection.
+#[derive(Default)]
+struct HeadScratch {
+    /// The last response's field names. An origin answers with the same names, spelled the
+    /// same way, in the same order: comparing the bytes with the name at the same place last
+    /// time is cheaper than parsing a name again (a match over every standard name, or an
+    /// allocation for a custom one).
+    names: Vec<RememberedName>,
+    /// Where each value of the head being parsed lies in it.
+    values: Vec<(usize, usize)>,
+}
+
+impl HeadScratch {
+    /// The name of the kept field at `index`, spelled `raw`.
+    fn name_at(&mut self, index: usize, raw: &str) -> Result<HeaderName, ExchangeError> {
+        if let Some(last) = self.names.get(index) {
+            if *last.raw == *raw.as_bytes() {
+                return Ok(last.name.clone());
+            }
+        }
+        let name = HeaderName::from_bytes(raw.as_bytes()).map_err(invalid)?;
+        let remembered = RememberedName {
+            raw: raw.as_bytes().into(),
+            name: name.clone(),
+        };
+        match self.names.get_mut(index) {
+            Some(slot) => *slot = remembered,
+            None => self.names.push(remembered),
+        }
+        Ok(name)
+    }
+}
+
+/// Parses one response head off the front of `buffer`; `None` until it is complete. The values
+/// in the map are views of the head's bytes, not copies.
+fn parse_head(
+    buffer: &mut BytesMut,
+    scratch: &mut HeadScratch,
+) -> Result<Option<ResponseHead>, ExchangeError> {
     let mut slots: [MaybeUninit<httparse::Header<'_>>; MAX_HEADERS] =
         [const { MaybeUninit::uninit() }; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut []);
@@ -302,10 +351,11 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ExchangeErr
         Some(1) => Version::HTTP_11,
         _ => Version::HTTP_10,
     };
-    // Room for the fields the proxy adds to every answer (`Via`, `X-Request-Id`), so adding
-    // them does not grow the map.
-    let mut headers = HeaderMap::with_capacity(response.headers.len() + 2);
+    let head_start = buffer.as_ptr() as usize;
     let mut close = false;
+    let (mut content_length, mut transfer_encoding) = (false, false);
+    let mut kept = 0;
+    scratch.values.clear();
     for field in response.headers.iter() {
         // The usual connection fields are read here and never enter the map, which saves
         // building them and removing them again as hop-by-hop. A `Connection` naming anything
@@ -314,37 +364,66 @@ fn parse_head(buffer: &mut BytesMut) -> Result<Option<ResponseHead>, ExchangeErr
             continue;
         }
         if field.name.eq_ignore_ascii_case("connection") {
-            if let Some(says_close) = only_persistence_tokens(field.value) {
-                close |= says_close;
+            let tokens = ConnectionTokens::of(field.value);
+            close |= tokens.close;
+            if tokens.only_persistence {
                 continue;
             }
         }
-        let name = HeaderName::from_bytes(field.name.as_bytes()).map_err(invalid)?;
-        let value = HeaderValue::from_bytes(field.value).map_err(invalid)?;
-        headers.append(name, value);
+        // Parsed (or recalled) now, while the head's bytes are borrowed; used below.
+        let name = scratch.name_at(kept, field.name)?;
+        if name == header::CONTENT_LENGTH {
+            content_length = true;
+        } else if name == header::TRANSFER_ENCODING {
+            transfer_encoding = true;
+        }
+        let value_start = field.value.as_ptr() as usize - head_start;
+        scratch
+            .values
+            .push((value_start, value_start + field.value.len()));
+        kept += 1;
     }
-    buffer.advance(length);
+    let head = buffer.split_to(length).freeze();
+    // Room for the fields the proxy adds to every answer (`Via`, `X-Request-Id`), so adding
+    // them does not grow the map.
+    let mut headers = HeaderMap::with_capacity(kept + 2);
+    for (remembered, &(start, end)) in scratch.names.iter().zip(&scratch.values) {
+        let value = HeaderValue::from_maybe_shared(head.slice(start..end)).map_err(invalid)?;
+        headers.append(remembered.name.clone(), value);
+    }
     Ok(Some(ResponseHead {
         status,
         version,
         headers,
         close,
+        transfer_encoding,
+        content_length,
     }))
 }
 
-/// For a `Connection` value made only of `keep-alive` and `close` tokens: whether it says
-/// `close`. `None` when it names anything else.
-fn only_persistence_tokens(value: &[u8]) -> Option<bool> {
-    let mut close = false;
-    for token in value.split(|&byte| byte == b',') {
-        let token = token.trim_ascii();
-        if token.eq_ignore_ascii_case(b"close") {
-            close = true;
-        } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
-            return None;
+/// What a `Connection` field value says about keeping the connection.
+struct ConnectionTokens {
+    close: bool,
+    /// Nothing but `close` and `keep-alive`: the field need not be forwarded or looked at again.
+    only_persistence: bool,
+}
+
+impl ConnectionTokens {
+    fn of(value: &[u8]) -> ConnectionTokens {
+        let mut tokens = ConnectionTokens {
+            close: false,
+            only_persistence: true,
+        };
+        for token in value.split(|&byte| byte == b',') {
+            let token = token.trim_ascii();
+            if token.eq_ignore_ascii_case(b"close") {
+                tokens.close = true;
+            } else if !token.is_empty() && !token.eq_ignore_ascii_case(b"keep-alive") {
+                tokens.only_persistence = false;
+            }
         }
+        tokens
     }
-    Some(close)
 }
 
 /// How the response body is delimited.
@@ -373,7 +452,7 @@ fn response_framing(
     head: &ResponseHead,
 ) -> Result<(Framing, bool), ExchangeError> {
     let headers = &head.headers;
-    let keep_alive = head.version == Version::HTTP_11 && !head.close && !says_close(headers);
+    let keep_alive = head.version == Version::HTTP_11 && !head.close;
     if method_is_head
         || head.status.is_informational()
         || head.status == StatusCode::NO_CONTENT
@@ -381,7 +460,7 @@ fn response_framing(
     {
         return Ok((Framing::Length(0), keep_alive));
     }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+    if head.transfer_encoding {
         let chunked_last = headers
             .get_all(header::TRANSFER_ENCODING)
             .iter()
@@ -391,12 +470,15 @@ fn response_framing(
             .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
         // With both fields present the message is suspect: read it by Transfer-Encoding, then
         // close (§6.3 rule 3).
-        let keep_alive = keep_alive && !headers.contains_key(header::CONTENT_LENGTH);
+        let keep_alive = keep_alive && !head.content_length;
         return Ok(if chunked_last {
             (Framing::Chunked(ChunkState::Size), keep_alive)
         } else {
             (Framing::UntilClose, false)
         });
+    }
+    if !head.content_length {
+        return Ok((Framing::UntilClose, false));
     }
     let mut length = None;
     for value in headers.get_all(header::CONTENT_LENGTH) {
@@ -420,15 +502,6 @@ fn response_framing(
         Some(length) => (Framing::Length(length), keep_alive),
         None => (Framing::UntilClose, false),
     })
-}
-
-fn says_close(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .any(|token| token.trim().eq_ignore_ascii_case("close"))
 }
 
 /// Sends the request body and reads the response head on `connection`, whose request head has
@@ -486,7 +559,7 @@ pub async fn finish_exchange(
         // The rest goes up on its own task until it is sent or the response is over (read to
         // its end or dropped): nothing would read the target's reaction to it after that.
         // With `Connection: close` the target has said it will not read it (RFC 9112 §9.6).
-        if !says_close(&head.headers) && !head.close {
+        if !head.close {
             if let Some(write) = connection.write.take() {
                 let (stop, stopped) = tokio::sync::oneshot::channel();
                 upload_stop = Some(stop);
@@ -931,19 +1004,16 @@ mod tests {
     use super::*;
 
     fn head(status: u16, version: Version, fields: &[(&str, &str)]) -> ResponseHead {
-        let mut headers = HeaderMap::new();
+        let minor = if version == Version::HTTP_10 { 0 } else { 1 };
+        let mut wire = format!("HTTP/1.{minor} {status} Whatever\r\n");
         for (name, value) in fields {
-            headers.append(
-                HeaderName::from_bytes(name.as_bytes()).unwrap(),
-                HeaderValue::from_str(value).unwrap(),
-            );
+            wire.push_str(&format!("{name}: {value}\r\n"));
         }
-        ResponseHead {
-            status: StatusCode::from_u16(status).unwrap(),
-            version,
-            headers,
-            close: false,
-        }
+        wire.push_str("\r\n");
+        let mut buffer = BytesMut::from(wire.as_bytes());
+        parse_head(&mut buffer, &mut HeadScratch::default())
+            .unwrap()
+            .expect("a whole head")
     }
 
     fn framing_of(method: Method, head: &ResponseHead) -> (Framing, bool) {
@@ -1018,14 +1088,18 @@ mod tests {
         let mut buffer = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, close\r\nKeep-Alive: timeout=5\r\nContent-Length: 0\r\n\r\n"[..],
         );
-        let parsed = parse_head(&mut buffer).unwrap().unwrap();
+        let parsed = parse_head(&mut buffer, &mut HeadScratch::default())
+            .unwrap()
+            .unwrap();
         assert!(parsed.close);
         assert_eq!(parsed.headers.len(), 1, "{:?}", parsed.headers);
         assert!(!framing_of(Method::GET, &parsed).1, "close is honoured");
         let mut upgrade = BytesMut::from(
             &b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n"[..],
         );
-        let parsed = parse_head(&mut upgrade).unwrap().unwrap();
+        let parsed = parse_head(&mut upgrade, &mut HeadScratch::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(
             parsed.headers["connection"], "upgrade",
             "other tokens stay for the hop-by-hop rules"
@@ -1034,16 +1108,54 @@ mod tests {
     }
 
     #[test]
+    fn names_remembered_from_the_last_head_never_replace_different_ones() {
+        let mut scratch = HeadScratch::default();
+        let mut first = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nServer: a\r\nX-One: 1\r\nContent-Length: 0\r\n\r\n"[..],
+        );
+        let parsed = parse_head(&mut first, &mut scratch).unwrap().unwrap();
+        let names: Vec<_> = parsed.headers.keys().map(|name| name.as_str()).collect();
+        assert_eq!(names, ["server", "x-one", "content-length"]);
+        let mut second = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nSERVER: b\r\nX-Two: 2\r\nX-One: 3\r\nContent-Length: 0\r\nX-Last: \xe9\r\n\r\n"[..],
+        );
+        let parsed = parse_head(&mut second, &mut scratch).unwrap().unwrap();
+        let fields: Vec<_> = parsed
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_bytes()))
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                ("server", &b"b"[..]),
+                ("x-two", b"2"),
+                ("x-one", b"3"),
+                ("content-length", b"0"),
+                ("x-last", b"\xe9"),
+            ]
+        );
+        let mut third = BytesMut::from(&b"HTTP/1.1 204 No Content\r\nX-Two: 4\r\n\r\n"[..]);
+        let parsed = parse_head(&mut third, &mut scratch).unwrap().unwrap();
+        assert_eq!(parsed.headers.len(), 1);
+        assert_eq!(parsed.headers["x-two"], "4");
+    }
+
+    #[test]
     fn a_head_is_parsed_only_once_complete() {
         let mut buffer = BytesMut::from(&b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: b"[..]);
-        assert!(parse_head(&mut buffer).unwrap().is_none());
+        assert!(parse_head(&mut buffer, &mut HeadScratch::default())
+            .unwrap()
+            .is_none());
         buffer.extend_from_slice(b"\r\n\r\nok");
-        let parsed = parse_head(&mut buffer).unwrap().unwrap();
+        let parsed = parse_head(&mut buffer, &mut HeadScratch::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(parsed.status, StatusCode::OK);
         assert_eq!(parsed.headers["x-a"], "b");
         assert_eq!(&buffer[..], b"ok", "the body stays in the buffer");
         let mut garbage = BytesMut::from(&b"HTTP/1.1 2x0 OK\r\n\r\n"[..]);
-        assert!(parse_head(&mut garbage).is_err());
+        assert!(parse_head(&mut garbage, &mut HeadScratch::default()).is_err());
     }
 
     /// Feeds `wire` to the chunked decoder `split` bytes at a time.
