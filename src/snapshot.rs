@@ -3,7 +3,7 @@
 //! The control task builds a whole new [`Snapshot`] for every change and publishes it with one
 //! atomic pointer swap; a request does one lock-free load and never sees a half-applied change.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use arc_swap::{ArcSwap, Guard};
@@ -217,6 +217,8 @@ pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
 #[derive(Default)]
 struct PrefixIndex {
     /// Each list ordered by route priority (highest first), then id.
+    // foldhash, not SipHash: every request hashes its host and each prefix of its path. The
+    // keys are the operator's; a client only chooses what is looked up.
     by_prefix: HashMap<String, Vec<Arc<RouteEntry>>>,
 }
 

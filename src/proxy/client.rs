@@ -7,7 +7,9 @@
 //! pool is keyed by everything its connections were made with, so a changed setting (address,
 //! TLS, timeout) gets a new pool and old connections are not reused.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use foldhash::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -140,6 +142,7 @@ impl TlsTargetPools {
 /// Pools are created on first use and kept; the request path reads them lock-free.
 #[derive(Default)]
 pub struct UpstreamClients {
+    // foldhash, not SipHash: looked up on every request, keyed by our own ids.
     plain: ArcSwap<HashMap<(Id, Id), Arc<TargetPool>>>,
     tls: ArcSwap<HashMap<(Id, Id), Arc<TlsTargetPools>>>,
 }

@@ -5,7 +5,7 @@
 //! admin API refuses other combinations; the table still builds deterministically from whatever
 //! it is given (lowest route id wins a clash) so the data path never depends on that check.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
