@@ -176,7 +176,8 @@ struct Outgoing {
     method: Method,
     path_and_query: PathAndQuery,
     headers: HeaderMap,
-    /// No Host was chosen for the whole request: each attempt sends its target's authority.
+    /// No Host was chosen for the whole request: each attempt sends its target's authority in
+    /// place of the Host in `headers` (the client's, if it sent one).
     host_from_target: bool,
     /// The request switches protocols, so it must reach the upstream over HTTP/1.1.
     upgrade: bool,
@@ -345,10 +346,11 @@ fn prepare(
         _ => (service.upstream_host.clone(), false),
     };
     let host_from_target = chosen_host.is_none();
-    match chosen_host {
-        Some(host) => headers.insert(header::HOST, host),
-        None => headers.remove(header::HOST),
-    };
+    // Without a chosen Host the client's stays in the map: each attempt replaces it with its
+    // target's authority, so removing it here would only cost a hashed removal per request.
+    if let Some(host) = chosen_host {
+        headers.insert(header::HOST, host);
+    }
     Outgoing {
         method: parts.method,
         path_and_query: upstream_path_and_query(route, &parts.uri),

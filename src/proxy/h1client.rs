@@ -206,15 +206,17 @@ pub fn encode_head(
     body: &UpstreamRequestBody,
 ) -> (Vec<u8>, RequestFraming) {
     let headers = head.headers;
-    let declared_length = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse::<u64>().ok());
+    let declared_length = || {
+        headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok())
+    };
     let mut add_length = None;
     let mut add_chunked = false;
     let framing = if body.is_end_stream() {
         RequestFraming::None
-    } else if let Some(length) = declared_length {
+    } else if let Some(length) = declared_length() {
         RequestFraming::Length(length)
     } else if let Some(length) = body.size_hint().exact() {
         add_length = Some(length);
