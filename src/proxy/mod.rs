@@ -207,13 +207,16 @@ async fn wait_for_first_bytes(
     };
     // Plain connections that do not open with HTTP/2's preface ("PRI * HTTP/2.0…", a method
     // HTTP/1.1 reserves for it) are HTTP/1.1, served by the parking driver.
+    // The connection's state goes in a box this task awaits, which keeps the task as small as
+    // it was while waiting; a task of its own would cost a spawn per connection.
     if settings.tls.is_none() && !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
         let (http1, park) = (settings.http1.clone(), settings.park);
-        tokio::spawn(http1::serve(
+        Box::pin(http1::serve(
             stream, client, state, http1, park, watcher, shutdown,
-        ));
+        ))
+        .await;
     } else {
-        tokio::spawn(serve_connection(stream, client, state, settings, watcher));
+        Box::pin(serve_connection(stream, client, state, settings, watcher)).await;
     }
 }
 
