@@ -2,6 +2,8 @@
 
 use std::net::IpAddr;
 
+use bytes::Bytes;
+
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::Version;
 
@@ -136,7 +138,22 @@ fn append_to_list(headers: &mut HeaderMap, name: &HeaderName, value: &HeaderValu
 
 /// The client's address as an `X-Forwarded-For` entry; made once per client connection.
 pub fn forwarded_for(client_ip: IpAddr) -> HeaderValue {
-    HeaderValue::from_str(&client_ip.to_string()).expect("an IP address is a valid header value")
+    let IpAddr::V4(v4) = client_ip else {
+        return HeaderValue::from_str(&client_ip.to_string())
+            .expect("an IP address is a valid header value");
+    };
+    // Dotted quads by hand: `Ipv4Addr`'s `Display` goes through the formatting machinery, a
+    // tenth of the CPU a connection-per-request client costs.
+    let mut text = Vec::with_capacity(15);
+    let mut digits = itoa::Buffer::new();
+    for (index, octet) in v4.octets().into_iter().enumerate() {
+        if index > 0 {
+            text.push(b'.');
+        }
+        text.extend_from_slice(digits.format(octet).as_bytes());
+    }
+    HeaderValue::from_maybe_shared(Bytes::from(text))
+        .expect("a dotted quad is a valid header value")
 }
 
 /// Adds what the upstream needs to know about the original request; `over_tls`: it came to the
@@ -273,6 +290,24 @@ mod tests {
         add_via(&mut headers, Version::HTTP_11);
         assert_eq!(headers[header::VIA], "2 raahi, 1.1 raahi");
         assert_eq!(headers.get_all(header::VIA).iter().count(), 1);
+    }
+
+    #[test]
+    fn forwarded_for_writes_addresses_as_display_does() {
+        for address in [
+            "0.0.0.0",
+            "1.2.3.4",
+            "10.0.100.9",
+            "127.0.0.1",
+            "192.168.255.1",
+            "255.255.255.255",
+            "::1",
+            "2001:db8::8a2e:370:7334",
+            "::ffff:10.1.2.3",
+        ] {
+            let ip: IpAddr = address.parse().unwrap();
+            assert_eq!(forwarded_for(ip), ip.to_string().as_str(), "{address}");
+        }
     }
 
     #[test]
