@@ -320,17 +320,26 @@ pub(super) async fn serve(
             &settings,
             &mut shutdown,
         ));
-        let (parts, ended) = match driven.await {
+        let (connection, ended) = match driven.await {
             Ok(done) => done,
             Err(error) => {
                 tracing::debug!(%client, %error, "client connection ended with an error");
                 return;
             }
         };
+        let upgraded = match ended {
+            Ended::Finished => handoff.take(),
+            Ended::Parked | Ended::HeaderTimeout => None,
+        };
+        if matches!(ended, Ended::Finished) && upgraded.is_none() {
+            // Nothing needs the socket back: dropping hyper's state closes it, and costs less
+            // than taking the state apart first.
+            return;
+        }
         // The handed-back bytes are a view of hyper's whole read buffer: they are copied and
         // the rest of `parts` dropped here, so a parked connection holds none of it.
         io = {
-            let parts = parts;
+            let parts = Pin::into_inner(connection).into_parts();
             let mut io = parts.io.into_inner();
             io.replay = Bytes::copy_from_slice(&parts.read_buf);
             io
@@ -345,7 +354,7 @@ pub(super) async fn serve(
         }
         match ended {
             Ended::Finished => {
-                if let Some((upstream, in_flight)) = handoff.take() {
+                if let Some((upstream, in_flight)) = upgraded {
                     // An upgraded connection is no longer an HTTP exchange: the drain on
                     // shutdown does not wait for it (as with every other tunnel).
                     drop(watcher);
@@ -504,7 +513,7 @@ async fn drive(
     activity: &ConnectionActivity,
     settings: &ParkSettings,
     shutdown: &mut watch::Receiver<bool>,
-) -> hyper::Result<(http1::Parts<TokioIo<ClientIo>, Http1Service>, Ended)> {
+) -> hyper::Result<(Pin<Box<Connection>>, Ended)> {
     let mut ticks = IdleTicks::new(settings.idle_check);
     let mut head_wait = HeadWait::new(activity, Instant::now());
     let mut stop = std::pin::pin!(shutdown.wait_for(|stop| *stop));
@@ -537,8 +546,7 @@ async fn drive(
         Poll::Pending
     })
     .await?;
-    let parts = Pin::into_inner(connection).into_parts();
-    Ok((parts, ended))
+    Ok((connection, ended))
 }
 
 /// Answers a client that took longer than the header timeout over a request head, as hyper
