@@ -194,21 +194,24 @@ async fn wait_for_first_bytes(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut first = [0u8; HTTP2_PREFACE_START.len()];
-    let Some(peeked) = peek_client(
+    // Boxed, as the connection's HTTP state below is: this task lives as long as the connection,
+    // and its own size is the largest of what it holds at any await. The wait's timer and
+    // shutdown watch go once the first bytes came.
+    let Some(peeked) = Box::pin(peek_client(
         &stream,
         client,
         &mut first,
         settings.handshake_timeout,
         &mut shutdown,
-    )
+    ))
     .await
     else {
         return;
     };
     // Plain connections that do not open with HTTP/2's preface ("PRI * HTTP/2.0…", a method
     // HTTP/1.1 reserves for it) are HTTP/1.1, served by the parking driver.
-    // The connection's state goes in a box this task awaits, which keeps the task as small as
-    // it was while waiting; a task of its own would cost a spawn per connection.
+    // The connection's state goes in a box this task awaits: a task of its own would cost a
+    // spawn per connection.
     if settings.tls.is_none() && !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
         let (http1, park) = (settings.http1.clone(), settings.park);
         Box::pin(http1::serve(
