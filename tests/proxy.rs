@@ -1520,15 +1520,18 @@ async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
         )
         .await;
 
-    let fresh = TcpStream::connect(gateway.proxy).await.unwrap();
-    let mut used = TcpStream::connect(gateway.proxy).await.unwrap();
-    used.write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let (head, _) = read_head(&mut used).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-
-    for (name, mut stream) in [("fresh", fresh), ("used", used)] {
+    for name in ["used", "fresh"] {
+        // Connected right before it speaks: a connection silent for the header timeout is
+        // closed before any head (another test covers that).
+        let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+        if name == "used" {
+            stream
+                .write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let (head, _) = read_head(&mut stream).await;
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        }
         let started = Instant::now();
         let (mut reader, mut writer) = stream.split();
         // Each byte moves the connection, so it never rests long enough to park; only the
@@ -1571,6 +1574,45 @@ async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
         1,
         "the unfinished heads never went upstream"
     );
+}
+
+/// Empty lines between requests are allowed (RFC 9112 §2.2): a keep-alive client that sent one
+/// and then rested past the header timeout is closed without an answer it never asked for.
+#[tokio::test]
+async fn an_empty_line_after_a_response_gets_no_unasked_408() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let mut config = test_config(dir.path());
+    config.proxy.client_header_timeout_ms = 400;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let upstream = Upstream::start("crlf").await;
+    let service = gateway
+        .service_with_targets("crlf", &[target(&upstream, 100, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "crlf", "service_id": service}),
+        )
+        .await;
+
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    stream
+        .write_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = read_head(&mut stream).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let started = Instant::now();
+    stream.write_all(b"\r\n").await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest))
+        .await
+        .expect("the connection is closed after the header timeout")
+        .unwrap();
+    // Whatever followed the first response's head: its body, and nothing after it.
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(!rest.contains("HTTP/1.1"), "an unasked answer: {rest}");
+    assert!(started.elapsed() >= Duration::from_millis(400));
 }
 
 // ---------------------------------------------------------------------------------------------

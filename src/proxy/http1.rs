@@ -446,6 +446,10 @@ impl IdleTicks {
         if self.registered && !self.sleep.is_elapsed() {
             return Poll::Pending;
         }
+        // With the task's cooperative budget spent, tokio answers Pending without registering
+        // the timer (it wakes the task to try again instead): such a poll must not count as
+        // registered, or the timer would never wake this task again.
+        let may_register = tokio::task::coop::has_budget_remaining();
         match self.sleep.as_mut().poll(cx) {
             Poll::Ready(()) => {
                 let now = Instant::now();
@@ -454,7 +458,7 @@ impl IdleTicks {
                 Poll::Ready(now)
             }
             Poll::Pending => {
-                self.registered = true;
+                self.registered = may_register;
                 Poll::Pending
             }
         }
@@ -549,10 +553,16 @@ async fn drive(
     Ok((connection, ended))
 }
 
-/// Answers a client that took longer than the header timeout over a request head, as hyper
-/// did: 408 when part of a head had arrived, a silent close when nothing had.
+/// How long the answer to a timed-out head may take to go out.
+const HEAD_TIMEOUT_ANSWER_WRITE: Duration = Duration::from_secs(1);
+
+/// Ends a connection whose client took longer than the header timeout over a request head:
+/// a named 408 when part of a head had arrived, a silent close when nothing had (hyper closed
+/// silently in both cases). Empty lines between requests are allowed (RFC 9112 §2.2) and are
+/// not part of a head: a client that sent only those gets no unasked answer on an idle
+/// keep-alive connection, which its pool could take for the answer to its next request.
 async fn end_head_wait(mut io: ClientIo, client: SocketAddr, timeout: Duration) {
-    if io.replay.is_empty() {
+    if io.replay.iter().all(|&byte| byte == b'\r' || byte == b'\n') {
         return;
     }
     tracing::debug!(%client, "client took longer than the header timeout over a request head");
@@ -560,10 +570,12 @@ async fn end_head_wait(mut io: ClientIo, client: SocketAddr, timeout: Duration) 
         timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
     };
     // A few hundred bytes into a socket with nothing else in flight: the write completes at
-    // once unless the client is gone, and then there is nobody to tell.
-    if io.stream.write_all(&error.to_http1_close()).await.is_ok() {
-        let _ = io.stream.shutdown().await;
-    }
+    // once unless the client stopped reading, and it is bounded for that client.
+    let answer = async {
+        io.stream.write_all(&error.to_http1_close()).await?;
+        io.stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(HEAD_TIMEOUT_ANSWER_WRITE, answer).await;
 }
 
 #[cfg(test)]
@@ -668,6 +680,27 @@ mod tests {
         );
         let second = poll_fn(|cx| ticks.poll_tick(cx)).await;
         assert_eq!(second - first, period);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tick_first_polled_without_budget_still_comes() {
+        let period = Duration::from_millis(500);
+        let mut ticks = IdleTicks::new(period);
+        let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..1_000 {
+            sender.send(()).unwrap();
+        }
+        poll_fn(|cx| {
+            // The channel answers Pending with messages still queued once the task's
+            // cooperative budget is spent: the timer is then polled without it.
+            while receiver.poll_recv(cx).is_ready() {}
+            assert!(!tokio::task::coop::has_budget_remaining());
+            assert!(ticks.poll_tick(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        let tick = tokio::time::timeout(period * 4, poll_fn(|cx| ticks.poll_tick(cx))).await;
+        assert!(tick.is_ok(), "the timer was never registered");
     }
 
     #[test]
