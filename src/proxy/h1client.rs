@@ -293,6 +293,10 @@ struct RememberedName {
     name: HeaderName,
 }
 
+/// Longer field names are not remembered between responses (the usual ones are under 30
+/// bytes), which bounds what a pooled connection keeps to 100 short names.
+const MAX_REMEMBERED_NAME_BYTES: usize = 64;
+
 /// What parsing a head keeps between the responses on one connection.
 #[derive(Default)]
 struct HeadScratch {
@@ -314,8 +318,15 @@ impl HeadScratch {
             }
         }
         let name = HeaderName::from_bytes(raw.as_bytes()).map_err(invalid)?;
+        // The slot is written even for a long name, since the head is built from the slots; its
+        // empty spelling is never recalled, and `forget_long_names` frees the name afterwards.
+        let raw = if raw.len() <= MAX_REMEMBERED_NAME_BYTES {
+            raw.as_bytes().into()
+        } else {
+            Box::default()
+        };
         let remembered = RememberedName {
-            raw: raw.as_bytes().into(),
+            raw,
             name: name.clone(),
         };
         match self.names.get_mut(index) {
@@ -324,10 +335,21 @@ impl HeadScratch {
         }
         Ok(name)
     }
+
+    /// Once a head is built: the names too long to remember give their memory back. Their
+    /// slots keep an empty spelling, which no field matches, so a later head parses its own
+    /// name there; the placeholder name is never used.
+    fn forget_long_names(&mut self) {
+        for remembered in &mut self.names {
+            if remembered.raw.is_empty() {
+                remembered.name = header::VIA;
+            }
+        }
+    }
 }
 
 /// Parses one response head off the front of `buffer`; `None` until it is complete. The values
-/// in the map are views of the head's bytes, not copies.
+/// in the map are views of one copy of the head.
 fn parse_head(
     buffer: &mut BytesMut,
     scratch: &mut HeadScratch,
@@ -385,7 +407,11 @@ fn parse_head(
             .push((value_start, value_start + field.value.len()));
         kept += 1;
     }
-    let head = buffer.split_to(length).freeze();
+    // One copy of the head, sized to it: the values are views of it. Views of the read
+    // buffer itself would keep the whole buffer alive as long as any value lives, and an
+    // HTTP/2 client's header table keeps some for the connection's life.
+    let head = Bytes::copy_from_slice(&buffer[..length]);
+    buffer.advance(length);
     // Room for the fields the proxy adds to every answer (`Via`, `X-Request-Id`), so adding
     // them does not grow the map.
     let mut headers = HeaderMap::with_capacity(kept + 2);
@@ -393,6 +419,7 @@ fn parse_head(
         let value = HeaderValue::from_maybe_shared(head.slice(start..end)).map_err(invalid)?;
         headers.append(remembered.name.clone(), value);
     }
+    scratch.forget_long_names();
     Ok(Some(ResponseHead {
         status,
         version,
@@ -1141,6 +1168,20 @@ mod tests {
         let parsed = parse_head(&mut third, &mut scratch).unwrap().unwrap();
         assert_eq!(parsed.headers.len(), 1);
         assert_eq!(parsed.headers["x-two"], "4");
+
+        let long = "X-".to_owned() + &"l".repeat(MAX_REMEMBERED_NAME_BYTES);
+        for _ in 0..2 {
+            let wire = format!("HTTP/1.1 200 OK\r\nServer: c\r\n{long}: 5\r\n\r\n");
+            let mut head = BytesMut::from(wire.as_bytes());
+            let parsed = parse_head(&mut head, &mut scratch).unwrap().unwrap();
+            assert_eq!(parsed.headers[long.to_ascii_lowercase().as_str()], "5");
+            assert_eq!(parsed.headers.len(), 2);
+            assert!(scratch.names[1].raw.is_empty(), "a long name is not kept");
+        }
+        let mut after = BytesMut::from(&b"HTTP/1.1 200 OK\r\nServer: d\r\nX-Short: 6\r\n\r\n"[..]);
+        let parsed = parse_head(&mut after, &mut scratch).unwrap().unwrap();
+        let fields: Vec<_> = parsed.headers.keys().map(|name| name.as_str()).collect();
+        assert_eq!(fields, ["server", "x-short"]);
     }
 
     #[test]

@@ -185,6 +185,14 @@ pub fn add_via(headers: &mut HeaderMap, version: Version) {
     append_to_list(headers, &header::VIA, via_value(version));
 }
 
+thread_local! {
+    /// Request ids have a generator of their own, seeded from the operating system: ids are
+    /// shown to clients, and must tell nothing about fastrand's shared stream, which also draws
+    /// DNS transaction ids and balancer picks.
+    static REQUEST_ID_RNG: std::cell::RefCell<fastrand::Rng> =
+        std::cell::RefCell::new(fastrand::Rng::with_seed(rand::random()));
+}
+
 /// The client's `X-Request-Id` when it is a sane token, else a new one.
 pub fn request_id(headers: &HeaderMap) -> HeaderValue {
     headers
@@ -195,10 +203,13 @@ pub fn request_id(headers: &HeaderMap) -> HeaderValue {
         })
         .cloned()
         .unwrap_or_else(|| {
-            // A version 4 UUID from fastrand's thread-local generator: the id correlates log
-            // lines and needs no cryptographic randomness, which cost more than the rest of
-            // this function.
-            let id = uuid::Builder::from_random_bytes(fastrand::u128(..).to_ne_bytes()).into_uuid();
+            // A version 4 UUID from a fast generator: the id correlates log lines and needs no
+            // cryptographic randomness, which cost more than the rest of this function.
+            let random = REQUEST_ID_RNG.with(|rng| {
+                let mut rng = rng.borrow_mut();
+                rng.u128(..)
+            });
+            let id = uuid::Builder::from_random_bytes(random.to_ne_bytes()).into_uuid();
             let mut buffer = uuid::Uuid::encode_buffer();
             let text = id.hyphenated().encode_lower(&mut buffer);
             HeaderValue::from_str(text).expect("a uuid is a valid header value")
