@@ -1460,25 +1460,32 @@ async fn a_client_aborting_its_upload_is_not_an_upstream_failure() {
     assert_eq!(only_runtime_target(&view)["available"], true, "{view}");
 }
 
+/// A gateway whose `proxy.client_header_timeout_ms` is 400, routing every request to one
+/// upstream named `name`.
+async fn gateway_with_header_timeout_400ms(name: &str) -> (TestGateway, Upstream) {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let mut config = test_config(dir.path());
+    config.proxy.client_header_timeout_ms = 400;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let upstream = Upstream::start(name).await;
+    let service = gateway
+        .service_with_targets(name, &[target(&upstream, 100, 0)])
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": name, "service_id": service}),
+        )
+        .await;
+    (gateway, upstream)
+}
+
 /// A client that connects and stays silent is closed after `proxy.client_header_timeout_ms`;
 /// one that speaks late, within it, is served as usual (the connection waits cheaply for its
 /// first bytes before HTTP is set up).
 #[tokio::test]
 async fn a_silent_connection_is_closed_after_the_client_header_timeout() {
-    let dir = Arc::new(tempfile::tempdir().unwrap());
-    let mut config = test_config(dir.path());
-    config.proxy.client_header_timeout_ms = 400;
-    let gateway = TestGateway::start_with(dir, config).await;
-    let upstream = Upstream::start("late").await;
-    let service = gateway
-        .service_with_targets("late", &[target(&upstream, 100, 0)])
-        .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "late", "service_id": service}),
-        )
-        .await;
+    let (gateway, _upstream) = gateway_with_header_timeout_400ms("late").await;
 
     let mut late = TcpStream::connect(gateway.proxy).await.unwrap();
     let mut silent = TcpStream::connect(gateway.proxy).await.unwrap();
@@ -1505,20 +1512,7 @@ async fn a_silent_connection_is_closed_after_the_client_header_timeout() {
 /// connection: on a fresh connection, and on one that has served a request (and parked) first.
 #[tokio::test]
 async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
-    let dir = Arc::new(tempfile::tempdir().unwrap());
-    let mut config = test_config(dir.path());
-    config.proxy.client_header_timeout_ms = 400;
-    let gateway = TestGateway::start_with(dir, config).await;
-    let upstream = Upstream::start("dribble").await;
-    let service = gateway
-        .service_with_targets("dribble", &[target(&upstream, 100, 0)])
-        .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "dribble", "service_id": service}),
-        )
-        .await;
+    let (gateway, upstream) = gateway_with_header_timeout_400ms("dribble").await;
 
     for name in ["used", "fresh"] {
         // Connected right before it speaks: a connection silent for the header timeout is
@@ -1580,20 +1574,7 @@ async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
 /// and then rested past the header timeout is closed without an answer it never asked for.
 #[tokio::test]
 async fn an_empty_line_after_a_response_gets_no_unasked_408() {
-    let dir = Arc::new(tempfile::tempdir().unwrap());
-    let mut config = test_config(dir.path());
-    config.proxy.client_header_timeout_ms = 400;
-    let gateway = TestGateway::start_with(dir, config).await;
-    let upstream = Upstream::start("crlf").await;
-    let service = gateway
-        .service_with_targets("crlf", &[target(&upstream, 100, 0)])
-        .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "crlf", "service_id": service}),
-        )
-        .await;
+    let (gateway, _upstream) = gateway_with_header_timeout_400ms("crlf").await;
 
     let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
     stream
