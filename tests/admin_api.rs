@@ -477,12 +477,7 @@ async fn a_body_that_is_not_an_object_is_refused() {
     let service = gateway
         .create("/api/v1/services", json!({"name": "web"}))
         .await;
-    let route = gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    let route = gateway.route_all_to(service).await;
     let before = (
         items(&gateway, "/api/v1/services").await,
         items(&gateway, "/api/v1/routes").await,
@@ -533,12 +528,7 @@ async fn unknown_fields_are_refused_naming_the_field_itself() {
             json!({"host": "127.0.0.1", "port": 8080}),
         )
         .await;
-    let route = gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    let route = gateway.route_all_to(service).await;
     let before = (
         items(&gateway, "/api/v1/services").await,
         items(&gateway, &format!("/api/v1/services/{service}/targets")).await,
@@ -816,12 +806,7 @@ async fn a_viewer_reads_but_cannot_write_and_a_deleted_token_is_revoked() {
             json!({"host": "127.0.0.1", "port": 8080}),
         )
         .await;
-    let route = gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    let route = gateway.route_all_to(service).await;
 
     let (status, created) = gateway
         .api(
@@ -1607,12 +1592,7 @@ async fn configuration_survives_a_restart_and_still_routes() {
             json!({"host": "127.0.0.1", "port": 9, "priority": 5, "enabled": false, "metadata": {"zone": "b"}}),
         )
         .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    gateway.route_all_to(service).await;
     gateway
         .create(
             "/api/v1/routes",

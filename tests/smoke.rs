@@ -1,6 +1,5 @@
 mod common;
 use common::*;
-use serde_json::json;
 
 #[tokio::test]
 async fn a_request_reaches_the_upstream() {
@@ -9,12 +8,7 @@ async fn a_request_reaches_the_upstream() {
     let service = gateway
         .service_with_targets("web", &[target(&upstream, 1, 0)])
         .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    gateway.route_all_to(service).await;
     let response = gateway.get("/hello").await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.text().await.unwrap(), "a");

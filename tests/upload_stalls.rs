@@ -24,12 +24,7 @@ async fn gateway_with(upstream_host: &str, upstream_port: u16) -> TestGateway {
             json!({"host": upstream_host, "port": upstream_port}),
         )
         .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    gateway.route_all_to(service).await;
     gateway
 }
 

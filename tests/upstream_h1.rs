@@ -318,12 +318,7 @@ async fn gateway_to_address(name: &str, address: SocketAddr) -> TestGateway {
             json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
         )
         .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "all", "service_id": service}),
-        )
-        .await;
+    gateway.route_all_to(service).await;
     gateway
 }
 

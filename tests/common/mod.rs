@@ -157,6 +157,15 @@ impl TestGateway {
         value["id"].as_i64().expect("created object has an id")
     }
 
+    /// A route named `all` that sends every request, whatever its host and path, to `service`.
+    pub async fn route_all_to(&self, service: i64) -> i64 {
+        self.create(
+            "/api/v1/routes",
+            json!({"name": "all", "service_id": service}),
+        )
+        .await
+    }
+
     /// A service with the given targets (no route: add one for traffic to reach it).
     pub async fn service_with_targets(&self, name: &str, targets: &[Value]) -> i64 {
         let service = self
