@@ -70,7 +70,7 @@ text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequ
 text_enum!(TargetState { Active => "active", Draining => "draining", Stale => "stale" });
 text_enum!(Health { Unknown => "unknown", Healthy => "healthy", Unhealthy => "unhealthy" });
 text_enum!(Role { Admin => "admin", Viewer => "viewer" });
-text_enum!(ProviderKind { Dns => "dns", DnsSrv => "dns-srv", Http => "http" });
+text_enum!(ProviderKind { Dns => "dns", DnsSrv => "dns-srv", Http => "http", Consul => "consul" });
 text_enum!(SourceState {
     Pending => "pending",
     Healthy => "healthy",
@@ -368,6 +368,8 @@ pub enum ProviderKind {
     DnsSrv,
     #[serde(rename = "http")]
     Http,
+    #[serde(rename = "consul")]
+    Consul,
 }
 
 /// Lifecycle of a discovery source (DESIGN §4).
@@ -449,6 +451,22 @@ pub struct SourceProgress {
     pub revision: Option<String>,
     /// Start of the current run of failed refreshes (null while healthy).
     pub failing_since: Option<DateTime<Utc>>,
+    /// The watch of a watch provider (null for poll providers and before the watch starts).
+    #[serde(default)]
+    pub watch: Option<WatchProgress>,
+}
+
+/// Where a watch provider's long request stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct WatchProgress {
+    /// The last request was answered and the next one is (or is about to be) open; false while
+    /// it backs off after a failure, or before its first answer.
+    pub connected: bool,
+    /// When `connected` last changed.
+    pub since: DateTime<Utc>,
+    /// The registry's position of the last set delivered (Consul's `X-Consul-Index`, as text);
+    /// null before the first.
+    pub index: Option<String>,
 }
 
 /// Targets of one source by lifecycle state.

@@ -604,7 +604,7 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
         .map(|p| p["name"].as_str().expect("a name"))
         .collect();
     names.sort_unstable();
-    assert_eq!(names, ["dns", "dns-srv", "http"]);
+    assert_eq!(names, ["consul", "dns", "dns-srv", "http"]);
     let by_name = |name: &str| {
         providers
             .iter()
@@ -641,7 +641,17 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
         assert_eq!(defaults["timeout_ms"], 5_000, "{name}: {defaults}");
         assert_eq!(defaults["weight"], 100, "{name}: {defaults}");
         assert_eq!(defaults["priority"], 0, "{name}: {defaults}");
+        assert_eq!(descriptor["kind"], "poll", "{name}: {descriptor}");
     }
+    let consul = by_name("consul");
+    assert_eq!(consul["kind"], "watch", "{consul}");
+    assert_eq!(consul["defaults"]["wait_ms"], 55_000, "{consul}");
+    assert!(
+        consul["config_schema"]["required"]
+            .as_array()
+            .is_some_and(|r| r.contains(&json!("service"))),
+        "{consul}"
+    );
     let http = by_name("http");
     assert_eq!(http["defaults"]["tls_verify"], true, "{http}");
     for key in [

@@ -155,7 +155,7 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
                 .config
                 .get("timeout_ms")
                 .and_then(serde_json::Value::as_u64)
-                .unwrap_or(crate::discovery::providers::DEFAULT_TIMEOUT_MS);
+                .unwrap_or(crate::discovery::config::DEFAULT_TIMEOUT_MS);
             let first_attempt = chrono::Duration::milliseconds(timeout_ms as i64);
             source.enabled
                 && progress.state == crate::model::SourceState::Pending

@@ -12,7 +12,7 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
 use super::{validate, AdminState, List};
 use crate::control::RefreshAnswer;
-use crate::discovery::providers::{self, ProviderDescriptor};
+use crate::discovery::{self, ProviderDescriptor};
 use crate::model::{DiscoverySource, DiscoverySourceSpec, Id, SourceStatus};
 
 pub fn router() -> OpenApiRouter<AdminState> {
@@ -157,5 +157,5 @@ async fn refresh_source(
 #[utoipa::path(get, path = "/discovery/providers", tag = "discovery",
     responses((status = 200, body = Vec<ProviderDescriptor>)))]
 async fn list_providers(_: Viewer) -> Json<Vec<ProviderDescriptor>> {
-    Json(providers::descriptors())
+    Json(discovery::descriptors())
 }

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use http::uri::Authority;
 
 use super::error::ApiError;
-use crate::discovery::providers;
+use crate::discovery;
 use crate::model::{
     CertificateSpec, DiscoverySourceSpec, Protocol, RouteSpec, ServiceSpec, StreamRouteSpec,
     TargetSpec, TokenSpec,
@@ -411,7 +411,7 @@ pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiE
             "config must be a JSON object",
         ));
     }
-    spec.config = providers::validate(spec.provider, &spec.config)
+    spec.config = discovery::validate(spec.provider, &spec.config)
         .map_err(|error| ApiError::validation(format!("config.{}", error.field), error.message))?;
     if !(100..=MAX_STALE_AFTER_MS).contains(&spec.stale_after_ms) {
         return Err(ApiError::validation(

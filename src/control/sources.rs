@@ -15,7 +15,7 @@ use chrono::{DateTime, Utc};
 use super::{ControlError, ControlTask, RefreshAnswer};
 use crate::discovery::lifecycle::{self, Transition};
 use crate::discovery::runner::{self, RefreshOutcome, RunnerHandle, RunnerSpec};
-use crate::discovery::{providers, reconcile};
+use crate::discovery::{self, reconcile};
 use crate::model::{DiscoverySource, Id, SourceProgress, SourceState, TargetChange};
 use crate::store::StoreError;
 
@@ -183,6 +183,15 @@ impl ControlTask {
             let changes = reconcile::drain_all(&targets, now, entry.removal_grace());
             changed = self.write_changes(entry, &changes).await?;
             lifecycle::disable(&mut entry.progress);
+            if let Some(watch) = entry
+                .progress
+                .watch
+                .as_mut()
+                .filter(|watch| watch.connected)
+            {
+                watch.connected = false;
+                watch.since = now;
+            }
             self.store
                 .save_progress(entry.source.id, &entry.progress)
                 .await?;
@@ -196,16 +205,26 @@ impl ControlTask {
     }
 
     fn start_runner(&mut self, entry: &mut SourceEntry, first_delay: Duration) {
-        match providers::build(entry.source.provider, &entry.source.config) {
-            Ok((provider, schedule)) => {
+        // A watch stored as connected was another runner's (before a restart or a takeover).
+        let now = self.clock.now();
+        if let Some(watch) = entry
+            .progress
+            .watch
+            .as_mut()
+            .filter(|watch| watch.connected)
+        {
+            watch.connected = false;
+            watch.since = now;
+        }
+        match discovery::build(entry.source.provider, &entry.source.config) {
+            Ok(fetch) => {
                 let generation = self.next_runner_generation;
                 self.next_runner_generation += 1;
                 entry.runner = Some(runner::spawn(
                     RunnerSpec {
                         source_id: entry.source.id,
                         generation,
-                        provider,
-                        schedule,
+                        fetch,
                         first_delay,
                     },
                     self.clock,
@@ -435,6 +454,9 @@ impl ControlTask {
         outcome: RefreshOutcome,
     ) -> Result<bool, StoreError> {
         let now = outcome.finished_at;
+        if outcome.watch.is_some() {
+            entry.progress.watch = outcome.watch;
+        }
         let changes = match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
@@ -450,6 +472,14 @@ impl ControlTask {
                     discovered.revision,
                     outcome.next_refresh_at,
                 );
+                lifecycle::record_refusals(&mut entry.progress, discovered.refused.as_deref());
+                if let Some(refused) = &discovered.refused {
+                    tracing::warn!(
+                        source_id = entry.source.id,
+                        refused,
+                        "discovery left entries out"
+                    );
+                }
                 if transition != Transition::Unchanged || !changes.is_empty() {
                     tracing::info!(
                         source_id = entry.source.id,

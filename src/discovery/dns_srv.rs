@@ -11,10 +11,94 @@ use futures_util::future::{try_join, try_join_all};
 use hickory_proto::rr::rdata::SRV;
 use hickory_proto::rr::{Name, RData, RecordType};
 
-use crate::discovery::dns::{address_key, min_ttl, Answer, Resolver, Session};
-use crate::discovery::providers::{resolver_address, DnsSrvConfig};
-use crate::discovery::{revision_of, Discovered, DiscoveryError, Provider, RefreshFuture};
-use crate::model::Endpoint;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::discovery::config::{
+    self, check_dns_name, check_resolver, default_interval_ms, default_timeout_ms, default_true,
+    default_weight, normalised_resolver, resolver_address, ProviderConfig, SharedKeys,
+};
+use crate::discovery::resolver::{address_key, min_ttl, Answer, Resolver, Session};
+use crate::discovery::{
+    revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
+    RefreshFuture, Registered,
+};
+use crate::model::{Endpoint, ProviderKind};
+
+pub const PROVIDER: Registered = Registered {
+    kind: ProviderKind::DnsSrv,
+    style: FetchStyle::Poll,
+    description: "SRV records of `service_name`, then the A and AAAA records of each target; \
+                  port, weight and priority come from the SRV records.",
+    schema: config::schema_of::<DnsSrvConfig>,
+    validate: config::validate_as::<DnsSrvConfig>,
+    build,
+};
+
+/// `dns-srv`: SRV records of a service name, then A and AAAA of each SRV target.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DnsSrvConfig {
+    /// The SRV name, e.g. `_http._tcp.backend.internal`.
+    pub service_name: String,
+    /// DNS server as `ip:port` (UDP, TCP when the answer is truncated); unset uses /etc/resolv.conf.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolver: Option<String>,
+    /// Take each endpoint's weight from its SRV record (RFC 2782 weight 0 gets a very small share).
+    #[serde(default = "default_true")]
+    pub use_record_weight: bool,
+    /// Take each endpoint's priority tier from its SRV record.
+    #[serde(default = "default_true")]
+    pub use_record_priority: bool,
+    /// Unused by SRV records (they carry a port); accepted for symmetry with the other providers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<u32>,
+    /// Milliseconds between refreshes (each wait subtracts up to 10 % jitter; a shorter record TTL refreshes sooner).
+    #[serde(default = "default_interval_ms")]
+    #[schemars(range(min = 100, max = 86_400_000))]
+    pub interval_ms: u64,
+    /// Milliseconds one refresh may take.
+    #[serde(default = "default_timeout_ms")]
+    #[schemars(range(min = 10, max = 600_000))]
+    pub timeout_ms: u64,
+    /// Weight of every endpoint when `use_record_weight` is false.
+    #[serde(default = "default_weight")]
+    #[schemars(range(max = 65535))]
+    pub weight: u32,
+    /// Priority tier of every endpoint when `use_record_priority` is false.
+    #[serde(default)]
+    pub priority: i32,
+}
+
+impl ProviderConfig for DnsSrvConfig {
+    fn shared(&self) -> SharedKeys {
+        SharedKeys {
+            interval_ms: Some(self.interval_ms),
+            timeout_ms: self.timeout_ms,
+            weight: self.weight,
+            port: self.port,
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        check_dns_name("service_name", &self.service_name)?;
+        check_resolver(self.resolver.as_deref())
+    }
+
+    fn normalise(&mut self) {
+        self.resolver = normalised_resolver(self.resolver.as_deref());
+    }
+}
+
+fn build(config: &Value) -> Result<Fetch, ConfigError> {
+    let config = config::parse::<DnsSrvConfig>(config)?;
+    Ok(Fetch::Poll {
+        schedule: config::schedule_of(&config),
+        provider: Box::new(DnsSrvProvider::new(&config)),
+    })
+}
 
 /// A positive SRV weight is scaled by this much so that weight 0 (mapped to 1) is "a very
 /// small share" next to any positive weight, as RFC 2782 asks.
@@ -30,7 +114,7 @@ pub struct DnsSrvProvider {
 }
 
 impl DnsSrvProvider {
-    /// `config` has passed `providers::validate`.
+    /// `config` has passed `validate`.
     pub fn new(config: &DnsSrvConfig) -> Self {
         DnsSrvProvider {
             service_name: config.service_name.clone(),
@@ -84,6 +168,7 @@ impl DnsSrvProvider {
             revision: revision_of(&endpoints),
             endpoints,
             ttl: min_ttl(ttls.into_iter()),
+            refused: None,
         })
     }
 
@@ -104,7 +189,7 @@ impl DnsSrvProvider {
     }
 }
 
-impl Provider for DnsSrvProvider {
+impl PollProvider for DnsSrvProvider {
     fn refresh(&self) -> RefreshFuture<'_> {
         Box::pin(self.discover())
     }
@@ -113,7 +198,7 @@ impl Provider for DnsSrvProvider {
 /// RFC 2782 weight → balancer weight. Weight 0 maps to 1 and positive weights to w×100, which
 /// covers both rules at once: in a tier of only zeros every record gets 1 (an even share), and
 /// next to positive weights a zero gets a very small share instead of none.
-fn balancer_weight(record_weight: u16) -> u32 {
+pub(crate) fn balancer_weight(record_weight: u16) -> u32 {
     match record_weight {
         0 => 1,
         weight => u32::from(weight) * WEIGHT_SCALE,
@@ -173,8 +258,7 @@ fn target_text(target: &Name) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::dns::test_server::{a, aaaa, srv, Reply, TestDns};
-    use crate::discovery::providers;
+    use crate::discovery::resolver::test_server::{a, aaaa, srv, Reply, TestDns};
     use crate::model::ProviderKind;
     use hickory_proto::op::ResponseCode;
     use serde_json::json;
@@ -187,7 +271,7 @@ mod tests {
             .as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let config = providers::validate(ProviderKind::DnsSrv, &config).unwrap();
+        let config = crate::discovery::validate(ProviderKind::DnsSrv, &config).unwrap();
         DnsSrvProvider::new(&serde_json::from_value(config).unwrap())
     }
 

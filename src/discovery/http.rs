@@ -4,19 +4,120 @@
 //! refresh whose error names the exact place (`endpoints[3].host`), so an operator can fix the
 //! registry from the source's `last_error` alone.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, ETAG};
 use serde_json::{Map, Value};
 
-use crate::discovery::dns::address_key;
-use crate::discovery::providers::{inner_budget, HttpConfig};
-use crate::discovery::{
-    revision_of, ConfigError, Discovered, DiscoveryError, Provider, RefreshFuture,
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::discovery::config::{
+    self, check_url, default_interval_ms, default_timeout_ms, default_true, default_weight, error,
+    inner_budget, ProviderConfig, SharedKeys,
 };
-use crate::model::Endpoint;
+use crate::discovery::resolver::address_key;
+use crate::discovery::{
+    revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
+    RefreshFuture, Registered,
+};
+use crate::model::{Endpoint, ProviderKind};
+
+pub const PROVIDER: Registered = Registered {
+    kind: ProviderKind::Http,
+    style: FetchStyle::Poll,
+    description: "GET `url` and read a JSON array of endpoints (or the array at \
+                  `endpoints_path`); each endpoint names an IP `host` and optionally port, \
+                  weight, priority, enabled, key and metadata.",
+    schema: config::schema_of::<HttpConfig>,
+    validate: config::validate_as::<HttpConfig>,
+    build,
+};
+
+/// `http`: GET a JSON registry document listing endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// `http` or `https` URL answering a JSON array of endpoints
+    /// (`{host, port?, weight?, priority?, enabled?, key?, metadata?}`, `host` an IP address).
+    #[schemars(url)]
+    pub url: String,
+    /// Dotted path to the array inside an object document, e.g. `data.items`; unset means the
+    /// document itself is the array.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints_path: Option<String>,
+    /// Extra request headers, e.g. `{"Authorization": "Bearer …"}`.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Verify the registry's TLS certificate; false accepts any certificate.
+    #[serde(default = "default_true")]
+    pub tls_verify: bool,
+    /// Port of endpoints that do not state one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<u32>,
+    /// Milliseconds between refreshes (each wait subtracts up to 10 % jitter).
+    #[serde(default = "default_interval_ms")]
+    #[schemars(range(min = 100, max = 86_400_000))]
+    pub interval_ms: u64,
+    /// Milliseconds one refresh (request and body) may take.
+    #[serde(default = "default_timeout_ms")]
+    #[schemars(range(min = 10, max = 600_000))]
+    pub timeout_ms: u64,
+    /// Weight of endpoints that do not state one.
+    #[serde(default = "default_weight")]
+    #[schemars(range(max = 65535))]
+    pub weight: u32,
+    /// Priority tier of endpoints that do not state one (lower is preferred).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+impl ProviderConfig for HttpConfig {
+    fn shared(&self) -> SharedKeys {
+        SharedKeys {
+            interval_ms: Some(self.interval_ms),
+            timeout_ms: self.timeout_ms,
+            weight: self.weight,
+            port: self.port,
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        check_url("url", &self.url)?;
+        if let Some(path) = &self.endpoints_path {
+            if path.split('.').any(str::is_empty) {
+                return Err(error(
+                    "endpoints_path",
+                    "must be dot-separated keys without empty parts, e.g. data.items",
+                ));
+            }
+        }
+        for (name, value) in &self.headers {
+            let field = format!("headers.{name}");
+            if ::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(error(field, "is not a valid HTTP header name"));
+            }
+            if ::http::HeaderValue::from_str(value).is_err() {
+                return Err(error(
+                    field,
+                    "is not a valid HTTP header value (visible ASCII, no line breaks)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn build(config: &Value) -> Result<Fetch, ConfigError> {
+    let config = config::parse::<HttpConfig>(config)?;
+    Ok(Fetch::Poll {
+        schedule: config::schedule_of(&config),
+        provider: Box::new(HttpProvider::new(&config)?),
+    })
+}
 
 /// Largest registry document read; a bigger one is a failed refresh, not a memory spike.
 pub const MAX_DOCUMENT_BYTES: u64 = 10 * 1024 * 1024;
@@ -42,7 +143,7 @@ struct Defaults {
 }
 
 impl HttpProvider {
-    /// `config` has passed `providers::validate`. The client (and its connection pool) is built
+    /// `config` has passed `validate`. The client (and its connection pool) is built
     /// once here and reused by every refresh.
     pub fn new(config: &HttpConfig) -> Result<Self, ConfigError> {
         let budget = inner_budget(Duration::from_millis(config.timeout_ms));
@@ -106,32 +207,15 @@ impl HttpProvider {
             revision: etag.unwrap_or_else(|| revision_of(&endpoints)),
             endpoints,
             ttl: None,
+            refused: None,
         })
     }
 
-    /// The body, refusing more than `MAX_DOCUMENT_BYTES`: a declared length is checked before
-    /// reading, and a chunked body is counted as it arrives and abandoned at the limit.
-    async fn read_body(&self, mut response: reqwest::Response) -> Result<Vec<u8>, DiscoveryError> {
-        let too_large = || DiscoveryError::TooLarge {
-            url: self.url.clone(),
-            limit: MAX_DOCUMENT_BYTES,
-        };
-        let declared = response.content_length().unwrap_or(0);
-        if declared > MAX_DOCUMENT_BYTES {
-            return Err(too_large());
-        }
-        let mut body = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|err| self.request_error(err))?
-        {
-            if (body.len() + chunk.len()) as u64 > MAX_DOCUMENT_BYTES {
-                return Err(too_large());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Ok(body)
+    async fn read_body(&self, response: reqwest::Response) -> Result<Vec<u8>, DiscoveryError> {
+        read_limited(response, &self.url, MAX_DOCUMENT_BYTES, |err| {
+            self.request_error(err)
+        })
+        .await
     }
 
     fn endpoints_in(&self, document: &Value) -> Result<Vec<Endpoint>, DiscoveryError> {
@@ -171,7 +255,33 @@ impl HttpProvider {
     }
 }
 
-impl Provider for HttpProvider {
+/// A response body, refusing more than `limit` bytes: a declared length is checked before
+/// reading, and a chunked body is counted as it arrives and abandoned at the limit.
+pub(crate) async fn read_limited(
+    mut response: reqwest::Response,
+    url: &str,
+    limit: u64,
+    request_error: impl Fn(reqwest::Error) -> DiscoveryError,
+) -> Result<Vec<u8>, DiscoveryError> {
+    let too_large = || DiscoveryError::TooLarge {
+        url: url.to_owned(),
+        limit,
+    };
+    let declared = response.content_length().unwrap_or(0);
+    if declared > limit {
+        return Err(too_large());
+    }
+    let mut body = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
+    while let Some(chunk) = response.chunk().await.map_err(&request_error)? {
+        if (body.len() + chunk.len()) as u64 > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+impl PollProvider for HttpProvider {
     fn refresh(&self) -> RefreshFuture<'_> {
         Box::pin(self.discover())
     }
@@ -194,7 +304,7 @@ fn request_headers(config: &HttpConfig) -> Result<HeaderMap, ConfigError> {
 }
 
 /// An error and its causes, "a: b: c", skipping a cause that repeats its parent's words.
-fn error_chain(err: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(cause) = source {
@@ -397,7 +507,6 @@ mod tests {
     use tokio::task::JoinHandle;
 
     use super::*;
-    use crate::discovery::providers;
     use crate::model::ProviderKind;
 
     type Body = BoxBody<Bytes, Infallible>;
@@ -512,7 +621,7 @@ mod tests {
             .as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let config = providers::validate(ProviderKind::Http, &config).unwrap();
+        let config = crate::discovery::validate(ProviderKind::Http, &config).unwrap();
         HttpProvider::new(&serde_json::from_value(config).unwrap()).unwrap()
     }
 
@@ -771,7 +880,7 @@ mod tests {
             .unwrap()
             .local_addr()
             .unwrap();
-        let config = providers::validate(
+        let config = crate::discovery::validate(
             ProviderKind::Http,
             &json!({"url": format!("http://{closed}/")}),
         )

@@ -32,7 +32,7 @@ pub fn record_success(
     progress: &mut SourceProgress,
     now: DateTime<Utc>,
     revision: String,
-    next_refresh_at: DateTime<Utc>,
+    next_refresh_at: impl Into<Option<DateTime<Utc>>>,
 ) -> Transition {
     if progress.state == SourceState::Disabled {
         return Transition::Unchanged;
@@ -42,10 +42,21 @@ pub fn record_success(
     progress.last_error = None;
     progress.last_refresh_at = Some(now);
     progress.last_success_at = Some(now);
-    progress.next_refresh_at = Some(next_refresh_at);
+    progress.next_refresh_at = next_refresh_at.into();
     progress.revision = Some(revision);
     progress.failing_since = None;
     transition(before, progress.state)
+}
+
+/// After a success whose provider left entries out of the set (e.g. a Consul service address
+/// that is a host name): the source stays healthy and `last_error` says what was refused, so a
+/// refusal is never silent. `None` leaves the cleared error as [`record_success`] set it.
+pub fn record_refusals(progress: &mut SourceProgress, refused: Option<&str>) {
+    if progress.state != SourceState::Disabled {
+        if let Some(refused) = refused {
+            progress.last_error = Some(refused.to_owned());
+        }
+    }
 }
 
 /// A failed refresh: failing, or stale once the run of failures has lasted `stale_after`.
@@ -55,7 +66,7 @@ pub fn record_failure(
     now: DateTime<Utc>,
     error: &DiscoveryError,
     stale_after: Duration,
-    next_refresh_at: DateTime<Utc>,
+    next_refresh_at: impl Into<Option<DateTime<Utc>>>,
 ) -> Transition {
     if progress.state == SourceState::Disabled {
         return Transition::Unchanged;
@@ -64,7 +75,7 @@ pub fn record_failure(
     let failing_since = *progress.failing_since.get_or_insert(now);
     progress.last_error = Some(error.to_string());
     progress.last_refresh_at = Some(now);
-    progress.next_refresh_at = Some(next_refresh_at);
+    progress.next_refresh_at = next_refresh_at.into();
     // Only a success brings a stale source back; another failure cannot make it less stale.
     let stale = before == SourceState::Stale || now >= stale_at(failing_since, stale_after);
     progress.state = if stale {
@@ -202,6 +213,24 @@ mod tests {
     // --- record_success ----------------------------------------------------------------------
 
     #[test]
+    fn refusals_show_in_last_error_of_a_healthy_source() {
+        let mut progress = healthy();
+        record_refusals(&mut progress, Some("1 of 3 entries refused"));
+        assert_eq!(progress.state, SourceState::Healthy);
+        assert_eq!(
+            progress.last_error.as_deref(),
+            Some("1 of 3 entries refused")
+        );
+        record_success(&mut progress, at(T0 + 1), "r2".to_owned(), None);
+        record_refusals(&mut progress, None);
+        assert_eq!(progress.last_error, None, "a clean set clears it");
+        assert_eq!(progress.next_refresh_at, None, "a connected watch has none");
+        disable(&mut progress);
+        record_refusals(&mut progress, Some("late"));
+        assert_eq!(progress.last_error, None);
+    }
+
+    #[test]
     fn pending_success_becomes_healthy_with_every_field_set() {
         let mut progress = SourceProgress::default();
         let t = record_success(&mut progress, at(T0), "rev-1".to_owned(), at(T0 + 30_000));
@@ -216,6 +245,7 @@ mod tests {
                 next_refresh_at: Some(at(T0 + 30_000)),
                 revision: Some("rev-1".to_owned()),
                 failing_since: None,
+                watch: None,
             }
         );
     }
@@ -295,6 +325,7 @@ mod tests {
                 next_refresh_at: Some(at(T0 + 30_000)),
                 revision: None,
                 failing_since: Some(at(T0)),
+                watch: None,
             }
         );
     }

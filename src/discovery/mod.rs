@@ -1,23 +1,128 @@
-//! Service discovery: providers that read endpoints from DNS, DNS SRV and HTTP registries, the
-//! pure reconcile of endpoints into targets, source lifecycle, and the per-source refresh loop.
+//! Service discovery: providers that read endpoints from DNS, DNS SRV, HTTP registries and
+//! Consul, the pure reconcile of endpoints into targets, source lifecycle, and the per-source
+//! refresh and watch loops.
+//!
+//! Every provider lives in its own module, which owns its config type (schema, validation,
+//! parsing) and registers itself in [`PROVIDERS`]: admin, the resources file and the control task
+//! find providers only through [`validate`], [`build`] and [`descriptors`].
 //!
 //! Imports only `model`: the control task wires results into the store and the snapshot.
 
+pub mod config;
+pub mod consul;
 pub mod dns;
 pub mod dns_srv;
 pub mod http;
 pub mod lifecycle;
-pub mod providers;
 pub mod reconcile;
+pub mod resolver;
 pub mod runner;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use futures_util::Stream;
+use serde::Serialize;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::model::Endpoint;
+use crate::model::{Endpoint, ProviderKind};
+
+/// Every provider Raahi knows, in the order the descriptor lists them. A new provider is its own
+/// module plus one line here (and its name in [`ProviderKind`]).
+const PROVIDERS: &[Registered] = &[
+    dns::PROVIDER,
+    dns_srv::PROVIDER,
+    http::PROVIDER,
+    consul::PROVIDER,
+];
+
+/// How a provider learns about changes (DESIGN §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FetchStyle {
+    /// Asked for the whole set on a schedule.
+    Poll,
+    /// Holds a long request open; the registry answers when the set changes.
+    Watch,
+}
+
+/// One provider's entry in the registry.
+pub struct Registered {
+    pub kind: ProviderKind,
+    pub style: FetchStyle,
+    pub description: &'static str,
+    /// The config type's JSON Schema (draft 2020-12).
+    pub schema: fn() -> Value,
+    /// Checks a config; returns it normalised with every default filled in.
+    pub validate: fn(&Value) -> Result<Value, ConfigError>,
+    /// A ready provider for a config that passed `validate` (errors are handled anyway).
+    pub build: fn(&Value) -> Result<Fetch, ConfigError>,
+}
+
+fn registered(kind: ProviderKind) -> &'static Registered {
+    PROVIDERS
+        .iter()
+        .find(|provider| provider.kind == kind)
+        .expect("every ProviderKind is registered (tested)")
+}
+
+/// Checks `config` against the provider's schema and rules; returns it normalised with every
+/// default filled in.
+pub fn validate(kind: ProviderKind, config: &Value) -> Result<Value, ConfigError> {
+    (registered(kind).validate)(config)
+}
+
+/// A ready provider for a source's stored config.
+pub fn build(kind: ProviderKind, config: &Value) -> Result<Fetch, ConfigError> {
+    (registered(kind).build)(config)
+}
+
+/// Whether the provider polls or watches.
+pub fn style_of(kind: ProviderKind) -> FetchStyle {
+    registered(kind).style
+}
+
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct ProviderDescriptor {
+    pub name: String,
+    pub kind: FetchStyle,
+    pub description: String,
+    #[schema(value_type = Object)]
+    pub config_schema: Value,
+    #[schema(value_type = Object)]
+    pub defaults: Value,
+}
+
+/// For GET /api/v1/discovery/providers: every provider with its JSON Schema generated from the
+/// Rust config type and its defaults.
+pub fn descriptors() -> Vec<ProviderDescriptor> {
+    PROVIDERS
+        .iter()
+        .map(|provider| {
+            let config_schema = (provider.schema)();
+            ProviderDescriptor {
+                name: provider.kind.as_str().to_owned(),
+                kind: provider.style,
+                description: provider.description.to_owned(),
+                defaults: config::defaults_in(&config_schema),
+                config_schema,
+            }
+        })
+        .collect()
+}
+
+/// A built provider, ready for its runner.
+pub enum Fetch {
+    Poll {
+        provider: Box<dyn PollProvider>,
+        schedule: Schedule,
+    },
+    Watch {
+        provider: Box<dyn WatchProvider>,
+    },
+}
 
 /// A successful refresh: the complete endpoint set (possibly empty, e.g. NXDOMAIN).
 #[derive(Debug, Clone, PartialEq)]
@@ -27,6 +132,9 @@ pub struct Discovered {
     pub revision: String,
     /// The smallest record TTL of a DNS answer, so the source can refresh before it expires.
     pub ttl: Option<Duration>,
+    /// What the provider left out of the set and why (entries it could not use), for the
+    /// source's `last_error`: a refusal is never silent.
+    pub refused: Option<String>,
 }
 
 /// Why a refresh failed. The text is what an operator reads in the source's `last_error`, so it
@@ -51,6 +159,13 @@ pub enum DiscoveryError {
     },
     #[error("registry {url} answered HTTP {status}")]
     HttpStatus { url: String, status: u16 },
+    /// An error answer whose body says why (Consul's "ACL not found", "No path to datacenter").
+    #[error("registry {url} answered HTTP {status}: {message}")]
+    RegistryRefused {
+        url: String,
+        status: u16,
+        message: String,
+    },
     #[error("registry {url} could not be fetched: {reason}")]
     HttpRequest { url: String, reason: String },
     #[error("registry {url} sent a document larger than {limit} bytes")]
@@ -65,15 +180,43 @@ pub enum DiscoveryError {
         location: String,
         reason: String,
     },
+    /// A watch whose connection went silent past its longest legitimate wait.
+    #[error("watch got no answer within {waited_ms} ms (its longest wait plus timeout_ms); reconnecting")]
+    WatchSilent { waited_ms: u64 },
+    /// A watch stream that ended without an error (the registry closed it).
+    #[error("watch ended by the registry; reconnecting")]
+    WatchEnded,
 }
 
 pub type RefreshFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Discovered, DiscoveryError>> + Send + 'a>>;
 
-/// One configured provider instance (one per discovery source).
-pub trait Provider: Send + Sync {
+/// A configured poll provider (one per discovery source).
+pub trait PollProvider: Send + Sync {
     /// One refresh attempt. The caller applies `timeout_ms` around it.
     fn refresh(&self) -> RefreshFuture<'_>;
+}
+
+/// One answer of a watch: the whole endpoint set as the registry holds it now, and the
+/// registry's position (Consul's `X-Consul-Index`, a Kubernetes resource version).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchAnswer {
+    pub discovered: Discovered,
+    pub position: String,
+}
+
+/// The answers of one watch, in order. It starts with a full read; the next request is made only
+/// when the runner asks for the next answer, so the runner alone decides how often the registry
+/// is asked. An error ends the watch: the runner backs off and opens a new one.
+pub type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchAnswer, DiscoveryError>> + Send>>;
+
+/// A configured watch provider (one per discovery source).
+pub trait WatchProvider: Send + Sync {
+    /// Opens a watch from a full read.
+    fn watch(&self) -> WatchStream;
+    /// The longest a healthy watch may stay silent between answers (its longest legitimate wait
+    /// plus the request timeout): past it, the connection is taken for dead.
+    fn answer_deadline(&self) -> Duration;
 }
 
 /// A source's refresh schedule, from the shared config keys.
@@ -132,6 +275,33 @@ mod tests {
             enabled: true,
             metadata: serde_json::json!({}),
         }
+    }
+
+    #[test]
+    fn every_provider_kind_is_registered_once_with_its_style() {
+        let descriptors = descriptors();
+        let listed: Vec<(&str, FetchStyle)> = descriptors
+            .iter()
+            .map(|descriptor| (descriptor.name.as_str(), descriptor.kind))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("dns", FetchStyle::Poll),
+                ("dns-srv", FetchStyle::Poll),
+                ("http", FetchStyle::Poll),
+                ("consul", FetchStyle::Watch),
+            ]
+        );
+        for (name, style) in listed {
+            let kind = ProviderKind::parse(name).expect("a ProviderKind");
+            assert_eq!(registered(kind).kind, kind);
+            assert_eq!(style_of(kind), style);
+        }
+        assert_eq!(
+            serde_json::to_value(&descriptors[3]).unwrap()["kind"],
+            serde_json::json!("watch")
+        );
     }
 
     #[test]

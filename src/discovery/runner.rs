@@ -1,26 +1,47 @@
-//! One refresh loop per discovery source.
+//! One loop per discovery source: a refresh loop for poll providers, a watch loop for watch
+//! providers.
 //!
-//! The loop only fetches: each attempt's outcome goes to the control task, which reconciles,
-//! persists and publishes. Scheduling: `interval_ms` minus up to 10 % random jitter (so many
-//! sources do not refresh in lock-step), earlier when a DNS TTL is shorter (never below
-//! [`TTL_FLOOR`]), at once when an operator asks — unless a refresh is already running, which
-//! the request then joins.
+//! A loop only fetches: each outcome goes to the control task, which reconciles, persists and
+//! publishes, the same way for both kinds, so lifecycle, timers, leases and persistence do not
+//! know which kind of provider a source has.
+//!
+//! Poll scheduling: `interval_ms` minus up to 10 % random jitter (so many sources do not refresh
+//! in lock-step), earlier when a DNS TTL is shorter (never below [`TTL_FLOOR`]), at once when an
+//! operator asks — unless a refresh is already running, which the request then joins.
+//!
+//! Watching (DESIGN §4, watch rules): every answer is a whole set; an answer whose set is the one
+//! last reported is not reported again, so an unchanged registry costs no reconcile; two requests
+//! of one watch start at least [`WATCH_SPACING`] apart, so a burst of changes is read as one set
+//! and a registry that answers at once cannot make the loop spin; an answer that does not come
+//! within the provider's answer deadline ends the watch as dead. A failed watch is a failed
+//! refresh, retried after a jittered exponential backoff ([`backoff_delay`]) with a full read.
+//! An operator's refresh restarts the watch from a full read.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
-use super::{Discovered, DiscoveryError, Provider, Schedule};
-use crate::model::Id;
+use super::{Discovered, DiscoveryError, Fetch, PollProvider, Schedule, WatchProvider};
+use crate::model::{Id, WatchProgress};
 
 /// A record TTL of 0 must not make a source spin.
 pub const TTL_FLOOR: Duration = Duration::from_secs(1);
 /// Largest share of the interval taken off as jitter.
 const JITTER_FRACTION: f64 = 0.10;
+/// The least time between the starts of two requests of one watch.
+pub const WATCH_SPACING: Duration = Duration::from_secs(1);
+/// The wait after a watch's first failure; it doubles with each further one up to
+/// [`BACKOFF_MAX`].
+pub const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// Largest share added to a backoff as jitter, so watches cut at once do not reconnect at once.
+const BACKOFF_JITTER: f64 = 0.20;
 
 /// Wall-clock time derived from tokio's clock, so timers and the times they record agree, also
 /// under tokio's paused time in tests.
@@ -73,7 +94,11 @@ pub struct RefreshOutcome {
     /// How long the attempt took.
     pub duration: Duration,
     pub result: Result<Discovered, DiscoveryError>,
-    pub next_refresh_at: DateTime<Utc>,
+    /// When the loop asks next; None while a watch is connected (the registry answers when the
+    /// set changes).
+    pub next_refresh_at: Option<DateTime<Utc>>,
+    /// The watch after this outcome; None for poll providers.
+    pub watch: Option<WatchProgress>,
 }
 
 /// The control task's grip on a running loop. Dropping it stops the loop.
@@ -118,11 +143,21 @@ pub fn next_delay(schedule: &Schedule, ttl: Option<Duration>, jitter: f64) -> Du
     base.mul_f64(1.0 - JITTER_FRACTION * jitter.clamp(0.0, 1.0))
 }
 
+/// The wait before a watch reconnects after its `failures`-th failure in a row (from 1): 1 s
+/// doubling to 60 s, plus up to 20 % jitter, never past 60 s. `jitter` is in [0, 1).
+pub fn backoff_delay(failures: u32, jitter: f64) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    let base = BACKOFF_FIRST
+        .saturating_mul(1u32 << doublings)
+        .min(BACKOFF_MAX);
+    base.mul_f64(1.0 + BACKOFF_JITTER * jitter.clamp(0.0, 1.0))
+        .min(BACKOFF_MAX)
+}
+
 pub struct RunnerSpec {
     pub source_id: Id,
     pub generation: u64,
-    pub provider: Box<dyn Provider>,
-    pub schedule: Schedule,
+    pub fetch: Fetch,
     /// Wait before the first refresh (0 for a new or changed source).
     pub first_delay: Duration,
 }
@@ -135,7 +170,20 @@ pub fn spawn(
     let wake = Arc::new(Notify::new());
     let refreshing = Arc::new(AtomicBool::new(false));
     let generation = spec.generation;
-    let task = tokio::spawn(run(spec, clock, outcomes, wake.clone(), refreshing.clone()));
+    let lane = Lane {
+        source_id: spec.source_id,
+        generation: spec.generation,
+        clock,
+        outcomes,
+        wake: wake.clone(),
+        refreshing: refreshing.clone(),
+    };
+    let task = match spec.fetch {
+        Fetch::Poll { provider, schedule } => {
+            tokio::spawn(poll(provider, schedule, spec.first_delay, lane))
+        }
+        Fetch::Watch { provider } => tokio::spawn(watch(provider, spec.first_delay, lane)),
+    };
     RunnerHandle {
         generation,
         wake,
@@ -144,43 +192,174 @@ pub fn spawn(
     }
 }
 
-async fn run(
-    spec: RunnerSpec,
+/// What both loops share: who they report for, where, and the operator's refresh requests.
+struct Lane {
+    source_id: Id,
+    generation: u64,
     clock: Clock,
     outcomes: mpsc::Sender<RefreshOutcome>,
     wake: Arc<Notify>,
     refreshing: Arc<AtomicBool>,
+}
+
+impl Lane {
+    /// Sends an outcome; false when the control task is gone (the loop ends).
+    async fn report(
+        &self,
+        started: Instant,
+        result: Result<Discovered, DiscoveryError>,
+        next_refresh_in: Option<Duration>,
+        watch: Option<WatchProgress>,
+    ) -> bool {
+        let finished_at = self.clock.now();
+        let outcome = RefreshOutcome {
+            source_id: self.source_id,
+            generation: self.generation,
+            finished_at,
+            duration: started.elapsed(),
+            next_refresh_at: next_refresh_in.map(|delay| {
+                finished_at + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX)
+            }),
+            result,
+            watch,
+        };
+        self.outcomes.send(outcome).await.is_ok()
+    }
+}
+
+async fn poll(
+    provider: Box<dyn PollProvider>,
+    schedule: Schedule,
+    first_delay: Duration,
+    lane: Lane,
 ) {
-    let mut delay = spec.first_delay;
+    let mut delay = first_delay;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
-            _ = wake.notified() => {}
+            _ = lane.wake.notified() => {}
         }
-        refreshing.store(true, Ordering::Release);
-        let attempt_started = tokio::time::Instant::now();
-        let result =
-            match tokio::time::timeout(spec.schedule.timeout, spec.provider.refresh()).await {
-                Ok(result) => result,
-                Err(_) => Err(DiscoveryError::Timeout {
-                    timeout_ms: spec.schedule.timeout.as_millis() as u64,
-                }),
-            };
-        refreshing.store(false, Ordering::Release);
-        let ttl = result.as_ref().ok().and_then(|discovered| discovered.ttl);
-        delay = next_delay(&spec.schedule, ttl, fastrand::f64());
-        let finished_at = clock.now();
-        let outcome = RefreshOutcome {
-            source_id: spec.source_id,
-            generation: spec.generation,
-            finished_at,
-            duration: attempt_started.elapsed(),
-            next_refresh_at: finished_at
-                + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX),
-            result,
+        lane.refreshing.store(true, Ordering::Release);
+        let attempt_started = Instant::now();
+        let result = match tokio::time::timeout(schedule.timeout, provider.refresh()).await {
+            Ok(result) => result,
+            Err(_) => Err(DiscoveryError::Timeout {
+                timeout_ms: schedule.timeout.as_millis() as u64,
+            }),
         };
-        if outcomes.send(outcome).await.is_err() {
+        lane.refreshing.store(false, Ordering::Release);
+        let ttl = result.as_ref().ok().and_then(|discovered| discovered.ttl);
+        delay = next_delay(&schedule, ttl, fastrand::f64());
+        if !lane
+            .report(attempt_started, result, Some(delay), None)
+            .await
+        {
             return;
+        }
+    }
+}
+
+/// How one watch ended.
+enum WatchEnd {
+    /// An operator asked for a refresh: reconnect at once with a full read.
+    Restart,
+    Failed(DiscoveryError),
+    /// The control task is gone.
+    Closed,
+}
+
+/// What the watch loop remembers across reconnects.
+struct WatchMemory {
+    progress: WatchProgress,
+    /// Revision of the last set reported, so an identical answer is not reported again.
+    reported: Option<String>,
+    failures: u32,
+}
+
+async fn watch(provider: Box<dyn WatchProvider>, first_delay: Duration, lane: Lane) {
+    let mut memory = WatchMemory {
+        progress: WatchProgress {
+            connected: false,
+            since: lane.clock.now(),
+            index: None,
+        },
+        reported: None,
+        failures: 0,
+    };
+    let mut delay = first_delay;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = lane.wake.notified() => {}
+        }
+        // A full read is under way: an operator's refresh joins it.
+        lane.refreshing.store(true, Ordering::Release);
+        let started = Instant::now();
+        match follow(provider.as_ref(), &lane, &mut memory).await {
+            WatchEnd::Restart => delay = Duration::ZERO,
+            WatchEnd::Closed => return,
+            WatchEnd::Failed(error) => {
+                lane.refreshing.store(false, Ordering::Release);
+                memory.failures = memory.failures.saturating_add(1);
+                delay = backoff_delay(memory.failures, fastrand::f64());
+                if memory.progress.connected {
+                    memory.progress.connected = false;
+                    memory.progress.since = lane.clock.now();
+                }
+                let watch = Some(memory.progress.clone());
+                if !lane.report(started, Err(error), Some(delay), watch).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Opens one watch and follows it until it fails or an operator asks for a full read.
+async fn follow(provider: &dyn WatchProvider, lane: &Lane, memory: &mut WatchMemory) -> WatchEnd {
+    let deadline = provider.answer_deadline();
+    let mut stream = provider.watch();
+    // The first answer of every watch is reported even when its set is the last one reported:
+    // it ends a failure, or answers an operator's refresh, or starts the source.
+    let mut must_report = true;
+    loop {
+        let requested = Instant::now();
+        let answer = tokio::select! {
+            _ = lane.wake.notified() => return WatchEnd::Restart,
+            answer = tokio::time::timeout(deadline, stream.next()) => answer,
+        };
+        let answer = match answer {
+            Err(_) => {
+                return WatchEnd::Failed(DiscoveryError::WatchSilent {
+                    waited_ms: deadline.as_millis() as u64,
+                })
+            }
+            Ok(None) => return WatchEnd::Failed(DiscoveryError::WatchEnded),
+            Ok(Some(Err(error))) => return WatchEnd::Failed(error),
+            Ok(Some(Ok(answer))) => answer,
+        };
+        lane.refreshing.store(false, Ordering::Release);
+        memory.failures = 0;
+        if !memory.progress.connected {
+            memory.progress.connected = true;
+            memory.progress.since = lane.clock.now();
+        }
+        let revision = &answer.discovered.revision;
+        if must_report || memory.reported.as_ref() != Some(revision) {
+            must_report = false;
+            memory.reported = Some(revision.clone());
+            memory.progress.index = Some(answer.position);
+            let watch = Some(memory.progress.clone());
+            if !lane
+                .report(requested, Ok(answer.discovered), None, watch)
+                .await
+            {
+                return WatchEnd::Closed;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(requested + WATCH_SPACING) => {}
+            _ = lane.wake.notified() => return WatchEnd::Restart,
         }
     }
 }
@@ -200,7 +379,7 @@ mod tests {
         fail: Arc<Mutex<bool>>,
     }
 
-    impl Provider for ScriptedProvider {
+    impl PollProvider for ScriptedProvider {
         fn refresh(&self) -> RefreshFuture<'_> {
             Box::pin(async move {
                 self.calls.fetch_add(1, Ordering::SeqCst);
@@ -215,6 +394,7 @@ mod tests {
                     endpoints: Vec::new(),
                     revision: "r".into(),
                     ttl: self.ttl,
+                    refused: None,
                 })
             })
         }
@@ -250,8 +430,10 @@ mod tests {
             RunnerSpec {
                 source_id: 7,
                 generation: 3,
-                provider: Box::new(provider),
-                schedule,
+                fetch: Fetch::Poll {
+                    provider: Box::new(provider),
+                    schedule,
+                },
                 first_delay: Duration::ZERO,
             },
             clock,
@@ -306,7 +488,7 @@ mod tests {
             "waited {waited:?}"
         );
         // The announced next refresh is when the second one came.
-        let announced = harness.clock.instant_of(first.next_refresh_at);
+        let announced = harness.clock.instant_of(first.next_refresh_at.unwrap());
         assert!(announced.saturating_duration_since(started) <= waited);
         assert_eq!(harness.calls.load(Ordering::SeqCst), 2);
         drop(second);
@@ -383,5 +565,246 @@ mod tests {
             harness.outcomes.recv().await.is_none(),
             "the loop ended and closed its sender"
         );
+    }
+
+    // --- watch ---------------------------------------------------------------------------------
+
+    #[test]
+    fn backoff_doubles_from_one_second_to_a_minute_with_jitter() {
+        let secs = |failures| backoff_delay(failures, 0.0).as_secs_f64();
+        assert_eq!(
+            [1, 2, 3, 4, 5, 6, 7, 8].map(secs),
+            [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+        );
+        assert_eq!(backoff_delay(u32::MAX, 0.99), BACKOFF_MAX);
+        let jittered = backoff_delay(2, 0.5);
+        assert_eq!(jittered, Duration::from_millis(2_200));
+        assert_eq!(backoff_delay(0, 0.0), BACKOFF_FIRST);
+    }
+
+    /// One scripted answer of the watch.
+    #[derive(Clone)]
+    enum Step {
+        Set(&'static [u16]),
+        Fail,
+        Hang,
+    }
+
+    /// A watch provider answering from a script; when the script runs out it answers the last
+    /// set again at once, as a registry that does not block would.
+    struct ScriptedWatch {
+        script: Arc<Mutex<std::collections::VecDeque<Step>>>,
+        /// Requests made (answers asked for), and watches opened.
+        requests: Arc<AtomicUsize>,
+        opened: Arc<AtomicUsize>,
+    }
+
+    fn set_of(ports: &[u16]) -> Discovered {
+        let endpoints: Vec<crate::model::Endpoint> = ports
+            .iter()
+            .map(|port| crate::model::Endpoint {
+                key: format!("n/{port}"),
+                host: "127.0.0.1".into(),
+                port: *port,
+                weight: 100,
+                priority: 0,
+                enabled: true,
+                metadata: serde_json::json!({}),
+            })
+            .collect();
+        Discovered {
+            revision: crate::discovery::revision_of(&endpoints),
+            endpoints,
+            ttl: None,
+            refused: None,
+        }
+    }
+
+    impl WatchProvider for ScriptedWatch {
+        fn watch(&self) -> crate::discovery::WatchStream {
+            self.opened.fetch_add(1, Ordering::SeqCst);
+            let script = self.script.clone();
+            let requests = self.requests.clone();
+            let state = (script, requests, Step::Set(&[]));
+            Box::pin(futures_util::stream::unfold(
+                state,
+                |(script, requests, last)| async move {
+                    let index = requests.fetch_add(1, Ordering::SeqCst) + 1;
+                    let step = script.lock().unwrap().pop_front();
+                    let step = step.unwrap_or_else(|| last.clone());
+                    match step {
+                        Step::Hang => std::future::pending().await,
+                        Step::Fail => Some((
+                            Err(DiscoveryError::HttpStatus {
+                                url: "http://consul".into(),
+                                status: 500,
+                            }),
+                            (script, requests, last),
+                        )),
+                        Step::Set(ports) => Some((
+                            Ok(crate::discovery::WatchAnswer {
+                                discovered: set_of(ports),
+                                position: index.to_string(),
+                            }),
+                            (script, requests, Step::Set(ports)),
+                        )),
+                    }
+                },
+            ))
+        }
+
+        fn answer_deadline(&self) -> Duration {
+            Duration::from_secs(70)
+        }
+    }
+
+    struct WatchHarness {
+        script: Arc<Mutex<std::collections::VecDeque<Step>>>,
+        requests: Arc<AtomicUsize>,
+        opened: Arc<AtomicUsize>,
+        handle: RunnerHandle,
+        outcomes: mpsc::Receiver<RefreshOutcome>,
+    }
+
+    fn start_watch(script: &[Step]) -> WatchHarness {
+        let script = Arc::new(Mutex::new(script.iter().cloned().collect()));
+        let requests = Arc::new(AtomicUsize::new(0));
+        let opened = Arc::new(AtomicUsize::new(0));
+        let provider = ScriptedWatch {
+            script: Arc::clone(&script),
+            requests: requests.clone(),
+            opened: opened.clone(),
+        };
+        let (sender, outcomes) = mpsc::channel(16);
+        let handle = spawn(
+            RunnerSpec {
+                source_id: 9,
+                generation: 1,
+                fetch: Fetch::Watch {
+                    provider: Box::new(provider),
+                },
+                first_delay: Duration::ZERO,
+            },
+            Clock::new(),
+            sender,
+        );
+        WatchHarness {
+            script,
+            requests,
+            opened,
+            handle,
+            outcomes,
+        }
+    }
+
+    fn ports_of(outcome: &RefreshOutcome) -> Vec<u16> {
+        let discovered = outcome.result.as_ref().expect("a successful outcome");
+        discovered.endpoints.iter().map(|e| e.port).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_reports_each_new_set_once_and_asks_at_most_once_a_second() {
+        let mut harness = start_watch(&[Step::Set(&[1]), Step::Set(&[1]), Step::Set(&[1, 2])]);
+        let first = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&first), [1]);
+        assert_eq!(
+            first.next_refresh_at, None,
+            "a connected watch has no next refresh"
+        );
+        let watch = first.watch.clone().unwrap();
+        assert!(watch.connected);
+        assert_eq!(watch.index.as_deref(), Some("1"));
+        let started = Instant::now();
+        // The identical second answer is not reported; the third, a new set, is.
+        let second = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&second), [1, 2]);
+        assert_eq!(second.watch.unwrap().index.as_deref(), Some("3"));
+        assert_eq!(started.elapsed(), 2 * WATCH_SPACING);
+        // From here the provider answers the same set at once, forever: one request a second,
+        // and nothing reported.
+        let quiet = tokio::time::timeout(Duration::from_secs(60), harness.outcomes.recv()).await;
+        assert!(quiet.is_err(), "an unchanged set is not reported");
+        let requests = harness.requests.load(Ordering::SeqCst);
+        assert!((62..=64).contains(&requests), "{requests} requests in 62 s");
+        assert_eq!(harness.opened.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_watch_backs_off_reconnects_and_reports_the_same_set_again() {
+        let mut harness = start_watch(&[
+            Step::Set(&[1]),
+            Step::Fail,
+            Step::Fail,
+            Step::Set(&[1]),
+            Step::Hang,
+        ]);
+        assert_eq!(ports_of(&harness.outcomes.recv().await.unwrap()), [1]);
+        let failed = harness.outcomes.recv().await.unwrap();
+        assert!(failed.result.is_err());
+        let watch = failed.watch.clone().unwrap();
+        assert!(!watch.connected);
+        assert_eq!(watch.index.as_deref(), Some("1"), "the last index is kept");
+        let retry_in = failed.next_refresh_at.unwrap() - failed.finished_at;
+        assert!(
+            (1_000..=1_200).contains(&retry_in.num_milliseconds()),
+            "{retry_in}"
+        );
+        let before_second = Instant::now();
+        let failed_again = harness.outcomes.recv().await.unwrap();
+        assert!(failed_again.result.is_err());
+        let waited = before_second.elapsed();
+        assert!(
+            waited >= Duration::from_secs(1) && waited <= Duration::from_millis(1_200),
+            "{waited:?}"
+        );
+        let before_third = Instant::now();
+        // Back: the same set as before the failure is reported, to end the failure.
+        let recovered = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&recovered), [1]);
+        assert!(recovered.watch.unwrap().connected);
+        let waited = before_third.elapsed();
+        assert!(
+            waited >= Duration::from_secs(2) && waited <= Duration::from_millis(2_400),
+            "the second failure waits twice as long: {waited:?}"
+        );
+        assert_eq!(harness.opened.load(Ordering::SeqCst), 3);
+        drop(harness.script);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_watch_is_taken_for_dead_after_its_deadline() {
+        let mut harness = start_watch(&[Step::Set(&[1]), Step::Hang, Step::Set(&[1, 2])]);
+        harness.outcomes.recv().await.unwrap();
+        let started = Instant::now();
+        let dead = harness.outcomes.recv().await.unwrap();
+        assert_eq!(
+            dead.result.unwrap_err(),
+            DiscoveryError::WatchSilent { waited_ms: 70_000 }
+        );
+        assert_eq!(started.elapsed(), WATCH_SPACING + Duration::from_secs(70));
+        let back = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&back), [1, 2]);
+        assert_eq!(harness.opened.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_requested_refresh_restarts_the_watch_from_a_full_read() {
+        let mut harness = start_watch(&[Step::Set(&[1]), Step::Hang, Step::Set(&[1])]);
+        harness.outcomes.recv().await.unwrap();
+        // Let the watch sit in its blocking request.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(harness.handle.request_refresh());
+        assert!(!harness.handle.request_refresh(), "a second request joins");
+        let asked = Instant::now();
+        let again = harness.outcomes.recv().await.unwrap();
+        assert_eq!(
+            ports_of(&again),
+            [1],
+            "reported although the set is the same"
+        );
+        assert_eq!(asked.elapsed(), Duration::ZERO);
+        assert_eq!(harness.opened.load(Ordering::SeqCst), 2);
+        // Once answered, a new request is a new refresh.
+        assert!(harness.handle.request_refresh());
     }
 }

@@ -223,6 +223,7 @@ pub(super) struct SourceRow {
     next_refresh_at: Option<i64>,
     revision: Option<String>,
     failing_since: Option<i64>,
+    watch: Option<String>,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -238,6 +239,12 @@ impl SourceRow {
             next_refresh_at: self.next_refresh_at.map(time).transpose()?,
             revision: self.revision,
             failing_since: self.failing_since.map(time).transpose()?,
+            watch: self
+                .watch
+                .as_deref()
+                .map(serde_json::from_str)
+                .transpose()
+                .map_err(|e| StoreError::Corrupt(format!("source watch: {e}")))?,
         };
         let source = DiscoverySource {
             id: self.id,

@@ -7,8 +7,9 @@ macro_rules! save_progress_query {
     ($id:expr, $progress:expr) => {
         sqlx::query(
             "UPDATE discovery_sources SET state = $1, last_error = $2, last_refresh_at = $3,
-                last_success_at = $4, next_refresh_at = $5, revision = $6, failing_since = $7
-             WHERE id = $8",
+                last_success_at = $4, next_refresh_at = $5, revision = $6, failing_since = $7,
+                watch = $8
+             WHERE id = $9",
         )
         .bind($progress.state.as_str())
         .bind(&$progress.last_error)
@@ -17,6 +18,7 @@ macro_rules! save_progress_query {
         .bind(millis($progress.next_refresh_at))
         .bind(&$progress.revision)
         .bind(millis($progress.failing_since))
+        .bind(watch_json(&$progress.watch))
         .bind($id)
     };
 }
@@ -25,7 +27,14 @@ use super::rows::{SourceRow, TargetRow};
 use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
     DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
+    WatchProgress,
 };
+
+fn watch_json(watch: &Option<WatchProgress>) -> Option<String> {
+    watch
+        .as_ref()
+        .and_then(|watch| serde_json::to_string(watch).ok())
+}
 
 fn millis(time: Option<DateTime<Utc>>) -> Option<i64> {
     time.map(|time| time.timestamp_millis())

@@ -287,6 +287,11 @@ fn progress(revision: &str) -> crate::model::SourceProgress {
         next_refresh_at: Some(at + chrono::Duration::seconds(30)),
         revision: Some(revision.to_owned()),
         failing_since: None,
+        watch: Some(crate::model::WatchProgress {
+            connected: true,
+            since: at,
+            index: Some("42".to_owned()),
+        }),
     }
 }
 

@@ -1,21 +1,21 @@
-//! Provider configs: their serde/JSON Schema types, validation into a normalised form with every
-//! default filled in, construction of a ready provider, and the descriptors the admin API lists.
+//! What every provider config shares: the shared keys and their ranges, validation into a
+//! normalised form with every default filled in, the JSON Schema and defaults the admin API
+//! lists, and the checks several providers use (DNS names, resolvers, URLs).
 //!
 //! Validation is serde (types, unknown and missing keys) followed by explicit range and format
 //! checks, so one code path serves `validate`, `build` and the error messages an operator reads.
 
-use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use schemars::generate::SchemaSettings;
 use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 
-use crate::discovery::{dns, dns_srv, http, ConfigError, Provider, Schedule};
-use crate::model::{ProviderKind, DEFAULT_WEIGHT};
+use crate::discovery::{ConfigError, Schedule};
+use crate::model::DEFAULT_WEIGHT;
 
 pub const DEFAULT_INTERVAL_MS: u64 = 30_000;
 pub const DEFAULT_TIMEOUT_MS: u64 = 5_000;
@@ -25,304 +25,49 @@ const TIMEOUT_RANGE: (u64, u64) = (10, 600_000);
 const WEIGHT_MAX: u32 = 65_535;
 const PORT_RANGE: (u32, u32) = (1, 65_535);
 
-/// The record types the `dns` provider can ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum RecordKind {
-    A,
-    Aaaa,
-}
-
-/// `dns`: A and/or AAAA records of one host name; every address becomes an endpoint on `port`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DnsConfig {
-    /// The DNS name to resolve, e.g. `backend.internal`. Without a trailing dot and without
-    /// `resolver`, the search domains of /etc/resolv.conf apply.
-    pub hostname: String,
-    /// Port of every discovered endpoint (DNS address records carry none).
-    #[schemars(range(min = 1, max = 65535))]
-    pub port: u32,
-    /// Which address records to ask for.
-    #[serde(default = "default_record_types")]
-    #[schemars(length(min = 1))]
-    pub record_types: Vec<RecordKind>,
-    /// DNS server as `ip:port` (UDP, TCP when the answer is truncated); unset uses /etc/resolv.conf.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resolver: Option<String>,
-    /// Milliseconds between refreshes (each wait subtracts up to 10 % jitter; a shorter record TTL refreshes sooner).
-    #[serde(default = "default_interval_ms")]
-    #[schemars(range(min = 100, max = 86_400_000))]
-    pub interval_ms: u64,
-    /// Milliseconds one refresh may take.
-    #[serde(default = "default_timeout_ms")]
-    #[schemars(range(min = 10, max = 600_000))]
-    pub timeout_ms: u64,
-    /// Weight of every discovered endpoint.
-    #[serde(default = "default_weight")]
-    #[schemars(range(max = 65535))]
-    pub weight: u32,
-    /// Priority tier of every discovered endpoint (lower is preferred).
-    #[serde(default)]
-    pub priority: i32,
-}
-
-/// `dns-srv`: SRV records of a service name, then A and AAAA of each SRV target.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DnsSrvConfig {
-    /// The SRV name, e.g. `_http._tcp.backend.internal`.
-    pub service_name: String,
-    /// DNS server as `ip:port` (UDP, TCP when the answer is truncated); unset uses /etc/resolv.conf.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resolver: Option<String>,
-    /// Take each endpoint's weight from its SRV record (RFC 2782 weight 0 gets a very small share).
-    #[serde(default = "default_true")]
-    pub use_record_weight: bool,
-    /// Take each endpoint's priority tier from its SRV record.
-    #[serde(default = "default_true")]
-    pub use_record_priority: bool,
-    /// Unused by SRV records (they carry a port); accepted for symmetry with the other providers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 65535))]
-    pub port: Option<u32>,
-    /// Milliseconds between refreshes (each wait subtracts up to 10 % jitter; a shorter record TTL refreshes sooner).
-    #[serde(default = "default_interval_ms")]
-    #[schemars(range(min = 100, max = 86_400_000))]
-    pub interval_ms: u64,
-    /// Milliseconds one refresh may take.
-    #[serde(default = "default_timeout_ms")]
-    #[schemars(range(min = 10, max = 600_000))]
-    pub timeout_ms: u64,
-    /// Weight of every endpoint when `use_record_weight` is false.
-    #[serde(default = "default_weight")]
-    #[schemars(range(max = 65535))]
-    pub weight: u32,
-    /// Priority tier of every endpoint when `use_record_priority` is false.
-    #[serde(default)]
-    pub priority: i32,
-}
-
-/// `http`: GET a JSON registry document listing endpoints.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct HttpConfig {
-    /// `http` or `https` URL answering a JSON array of endpoints
-    /// (`{host, port?, weight?, priority?, enabled?, key?, metadata?}`, `host` an IP address).
-    #[schemars(url)]
-    pub url: String,
-    /// Dotted path to the array inside an object document, e.g. `data.items`; unset means the
-    /// document itself is the array.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub endpoints_path: Option<String>,
-    /// Extra request headers, e.g. `{"Authorization": "Bearer …"}`.
-    #[serde(default)]
-    pub headers: BTreeMap<String, String>,
-    /// Verify the registry's TLS certificate; false accepts any certificate.
-    #[serde(default = "default_true")]
-    pub tls_verify: bool,
-    /// Port of endpoints that do not state one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 65535))]
-    pub port: Option<u32>,
-    /// Milliseconds between refreshes (each wait subtracts up to 10 % jitter).
-    #[serde(default = "default_interval_ms")]
-    #[schemars(range(min = 100, max = 86_400_000))]
-    pub interval_ms: u64,
-    /// Milliseconds one refresh (request and body) may take.
-    #[serde(default = "default_timeout_ms")]
-    #[schemars(range(min = 10, max = 600_000))]
-    pub timeout_ms: u64,
-    /// Weight of endpoints that do not state one.
-    #[serde(default = "default_weight")]
-    #[schemars(range(max = 65535))]
-    pub weight: u32,
-    /// Priority tier of endpoints that do not state one (lower is preferred).
-    #[serde(default)]
-    pub priority: i32,
-}
-
-fn default_record_types() -> Vec<RecordKind> {
-    vec![RecordKind::A, RecordKind::Aaaa]
-}
-fn default_interval_ms() -> u64 {
+pub(crate) fn default_interval_ms() -> u64 {
     DEFAULT_INTERVAL_MS
 }
-fn default_timeout_ms() -> u64 {
+pub(crate) fn default_timeout_ms() -> u64 {
     DEFAULT_TIMEOUT_MS
 }
-fn default_weight() -> u32 {
+pub(crate) fn default_weight() -> u32 {
     DEFAULT_WEIGHT
 }
-fn default_true() -> bool {
+pub(crate) fn default_true() -> bool {
     true
 }
 
 /// The keys every provider shares, read uniformly for checks and the schedule.
-struct SharedKeys {
-    interval_ms: u64,
-    timeout_ms: u64,
-    weight: u32,
-    port: Option<u32>,
+pub(crate) struct SharedKeys {
+    /// None for watch providers: they have no schedule.
+    pub interval_ms: Option<u64>,
+    pub timeout_ms: u64,
+    pub weight: u32,
+    pub port: Option<u32>,
 }
 
 /// A provider config: its own checks beyond what serde enforces, and its shared keys.
-trait ProviderConfig: DeserializeOwned + Serialize {
+pub(crate) trait ProviderConfig: DeserializeOwned + Serialize + JsonSchema {
     fn shared(&self) -> SharedKeys;
     fn check(&self) -> Result<(), ConfigError>;
     /// Rewrites accepted shorthands into their full form (after `check` passed).
     fn normalise(&mut self) {}
 }
 
-impl ProviderConfig for DnsConfig {
-    fn shared(&self) -> SharedKeys {
-        SharedKeys {
-            interval_ms: self.interval_ms,
-            timeout_ms: self.timeout_ms,
-            weight: self.weight,
-            port: Some(self.port),
-        }
-    }
-
-    fn check(&self) -> Result<(), ConfigError> {
-        check_dns_name("hostname", &self.hostname)?;
-        if self.record_types.is_empty() {
-            return Err(error(
-                "record_types",
-                "must list at least one of \"a\", \"aaaa\"",
-            ));
-        }
-        for (index, kind) in self.record_types.iter().enumerate() {
-            if self.record_types[..index].contains(kind) {
-                return Err(error(format!("record_types[{index}]"), "is listed twice"));
-            }
-        }
-        check_resolver(self.resolver.as_deref())
-    }
-
-    fn normalise(&mut self) {
-        self.resolver = normalised_resolver(self.resolver.as_deref());
-    }
+/// A provider's `validate`: the config parsed, checked and written back with every default.
+pub(crate) fn validate_as<T: ProviderConfig>(config: &Value) -> Result<Value, ConfigError> {
+    let parsed = parse::<T>(config)?;
+    serde_json::to_value(&parsed).map_err(|err| error("", err.to_string()))
 }
 
-impl ProviderConfig for DnsSrvConfig {
-    fn shared(&self) -> SharedKeys {
-        SharedKeys {
-            interval_ms: self.interval_ms,
-            timeout_ms: self.timeout_ms,
-            weight: self.weight,
-            port: self.port,
-        }
-    }
-
-    fn check(&self) -> Result<(), ConfigError> {
-        check_dns_name("service_name", &self.service_name)?;
-        check_resolver(self.resolver.as_deref())
-    }
-
-    fn normalise(&mut self) {
-        self.resolver = normalised_resolver(self.resolver.as_deref());
-    }
-}
-
-impl ProviderConfig for HttpConfig {
-    fn shared(&self) -> SharedKeys {
-        SharedKeys {
-            interval_ms: self.interval_ms,
-            timeout_ms: self.timeout_ms,
-            weight: self.weight,
-            port: self.port,
-        }
-    }
-
-    fn check(&self) -> Result<(), ConfigError> {
-        check_url(&self.url)?;
-        if let Some(path) = &self.endpoints_path {
-            if path.split('.').any(str::is_empty) {
-                return Err(error(
-                    "endpoints_path",
-                    "must be dot-separated keys without empty parts, e.g. data.items",
-                ));
-            }
-        }
-        for (name, value) in &self.headers {
-            let field = format!("headers.{name}");
-            if ::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
-                return Err(error(field, "is not a valid HTTP header name"));
-            }
-            if ::http::HeaderValue::from_str(value).is_err() {
-                return Err(error(
-                    field,
-                    "is not a valid HTTP header value (visible ASCII, no line breaks)",
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Checks `config` against the provider's schema and rules; returns it normalised with every default filled in.
-pub fn validate(kind: ProviderKind, config: &Value) -> Result<Value, ConfigError> {
-    match kind {
-        ProviderKind::Dns => normalised(&parse::<DnsConfig>(config)?),
-        ProviderKind::DnsSrv => normalised(&parse::<DnsSrvConfig>(config)?),
-        ProviderKind::Http => normalised(&parse::<HttpConfig>(config)?),
-    }
-}
-
-/// A ready provider and its schedule (config must have passed `validate`, but handle errors anyway).
-pub fn build(
-    kind: ProviderKind,
-    config: &Value,
-) -> Result<(Box<dyn Provider>, Schedule), ConfigError> {
-    match kind {
-        ProviderKind::Dns => {
-            let config = parse::<DnsConfig>(config)?;
-            let schedule = schedule_of(&config);
-            Ok((Box::new(dns::DnsProvider::new(&config)), schedule))
-        }
-        ProviderKind::DnsSrv => {
-            let config = parse::<DnsSrvConfig>(config)?;
-            let schedule = schedule_of(&config);
-            Ok((Box::new(dns_srv::DnsSrvProvider::new(&config)), schedule))
-        }
-        ProviderKind::Http => {
-            let config = parse::<HttpConfig>(config)?;
-            let schedule = schedule_of(&config);
-            Ok((Box::new(http::HttpProvider::new(&config)?), schedule))
-        }
-    }
-}
-
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
-pub struct ProviderDescriptor {
-    pub name: String,
-    pub description: String,
-    #[schema(value_type = Object)]
-    pub config_schema: serde_json::Value,
-    #[schema(value_type = Object)]
-    pub defaults: serde_json::Value,
-}
-
-/// For GET /api/v1/discovery/providers: every provider with its JSON Schema generated from the Rust config type and its defaults.
-pub fn descriptors() -> Vec<ProviderDescriptor> {
-    vec![
-        descriptor::<DnsConfig>(
-            ProviderKind::Dns,
-            "A and AAAA records of `hostname`; every address becomes an endpoint on `port`.",
-        ),
-        descriptor::<DnsSrvConfig>(
-            ProviderKind::DnsSrv,
-            "SRV records of `service_name`, then the A and AAAA records of each target; port, \
-             weight and priority come from the SRV records.",
-        ),
-        descriptor::<HttpConfig>(
-            ProviderKind::Http,
-            "GET `url` and read a JSON array of endpoints (or the array at `endpoints_path`); \
-             each endpoint names an IP `host` and optionally port, weight, priority, enabled, \
-             key and metadata.",
-        ),
-    ]
+/// A provider's JSON Schema, generated from its config type.
+pub(crate) fn schema_of<T: JsonSchema>() -> Value {
+    SchemaSettings::draft2020_12()
+        .with(|settings| settings.inline_subschemas = true)
+        .into_generator()
+        .into_root_schema_for::<T>()
+        .to_value()
 }
 
 /// The refresh budget inside a provider: a little under `timeout_ms`, so a provider reports its
@@ -341,23 +86,8 @@ pub(crate) fn resolver_address(resolver: Option<&str>) -> Option<SocketAddr> {
     })
 }
 
-fn descriptor<T: JsonSchema>(kind: ProviderKind, description: &str) -> ProviderDescriptor {
-    let config_schema = SchemaSettings::draft2020_12()
-        .with(|settings| settings.inline_subschemas = true)
-        .into_generator()
-        .into_root_schema_for::<T>()
-        .to_value();
-    let defaults = defaults_in(&config_schema);
-    ProviderDescriptor {
-        name: kind.as_str().to_owned(),
-        description: description.to_owned(),
-        config_schema,
-        defaults,
-    }
-}
-
 /// The defaults are read back from the schema, so the two can never disagree.
-fn defaults_in(schema: &Value) -> Value {
+pub(crate) fn defaults_in(schema: &Value) -> Value {
     let defaults = schema
         .get("properties")
         .and_then(Value::as_object)
@@ -368,20 +98,17 @@ fn defaults_in(schema: &Value) -> Value {
     Value::Object(defaults)
 }
 
-fn schedule_of(config: &impl ProviderConfig) -> Schedule {
+/// A poll provider's schedule (a watch provider has no interval: it falls back to the default).
+pub(crate) fn schedule_of(config: &impl ProviderConfig) -> Schedule {
     let shared = config.shared();
     Schedule {
-        interval: Duration::from_millis(shared.interval_ms),
+        interval: Duration::from_millis(shared.interval_ms.unwrap_or(DEFAULT_INTERVAL_MS)),
         timeout: Duration::from_millis(shared.timeout_ms),
     }
 }
 
-fn normalised<T: Serialize>(config: &T) -> Result<Value, ConfigError> {
-    serde_json::to_value(config).map_err(|err| error("", err.to_string()))
-}
-
 /// Deserialises and checks a config; every failure names the offending key.
-fn parse<T: ProviderConfig>(config: &Value) -> Result<T, ConfigError> {
+pub(crate) fn parse<T: ProviderConfig>(config: &Value) -> Result<T, ConfigError> {
     if !config.is_object() {
         return Err(error("", "the config must be a JSON object"));
     }
@@ -393,7 +120,9 @@ fn parse<T: ProviderConfig>(config: &Value) -> Result<T, ConfigError> {
 }
 
 fn check_shared(shared: &SharedKeys) -> Result<(), ConfigError> {
-    check_range("interval_ms", shared.interval_ms, INTERVAL_RANGE)?;
+    if let Some(interval_ms) = shared.interval_ms {
+        check_range("interval_ms", interval_ms, INTERVAL_RANGE)?;
+    }
     check_range("timeout_ms", shared.timeout_ms, TIMEOUT_RANGE)?;
     check_range("weight", shared.weight, (0, WEIGHT_MAX))?;
     if let Some(port) = shared.port {
@@ -402,7 +131,7 @@ fn check_shared(shared: &SharedKeys) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn check_range<N: PartialOrd + std::fmt::Display>(
+pub(crate) fn check_range<N: PartialOrd + std::fmt::Display>(
     field: &str,
     value: N,
     (min, max): (N, N),
@@ -418,7 +147,7 @@ fn check_range<N: PartialOrd + std::fmt::Display>(
 
 /// Host names as resolvers accept them: dot-separated labels of letters, digits, `-` and `_`
 /// (service labels and some container names use `_`), an optional trailing dot for "absolute".
-fn check_dns_name(field: &str, name: &str) -> Result<(), ConfigError> {
+pub(crate) fn check_dns_name(field: &str, name: &str) -> Result<(), ConfigError> {
     let relative = name.strip_suffix('.').unwrap_or(name);
     if relative.is_empty() {
         return Err(error(field, "must not be empty"));
@@ -453,11 +182,11 @@ fn check_dns_name(field: &str, name: &str) -> Result<(), ConfigError> {
 }
 
 /// A bare resolver IP gets the DNS port written out, so the stored config says what is used.
-fn normalised_resolver(resolver: Option<&str>) -> Option<String> {
+pub(crate) fn normalised_resolver(resolver: Option<&str>) -> Option<String> {
     resolver_address(resolver).map(|address| address.to_string())
 }
 
-fn check_resolver(resolver: Option<&str>) -> Result<(), ConfigError> {
+pub(crate) fn check_resolver(resolver: Option<&str>) -> Result<(), ConfigError> {
     let Some(text) = resolver else {
         return Ok(());
     };
@@ -472,17 +201,17 @@ fn check_resolver(resolver: Option<&str>) -> Result<(), ConfigError> {
     }
 }
 
-fn check_url(url: &str) -> Result<(), ConfigError> {
+pub(crate) fn check_url(field: &str, url: &str) -> Result<(), ConfigError> {
     let parsed = reqwest::Url::parse(url)
-        .map_err(|err| error("url", format!("is not a valid URL: {err}")))?;
+        .map_err(|err| error(field, format!("is not a valid URL: {err}")))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(error(
-            "url",
+            field,
             format!("must use http or https, not {:?}", parsed.scheme()),
         ));
     }
     if parsed.host_str().unwrap_or_default().is_empty() {
-        return Err(error("url", "must name a host"));
+        return Err(error(field, "must name a host"));
     }
     Ok(())
 }
@@ -513,7 +242,7 @@ fn named_key(message: &str) -> Option<&str> {
 }
 
 /// `headers.X-Api-Key`, `record_types[1]`: dots between keys, brackets for indexes.
-fn render_path(path: &serde_path_to_error::Path) -> String {
+pub(crate) fn render_path(path: &serde_path_to_error::Path) -> String {
     use serde_path_to_error::Segment;
     let mut rendered = String::new();
     for segment in path.iter() {
@@ -536,7 +265,7 @@ fn render_path(path: &serde_path_to_error::Path) -> String {
     rendered
 }
 
-fn error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+pub(crate) fn error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
         message: message.into(),
@@ -546,6 +275,8 @@ fn error(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::discovery::{build, descriptors, validate, Fetch};
+    use crate::model::ProviderKind;
     use serde_json::json;
 
     fn field_of(kind: ProviderKind, config: Value) -> String {
@@ -747,7 +478,9 @@ mod tests {
     fn build_gives_the_schedule() {
         let config =
             json!({"hostname": "api.internal", "port": 80, "interval_ms": 1000, "timeout_ms": 200});
-        let (_, schedule) = build(ProviderKind::Dns, &config).unwrap();
+        let Ok(Fetch::Poll { schedule, .. }) = build(ProviderKind::Dns, &config) else {
+            panic!("dns is a poll provider");
+        };
         assert_eq!(
             schedule,
             Schedule {
@@ -768,7 +501,7 @@ mod tests {
     fn descriptors_list_every_provider_with_schema_and_defaults() {
         let descriptors = descriptors();
         let names: Vec<&str> = descriptors.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["dns", "dns-srv", "http"]);
+        assert_eq!(names, ["dns", "dns-srv", "http", "consul"]);
         for (descriptor, required) in descriptors.iter().zip(["hostname", "service_name", "url"]) {
             let schema = &descriptor.config_schema;
             assert!(
