@@ -11,7 +11,7 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{EndpointCounts, Health, Id, SourceState, TargetState};
+use crate::model::{EndpointCounts, Health, Id, SourceState, TargetState, WatchProgress};
 
 /// Largest page the admin API serves; fewer round trips for big gateways.
 const PAGE_LIMIT: u32 = 1000;
@@ -69,6 +69,8 @@ pub struct SourceReport {
     pub failing_since: Option<DateTime<Utc>>,
     /// The gateway instance holding the source's lease (the one that refreshes it).
     pub refreshed_by: Option<String>,
+    /// A watch provider's watch.
+    pub watch: Option<WatchProgress>,
 }
 
 /// Why `raahi status` could not build its report.
@@ -167,6 +169,19 @@ fn source_line(source: &SourceReport, now: DateTime<Utc>) -> String {
     }
     if let Some(since) = source.failing_since {
         parts.push(format!("failing since {}", when(since, now)));
+    }
+    if let Some(watch) = &source.watch {
+        let index = watch
+            .index
+            .as_deref()
+            .map(|index| format!(" at index {index}"))
+            .unwrap_or_default();
+        let verb = if watch.connected {
+            "watching"
+        } else {
+            "watch down"
+        };
+        parts.push(format!("{verb}{index} since {}", when(watch.since, now)));
     }
     if let Some(at) = source.next_refresh_at {
         parts.push(format!("next refresh {}", when(at, now)));
@@ -284,6 +299,8 @@ struct ApiSourceStatus {
     failing_since: Option<DateTime<Utc>>,
     #[serde(default)]
     refreshed_by: Option<String>,
+    #[serde(default)]
+    watch: Option<WatchProgress>,
 }
 
 #[derive(Deserialize)]
@@ -348,6 +365,7 @@ impl Api {
                 next_refresh_at: status.next_refresh_at,
                 failing_since: status.failing_since,
                 refreshed_by: status.refreshed_by,
+                watch: status.watch,
             });
         }
         Ok(Some(ServiceReport {
@@ -469,6 +487,7 @@ mod tests {
             next_refresh_at: None,
             failing_since: None,
             refreshed_by: None,
+            watch: None,
         }
     }
 
@@ -530,6 +549,33 @@ mod tests {
         let text = render_text(&report(vec![failing]));
         assert!(
             text.contains("failing, endpoints active/draining/stale 2/1/0, never succeeded, failing since 2023-11-14T22:10:20Z (3m ago), refreshed by gw-2, last error: HTTP 503 from registry\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_watch_shows_whether_it_is_connected_and_its_index() {
+        let mut watching = source(SourceState::Healthy);
+        watching.provider = "consul".to_owned();
+        watching.watch = Some(WatchProgress {
+            connected: true,
+            since: at(-60),
+            index: Some("4711".to_owned()),
+        });
+        let text = render_text(&report(vec![watching.clone()]));
+        assert!(
+            text.contains("(consul): healthy, endpoints active/draining/stale 2/1/0, watching at index 4711 since 2023-11-14T22:12:20Z (60s ago)\n"),
+            "{text}"
+        );
+        watching.watch = Some(WatchProgress {
+            connected: false,
+            since: at(-2),
+            index: None,
+        });
+        watching.next_refresh_at = Some(at(3));
+        let text = render_text(&report(vec![watching]));
+        assert!(
+            text.contains("watch down since 2023-11-14T22:13:18Z (2s ago), next refresh 2023-11-14T22:13:23Z (in 3s)"),
             "{text}"
         );
     }

@@ -89,6 +89,8 @@ struct SourceSample {
     refreshes: u64,
     failures: u64,
     duration_seconds: f64,
+    /// A watch provider's watch: connected or not; None for poll providers.
+    watch_connected: Option<bool>,
 }
 
 pub async fn metrics(State(state): State<AdminState>) -> Response {
@@ -224,6 +226,7 @@ async fn gather_store(
             failures: read(|stats| stats.failures.load(Ordering::Relaxed)),
             duration_seconds: read(|stats| stats.duration_micros.load(Ordering::Relaxed)) as f64
                 / 1_000_000.0,
+            watch_connected: progress.watch.as_ref().map(|watch| watch.connected),
         });
     }
     Ok(())
@@ -470,6 +473,15 @@ impl Collector for Scrape {
                         i64::from(source.state == state),
                     )
                 })
+            }),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_discovery_watch_connected",
+            "1 while a watch provider's watch is connected, 0 while it backs off or reconnects.",
+            self.sources.iter().filter_map(|source| {
+                let connected = source.watch_connected?;
+                Some((source.labels.clone(), i64::from(connected)))
             }),
         )?;
         counter(

@@ -2,6 +2,7 @@
 //! upstream HTTP servers, and condition waits with deadlines.
 #![allow(dead_code)]
 
+pub mod consul;
 pub mod knot;
 pub mod process;
 pub mod registry;
