@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use raahi::config::Config;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
@@ -28,30 +27,12 @@ const PROPAGATION: Duration = Duration::from_secs(1);
 /// Short leases so a takeover test takes seconds, not the default quarter minute.
 const LEASE_MS: u64 = 1_500;
 
-/// A test gateway's config on the shared database `database_url`, as instance `instance_id`.
-fn instance_config(database_url: &str, instance_id: &str) -> Config {
-    let env: Vec<(String, String)> = [
-        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
-        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
-        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
-        ("RAAHI_DATABASE_URL", database_url.to_owned()),
-        ("RAAHI_CLUSTER_INSTANCE_ID", instance_id.to_owned()),
-        ("RAAHI_CLUSTER_LEASE_MS", LEASE_MS.to_string()),
-        // Far beyond every wait here: changes must arrive by notification, not by resync.
-        ("RAAHI_CLUSTER_RESYNC_MS", "600000".to_owned()),
-    ]
-    .into_iter()
-    .map(|(name, value)| (name.to_owned(), value))
-    .collect();
-    Config::from_parts("cluster-test.toml", None, &env).expect("cluster test config is valid")
-}
-
 /// Instances `gw-a` and `gw-b` on one database.
 async fn two_instances(database_url: &str) -> (TestGateway, TestGateway) {
     let mut instances = Vec::new();
     for id in ["gw-a", "gw-b"] {
         let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
-        let config = instance_config(database_url, id);
+        let config = cluster_config(database_url, id, LEASE_MS);
         instances.push(TestGateway::start_with(dir, config).await);
     }
     let second = instances.pop().expect("two instances");

@@ -16,7 +16,6 @@ use common::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use raahi::config::Config;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
@@ -75,41 +74,16 @@ fn instance_of(upstream: &Upstream, node: &str) -> Instance {
 }
 
 async fn status_of(gateway: &TestGateway, source: i64) -> Value {
-    let path = format!("/api/v1/discovery-sources/{source}/status");
-    let (status, body) = gateway.api("GET", &path, None).await;
-    assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
-    body
+    gateway.source_status(source).await
 }
 
-/// Polls the source's status until `done` holds; returns that status.
 async fn wait_status(
     gateway: &TestGateway,
     source: i64,
     what: &str,
     done: impl Fn(&Value) -> bool,
 ) -> Value {
-    wait_status_within(gateway, source, what, WAIT, done).await
-}
-
-async fn wait_status_within(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    within: Duration,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    let end = Instant::now() + within;
-    loop {
-        let status = status_of(gateway, source).await;
-        if done(&status) {
-            return status;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {within:?} waiting for source {source}: {what}; last status {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    gateway.wait_source_status(source, what, WAIT, done).await
 }
 
 /// Status and body of a GET through the proxy (status 0 when it does not answer).
@@ -686,10 +660,9 @@ async fn consul_down_is_failing_then_stale_then_back() {
 
     // Back at the next retry: the backoff has doubled a few times by now (1, 2, 4, 8 s).
     fake.restart().await;
-    let status = wait_status_within(&gateway, source, "healthy", 2 * WAIT, |s| {
-        s["state"] == "healthy"
-    })
-    .await;
+    let status = gateway
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s["state"] == "healthy")
+        .await;
     assert_eq!(status["endpoints"]["active"], 1, "{status}");
     assert_eq!(status["watch"]["connected"], true, "{status}");
     wait_serving(&gateway, "first", 3, WAIT).await;
@@ -800,29 +773,13 @@ async fn bad_consul_configs_are_refused_by_field() {
 
 const LEASE_MS: u64 = 1_500;
 
-fn instance_config(database_url: &str, instance_id: &str) -> Config {
-    let env: Vec<(String, String)> = [
-        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
-        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
-        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
-        ("RAAHI_DATABASE_URL", database_url.to_owned()),
-        ("RAAHI_CLUSTER_INSTANCE_ID", instance_id.to_owned()),
-        ("RAAHI_CLUSTER_LEASE_MS", LEASE_MS.to_string()),
-        ("RAAHI_CLUSTER_RESYNC_MS", "600000".to_owned()),
-    ]
-    .into_iter()
-    .map(|(name, value)| (name.to_owned(), value))
-    .collect();
-    Config::from_parts("consul-cluster-test.toml", None, &env).expect("a valid config")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_lease_holder_watches_and_a_survivor_takes_the_watch_over() {
     let database = postgres::fresh_database().await;
     let mut instances = Vec::new();
     for id in ["gw-a", "gw-b"] {
         let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
-        instances.push(TestGateway::start_with(dir, instance_config(&database, id)).await);
+        instances.push(TestGateway::start_with(dir, cluster_config(&database, id, LEASE_MS)).await);
     }
     let b = instances.pop().unwrap();
     let a = instances.pop().unwrap();

@@ -102,11 +102,7 @@ async fn get_ok(gateway: &TestGateway, path: &str) -> Value {
 }
 
 async fn source_status(gateway: &TestGateway, source: i64) -> Value {
-    get_ok(
-        gateway,
-        &format!("/api/v1/discovery-sources/{source}/status"),
-    )
-    .await
+    gateway.source_status(source).await
 }
 
 /// Polls the source's status until `done` holds; returns that status.
@@ -116,18 +112,7 @@ async fn wait_status(
     what: &str,
     done: impl Fn(&Value) -> bool,
 ) -> Value {
-    let end = Instant::now() + WAIT;
-    loop {
-        let status = source_status(gateway, source).await;
-        if done(&status) {
-            return status;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {WAIT:?} waiting for source {source}: {what}; last status {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    gateway.wait_source_status(source, what, WAIT, done).await
 }
 
 async fn wait_state(gateway: &TestGateway, source: i64, state: &str) -> Value {

@@ -183,15 +183,7 @@ impl ControlTask {
             let changes = reconcile::drain_all(&targets, now, entry.removal_grace());
             changed = self.write_changes(entry, &changes).await?;
             lifecycle::disable(&mut entry.progress);
-            if let Some(watch) = entry
-                .progress
-                .watch
-                .as_mut()
-                .filter(|watch| watch.connected)
-            {
-                watch.connected = false;
-                watch.since = now;
-            }
+            lifecycle::watch_gone(&mut entry.progress, now);
             self.store
                 .save_progress(entry.source.id, &entry.progress)
                 .await?;
@@ -206,16 +198,7 @@ impl ControlTask {
 
     fn start_runner(&mut self, entry: &mut SourceEntry, first_delay: Duration) {
         // A watch stored as connected was another runner's (before a restart or a takeover).
-        let now = self.clock.now();
-        if let Some(watch) = entry
-            .progress
-            .watch
-            .as_mut()
-            .filter(|watch| watch.connected)
-        {
-            watch.connected = false;
-            watch.since = now;
-        }
+        lifecycle::watch_gone(&mut entry.progress, self.clock.now());
         match discovery::build(entry.source.provider, &entry.source.config) {
             Ok(fetch) => {
                 let generation = self.next_runner_generation;

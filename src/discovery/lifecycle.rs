@@ -133,6 +133,16 @@ pub fn enable(progress: &mut SourceProgress, next_refresh_at: DateTime<Utc>) -> 
     Transition::Unchanged
 }
 
+/// The runner that watched the source is gone (the source was disabled, or a new runner starts
+/// after a restart or a takeover): a watch shown as connected is down from `now` until the new
+/// runner's first answer. The last index is kept.
+pub fn watch_gone(progress: &mut SourceProgress, now: DateTime<Utc>) {
+    if let Some(watch) = progress.watch.as_mut().filter(|watch| watch.connected) {
+        watch.connected = false;
+        watch.since = now;
+    }
+}
+
 fn transition(before: SourceState, after: SourceState) -> Transition {
     if before == after {
         return Transition::Unchanged;
@@ -211,6 +221,30 @@ mod tests {
     }
 
     // --- record_success ----------------------------------------------------------------------
+
+    #[test]
+    fn a_gone_watch_is_down_from_then_with_its_index_kept() {
+        let mut progress = healthy();
+        watch_gone(&mut progress, at(T0 + 5));
+        assert_eq!(progress.watch, None, "a poll source has no watch");
+        let connected = crate::model::WatchProgress {
+            connected: true,
+            since: at(T0),
+            index: Some("7".to_owned()),
+        };
+        progress.watch = Some(connected.clone());
+        watch_gone(&mut progress, at(T0 + 5));
+        let down = progress.watch.clone().unwrap();
+        assert!(!down.connected);
+        assert_eq!(down.since, at(T0 + 5));
+        assert_eq!(down.index, connected.index);
+        watch_gone(&mut progress, at(T0 + 9));
+        assert_eq!(
+            progress.watch.unwrap().since,
+            at(T0 + 5),
+            "down since the first time"
+        );
+    }
 
     #[test]
     fn refusals_show_in_last_error_of_a_healthy_source() {

@@ -51,6 +51,25 @@ pub fn test_config(dir: &std::path::Path) -> Config {
     Config::from_parts("test.toml", None, &env).expect("test config is valid")
 }
 
+/// A gateway's config as instance `instance_id` of several sharing the PostgreSQL database
+/// `database_url`, with short leases so takeovers take seconds, and a resync far beyond every wait
+/// in the tests (changes must arrive by notification).
+pub fn cluster_config(database_url: &str, instance_id: &str, lease_ms: u64) -> Config {
+    let env: Vec<(String, String)> = [
+        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        ("RAAHI_DATABASE_URL", database_url.to_owned()),
+        ("RAAHI_CLUSTER_INSTANCE_ID", instance_id.to_owned()),
+        ("RAAHI_CLUSTER_LEASE_MS", lease_ms.to_string()),
+        ("RAAHI_CLUSTER_RESYNC_MS", "600000".to_owned()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_owned(), value))
+    .collect();
+    Config::from_parts("cluster-test.toml", None, &env).expect("cluster test config is valid")
+}
+
 impl TestGateway {
     pub async fn start() -> TestGateway {
         let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
@@ -494,6 +513,38 @@ pub async fn spread(
         }
     }
     total
+}
+
+impl TestGateway {
+    /// `GET /api/v1/discovery-sources/{source}/status`, which must answer 200.
+    pub async fn source_status(&self, source: i64) -> Value {
+        let path = format!("/api/v1/discovery-sources/{source}/status");
+        let (status, body) = self.api("GET", &path, None).await;
+        assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
+        body
+    }
+
+    /// Polls the source's status until `done` holds, for at most `within`; returns that status.
+    pub async fn wait_source_status(
+        &self,
+        source: i64,
+        what: &str,
+        within: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let end = tokio::time::Instant::now() + within;
+        loop {
+            let status = self.source_status(source).await;
+            if done(&status) {
+                return status;
+            }
+            assert!(
+                tokio::time::Instant::now() < end,
+                "timed out after {within:?} waiting for source {source}: {what}; last status {status}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// Polls `condition` until it holds or `deadline` passes; panics with `what` on timeout.
