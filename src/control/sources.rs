@@ -325,16 +325,27 @@ impl ControlTask {
     /// the shutdown so the sources are not taken back meanwhile.
     pub(super) async fn release_leases(&mut self) {
         self.lease_round_at = tokio::time::Instant::now() + Duration::from_secs(3600);
-        let held: Vec<Id> = self
+        let now = self.clock.now();
+        let held: Vec<(Id, Option<SourceProgress>)> = self
             .sources
             .values_mut()
             .filter(|entry| entry.lease_until.is_some())
             .map(|entry| {
                 entry.let_go();
-                entry.source.id
+                let watch_ended = entry.progress.watch.as_ref().is_some_and(|w| w.connected);
+                lifecycle::watch_gone(&mut entry.progress, now);
+                let progress = watch_ended.then(|| entry.progress.clone());
+                (entry.source.id, progress)
             })
             .collect();
-        for id in held {
+        for (id, progress) in held {
+            // While the lease is still ours the store takes the write; the next holder starts
+            // from a watch shown as down, not from this instance's connected one.
+            if let Some(progress) = progress {
+                if let Err(error) = self.store.save_progress(id, &progress).await {
+                    tracing::warn!(source_id = id, %error, "cannot record the watch as ended");
+                }
+            }
             if let Err(error) = self.store.release_source_lease(id).await {
                 // It expires on its own.
                 tracing::warn!(source_id = id, %error, "cannot release the discovery source lease");
@@ -383,7 +394,12 @@ impl ControlTask {
             .and_then(|at| (at - now).to_std().ok())
             .unwrap_or(Duration::ZERO)
             .min(LONGEST_TAKEOVER_DELAY);
+        let watched = entry.progress.watch.clone();
         self.start_runner(entry, first_delay);
+        if entry.progress.watch != watched {
+            // The previous holder's watch is gone: say so to every instance at once.
+            self.store.save_progress(id, &entry.progress).await?;
+        }
         Ok(false)
     }
 
@@ -419,8 +435,12 @@ impl ControlTask {
                     false
                 }
                 Err(error) => {
-                    // Reconcile reads the stored targets each time, so the next refresh repairs this.
+                    // Reconcile reads the stored targets each time, so the next refresh repairs
+                    // this; a watch must be told, or it would not report an unchanged set again.
                     tracing::error!(source_id = entry.source.id, %error, "refresh result not stored");
+                    if let Some(runner) = &entry.runner {
+                        runner.report_next_answer();
+                    }
                     false
                 }
             }

@@ -32,8 +32,7 @@ use crate::discovery::config::{
     self, check_range, check_url, default_timeout_ms, default_true, default_weight, error,
     render_path, ProviderConfig, SharedKeys,
 };
-use crate::discovery::dns_srv::balancer_weight;
-use crate::discovery::http::{error_chain, read_limited};
+use crate::discovery::registry_client::{error_chain, read_limited};
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, Registered,
     WatchAnswer, WatchProvider, WatchStream,
@@ -41,7 +40,7 @@ use crate::discovery::{
 use crate::model::{Endpoint, ProviderKind};
 
 pub const PROVIDER: Registered = Registered {
-    kind: ProviderKind::Consul,
+    provider: ProviderKind::Consul,
     style: FetchStyle::Watch,
     description: "Watches the instances of `service` in Consul's catalog with blocking queries \
                   on /v1/health/service; a registration, deregistration or check change reaches \
@@ -234,8 +233,10 @@ pub struct ConsulProvider {
 /// What every request of every watch of one source shares (the client keeps its connection).
 struct Watcher {
     client: reqwest::Client,
-    /// `<address>/v1/health/service/<service>`, named in errors.
+    /// `<address>/v1/health/service/<service>`.
     url: reqwest::Url,
+    /// The same without a user name or password, as errors and logs name it.
+    shown_url: String,
     /// The query without `index` and `wait`.
     query: Vec<(&'static str, String)>,
     headers: HeaderMap,
@@ -283,9 +284,14 @@ impl ConsulProvider {
             value.set_sensitive(true);
             headers.insert("x-consul-token", value);
         }
+        let mut shown = url.clone();
+        // Both only fail for URLs without a host, which `check_url` refused.
+        let _ = shown.set_username("");
+        let _ = shown.set_password(None);
         Ok(ConsulProvider {
             inner: Arc::new(Watcher {
                 client,
+                shown_url: shown.to_string(),
                 url,
                 query: query_of(config),
                 headers,
@@ -400,13 +406,13 @@ impl Watcher {
             .get("x-consul-index")
             .and_then(|value| value.to_str().ok())
             .and_then(|value| value.trim().parse::<u64>().ok());
-        let body = read_limited(response, self.url.as_str(), MAX_ANSWER_BYTES, |err| {
+        let body = read_limited(response, &self.shown_url, MAX_ANSWER_BYTES, |err| {
             self.request_error(err, bound)
         })
         .await?;
         if !status.is_success() {
             return Err(DiscoveryError::RegistryRefused {
-                url: self.url.to_string(),
+                url: self.shown_url.clone(),
                 status: status.as_u16(),
                 message: message_of(&body),
             });
@@ -424,7 +430,7 @@ impl Watcher {
                     let reason = err.into_inner().to_string();
                     if location.is_empty() {
                         DiscoveryError::BadJson {
-                            url: self.url.to_string(),
+                            url: self.shown_url.clone(),
                             reason,
                         }
                     } else {
@@ -468,9 +474,7 @@ impl Watcher {
             CheckStatus::Warning => weights.map(|weights| weights.warning),
             CheckStatus::Passing => weights.map(|weights| weights.passing),
         };
-        let weight = weight.map_or(self.default_weight, |weight| {
-            balancer_weight(u16::try_from(weight.max(0)).unwrap_or(u16::MAX))
-        });
+        let weight = weight.map_or(self.default_weight, balancer_weight);
         let address = if entry.service.address.is_empty() {
             &entry.node.address
         } else {
@@ -517,18 +521,26 @@ impl Watcher {
             error_chain(&err.without_url())
         };
         DiscoveryError::HttpRequest {
-            url: self.url.to_string(),
+            url: self.shown_url.clone(),
             reason,
         }
     }
 
     fn bad(&self, location: &str, reason: &str) -> DiscoveryError {
         DiscoveryError::BadDocument {
-            url: self.url.to_string(),
+            url: self.shown_url.clone(),
             location: location.to_owned(),
             reason: reason.to_owned(),
         }
     }
+}
+
+/// A Consul weight as a balancer weight: ×100, as `dns-srv` scales SRV weights, so Consul's
+/// default of 1 is Raahi's default of 100. Unlike an SRV weight, 0 stays 0: in Consul it means "no
+/// traffic in this state" (a `Warning` weight of 0), and a target of weight 0 is never picked.
+fn balancer_weight(weight: i64) -> u32 {
+    const SCALE: i64 = 100;
+    u32::try_from(weight.clamp(0, i64::from(u16::MAX)) * SCALE).unwrap_or(u32::MAX)
 }
 
 /// The first line of an error answer, as Consul writes it ("ACL not found", "Permission denied").
@@ -850,6 +862,27 @@ mod tests {
         let with_port = self::watcher(json!({"port": 7000, "weight": 40}));
         let endpoint = &with_port.discovered(&entries[2..]).endpoints[0];
         assert_eq!((endpoint.port, endpoint.weight), (7000, 40));
+    }
+
+    #[test]
+    fn weights_scale_like_srv_weights_but_zero_means_no_traffic() {
+        assert_eq!(balancer_weight(1), 100);
+        assert_eq!(balancer_weight(3), 300);
+        assert_eq!(balancer_weight(0), 0);
+        assert_eq!(balancer_weight(-4), 0);
+        assert_eq!(balancer_weight(1 << 40), 6_553_500);
+    }
+
+    #[test]
+    fn errors_never_name_a_password_in_the_address() {
+        let watcher = watcher(json!({"address": "https://ops:pa55@consul.internal:8501/api"}));
+        assert_eq!(
+            watcher.shown_url,
+            "https://consul.internal:8501/api/v1/health/service/web"
+        );
+        assert_eq!(watcher.url.password(), Some("pa55"), "still sent");
+        let error = watcher.bad("X", "y").to_string();
+        assert!(!error.contains("pa55") && !error.contains("ops"), "{error}");
     }
 
     #[test]

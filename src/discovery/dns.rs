@@ -21,7 +21,7 @@ use crate::discovery::{
 use crate::model::{Endpoint, ProviderKind};
 
 pub const PROVIDER: Registered = Registered {
-    kind: ProviderKind::Dns,
+    provider: ProviderKind::Dns,
     style: FetchStyle::Poll,
     description: "A and AAAA records of `hostname`; every address becomes an endpoint on `port`.",
     schema: config::schema_of::<DnsConfig>,

@@ -27,7 +27,7 @@ use crate::discovery::{
 use crate::model::{Endpoint, ProviderKind};
 
 pub const PROVIDER: Registered = Registered {
-    kind: ProviderKind::DnsSrv,
+    provider: ProviderKind::DnsSrv,
     style: FetchStyle::Poll,
     description: "SRV records of `service_name`, then the A and AAAA records of each target; \
                   port, weight and priority come from the SRV records.",
@@ -198,7 +198,7 @@ impl PollProvider for DnsSrvProvider {
 /// RFC 2782 weight → balancer weight. Weight 0 maps to 1 and positive weights to w×100, which
 /// covers both rules at once: in a tier of only zeros every record gets 1 (an even share), and
 /// next to positive weights a zero gets a very small share instead of none.
-pub(crate) fn balancer_weight(record_weight: u16) -> u32 {
+fn balancer_weight(record_weight: u16) -> u32 {
     match record_weight {
         0 => 1,
         weight => u32::from(weight) * WEIGHT_SCALE,

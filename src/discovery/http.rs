@@ -18,6 +18,7 @@ use crate::discovery::config::{
     self, check_url, default_interval_ms, default_timeout_ms, default_true, default_weight, error,
     inner_budget, ProviderConfig, SharedKeys,
 };
+use crate::discovery::registry_client::{error_chain, read_limited};
 use crate::discovery::resolver::address_key;
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
@@ -26,7 +27,7 @@ use crate::discovery::{
 use crate::model::{Endpoint, ProviderKind};
 
 pub const PROVIDER: Registered = Registered {
-    kind: ProviderKind::Http,
+    provider: ProviderKind::Http,
     style: FetchStyle::Poll,
     description: "GET `url` and read a JSON array of endpoints (or the array at \
                   `endpoints_path`); each endpoint names an IP `host` and optionally port, \
@@ -255,32 +256,6 @@ impl HttpProvider {
     }
 }
 
-/// A response body, refusing more than `limit` bytes: a declared length is checked before
-/// reading, and a chunked body is counted as it arrives and abandoned at the limit.
-pub(crate) async fn read_limited(
-    mut response: reqwest::Response,
-    url: &str,
-    limit: u64,
-    request_error: impl Fn(reqwest::Error) -> DiscoveryError,
-) -> Result<Vec<u8>, DiscoveryError> {
-    let too_large = || DiscoveryError::TooLarge {
-        url: url.to_owned(),
-        limit,
-    };
-    let declared = response.content_length().unwrap_or(0);
-    if declared > limit {
-        return Err(too_large());
-    }
-    let mut body = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
-    while let Some(chunk) = response.chunk().await.map_err(&request_error)? {
-        if (body.len() + chunk.len()) as u64 > limit {
-            return Err(too_large());
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(body)
-}
-
 impl PollProvider for HttpProvider {
     fn refresh(&self) -> RefreshFuture<'_> {
         Box::pin(self.discover())
@@ -301,21 +276,6 @@ fn request_headers(config: &HttpConfig) -> Result<HeaderMap, ConfigError> {
         headers.insert(name, value);
     }
     Ok(headers)
-}
-
-/// An error and its causes, "a: b: c", skipping a cause that repeats its parent's words.
-pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let words = cause.to_string();
-        if !text.contains(&words) {
-            text.push_str(": ");
-            text.push_str(&words);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// The endpoint array: the document itself, or the value at the dotted path (numeric parts

@@ -15,6 +15,7 @@ pub mod dns_srv;
 pub mod http;
 pub mod lifecycle;
 pub mod reconcile;
+pub mod registry_client;
 pub mod resolver;
 pub mod runner;
 
@@ -50,7 +51,7 @@ pub enum FetchStyle {
 
 /// One provider's entry in the registry.
 pub struct Registered {
-    pub kind: ProviderKind,
+    pub provider: ProviderKind,
     pub style: FetchStyle,
     pub description: &'static str,
     /// The config type's JSON Schema (draft 2020-12).
@@ -64,7 +65,7 @@ pub struct Registered {
 fn registered(kind: ProviderKind) -> &'static Registered {
     PROVIDERS
         .iter()
-        .find(|provider| provider.kind == kind)
+        .find(|registered| registered.provider == kind)
         .expect("every ProviderKind is registered (tested)")
 }
 
@@ -100,12 +101,12 @@ pub struct ProviderDescriptor {
 pub fn descriptors() -> Vec<ProviderDescriptor> {
     PROVIDERS
         .iter()
-        .map(|provider| {
-            let config_schema = (provider.schema)();
+        .map(|registered| {
+            let config_schema = (registered.schema)();
             ProviderDescriptor {
-                name: provider.kind.as_str().to_owned(),
-                kind: provider.style,
-                description: provider.description.to_owned(),
+                name: registered.provider.as_str().to_owned(),
+                kind: registered.style,
+                description: registered.description.to_owned(),
                 defaults: config::defaults_in(&config_schema),
                 config_schema,
             }
@@ -295,7 +296,7 @@ mod tests {
         );
         for (name, style) in listed {
             let kind = ProviderKind::parse(name).expect("a ProviderKind");
-            assert_eq!(registered(kind).kind, kind);
+            assert_eq!(registered(kind).provider, kind);
             assert_eq!(style_of(kind), style);
         }
         assert_eq!(

@@ -27,7 +27,9 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{Discovered, DiscoveryError, Fetch, PollProvider, Schedule, WatchProvider};
+use super::{
+    Discovered, DiscoveryError, Fetch, PollProvider, Schedule, WatchAnswer, WatchProvider,
+};
 use crate::model::{Id, WatchProgress};
 
 /// A record TTL of 0 must not make a source spin.
@@ -106,6 +108,7 @@ pub struct RunnerHandle {
     pub generation: u64,
     wake: Arc<Notify>,
     refreshing: Arc<AtomicBool>,
+    report_again: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
@@ -124,6 +127,13 @@ impl RunnerHandle {
         }
         self.wake.notify_one();
         true
+    }
+
+    /// The last outcome could not be applied (the store failed): a watch reports its next answer
+    /// even when the set is the same, so the next answer repairs what was lost instead of the
+    /// next catalog change, which may be hours away. (A poll loop reports every refresh anyway.)
+    pub fn report_next_answer(&self) {
+        self.report_again.store(true, Ordering::Release);
     }
 }
 
@@ -169,6 +179,7 @@ pub fn spawn(
 ) -> RunnerHandle {
     let wake = Arc::new(Notify::new());
     let refreshing = Arc::new(AtomicBool::new(false));
+    let report_again = Arc::new(AtomicBool::new(false));
     let generation = spec.generation;
     let lane = Lane {
         source_id: spec.source_id,
@@ -177,6 +188,7 @@ pub fn spawn(
         outcomes,
         wake: wake.clone(),
         refreshing: refreshing.clone(),
+        report_again: report_again.clone(),
     };
     let task = match spec.fetch {
         Fetch::Poll { provider, schedule } => {
@@ -188,6 +200,7 @@ pub fn spawn(
         generation,
         wake,
         refreshing,
+        report_again,
         task,
     }
 }
@@ -200,6 +213,7 @@ struct Lane {
     outcomes: mpsc::Sender<RefreshOutcome>,
     wake: Arc<Notify>,
     refreshing: Arc<AtomicBool>,
+    report_again: Arc<AtomicBool>,
 }
 
 impl Lane {
@@ -236,8 +250,9 @@ async fn poll(
     let mut delay = first_delay;
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
+            biased;
             _ = lane.wake.notified() => {}
+            _ = tokio::time::sleep(delay) => {}
         }
         lane.refreshing.store(true, Ordering::Release);
         let attempt_started = Instant::now();
@@ -263,7 +278,11 @@ async fn poll(
 enum WatchEnd {
     /// An operator asked for a refresh: reconnect at once with a full read.
     Restart,
-    Failed(DiscoveryError),
+    /// The request that started at `requested` failed.
+    Failed {
+        error: DiscoveryError,
+        requested: Instant,
+    },
     /// The control task is gone.
     Closed,
 }
@@ -271,8 +290,9 @@ enum WatchEnd {
 /// What the watch loop remembers across reconnects.
 struct WatchMemory {
     progress: WatchProgress,
-    /// Revision of the last set reported, so an identical answer is not reported again.
-    reported: Option<String>,
+    /// The set last reported (its revision and what was refused from it), so an identical answer
+    /// is not reported again.
+    reported: Option<(String, Option<String>)>,
     failures: u32,
 }
 
@@ -289,16 +309,16 @@ async fn watch(provider: Box<dyn WatchProvider>, first_delay: Duration, lane: La
     let mut delay = first_delay;
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
+            biased;
             _ = lane.wake.notified() => {}
+            _ = tokio::time::sleep(delay) => {}
         }
         // A full read is under way: an operator's refresh joins it.
         lane.refreshing.store(true, Ordering::Release);
-        let started = Instant::now();
         match follow(provider.as_ref(), &lane, &mut memory).await {
             WatchEnd::Restart => delay = Duration::ZERO,
             WatchEnd::Closed => return,
-            WatchEnd::Failed(error) => {
+            WatchEnd::Failed { error, requested } => {
                 lane.refreshing.store(false, Ordering::Release);
                 memory.failures = memory.failures.saturating_add(1);
                 delay = backoff_delay(memory.failures, fastrand::f64());
@@ -307,7 +327,7 @@ async fn watch(provider: Box<dyn WatchProvider>, first_delay: Duration, lane: La
                     memory.progress.since = lane.clock.now();
                 }
                 let watch = Some(memory.progress.clone());
-                if !lane.report(started, Err(error), Some(delay), watch).await {
+                if !lane.report(requested, Err(error), Some(delay), watch).await {
                     return;
                 }
             }
@@ -321,47 +341,70 @@ async fn follow(provider: &dyn WatchProvider, lane: &Lane, memory: &mut WatchMem
     let mut stream = provider.watch();
     // The first answer of every watch is reported even when its set is the last one reported:
     // it ends a failure, or answers an operator's refresh, or starts the source.
-    let mut must_report = true;
+    let mut first = true;
     loop {
         let requested = Instant::now();
         let answer = tokio::select! {
+            biased;
             _ = lane.wake.notified() => return WatchEnd::Restart,
             answer = tokio::time::timeout(deadline, stream.next()) => answer,
         };
-        let answer = match answer {
-            Err(_) => {
-                return WatchEnd::Failed(DiscoveryError::WatchSilent {
-                    waited_ms: deadline.as_millis() as u64,
-                })
+        let error = match answer {
+            Err(_) => DiscoveryError::WatchSilent {
+                waited_ms: deadline.as_millis() as u64,
+            },
+            Ok(None) => DiscoveryError::WatchEnded,
+            Ok(Some(Err(error))) => error,
+            Ok(Some(Ok(answer))) => {
+                if !accept(answer, first, requested, lane, memory).await {
+                    return WatchEnd::Closed;
+                }
+                first = false;
+                tokio::select! {
+                    biased;
+                    _ = lane.wake.notified() => return WatchEnd::Restart,
+                    _ = tokio::time::sleep_until(requested + WATCH_SPACING) => {}
+                }
+                continue;
             }
-            Ok(None) => return WatchEnd::Failed(DiscoveryError::WatchEnded),
-            Ok(Some(Err(error))) => return WatchEnd::Failed(error),
-            Ok(Some(Ok(answer))) => answer,
         };
-        lane.refreshing.store(false, Ordering::Release);
-        memory.failures = 0;
-        if !memory.progress.connected {
-            memory.progress.connected = true;
-            memory.progress.since = lane.clock.now();
-        }
-        let revision = &answer.discovered.revision;
-        if must_report || memory.reported.as_ref() != Some(revision) {
-            must_report = false;
-            memory.reported = Some(revision.clone());
-            memory.progress.index = Some(answer.position);
-            let watch = Some(memory.progress.clone());
-            if !lane
-                .report(requested, Ok(answer.discovered), None, watch)
-                .await
-            {
-                return WatchEnd::Closed;
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep_until(requested + WATCH_SPACING) => {}
-            _ = lane.wake.notified() => return WatchEnd::Restart,
-        }
+        return WatchEnd::Failed { error, requested };
     }
+}
+
+/// One answer of a watch: reported when it is the watch's first, when its set differs from the
+/// last one reported, or when the control task lost the last one. False when the control task is
+/// gone.
+async fn accept(
+    answer: WatchAnswer,
+    first: bool,
+    requested: Instant,
+    lane: &Lane,
+    memory: &mut WatchMemory,
+) -> bool {
+    lane.refreshing.store(false, Ordering::Release);
+    // Only an answer after the first (full) read proves the watch itself works: a registry that
+    // answers plain reads but fails every blocking one must still back off further each time.
+    if !first {
+        memory.failures = 0;
+    }
+    if !memory.progress.connected {
+        memory.progress.connected = true;
+        memory.progress.since = lane.clock.now();
+    }
+    let set = (
+        answer.discovered.revision.clone(),
+        answer.discovered.refused.clone(),
+    );
+    let lost = lane.report_again.swap(false, Ordering::AcqRel);
+    if !first && !lost && memory.reported.as_ref() == Some(&set) {
+        return true;
+    }
+    memory.reported = Some(set);
+    memory.progress.index = Some(answer.position);
+    let watch = Some(memory.progress.clone());
+    lane.report(requested, Ok(answer.discovered), None, watch)
+        .await
 }
 
 #[cfg(test)]
@@ -586,6 +629,10 @@ mod tests {
     #[derive(Clone)]
     enum Step {
         Set(&'static [u16]),
+        /// A set with entries the provider refused, and why.
+        Refused(&'static [u16], &'static str),
+        /// The set, after the registry took this long to answer.
+        Slow(&'static [u16], Duration),
         Fail,
         Hang,
     }
@@ -632,23 +679,33 @@ mod tests {
                     let index = requests.fetch_add(1, Ordering::SeqCst) + 1;
                     let step = script.lock().unwrap().pop_front();
                     let step = step.unwrap_or_else(|| last.clone());
-                    match step {
+                    let (ports, refused) = match step {
                         Step::Hang => std::future::pending().await,
-                        Step::Fail => Some((
-                            Err(DiscoveryError::HttpStatus {
+                        Step::Fail => {
+                            let error = DiscoveryError::HttpStatus {
                                 url: "http://consul".into(),
                                 status: 500,
-                            }),
-                            (script, requests, last),
-                        )),
-                        Step::Set(ports) => Some((
-                            Ok(crate::discovery::WatchAnswer {
-                                discovered: set_of(ports),
-                                position: index.to_string(),
-                            }),
-                            (script, requests, Step::Set(ports)),
-                        )),
-                    }
+                            };
+                            return Some((Err(error), (script, requests, last)));
+                        }
+                        Step::Slow(ports, latency) => {
+                            tokio::time::sleep(latency).await;
+                            (ports, None)
+                        }
+                        Step::Set(ports) => (ports, None),
+                        Step::Refused(ports, why) => (ports, Some(why.to_owned())),
+                    };
+                    let mut discovered = set_of(ports);
+                    discovered.refused = refused.clone();
+                    let again = match refused {
+                        Some(_) => last,
+                        None => Step::Set(ports),
+                    };
+                    let answer = crate::discovery::WatchAnswer {
+                        discovered,
+                        position: index.to_string(),
+                    };
+                    Some((Ok(answer), (script, requests, again)))
                 },
             ))
         }
@@ -806,5 +863,101 @@ mod tests {
         assert_eq!(harness.opened.load(Ordering::SeqCst), 2);
         // Once answered, a new request is a new refresh.
         assert!(harness.handle.request_refresh());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_asked_during_a_slow_first_read_joins_it() {
+        let mut harness = start_watch(&[Step::Slow(&[1], Duration::from_secs(3)), Step::Hang]);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !harness.handle.request_refresh(),
+            "joins the full read under way"
+        );
+        let first = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&first), [1]);
+        assert_eq!(harness.opened.load(Ordering::SeqCst), 1, "not restarted");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_asked_during_a_backoff_reconnects_at_once() {
+        let mut harness = start_watch(&[Step::Fail, Step::Fail, Step::Set(&[2]), Step::Hang]);
+        harness.outcomes.recv().await.unwrap();
+        let failed = harness.outcomes.recv().await.unwrap();
+        assert!(failed.result.is_err());
+        // Backing off for 2 s or more now.
+        assert!(harness.handle.request_refresh());
+        let asked = Instant::now();
+        let back = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&back), [2]);
+        assert_eq!(asked.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_in_what_was_refused_is_reported_though_the_set_is_the_same() {
+        let mut harness = start_watch(&[
+            Step::Set(&[1]),
+            Step::Refused(&[1], "left out 1 of 2 instances"),
+            Step::Refused(&[1], "left out 1 of 2 instances"),
+            Step::Set(&[1]),
+            Step::Hang,
+        ]);
+        assert_eq!(
+            harness
+                .outcomes
+                .recv()
+                .await
+                .unwrap()
+                .result
+                .unwrap()
+                .refused,
+            None
+        );
+        let refused = harness.outcomes.recv().await.unwrap();
+        assert_eq!(
+            refused.result.unwrap().refused.as_deref(),
+            Some("left out 1 of 2 instances")
+        );
+        // The repeated refusal is not reported again; its end is.
+        let cleared = harness.outcomes.recv().await.unwrap();
+        assert_eq!(cleared.result.unwrap().refused, None);
+        assert_eq!(cleared.watch.unwrap().index.as_deref(), Some("4"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_lost_by_the_control_task_is_reported_again() {
+        let mut harness = start_watch(&[Step::Set(&[1]), Step::Set(&[1]), Step::Set(&[1])]);
+        harness.outcomes.recv().await.unwrap();
+        harness.handle.report_next_answer();
+        let again = harness.outcomes.recv().await.unwrap();
+        assert_eq!(ports_of(&again), [1], "the same set, reported once more");
+        assert_eq!(again.watch.unwrap().index.as_deref(), Some("2"));
+        let quiet = tokio::time::timeout(Duration::from_secs(30), harness.outcomes.recv()).await;
+        assert!(quiet.is_err(), "and then no more");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn plain_reads_that_work_do_not_reset_the_backoff_of_failing_watches() {
+        let mut harness = start_watch(&[
+            Step::Set(&[1]),
+            Step::Fail,
+            Step::Set(&[1]),
+            Step::Fail,
+            Step::Set(&[1]),
+            Step::Fail,
+            Step::Hang,
+        ]);
+        let mut retries = Vec::new();
+        while retries.len() < 3 {
+            let outcome = harness.outcomes.recv().await.unwrap();
+            if outcome.result.is_err() {
+                retries
+                    .push((outcome.next_refresh_at.unwrap() - outcome.finished_at).num_seconds());
+            }
+        }
+        assert_eq!(
+            retries,
+            [1, 2, 4],
+            "the wait doubles though each full read answered"
+        );
     }
 }
