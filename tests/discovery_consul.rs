@@ -726,6 +726,40 @@ async fn a_refused_token_and_a_server_error_are_failed_refreshes_that_keep_the_l
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consul_over_https_is_verified_against_ca_pem() {
+    let gateway = TestGateway::start().await;
+    let fake = ConsulFake::start_tls().await;
+    let first = Upstream::start("first").await;
+    fake.register(instance_of(&first, "node-a"));
+    let ca_pem = fake.ca_pem.clone().expect("the fake's certificate");
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    gateway.route_all_to(service).await;
+    let path = format!("/api/v1/services/{service}/discovery-sources");
+    let mut sources = Vec::new();
+    for (name, extra) in [
+        ("trusted", json!({"ca_pem": ca_pem})),
+        ("untrusted", json!({})),
+        ("unverified", json!({"tls_verify": false})),
+    ] {
+        let mut body = consul_source(&fake, extra);
+        body["name"] = json!(name);
+        sources.push(gateway.create(&path, body).await);
+    }
+    let trusted = wait_status(&gateway, sources[0], "healthy", |s| s["state"] == "healthy").await;
+    assert_eq!(trusted["watch"]["connected"], true, "{trusted}");
+    let untrusted = wait_status(&gateway, sources[1], "failing", |s| s["state"] == "failing").await;
+    let error = untrusted["last_error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&fake.url()) && error.to_lowercase().contains("certificate"),
+        "{untrusted}"
+    );
+    wait_status(&gateway, sources[2], "healthy", |s| s["state"] == "healthy").await;
+    wait_serving(&gateway, "first", 3, WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_consul_configs_are_refused_by_field() {
     let gateway = TestGateway::start().await;
     let service = gateway

@@ -51,6 +51,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio_rustls::TlsAcceptor;
 
 /// Consul's `DefaultQueryTime` and `MaxQueryTime` (blocking.mdx: "defaults to 5 minutes",
 /// "limited to 10 minutes").
@@ -181,13 +184,43 @@ impl Run {
 
 pub struct ConsulFake {
     pub addr: SocketAddr,
+    /// For [`ConsulFake::start_tls`]: the PEM of the self-signed certificate it serves, for a
+    /// client's `ca_pem`.
+    pub ca_pem: Option<String>,
     shared: Arc<Shared>,
     run: Mutex<Option<Run>>,
+    tls: Option<TlsAcceptor>,
 }
 
 impl ConsulFake {
     /// Starts serving on 127.0.0.1:0 with an empty catalog at index 1.
     pub async fn start() -> ConsulFake {
+        Self::start_with(None).await
+    }
+
+    /// The same over HTTPS (Consul's `https` port), with a self-signed certificate for
+    /// `127.0.0.1` that only a client given [`ConsulFake::ca_pem`] trusts.
+    pub async fn start_tls() -> ConsulFake {
+        let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()])
+            .expect("a self-signed certificate");
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+            certified.signing_key.serialize_der(),
+        ));
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![certified.cert.der().clone()], key)
+        .expect("a server certificate");
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let mut fake = Self::start_with(Some(acceptor)).await;
+        fake.ca_pem = Some(certified.cert.pem());
+        fake
+    }
+
+    async fn start_with(tls: Option<TlsAcceptor>) -> ConsulFake {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind 127.0.0.1:0");
@@ -212,17 +245,20 @@ impl ConsulFake {
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
         });
-        let run = serve(shared.clone(), listener);
+        let run = serve(shared.clone(), listener, tls.clone());
         ConsulFake {
             addr,
+            ca_pem: None,
             shared,
             run: Mutex::new(Some(run)),
+            tls,
         }
     }
 
-    /// `http://127.0.0.1:PORT`
+    /// `http://127.0.0.1:PORT` (`https` for [`ConsulFake::start_tls`])
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Registers (or replaces, same node+service id) a service instance; bumps the raft index.
@@ -431,7 +467,7 @@ impl ConsulFake {
                 Err(error) => panic!("restart: cannot bind {} again: {error}", self.addr),
             }
         };
-        let run = serve(self.shared.clone(), listener);
+        let run = serve(self.shared.clone(), listener, self.tls.clone());
         *self.run.lock().unwrap() = Some(run);
     }
 }
@@ -449,7 +485,7 @@ fn assert_status(status: &str) {
     );
 }
 
-fn serve(shared: Arc<Shared>, listener: TcpListener) -> Run {
+fn serve(shared: Arc<Shared>, listener: TcpListener, tls: Option<TlsAcceptor>) -> Run {
     let listener = Arc::new(listener);
     let (stop, mut stopped) = watch::channel(false);
     let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
@@ -472,10 +508,20 @@ fn serve(shared: Arc<Shared>, listener: TcpListener) -> Run {
             };
             let shared = shared.clone();
             let service = service_fn(move |request| answer(request, shared.clone()));
+            let tls = tls.clone();
             let connection = tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                let http = hyper::server::conn::http1::Builder::new();
+                match tls {
+                    None => {
+                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                    }
+                    // A client that refuses the certificate ends the handshake here.
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(stream).await {
+                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                    }
+                }
             });
             let mut connections = tracked.lock().unwrap();
             connections.retain(|handle| !handle.is_finished());
