@@ -276,3 +276,66 @@ async fn sighup_applies_the_file_again() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consul_source_in_the_file_is_validated_and_watched() {
+    let fake = common::consul::ConsulFake::start().await;
+    let web = Upstream::start("web").await;
+    fake.register(common::consul::Instance::new("web", web.addr.port()));
+    let text = format!(
+        r#"
+[[services]]
+name = "web"
+
+  [[services.discovery_sources]]
+  name = "web-consul"
+  provider = "consul"
+  config = {{ address = "{address}", service = "web", wait_ms = 10000 }}
+
+[[routes]]
+name = "web"
+service = "web"
+path_prefix = "/"
+"#,
+        address = fake.url(),
+    );
+    let (gateway, path) = start_with_file(&text).await;
+    wait_until(
+        "the consul source serves",
+        Duration::from_secs(10),
+        || async {
+            let response = gateway.get("/").await;
+            response.status() == 200 && response.text().await.unwrap() == "web"
+        },
+    )
+    .await;
+    let (_, sources) = gateway
+        .api("GET", "/api/v1/services/1/discovery-sources", None)
+        .await;
+    let source = &sources["items"][0];
+    assert_eq!(source["managed_by"], "resources-file", "{source}");
+    assert_eq!(
+        source["config"]["passing_only"], true,
+        "defaults are filled: {source}"
+    );
+
+    // A bad consul config in the file names its place and changes nothing.
+    std::fs::write(&path, text.replace("wait_ms = 10000", "wait_ms = 10")).unwrap();
+    let error = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .expect("a resources file is configured")
+        .expect_err("a wait_ms under a second is refused");
+    let message = error.to_string();
+    assert!(
+        message.contains("discovery_sources[0]") && message.contains("wait_ms"),
+        "{message}"
+    );
+    let (_, after) = gateway
+        .api("GET", "/api/v1/services/1/discovery-sources", None)
+        .await;
+    assert_eq!(after["items"][0]["config"]["wait_ms"], 10_000, "{after}");
+}
