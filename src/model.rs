@@ -58,6 +58,8 @@ macro_rules! text_enum {
             pub fn as_str(self) -> &'static str {
                 match self { $(Self::$variant => $text),+ }
             }
+            /// Every value, in declaration order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
             pub fn parse(text: &str) -> Option<Self> {
                 match text { $($text => Some(Self::$variant),)+ _ => None }
             }

@@ -62,27 +62,27 @@ pub struct Registered {
     pub build: fn(&Value) -> Result<Fetch, ConfigError>,
 }
 
-fn registered(kind: ProviderKind) -> &'static Registered {
+/// A kind without a module here is refused like a bad config rather than a panic (a unit test
+/// keeps every kind registered).
+fn registered(kind: ProviderKind) -> Result<&'static Registered, ConfigError> {
     PROVIDERS
         .iter()
         .find(|registered| registered.provider == kind)
-        .expect("every ProviderKind is registered (tested)")
+        .ok_or_else(|| ConfigError {
+            field: String::new(),
+            message: format!("provider {} is not built into this gateway", kind.as_str()),
+        })
 }
 
 /// Checks `config` against the provider's schema and rules; returns it normalised with every
 /// default filled in.
 pub fn validate(kind: ProviderKind, config: &Value) -> Result<Value, ConfigError> {
-    (registered(kind).validate)(config)
+    (registered(kind)?.validate)(config)
 }
 
 /// A ready provider for a source's stored config.
 pub fn build(kind: ProviderKind, config: &Value) -> Result<Fetch, ConfigError> {
-    (registered(kind).build)(config)
-}
-
-/// Whether the provider polls or watches.
-pub fn style_of(kind: ProviderKind) -> FetchStyle {
-    registered(kind).style
+    (registered(kind)?.build)(config)
 }
 
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -296,9 +296,14 @@ mod tests {
         );
         for (name, style) in listed {
             let kind = ProviderKind::parse(name).expect("a ProviderKind");
-            assert_eq!(registered(kind).provider, kind);
-            assert_eq!(style_of(kind), style);
+            assert_eq!(registered(kind).unwrap().provider, kind);
+            assert_eq!(registered(kind).unwrap().style, style);
         }
+        // Every kind the model knows: adding one without its module fails here.
+        for kind in ProviderKind::ALL {
+            assert!(registered(*kind).is_ok(), "{} is registered", kind.as_str());
+        }
+        assert_eq!(ProviderKind::ALL.len(), PROVIDERS.len());
         assert_eq!(
             serde_json::to_value(&descriptors[3]).unwrap()["kind"],
             serde_json::json!("watch")
