@@ -1,8 +1,10 @@
 //! Bootstrap configuration: a TOML file whose every key can be overridden by an environment
 //! variable named after its path (`proxy.listen` → `RAAHI_PROXY_LISTEN`).
 
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -39,6 +41,75 @@ pub struct Config {
     pub tls: TlsConfig,
     #[serde(default)]
     pub cluster: ClusterConfig,
+    #[serde(default)]
+    pub registration: RegistrationConfig,
+}
+
+/// Where this gateway registers itself (DESIGN §10). Unset: nowhere.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistrationConfig {
+    #[serde(default)]
+    pub consul: Option<ConsulRegistration>,
+}
+
+/// Self-registration in Consul with a TTL check (README "Registering in Consul").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsulRegistration {
+    /// The Consul agent's HTTP API, normally the local agent.
+    #[serde(default = "ConsulRegistration::default_address")]
+    pub address: String,
+    /// ACL token with `service:write` on `service_name`, sent as `X-Consul-Token`.
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default = "ConsulRegistration::default_service_name")]
+    pub service_name: String,
+    /// Unset: the instance id (`cluster.instance_id`, or the generated one).
+    #[serde(default)]
+    pub service_id: Option<String>,
+    /// The address clients reach the proxy at; unset: the proxy listener's, which then must not
+    /// be a wildcard address.
+    #[serde(default)]
+    pub advertise_address: Option<IpAddr>,
+    /// Unset: the proxy listener's port.
+    #[serde(default)]
+    pub advertise_port: Option<u16>,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Added to the registration's meta, beside `raahi_version`.
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+    /// The TTL check's TTL; the check is passed every third of it.
+    #[serde(default = "ConsulRegistration::default_ttl_ms")]
+    pub ttl_ms: u64,
+    /// After this long critical (the process died), Consul removes the registration; Consul
+    /// raises anything under a minute to a minute.
+    #[serde(default = "ConsulRegistration::default_deregister_critical_after_ms")]
+    pub deregister_critical_after_ms: u64,
+}
+
+impl ConsulRegistration {
+    fn default_address() -> String {
+        "http://127.0.0.1:8500".to_owned()
+    }
+    fn default_service_name() -> String {
+        "raahi".to_owned()
+    }
+    fn default_ttl_ms() -> u64 {
+        15_000
+    }
+    fn default_deregister_critical_after_ms() -> u64 {
+        60_000
+    }
+
+    /// Where clients reach the proxy, from the bound proxy address.
+    pub fn advertised(&self, proxy: SocketAddr) -> SocketAddr {
+        SocketAddr::new(
+            self.advertise_address.unwrap_or(proxy.ip()),
+            self.advertise_port.unwrap_or(proxy.port()),
+        )
+    }
 }
 
 /// Several instances on one PostgreSQL store (see README "Scaling out with PostgreSQL").
@@ -132,6 +203,11 @@ pub struct ProxyConfig {
     /// On SIGTERM/SIGINT, how long requests in flight may take to finish.
     #[serde(default = "ProxyConfig::default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// On SIGTERM/SIGINT, how long the proxy keeps accepting after it reported itself draining,
+    /// so load balancers and registries stop sending it traffic first. Unset: 0 without a
+    /// registration, 5000 with one.
+    #[serde(default)]
+    pub drain_delay_ms: Option<u64>,
 }
 
 impl ProxyConfig {
@@ -153,7 +229,20 @@ impl Default for ProxyConfig {
             tls_listen: None,
             client_header_timeout_ms: Self::default_client_header_timeout_ms(),
             shutdown_grace_ms: Self::default_shutdown_grace_ms(),
+            drain_delay_ms: None,
         }
+    }
+}
+
+impl Config {
+    /// `proxy.drain_delay_ms`, or its default: a registry needs time to tell its clients.
+    pub fn drain_delay(&self) -> Duration {
+        let default = if self.registration.consul.is_some() {
+            5_000
+        } else {
+            0
+        };
+        Duration::from_millis(self.proxy.drain_delay_ms.unwrap_or(default))
     }
 }
 
@@ -249,6 +338,40 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "proxy.client_header_timeout_ms",
     ),
     ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "proxy.shutdown_grace_ms"),
+    ("RAAHI_PROXY_DRAIN_DELAY_MS", "proxy.drain_delay_ms"),
+    (
+        "RAAHI_REGISTRATION_CONSUL_ADDRESS",
+        "registration.consul.address",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_TOKEN",
+        "registration.consul.token",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_SERVICE_NAME",
+        "registration.consul.service_name",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_SERVICE_ID",
+        "registration.consul.service_id",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_ADVERTISE_ADDRESS",
+        "registration.consul.advertise_address",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_ADVERTISE_PORT",
+        "registration.consul.advertise_port",
+    ),
+    ("RAAHI_REGISTRATION_CONSUL_TAGS", "registration.consul.tags"),
+    (
+        "RAAHI_REGISTRATION_CONSUL_TTL_MS",
+        "registration.consul.ttl_ms",
+    ),
+    (
+        "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+        "registration.consul.deregister_critical_after_ms",
+    ),
     ("RAAHI_ADMIN_LISTEN", "admin.listen"),
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
     ("RAAHI_DATABASE_URL", "database.url"),
@@ -361,10 +484,80 @@ impl Config {
                 return Err(invalid("admin.token", "must be at least 16 characters"));
             }
         }
+        if let Some(consul) = &self.registration.consul {
+            self.validate_consul_registration(consul, file)?;
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             return Err(invalid(
                 "log.level",
                 "not a valid level or filter directive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    fn validate_consul_registration(
+        &self,
+        consul: &ConsulRegistration,
+        file: &str,
+    ) -> Result<(), ConfigError> {
+        let invalid = |key: &str, reason: String| ConfigError::InvalidKey {
+            file: file.to_owned(),
+            key: format!("registration.consul.{key}"),
+            reason,
+        };
+        match reqwest::Url::parse(&consul.address) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {}
+            _ => {
+                return Err(invalid(
+                    "address",
+                    format!(
+                        "expected an http:// or https:// URL of the Consul agent, got {:?}",
+                        consul.address
+                    ),
+                ))
+            }
+        }
+        let advertised = consul.advertise_address.unwrap_or(self.proxy.listen.ip());
+        if advertised.is_unspecified() {
+            let reason = match consul.advertise_address {
+                Some(_) => format!("{advertised} is not an address clients can reach"),
+                None => format!(
+                    "required when proxy.listen is {} (a wildcard address clients cannot reach)",
+                    self.proxy.listen
+                ),
+            };
+            return Err(invalid("advertise_address", reason));
+        }
+        if consul.advertise_port == Some(0) {
+            return Err(invalid("advertise_port", "must be 1 to 65535".to_owned()));
+        }
+        for (key, value) in [
+            ("service_name", Some(&consul.service_name)),
+            ("service_id", consul.service_id.as_ref()),
+            ("token", consul.token.as_ref()),
+        ] {
+            if let Some(value) = value {
+                if value.is_empty() || !value.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(invalid(
+                        key,
+                        "must be printable ASCII without spaces".to_owned(),
+                    ));
+                }
+            }
+        }
+        if !(1_000..=86_400_000).contains(&consul.ttl_ms) {
+            return Err(invalid(
+                "ttl_ms",
+                "must be from 1000 to 86400000".to_owned(),
+            ));
+        }
+        if consul.deregister_critical_after_ms < consul.ttl_ms {
+            return Err(invalid(
+                "deregister_critical_after_ms",
+                "must be at least ttl_ms".to_owned(),
             ));
         }
         Ok(())
@@ -386,7 +579,18 @@ fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
     while let Some(part) = parts.next() {
         if parts.peek().is_none() {
             let parsed = match value.parse::<i64>() {
-                Ok(number) if part.ends_with("_ms") => toml::Value::Integer(number),
+                Ok(number) if part.ends_with("_ms") || part.ends_with("_port") => {
+                    toml::Value::Integer(number)
+                }
+                // A list in one variable: comma-separated, blanks dropped.
+                _ if part == "tags" => toml::Value::Array(
+                    value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|tag| !tag.is_empty())
+                        .map(|tag| toml::Value::String(tag.to_owned()))
+                        .collect(),
+                ),
                 _ => toml::Value::String(value.to_owned()),
             };
             current.insert(part.to_owned(), parsed);
@@ -425,6 +629,100 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    fn key_of(error: ConfigError) -> String {
+        match error {
+            ConfigError::InvalidKey { key, .. } => key,
+            other => panic!("not a key error: {other}"),
+        }
+    }
+
+    #[test]
+    fn a_consul_registration_comes_from_the_file_or_the_environment() {
+        let text =
+            "[proxy]\nlisten = \"10.0.0.7:8080\"\n[registration.consul]\ntags = [\"edge\"]\n";
+        let config = Config::from_parts("raahi.toml", Some(text), &[]).unwrap();
+        let consul = config.registration.consul.as_ref().unwrap();
+        assert_eq!(consul.address, "http://127.0.0.1:8500");
+        assert_eq!(consul.service_name, "raahi");
+        assert_eq!(
+            (consul.ttl_ms, consul.deregister_critical_after_ms),
+            (15_000, 60_000)
+        );
+        assert_eq!(
+            consul.advertised("10.0.0.7:8080".parse().unwrap()),
+            "10.0.0.7:8080".parse().unwrap()
+        );
+        assert_eq!(
+            config.drain_delay(),
+            Duration::from_secs(5),
+            "5 s with a registration"
+        );
+        assert_eq!(
+            Config::default().drain_delay(),
+            Duration::ZERO,
+            "none without"
+        );
+
+        let config = Config::from_parts(
+            "raahi.toml",
+            None,
+            &env(&[
+                ("RAAHI_REGISTRATION_CONSUL_ADVERTISE_ADDRESS", "10.0.0.9"),
+                ("RAAHI_REGISTRATION_CONSUL_ADVERTISE_PORT", "443"),
+                ("RAAHI_REGISTRATION_CONSUL_TAGS", "edge, eu ,"),
+                ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "3000"),
+                ("RAAHI_PROXY_DRAIN_DELAY_MS", "250"),
+            ]),
+        )
+        .unwrap();
+        let consul = config.registration.consul.as_ref().unwrap();
+        assert_eq!(consul.tags, ["edge", "eu"]);
+        assert_eq!(consul.ttl_ms, 3_000);
+        assert_eq!(
+            consul.advertised("0.0.0.0:8080".parse().unwrap()),
+            "10.0.0.9:443".parse().unwrap()
+        );
+        assert_eq!(config.drain_delay(), Duration::from_millis(250));
+    }
+
+    #[test]
+    fn a_registration_nobody_can_reach_is_refused_by_key() {
+        let refused =
+            |text: &str| key_of(Config::from_parts("raahi.toml", Some(text), &[]).unwrap_err());
+        // The default proxy.listen is 0.0.0.0:8080: an address must be given.
+        assert_eq!(
+            refused("[registration.consul]\n"),
+            "registration.consul.advertise_address"
+        );
+        assert_eq!(
+            refused("[registration.consul]\nadvertise_address = \"::\"\n"),
+            "registration.consul.advertise_address"
+        );
+        let with = |extra: &str| {
+            format!("[registration.consul]\nadvertise_address = \"10.0.0.7\"\n{extra}")
+        };
+        assert_eq!(
+            refused(&with("address = \"consul:8500\"")),
+            "registration.consul.address"
+        );
+        assert_eq!(refused(&with("ttl_ms = 500")), "registration.consul.ttl_ms");
+        assert_eq!(
+            refused(&with(
+                "ttl_ms = 20000\nderegister_critical_after_ms = 10000"
+            )),
+            "registration.consul.deregister_critical_after_ms"
+        );
+        assert_eq!(
+            refused(&with("service_id = \"a b\"")),
+            "registration.consul.service_id"
+        );
+        assert_eq!(
+            refused(&with("advertise_port = 0")),
+            "registration.consul.advertise_port"
+        );
+        assert_eq!(refused(&with("unknown = 1")), "registration.consul.unknown");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Wires the parts into a running gateway: store, control task, proxy and admin listeners.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use crate::control::{
 };
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
+use crate::registration::{Registrar, RegistrationError};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
@@ -39,6 +42,8 @@ pub enum StartError {
         address: SocketAddr,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Registration(#[from] RegistrationError),
 }
 
 /// A started gateway. Dropping it does not stop it; call [`Gateway::shutdown`].
@@ -54,6 +59,11 @@ pub struct Gateway {
     pub snapshots: SnapshotHandle,
     /// The declarative resources file, when configured, and what its first apply did.
     pub resources: Option<(ResourcesFile, ApplyReport)>,
+    /// This process's entry in Consul, when `registration.consul` is set.
+    pub registrar: Option<Registrar>,
+    /// Set when the shutdown sequence starts: `/readyz` answers 503 `draining`.
+    draining: Arc<AtomicBool>,
+    drain_delay: Duration,
     shutdown: watch::Sender<bool>,
     control_task: JoinHandle<()>,
     /// Listener tasks; each ends once its connections finished or the shutdown grace ran out.
@@ -204,11 +214,26 @@ impl Gateway {
                 shutdown_signal.clone(),
             ));
         }
+        // Registered once the proxy listens, so a client that finds it can reach it.
+        let registrar = match &config.registration.consul {
+            Some(consul) => {
+                let service_id = consul.service_id.clone().unwrap_or(instance_id);
+                Some(Registrar::start(
+                    consul,
+                    service_id,
+                    consul.advertised(proxy_addr),
+                )?)
+            }
+            None => None,
+        };
+        let draining = Arc::new(AtomicBool::new(false));
         let admin_app = admin::router(AdminState {
             store: store.clone(),
             control: control.clone(),
             started_at: chrono::Utc::now(),
             gateway_counters,
+            draining: draining.clone(),
+            registration: registrar.as_ref().map(Registrar::status),
         });
         let mut admin_shutdown = shutdown_signal;
         let admin_task = tokio::spawn(async move {
@@ -239,6 +264,9 @@ impl Gateway {
             control,
             snapshots,
             resources,
+            registrar,
+            draining,
+            drain_delay: config.drain_delay(),
             shutdown,
             control_task,
             tasks,
@@ -263,9 +291,49 @@ impl Gateway {
         Some(file.apply().await)
     }
 
+    /// The shutdown sequence (DESIGN §10): `/readyz` turns 503 `draining` and the registration
+    /// is withdrawn; the proxy keeps accepting for `proxy.drain_delay_ms` (cut short when
+    /// `hurry` completes: a second signal); then listeners close and requests in flight finish
+    /// (within the shutdown grace); then the registration is removed.
+    pub async fn drain(mut self, hurry: impl Future<Output = ()>) {
+        self.draining.store(true, Ordering::SeqCst);
+        let registrar = self.withdraw().await;
+        let delay = self.drain_delay;
+        if !delay.is_zero() {
+            tracing::info!(
+                delay_ms = delay.as_millis() as u64,
+                "draining: still accepting while clients stop choosing this instance"
+            );
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = hurry => tracing::info!("second signal: skipping the rest of the drain delay"),
+            }
+        }
+        self.stop_serving().await;
+        if let Some(registrar) = registrar {
+            registrar.deregister().await;
+        }
+    }
+
+    /// [`Gateway::drain`] without the delay: withdraw, stop, finish in-flight, deregister.
+    pub async fn shutdown(self) {
+        self.drain_now().await;
+    }
+
+    async fn drain_now(mut self) {
+        self.drain_delay = Duration::ZERO;
+        self.drain(std::future::pending()).await;
+    }
+
+    async fn withdraw(&mut self) -> Option<Registrar> {
+        let mut registrar = self.registrar.take()?;
+        registrar.withdraw().await;
+        Some(registrar)
+    }
+
     /// Stops accepting on every listener, lets requests and stream connections in flight finish
     /// (within the proxy's shutdown grace), then ends the control task.
-    pub async fn shutdown(self) {
+    async fn stop_serving(self) {
         let _ = self.shutdown.send(true);
         if let Some(task) = self.sighup_task {
             task.abort();

@@ -9,6 +9,7 @@ pub mod discovery;
 pub mod gateway;
 pub mod model;
 pub mod proxy;
+pub mod registration;
 pub mod resources;
 pub mod snapshot;
 pub mod status;

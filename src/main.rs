@@ -268,23 +268,39 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         "raahi: proxy on {}, admin API on {}",
         gateway.proxy_addr, gateway.admin_addr
     );
-    shutdown_signal().await;
-    tracing::info!("shutting down");
-    gateway.shutdown().await;
+    let mut signals = Signals::new();
+    signals.next().await;
+    tracing::info!("shutting down: draining");
+    // A second SIGTERM or SIGINT during the drain delay skips the rest of it.
+    gateway.drain(signals.next()).await;
+    tracing::info!("shut down");
     Ok(())
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = match signal(SignalKind::terminate()) {
-        Ok(stream) => stream,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+/// SIGTERM and SIGINT, each received as often as it is sent.
+struct Signals {
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn new() -> Signals {
+        use tokio::signal::unix::{signal, SignalKind};
+        Signals {
+            terminate: signal(SignalKind::terminate()).ok(),
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
+    }
+
+    async fn next(&mut self) {
+        match &mut self.terminate {
+            Some(terminate) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
     }
 }

@@ -25,7 +25,42 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct StatusReport {
     pub admin_url: String,
     pub fetched_at: DateTime<Utc>,
+    /// What `/readyz` said; None when it could not be read.
+    pub gateway: Option<GatewayReport>,
     pub services: Vec<ServiceReport>,
+}
+
+/// The gateway's health indicator, as `/readyz` answers it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GatewayReport {
+    /// `ready`, `starting` or `draining`.
+    pub status: String,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub ever_resolved: bool,
+    #[serde(default)]
+    pub degraded: bool,
+    #[serde(default)]
+    pub degraded_because: Vec<String>,
+    #[serde(default)]
+    pub ejected_targets: u64,
+    #[serde(default)]
+    pub registration: Option<RegistrationReport>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegistrationReport {
+    pub registry: String,
+    pub service_id: String,
+    pub service_name: String,
+    pub address: String,
+    pub state: String,
+    pub since: DateTime<Utc>,
+    #[serde(default)]
+    pub last_heartbeat_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    pub last_error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -116,6 +151,7 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
     };
     let fetched_at = Utc::now();
     let services: Vec<ApiService> = api.list("/api/v1/services").await?;
+    let gateway = api.readiness().await;
     let reports: Vec<Option<ServiceReport>> = stream::iter(services)
         .map(|service| api.service(service))
         .buffered(CONCURRENCY)
@@ -124,6 +160,7 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
     Ok(StatusReport {
         admin_url: api.base.clone(),
         fetched_at,
+        gateway,
         services: reports.into_iter().flatten().collect(),
     })
 }
@@ -131,6 +168,9 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
 /// One block per service: its target counts, then one line per discovery source.
 pub fn render_text(report: &StatusReport) -> String {
     let mut out = String::new();
+    if let Some(gateway) = &report.gateway {
+        out.push_str(&gateway_lines(gateway, report.fetched_at));
+    }
     if report.services.is_empty() {
         out.push_str(&format!("no services configured at {}\n", report.admin_url));
         return out;
@@ -150,6 +190,43 @@ pub fn render_text(report: &StatusReport) -> String {
         }
     }
     out
+}
+
+/// `gateway ready; degraded: ...`, then the registration, if any.
+fn gateway_lines(gateway: &GatewayReport, now: DateTime<Utc>) -> String {
+    let mut line = format!("gateway {}", gateway.status);
+    if let Some(reason) = &gateway.reason {
+        line.push_str(&format!(": {}", one_line(reason)));
+    }
+    if gateway.degraded {
+        line.push_str(&format!(
+            "; degraded: {}",
+            gateway.degraded_because.join(", ")
+        ));
+    }
+    line.push('\n');
+    if let Some(registration) = &gateway.registration {
+        let mut parts = vec![format!(
+            "{} since {}",
+            registration.state,
+            when(registration.since, now)
+        )];
+        if let Some(at) = registration.last_heartbeat_at {
+            parts.push(format!("last heartbeat {}", when(at, now)));
+        }
+        if let Some(error) = &registration.last_error {
+            parts.push(format!("last error: {}", one_line(error)));
+        }
+        line.push_str(&format!(
+            "  registration {} {}/{} at {}: {}\n",
+            registration.registry,
+            registration.service_name,
+            registration.service_id,
+            registration.address,
+            parts.join(", ")
+        ));
+    }
+    line
 }
 
 fn source_line(source: &SourceReport, now: DateTime<Utc>) -> String {
@@ -397,6 +474,17 @@ impl Api {
         }
     }
 
+    /// `/readyz` answers 503 with the same body while not ready; anything unreadable is left out.
+    async fn readiness(&self) -> Option<GatewayReport> {
+        let response = self
+            .http
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .ok()?;
+        response.json().await.ok()
+    }
+
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, StatusError> {
         let url = format!("{}{}", self.base, path);
         let mut request = self.http.get(&url);
@@ -495,6 +583,7 @@ mod tests {
         StatusReport {
             admin_url: "http://127.0.0.1:9080".to_owned(),
             fetched_at: at(0),
+            gateway: None,
             services: vec![ServiceReport {
                 id: 1,
                 name: "web".to_owned(),
@@ -576,6 +665,37 @@ mod tests {
         let text = render_text(&report(vec![watching]));
         assert!(
             text.contains("watch down since 2023-11-14T22:13:18Z (2s ago), next refresh 2023-11-14T22:13:23Z (in 3s)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_gateway_line_says_why_it_is_not_ready_and_how_its_registration_is() {
+        let mut report = report(vec![]);
+        report.services.clear();
+        report.gateway = Some(GatewayReport {
+            status: "draining".to_owned(),
+            reason: Some("shutting down".to_owned()),
+            ever_resolved: true,
+            degraded: true,
+            degraded_because: vec!["2 targets ejected".to_owned()],
+            ejected_targets: 2,
+            registration: Some(RegistrationReport {
+                registry: "consul".to_owned(),
+                service_id: "gw-1".to_owned(),
+                service_name: "raahi".to_owned(),
+                address: "10.0.0.7:8080".to_owned(),
+                state: "withdrawn".to_owned(),
+                since: at(-3),
+                last_heartbeat_at: Some(at(-4)),
+                last_error: None,
+            }),
+        });
+        let text = render_text(&report);
+        assert!(
+            text.starts_with(
+                "gateway draining: shutting down; degraded: 2 targets ejected\n  registration consul raahi/gw-1 at 10.0.0.7:8080: withdrawn since 2023-11-14T22:13:17Z (3s ago), last heartbeat 2023-11-14T22:13:16Z (4s ago)\n"
+            ),
             "{text}"
         );
     }

@@ -46,6 +46,8 @@ struct Scrape {
     targets: Vec<TargetSample>,
     target_states: Vec<(String, String, i64)>,
     sources: Vec<SourceSample>,
+    /// This process's registration: (labels, registered, failed calls to the agent).
+    registration: Option<(Labels, bool, u64)>,
 }
 
 #[derive(Debug)]
@@ -114,6 +116,17 @@ async fn gather(state: &AdminState) -> Scrape {
             .gateway_counters
             .parked_client_connections
             .load(Ordering::Relaxed),
+        registration: state.registration.as_ref().map(|status| {
+            let status = status.borrow();
+            (
+                vec![
+                    ("registry", status.registry.to_owned()),
+                    ("service_id", status.service_id.clone()),
+                ],
+                status.state == crate::registration::RegistrationState::Registered,
+                status.failures,
+            )
+        }),
         ..Scrape::default()
     };
     for entry in snapshot.streams().routes() {
@@ -285,6 +298,21 @@ fn gauge(
 
 impl Collector for Scrape {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if let Some((labels, registered, failures)) = &self.registration {
+            gauge(
+                &mut encoder,
+                "raahi_registration_registered",
+                "1 while this gateway's registration is kept alive by heartbeats; 0 while \
+                 registering, unreachable or withdrawn.",
+                [(labels.clone(), i64::from(*registered))],
+            )?;
+            counter(
+                &mut encoder,
+                "raahi_registration_failures",
+                "Calls to the registry's agent that failed since start.",
+                [(labels.clone(), *failures)],
+            )?;
+        }
         counter(
             &mut encoder,
             "raahi_unrouted_requests",

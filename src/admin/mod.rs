@@ -6,6 +6,7 @@ mod certificates;
 mod error;
 mod extract;
 mod metrics;
+pub mod readiness;
 mod routes;
 mod services;
 mod sources;
@@ -14,8 +15,6 @@ mod targets;
 mod tokens;
 pub(crate) mod validate;
 
-use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
@@ -39,6 +38,10 @@ pub struct AdminState {
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// Data-path counters that belong to no route or service (for `/metrics`).
     pub gateway_counters: std::sync::Arc<crate::snapshot::GatewayCounters>,
+    /// Set when the shutdown sequence starts.
+    pub draining: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// This process's registration, when one is configured.
+    pub registration: Option<tokio::sync::watch::Receiver<crate::registration::RegistrationStatus>>,
 }
 
 impl AdminState {
@@ -112,7 +115,7 @@ pub fn router(state: AdminState) -> Router {
     Router::new()
         .nest("/api/v1", api)
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(readiness::readyz))
         .route("/metrics", get(metrics::metrics))
         .fallback(not_found)
         .with_state(state)
@@ -132,45 +135,4 @@ async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) ->
 
 async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({ "status": "ok" }))
-}
-
-/// Ready when the store answers and every enabled discovery source has finished its first
-/// refresh or had the time of one attempt to do so.
-async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
-    let not_ready = |reason: String| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "status": "not_ready", "reason": reason })),
-        )
-    };
-    let sources = match state.store.all_sources().await {
-        Ok(sources) => sources,
-        Err(error) => return not_ready(error.to_string()),
-    };
-    let now = chrono::Utc::now();
-    let waiting: Vec<String> = sources
-        .iter()
-        .filter(|(source, progress)| {
-            let timeout_ms = source
-                .config
-                .get("timeout_ms")
-                .and_then(serde_json::Value::as_u64)
-                .unwrap_or(crate::discovery::config::DEFAULT_TIMEOUT_MS);
-            let first_attempt = chrono::Duration::milliseconds(timeout_ms as i64);
-            source.enabled
-                && progress.state == crate::model::SourceState::Pending
-                && now - source.updated_at.max(state.started_at) < first_attempt
-        })
-        .map(|(source, _)| source.name.clone())
-        .collect();
-    if !waiting.is_empty() {
-        return not_ready(format!(
-            "discovery sources still on their first refresh: {}",
-            waiting.join(", ")
-        ));
-    }
-    (
-        StatusCode::OK,
-        Json(serde_json::json!({ "status": "ready" })),
-    )
 }

@@ -1,0 +1,308 @@
+//! `/readyz`: the health indicator of DESIGN §7. 200 only while `ready`; 503 while `starting`
+//! (the store is unreachable, or a discovery source is still on its first refresh) or `draining`
+//! (the shutdown sequence began), so a Kubernetes readiness probe or a load balancer's health
+//! check takes the instance out exactly then. The body says why, and whether the instance is
+//! `degraded` (serving, but something needs an operator's look).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use super::AdminState;
+use crate::balance::unix_ms;
+use crate::model::{DiscoverySource, SourceProgress, SourceState};
+use crate::registration::{RegistrationState, RegistrationStatus};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadyState {
+    Ready,
+    Starting,
+    Draining,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Readiness {
+    pub status: ReadyState,
+    /// Why the instance is not ready.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Every enabled discovery source has succeeded at least once.
+    pub ever_resolved: bool,
+    /// Serving, but a source is failing or stale, targets are ejected, or the registration is
+    /// not kept alive; `degraded_because` says which.
+    pub degraded: bool,
+    pub degraded_because: Vec<String>,
+    /// Discovery sources by lifecycle state (every state listed).
+    pub sources: BTreeMap<&'static str, u64>,
+    pub ejected_targets: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registration: Option<RegistrationStatus>,
+}
+
+pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readiness>) {
+    let registration = state
+        .registration
+        .as_ref()
+        .map(|status| status.borrow().clone());
+    let ejected_targets = ejected_targets(&state);
+    let readiness = match state.store.all_sources().await {
+        Ok(sources) => assess(
+            &sources,
+            Utc::now(),
+            state.started_at,
+            ejected_targets,
+            registration,
+            state.draining.load(Ordering::SeqCst),
+        ),
+        Err(error) => Readiness {
+            status: if state.draining.load(Ordering::SeqCst) {
+                ReadyState::Draining
+            } else {
+                ReadyState::Starting
+            },
+            reason: Some(format!("the store is unreachable: {error}")),
+            ever_resolved: false,
+            degraded: true,
+            degraded_because: vec!["the store is unreachable".to_owned()],
+            sources: BTreeMap::new(),
+            ejected_targets,
+            registration,
+        },
+    };
+    let code = match readiness.status {
+        ReadyState::Ready => StatusCode::OK,
+        ReadyState::Starting | ReadyState::Draining => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (code, Json(readiness))
+}
+
+fn ejected_targets(state: &AdminState) -> u64 {
+    let now = unix_ms();
+    let snapshot = state.control.snapshot();
+    snapshot
+        .services()
+        .flat_map(|service| service.targets.iter())
+        .filter(|target| target.health.ejected_until(now).is_some())
+        .count() as u64
+}
+
+/// The indicator from what the store and the runtime say. A source still pending is waited for
+/// at most one attempt's time (its `timeout_ms`) after it was created, changed or this process
+/// started, so a registry down at start does not keep the instance out of rotation forever.
+pub fn assess(
+    sources: &[(DiscoverySource, SourceProgress)],
+    now: DateTime<Utc>,
+    started_at: DateTime<Utc>,
+    ejected_targets: u64,
+    registration: Option<RegistrationStatus>,
+    draining: bool,
+) -> Readiness {
+    let mut by_state: BTreeMap<&'static str, u64> = [
+        SourceState::Pending,
+        SourceState::Healthy,
+        SourceState::Failing,
+        SourceState::Stale,
+        SourceState::Disabled,
+    ]
+    .into_iter()
+    .map(|state| (state.as_str(), 0))
+    .collect();
+    let mut waiting = Vec::new();
+    let mut degraded_because = Vec::new();
+    let mut ever_resolved = true;
+    for (source, progress) in sources {
+        *by_state.entry(progress.state.as_str()).or_default() += 1;
+        if !source.enabled {
+            continue;
+        }
+        ever_resolved &= progress.last_success_at.is_some();
+        match progress.state {
+            SourceState::Pending if still_first_attempt(source, now, started_at) => {
+                waiting.push(source.name.clone());
+            }
+            SourceState::Failing | SourceState::Stale => degraded_because.push(format!(
+                "discovery source {} is {}",
+                source.name,
+                progress.state.as_str()
+            )),
+            _ => {}
+        }
+    }
+    if ejected_targets > 0 {
+        degraded_because.push(format!("{ejected_targets} targets ejected"));
+    }
+    if let Some(registration) = &registration {
+        if registration.state == RegistrationState::Unreachable {
+            degraded_because.push("the consul registration is not kept alive".to_owned());
+        }
+    }
+    let (status, reason) = if draining {
+        (
+            ReadyState::Draining,
+            Some("shutting down: finishing requests in flight".to_owned()),
+        )
+    } else if !waiting.is_empty() {
+        (
+            ReadyState::Starting,
+            Some(format!(
+                "discovery sources still on their first refresh: {}",
+                waiting.join(", ")
+            )),
+        )
+    } else {
+        (ReadyState::Ready, None)
+    };
+    Readiness {
+        status,
+        reason,
+        ever_resolved,
+        degraded: !degraded_because.is_empty(),
+        degraded_because,
+        sources: by_state,
+        ejected_targets,
+        registration,
+    }
+}
+
+fn still_first_attempt(
+    source: &DiscoverySource,
+    now: DateTime<Utc>,
+    started_at: DateTime<Utc>,
+) -> bool {
+    let timeout_ms = source
+        .config
+        .get("timeout_ms")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(crate::discovery::config::DEFAULT_TIMEOUT_MS);
+    let first_attempt = chrono::Duration::milliseconds(timeout_ms as i64);
+    now - source.updated_at.max(started_at) < first_attempt
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ProviderKind;
+
+    fn at(ms: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp_millis(1_700_000_000_000 + ms).unwrap()
+    }
+
+    fn source(
+        name: &str,
+        state: SourceState,
+        succeeded: bool,
+    ) -> (DiscoverySource, SourceProgress) {
+        let source = DiscoverySource {
+            id: 1,
+            service_id: 1,
+            name: name.to_owned(),
+            provider: ProviderKind::Http,
+            config: serde_json::json!({"timeout_ms": 1000}),
+            enabled: state != SourceState::Disabled,
+            stale_after_ms: 300_000,
+            removal_grace_ms: 60_000,
+            managed_by: None,
+            created_at: at(0),
+            updated_at: at(0),
+        };
+        let progress = SourceProgress {
+            state,
+            last_success_at: succeeded.then(|| at(0)),
+            ..SourceProgress::default()
+        };
+        (source, progress)
+    }
+
+    fn registration(state: RegistrationState) -> RegistrationStatus {
+        RegistrationStatus {
+            registry: "consul",
+            service_id: "gw-1".to_owned(),
+            service_name: "raahi".to_owned(),
+            address: "10.0.0.7:8080".to_owned(),
+            state,
+            since: at(0),
+            last_heartbeat_at: None,
+            last_error: None,
+            failures: 0,
+        }
+    }
+
+    #[test]
+    fn ready_without_sources_and_not_degraded() {
+        let readiness = assess(&[], at(10), at(0), 0, None, false);
+        assert_eq!(readiness.status, ReadyState::Ready);
+        assert!(readiness.ever_resolved && !readiness.degraded);
+        assert_eq!(readiness.sources["healthy"], 0);
+        let json = serde_json::to_value(&readiness).unwrap();
+        assert!(json.get("registration").is_none() && json.get("reason").is_none());
+    }
+
+    #[test]
+    fn a_source_on_its_first_refresh_holds_readiness_for_one_attempt() {
+        let sources = [source("registry", SourceState::Pending, false)];
+        let starting = assess(&sources, at(500), at(0), 0, None, false);
+        assert_eq!(starting.status, ReadyState::Starting);
+        assert!(starting.reason.unwrap().contains("registry"));
+        assert!(!starting.ever_resolved);
+        let later = assess(&sources, at(1_500), at(0), 0, None, false);
+        assert_eq!(later.status, ReadyState::Ready, "no longer waited for");
+        assert!(!later.ever_resolved, "but it never resolved");
+    }
+
+    #[test]
+    fn failing_sources_ejections_and_a_lost_registration_degrade() {
+        let sources = [
+            source("a", SourceState::Healthy, true),
+            source("b", SourceState::Failing, true),
+            source("c", SourceState::Stale, true),
+            source("d", SourceState::Disabled, false),
+        ];
+        let readiness = assess(
+            &sources,
+            at(10_000),
+            at(0),
+            2,
+            Some(registration(RegistrationState::Unreachable)),
+            false,
+        );
+        assert_eq!(readiness.status, ReadyState::Ready);
+        assert!(readiness.ever_resolved, "a disabled source is not counted");
+        assert!(readiness.degraded);
+        assert_eq!(
+            readiness.degraded_because,
+            [
+                "discovery source b is failing",
+                "discovery source c is stale",
+                "2 targets ejected",
+                "the consul registration is not kept alive"
+            ]
+        );
+        assert_eq!(
+            (readiness.sources["failing"], readiness.sources["disabled"]),
+            (1, 1)
+        );
+    }
+
+    #[test]
+    fn draining_wins_over_everything() {
+        let readiness = assess(
+            &[source("a", SourceState::Pending, false)],
+            at(1),
+            at(0),
+            0,
+            Some(registration(RegistrationState::Withdrawn)),
+            true,
+        );
+        assert_eq!(readiness.status, ReadyState::Draining);
+        assert!(
+            !readiness.degraded,
+            "a withdrawn registration is the plan, not a fault"
+        );
+    }
+}
