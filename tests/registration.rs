@@ -1,0 +1,576 @@
+//! Self-registration in Consul and the drain sequence (DESIGN §7 `/readyz`, §10), through real
+//! sockets against the Consul fake's agent endpoints: the registration carries the advertised
+//! address and a TTL check that heartbeats keep passing; an agent that lost it gets it again; an
+//! agent down at start never stops the proxy; draining fails the check, keeps serving for the
+//! drain delay, then deregisters; `kill -9` leaves the entry to turn critical after its TTL; a
+//! rolling restart behind a client that resolves the gateways through Consul loses no request;
+//! and a second gateway with a `consul` source routes to the first one's registration.
+
+mod common;
+
+use common::consul::{ConsulFake, Instance};
+use common::process::RaahiProcess;
+use common::*;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use raahi::config::Config;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+/// Longest wait for anything the gateway does on its own with the short timers used here.
+const WAIT: Duration = Duration::from_secs(10);
+const TTL_MS: u64 = 1_500;
+
+/// An in-process gateway's config, registered in `fake` as service `edge` with id `id`.
+fn registered_config(
+    dir: &std::path::Path,
+    fake: &ConsulFake,
+    id: &str,
+    extra: &[(&str, &str)],
+) -> Config {
+    let mut env: Vec<(String, String)> = [
+        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        (
+            "RAAHI_DATABASE_URL",
+            format!("sqlite://{}/raahi.db", dir.display()),
+        ),
+        ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_ID", id.to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_TTL_MS", TTL_MS.to_string()),
+        (
+            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+            "3000".to_owned(),
+        ),
+        ("RAAHI_PROXY_DRAIN_DELAY_MS", "0".to_owned()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_owned(), value))
+    .collect();
+    for (name, value) in extra {
+        env.retain(|(existing, _)| existing != name);
+        env.push(((*name).to_owned(), (*value).to_owned()));
+    }
+    Config::from_parts("registration-test.toml", None, &env).expect("a valid config")
+}
+
+async fn registered_gateway(fake: &ConsulFake, id: &str, extra: &[(&str, &str)]) -> TestGateway {
+    let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+    let config = registered_config(dir.path(), fake, id, extra);
+    TestGateway::start_with(dir, config).await
+}
+
+/// `/readyz`: its status code and body.
+async fn readyz(gateway: &TestGateway) -> (StatusCode, Value) {
+    let response = gateway
+        .http
+        .get(gateway.admin_url("/readyz"))
+        .send()
+        .await
+        .unwrap();
+    let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+    (status, response.json().await.unwrap())
+}
+
+/// Status and body of a GET through a proxy at `addr` (status 0 when it does not answer).
+async fn fetch_from(http: &reqwest::Client, addr: std::net::SocketAddr) -> (u16, String) {
+    match http.get(format!("http://{addr}/")).send().await {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+async fn wait_check(fake: &ConsulFake, id: &str, status: &str) {
+    wait_until(&format!("check of {id} is {status}"), WAIT, || async {
+        fake.agent_check_status(id).as_deref() == Some(status)
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registering and staying registered
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_passing() {
+    let fake = ConsulFake::start().await;
+    fake.require_token(Some("agent-token"));
+    let gateway = registered_gateway(
+        &fake,
+        "gw-1",
+        &[
+            ("RAAHI_REGISTRATION_CONSUL_TOKEN", "agent-token"),
+            ("RAAHI_REGISTRATION_CONSUL_TAGS", "edge,eu"),
+        ],
+    )
+    .await;
+    wait_check(&fake, "gw-1", "passing").await;
+    let service = fake.agent_service("gw-1").expect("registered");
+    assert_eq!(service.name, "edge");
+    assert_eq!(service.address, "127.0.0.1");
+    assert_eq!(service.port, gateway.proxy.port(), "the proxy's bound port");
+    assert_eq!(service.tags, ["edge", "eu"]);
+    assert_eq!(
+        service.meta.get("raahi_version").map(String::as_str),
+        Some(env!("CARGO_PKG_VERSION"))
+    );
+    assert_eq!(service.ttl, Some(Duration::from_millis(TTL_MS)));
+    assert_eq!(
+        service.deregister_critical_after,
+        Some(Duration::from_secs(3))
+    );
+    assert_eq!(fake.last_headers()["x-consul-token"], "agent-token");
+
+    // Three TTLs later the check still passes: heartbeats came every third of it.
+    let updates = fake.agent_check_updates();
+    let started = Instant::now();
+    wait_until("three TTLs of heartbeats", WAIT, || async {
+        started.elapsed() >= Duration::from_millis(3 * TTL_MS)
+            && fake.agent_check_updates() >= updates + 8
+    })
+    .await;
+    assert_eq!(fake.agent_check_status("gw-1").as_deref(), Some("passing"));
+    assert_eq!(fake.agent_registrations(), 1, "registered once");
+
+    let (status, body) = readyz(&gateway).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["registration"]["state"], "registered", "{body}");
+    assert_eq!(body["registration"]["service_id"], "gw-1", "{body}");
+    assert_eq!(body["degraded"], false, "{body}");
+    let metrics = gateway
+        .http
+        .get(gateway.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .contains("raahi_registration_registered{registry=\"consul\",service_id=\"gw-1\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_lost_the_registration_gets_it_again() {
+    let fake = ConsulFake::start().await;
+    let _gateway = registered_gateway(&fake, "gw-1", &[]).await;
+    wait_check(&fake, "gw-1", "passing").await;
+    fake.agent_forget_all();
+    assert!(fake.agent_service("gw-1").is_none());
+    // The next heartbeat answers 404: the registrar registers again at once.
+    wait_until("registered again", WAIT, || async {
+        fake.agent_service("gw-1").is_some() && fake.agent_registrations() == 2
+    })
+    .await;
+    wait_check(&fake, "gw-1", "passing").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_down_at_start_never_stops_the_proxy_and_is_registered_with_when_back() {
+    let fake = ConsulFake::start().await;
+    fake.stop();
+    let upstream = Upstream::start("served").await;
+    let gateway = registered_gateway(&fake, "gw-1", &[]).await;
+    let service = gateway
+        .service_with_targets("web", &[target(&upstream, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    assert_eq!(fetch_from(&gateway.http, gateway.proxy).await.1, "served");
+    let body = wait_until_readyz(&gateway, "the registration is unreachable", |body| {
+        body["registration"]["state"] == "unreachable"
+    })
+    .await;
+    assert_eq!(
+        body["status"], "ready",
+        "serving: ready, but degraded: {body}"
+    );
+    assert_eq!(body["degraded"], true, "{body}");
+    let error = body["registration"]["last_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.contains(&fake.url()) && error.contains("could not be reached"),
+        "{body}"
+    );
+
+    fake.restart().await;
+    // Retries back off from 1 s doubling; within a few seconds it is registered.
+    wait_check(&fake, "gw-1", "passing").await;
+    let body = wait_until_readyz(&gateway, "registered", |body| {
+        body["registration"]["state"] == "registered"
+    })
+    .await;
+    assert_eq!(body["registration"]["last_error"], Value::Null, "{body}");
+    assert_eq!(body["degraded"], false, "{body}");
+}
+
+async fn wait_until_readyz(
+    gateway: &TestGateway,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
+    let end = Instant::now() + WAIT;
+    loop {
+        let (_, body) = readyz(gateway).await;
+        if done(&body) {
+            return body;
+        }
+        assert!(Instant::now() < end, "timed out waiting for {what}: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Draining
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_fails_the_check_keeps_serving_for_the_delay_then_deregisters() {
+    let fake = ConsulFake::start().await;
+    let upstream = Upstream::start("served").await;
+    let mut gateway =
+        registered_gateway(&fake, "gw-1", &[("RAAHI_PROXY_DRAIN_DELAY_MS", "1500")]).await;
+    let service = gateway
+        .service_with_targets("web", &[target(&upstream, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    wait_check(&fake, "gw-1", "passing").await;
+
+    let (hurry, hurried) = tokio::sync::oneshot::channel::<()>();
+    let running = gateway.gateway.take().expect("running");
+    let started = Instant::now();
+    let drained = tokio::spawn(running.drain(async {
+        let _ = hurried.await;
+    }));
+    // At once: readiness is gone and the check is failed, with why.
+    let body = wait_until_readyz(&gateway, "draining and withdrawn", |body| {
+        body["registration"]["state"] == "withdrawn"
+    })
+    .await;
+    assert_eq!(body["status"], "draining", "{body}");
+    assert_eq!(readyz(&gateway).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    wait_check(&fake, "gw-1", "critical").await;
+    assert_eq!(fake.agent_check_output("gw-1").as_deref(), Some("draining"));
+    assert!(started.elapsed() < Duration::from_millis(1_000));
+
+    // During the delay new connections and requests are still served.
+    let mut served = 0;
+    while started.elapsed() < Duration::from_millis(1_200) {
+        let fresh = reqwest::Client::new();
+        assert_eq!(
+            fetch_from(&fresh, gateway.proxy).await,
+            (200, "served".to_owned()),
+            "served {:?} into the drain",
+            started.elapsed()
+        );
+        served += 1;
+    }
+    assert!(served > 5, "{served}");
+    assert!(!drained.is_finished(), "the delay is not over");
+
+    // Then it stops accepting, and deregisters once done.
+    drained.await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(1_500));
+    assert_eq!(
+        fetch_from(&reqwest::Client::new(), gateway.proxy).await.0,
+        0
+    );
+    assert!(fake.agent_service("gw-1").is_none(), "deregistered");
+    assert_eq!(fake.agent_deregistrations(), 1);
+    drop(hurry);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_cuts_the_drain_delay_short() {
+    let fake = ConsulFake::start().await;
+    let mut gateway =
+        registered_gateway(&fake, "gw-1", &[("RAAHI_PROXY_DRAIN_DELAY_MS", "60000")]).await;
+    wait_check(&fake, "gw-1", "passing").await;
+    let (hurry, hurried) = tokio::sync::oneshot::channel::<()>();
+    let running = gateway.gateway.take().expect("running");
+    let drained = tokio::spawn(running.drain(async {
+        let _ = hurried.await;
+    }));
+    wait_check(&fake, "gw-1", "critical").await;
+    let hurried_at = Instant::now();
+    hurry.send(()).unwrap();
+    tokio::time::timeout(WAIT, drained)
+        .await
+        .expect("the drain ends soon after the second signal")
+        .unwrap();
+    assert!(hurried_at.elapsed() < Duration::from_secs(5));
+    assert!(fake.agent_service("gw-1").is_none(), "deregistered");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes: signals, a crash, and a rolling restart
+// ---------------------------------------------------------------------------------------------
+
+fn process_env(fake: &ConsulFake, id: &str, drain_ms: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_ID", id.to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_TTL_MS", TTL_MS.to_string()),
+        (
+            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+            "3000".to_owned(),
+        ),
+        ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms.to_owned()),
+    ]
+}
+
+async fn spawn_registered(fake: &ConsulFake, id: &str, drain_ms: &str) -> RaahiProcess {
+    let env = process_env(fake, id, drain_ms);
+    let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    RaahiProcess::serve(&pairs).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateway_turns_critical_after_its_ttl_and_is_reaped() {
+    let fake = ConsulFake::start().await;
+    let process = spawn_registered(&fake, "gw-crash", "0").await;
+    wait_check(&fake, "gw-crash", "passing").await;
+    process.signal("-KILL");
+    let killed = Instant::now();
+    wait_check(&fake, "gw-crash", "critical").await;
+    let lapsed = killed.elapsed();
+    assert!(
+        lapsed <= Duration::from_millis(TTL_MS + 1_000),
+        "critical after {lapsed:?}"
+    );
+    let output = fake.agent_check_output("gw-crash").unwrap_or_default();
+    assert!(output.starts_with("TTL expired"), "{output}");
+    wait_until(
+        "reaped after deregister_critical_after_ms",
+        WAIT,
+        || async { fake.agent_service("gw-crash").is_none() },
+    )
+    .await;
+    let _ = process.exit_status().await;
+}
+
+/// How often the client reads the passing instances again, as a load balancer polling Consul
+/// (or honouring a DNS TTL) does; the drain delay must cover it.
+const RESOLVE_EVERY: Duration = Duration::from_millis(300);
+
+/// A client that finds the gateways the way a load balancer fed from Consul does: every
+/// [`RESOLVE_EVERY`] it asks Consul for the passing instances of `edge`, and sends each request
+/// to the next one, round-robin, over a keep-alive pool.
+struct ResolvingClient {
+    consul: String,
+    http: reqwest::Client,
+    next: usize,
+    resolved: Option<(Instant, Vec<String>)>,
+}
+
+impl ResolvingClient {
+    async fn instances(&self) -> Vec<String> {
+        let answer: Value = self
+            .http
+            .get(format!(
+                "{}/v1/health/service/edge?passing=true",
+                self.consul
+            ))
+            .send()
+            .await
+            .expect("the fake answers")
+            .json()
+            .await
+            .expect("JSON");
+        answer
+            .as_array()
+            .expect("an array")
+            .iter()
+            .map(|entry| {
+                format!(
+                    "{}:{}",
+                    entry["Service"]["Address"].as_str().unwrap(),
+                    entry["Service"]["Port"]
+                )
+            })
+            .collect()
+    }
+
+    /// One request: Ok(instance) when it succeeded, Err(why) when it did not.
+    async fn request(&mut self) -> Result<String, String> {
+        let fresh = self
+            .resolved
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < RESOLVE_EVERY);
+        if !fresh {
+            self.resolved = Some((Instant::now(), self.instances().await));
+        }
+        let instances = self
+            .resolved
+            .as_ref()
+            .map(|(_, list)| list.clone())
+            .unwrap_or_default();
+        if instances.is_empty() {
+            return Err("no passing instance".to_owned());
+        }
+        let instance = instances[self.next % instances.len()].clone();
+        self.next += 1;
+        match self.http.get(format!("http://{instance}/")).send().await {
+            Ok(response) if response.status() == 200 => Ok(instance),
+            Ok(response) => Err(format!("{instance}: HTTP {}", response.status())),
+            Err(error) => Err(format!("{instance}: {error}")),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_behind_consul_loses_no_request() {
+    let fake = ConsulFake::start().await;
+    let upstream = Upstream::start("served").await;
+    let first = spawn_registered(&fake, "gw-a", "1000").await;
+    let second = spawn_registered(&fake, "gw-b", "1000").await;
+    first.route_all_to("web", &upstream).await;
+    second.route_all_to("web", &upstream).await;
+    wait_check(&fake, "gw-a", "passing").await;
+    wait_check(&fake, "gw-b", "passing").await;
+    let first_address = first.proxy.to_string();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let to_first_after_withdrawal = Arc::new(AtomicUsize::new(0));
+    let withdrawn = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (stop, failures) = (stop.clone(), failures.clone());
+        let (to_first, withdrawn) = (to_first_after_withdrawal.clone(), withdrawn.clone());
+        let mut client = ResolvingClient {
+            consul: fake.url(),
+            http: reqwest::Client::new(),
+            next: 0,
+            resolved: None,
+        };
+        let first_address = first_address.clone();
+        tokio::spawn(async move {
+            let mut served = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                match client.request().await {
+                    Ok(instance) => {
+                        served += 1;
+                        if withdrawn.load(Ordering::SeqCst) && instance == first_address {
+                            to_first.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    Err(why) => failures.lock().unwrap().push(why),
+                }
+            }
+            served
+        })
+    };
+    // Let the load reach both instances, then stop the first the way a supervisor does.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.sigterm();
+    wait_until("the first is withdrawn", WAIT, || async {
+        fake.agent_check_status("gw-a").as_deref() != Some("passing")
+    })
+    .await;
+    withdrawn.store(true, Ordering::SeqCst);
+    let status = first.exit_status().await;
+    assert!(status.success(), "exit 0 after draining: {status:?}");
+    assert!(
+        fake.agent_service("gw-a").is_none(),
+        "deregistered at the end"
+    );
+    // The survivor carries on alone for a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    let served = load.await.unwrap();
+    let failures = failures.lock().unwrap().clone();
+    eprintln!(
+        "rolling restart: {served} requests served, {} failed",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "requests lost: {failures:?}");
+    assert!(served > 50, "{served} requests");
+    // Requests resolved before the withdrawal kept landing on the first during its drain delay,
+    // and were served: what the delay is for.
+    assert!(
+        to_first_after_withdrawal.load(Ordering::SeqCst) > 0,
+        "no request reached the draining instance"
+    );
+    drop(second);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The round trip: one gateway registers, another discovers it through Consul
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_gateway_routes_to_the_first_through_its_registration() {
+    let fake = ConsulFake::start().await;
+    let upstream = Upstream::start("origin").await;
+    // A stray catalog entry of another service is never picked.
+    fake.register(Instance::new("other", 1));
+    // The drain delay covers the front's reaction: its watch asks at most once a second.
+    let mut edge =
+        registered_gateway(&fake, "edge-1", &[("RAAHI_PROXY_DRAIN_DELAY_MS", "2500")]).await;
+    let service = edge
+        .service_with_targets("web", &[target(&upstream, 1, 0)])
+        .await;
+    edge.route_all_to(service).await;
+    wait_check(&fake, "edge-1", "passing").await;
+
+    let front = TestGateway::start().await;
+    let edges = front
+        .create("/api/v1/services", json!({"name": "edges"}))
+        .await;
+    front.route_all_to(edges).await;
+    let source = front
+        .create(
+            &format!("/api/v1/services/{edges}/discovery-sources"),
+            json!({
+                "name": "edges", "provider": "consul", "removal_grace_ms": 200,
+                "config": {"address": fake.url(), "service": "edge", "wait_ms": 10_000},
+            }),
+        )
+        .await;
+    // register → discover → route
+    wait_until("the front routes through the edge", WAIT, || async {
+        fetch_from(&front.http, front.proxy).await == (200, "origin".to_owned())
+    })
+    .await;
+    let status = front.source_status(source).await;
+    assert_eq!(status["endpoints"]["active"], 1, "{status}");
+
+    // deregister → drain: the edge withdraws; until the front stops choosing it, requests still
+    // pass through it, and none fails on the way.
+    let running = edge.gateway.take().expect("running");
+    let withdrawn = Instant::now();
+    let drained = tokio::spawn(running.drain(std::future::pending()));
+    loop {
+        let (status, body) = fetch_from(&front.http, front.proxy).await;
+        match status {
+            200 => assert_eq!(body, "origin"),
+            503 => break,
+            other => panic!("the front answered {other} while the edge drained: {body}"),
+        }
+        assert!(
+            withdrawn.elapsed() < WAIT,
+            "the front kept routing to the edge"
+        );
+    }
+    assert!(
+        withdrawn.elapsed() < Duration::from_millis(2_500),
+        "the front let go of the edge within its drain delay"
+    );
+    let status = front.source_status(source).await;
+    assert_eq!(status["endpoints"]["active"], 0, "{status}");
+    drained.await.unwrap();
+    assert!(fake.agent_service("edge-1").is_none());
+}
