@@ -177,6 +177,30 @@ async fn an_agent_that_lost_the_registration_gets_it_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registration_survives_an_agent_restart_without_its_data() {
+    let fake = ConsulFake::start().await;
+    let gateway = registered_gateway(&fake, "gw-1", &[]).await;
+    wait_check(&fake, "gw-1", "passing").await;
+    fake.stop();
+    wait_until_readyz(&gateway, "the agent is unreachable", |body| {
+        body["registration"]["state"] == "unreachable"
+    })
+    .await;
+    fake.agent_forget_all();
+    fake.restart().await;
+    wait_check(&fake, "gw-1", "passing").await;
+    assert_eq!(fake.agent_registrations(), 2, "registered again once back");
+    let body = wait_until_readyz(&gateway, "registered", |body| {
+        body["registration"]["state"] == "registered"
+    })
+    .await;
+    assert!(
+        body["registration"]["failures"].as_u64().unwrap() >= 1,
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_down_at_start_never_stops_the_proxy_and_is_registered_with_when_back() {
     let fake = ConsulFake::start().await;
     fake.stop();

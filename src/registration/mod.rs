@@ -102,9 +102,7 @@ impl Registrar {
     /// Draining: stop passing the check and fail it, so the registry's clients stop choosing this
     /// instance while it still serves. Bounded; a failure is logged (the TTL lapses anyway).
     pub async fn withdraw(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
+        self.stop_heartbeats().await;
         match tokio::time::timeout(FAREWELL_TIMEOUT, self.agent.fail_check("draining")).await {
             Ok(Ok(())) => {
                 tracing::info!(service_id = %self.agent.service_id(), "registration withdrawn: check failed while draining");
@@ -127,9 +125,7 @@ impl Registrar {
     /// After the last request: remove the registration. Bounded; a failure is logged (the
     /// registry reaps the entry after `deregister_critical_after_ms`).
     pub async fn deregister(mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
+        self.stop_heartbeats().await;
         match tokio::time::timeout(FAREWELL_TIMEOUT, self.agent.deregister()).await {
             Ok(Ok(())) => {
                 tracing::info!(service_id = %self.agent.service_id(), "deregistered");
@@ -144,6 +140,17 @@ impl Registrar {
                     after: FAREWELL_TIMEOUT,
                 },
             ),
+        }
+    }
+}
+
+impl Registrar {
+    /// Waits until the heartbeat task is gone, so no pass it had under way can land after the
+    /// withdrawal and make the check passing again.
+    async fn stop_heartbeats(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            let _ = task.await;
         }
     }
 }
