@@ -54,7 +54,7 @@ pub struct RegistrationConfig {
 }
 
 /// Self-registration in Consul with a TTL check (README "Registering in Consul").
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConsulRegistration {
     /// The Consul agent's HTTP API, normally the local agent.
@@ -87,6 +87,22 @@ pub struct ConsulRegistration {
     /// raises anything under a minute to a minute.
     #[serde(default = "ConsulRegistration::default_deregister_critical_after_ms")]
     pub deregister_critical_after_ms: u64,
+}
+
+/// Never shows the token.
+impl std::fmt::Debug for ConsulRegistration {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ConsulRegistration")
+            .field("address", &self.address)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("service_name", &self.service_name)
+            .field("service_id", &self.service_id)
+            .field("advertise_address", &self.advertise_address)
+            .field("advertise_port", &self.advertise_port)
+            .field("ttl_ms", &self.ttl_ms)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ConsulRegistration {
@@ -364,6 +380,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "registration.consul.advertise_port",
     ),
     ("RAAHI_REGISTRATION_CONSUL_TAGS", "registration.consul.tags"),
+    ("RAAHI_REGISTRATION_CONSUL_META", "registration.consul.meta"),
     (
         "RAAHI_REGISTRATION_CONSUL_TTL_MS",
         "registration.consul.ttl_ms",
@@ -591,6 +608,19 @@ fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
                         .map(|tag| toml::Value::String(tag.to_owned()))
                         .collect(),
                 ),
+                // A map in one variable: comma-separated `key=value` pairs.
+                _ if part == "meta" => toml::Value::Table(
+                    value
+                        .split(',')
+                        .filter_map(|pair| pair.split_once('='))
+                        .map(|(key, value)| {
+                            (
+                                key.trim().to_owned(),
+                                toml::Value::String(value.trim().to_owned()),
+                            )
+                        })
+                        .collect(),
+                ),
                 _ => toml::Value::String(value.to_owned()),
             };
             current.insert(part.to_owned(), parsed);
@@ -673,12 +703,17 @@ mod tests {
                 ("RAAHI_REGISTRATION_CONSUL_ADVERTISE_PORT", "443"),
                 ("RAAHI_REGISTRATION_CONSUL_TAGS", "edge, eu ,"),
                 ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "3000"),
+                ("RAAHI_REGISTRATION_CONSUL_META", "zone=eu-1, rack = r7"),
+                ("RAAHI_REGISTRATION_CONSUL_TOKEN", "s3cr3t-token"),
                 ("RAAHI_PROXY_DRAIN_DELAY_MS", "250"),
             ]),
         )
         .unwrap();
         let consul = config.registration.consul.as_ref().unwrap();
         assert_eq!(consul.tags, ["edge", "eu"]);
+        assert_eq!(consul.meta.get("zone").map(String::as_str), Some("eu-1"));
+        assert_eq!(consul.meta.get("rack").map(String::as_str), Some("r7"));
+        assert!(!format!("{consul:?}").contains("s3cr3t"), "{consul:?}");
         assert_eq!(consul.ttl_ms, 3_000);
         assert_eq!(
             consul.advertised("0.0.0.0:8080".parse().unwrap()),

@@ -46,7 +46,8 @@ pub enum StartError {
     Registration(#[from] RegistrationError),
 }
 
-/// A started gateway. Dropping it does not stop it; call [`Gateway::shutdown`].
+/// A started gateway. Dropping it does not stop the proxy (only the registration's heartbeats);
+/// call [`Gateway::drain`] or [`Gateway::shutdown`].
 pub struct Gateway {
     pub proxy_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -63,6 +64,7 @@ pub struct Gateway {
     pub registrar: Option<Registrar>,
     /// Set when the shutdown sequence starts: `/readyz` answers 503 `draining`.
     draining: Arc<AtomicBool>,
+    proxy_state: Arc<ProxyState>,
     drain_delay: Duration,
     shutdown: watch::Sender<bool>,
     control_task: JoinHandle<()>,
@@ -209,7 +211,7 @@ impl Gateway {
             tasks.push(proxy::serve_https(
                 listener,
                 tls::server_config(resolver),
-                proxy_state,
+                proxy_state.clone(),
                 settings,
                 shutdown_signal.clone(),
             ));
@@ -266,6 +268,7 @@ impl Gateway {
             resources,
             registrar,
             draining,
+            proxy_state,
             drain_delay: config.drain_delay(),
             shutdown,
             control_task,
@@ -297,6 +300,7 @@ impl Gateway {
     /// (within the shutdown grace); then the registration is removed.
     pub async fn drain(mut self, hurry: impl Future<Output = ()>) {
         self.draining.store(true, Ordering::SeqCst);
+        self.proxy_state.start_draining();
         let registrar = self.withdraw().await;
         let delay = self.drain_delay;
         if !delay.is_zero() {
@@ -316,11 +320,7 @@ impl Gateway {
     }
 
     /// [`Gateway::drain`] without the delay: withdraw, stop, finish in-flight, deregister.
-    pub async fn shutdown(self) {
-        self.drain_now().await;
-    }
-
-    async fn drain_now(mut self) {
+    pub async fn shutdown(mut self) {
         self.drain_delay = Duration::ZERO;
         self.drain(std::future::pending()).await;
     }

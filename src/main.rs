@@ -277,9 +277,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM and SIGINT, each received as often as it is sent.
+/// SIGTERM and SIGINT, each received as often as it is sent: both streams are made once, so a
+/// signal that arrives while nobody waits (during the withdrawal) is kept for the next wait.
 struct Signals {
     terminate: Option<tokio::signal::unix::Signal>,
+    interrupt: Option<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
@@ -287,20 +289,22 @@ impl Signals {
         use tokio::signal::unix::{signal, SignalKind};
         Signals {
             terminate: signal(SignalKind::terminate()).ok(),
+            interrupt: signal(SignalKind::interrupt()).ok(),
         }
     }
 
     async fn next(&mut self) {
-        match &mut self.terminate {
-            Some(terminate) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = terminate.recv() => {}
+        async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) {
+            match signal {
+                Some(signal) => {
+                    signal.recv().await;
                 }
+                None => std::future::pending().await,
             }
-            None => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+        }
+        tokio::select! {
+            _ = recv(&mut self.terminate) => {}
+            _ = recv(&mut self.interrupt) => {}
         }
     }
 }

@@ -1,5 +1,5 @@
 //! `/readyz`: the health indicator of DESIGN §7. 200 only while `ready`; 503 while `starting`
-//! (the store is unreachable, or a discovery source is still on its first refresh) or `draining`
+//! (a discovery source is still on its first refresh) or `draining`
 //! (the shutdown sequence began), so a Kubernetes readiness probe or a load balancer's health
 //! check takes the instance out exactly then. The body says why, and whether the instance is
 //! `degraded` (serving, but something needs an operator's look).
@@ -18,7 +18,7 @@ use crate::balance::unix_ms;
 use crate::model::{DiscoverySource, SourceProgress, SourceState};
 use crate::registration::{RegistrationState, RegistrationStatus};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ReadyState {
     Ready,
@@ -26,7 +26,7 @@ pub enum ReadyState {
     Draining,
 }
 
-#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize)]
 pub struct Readiness {
     pub status: ReadyState,
     /// Why the instance is not ready.
@@ -60,16 +60,18 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
             registration,
             state.draining.load(Ordering::SeqCst),
         ),
+        // The data path serves from its last snapshot without the store, so a shared database
+        // going down must not take every instance out of rotation at once: ready, degraded.
         Err(error) => Readiness {
             status: if state.draining.load(Ordering::SeqCst) {
                 ReadyState::Draining
             } else {
-                ReadyState::Starting
+                ReadyState::Ready
             },
-            reason: Some(format!("the store is unreachable: {error}")),
+            reason: None,
             ever_resolved: false,
             degraded: true,
-            degraded_because: vec!["the store is unreachable".to_owned()],
+            degraded_because: vec![format!("the store is unreachable: {error}")],
             sources: BTreeMap::new(),
             ejected_targets,
             registration,
@@ -138,14 +140,19 @@ pub fn assess(
         degraded_because.push(format!("{ejected_targets} targets ejected"));
     }
     if let Some(registration) = &registration {
-        if registration.state == RegistrationState::Unreachable {
+        if matches!(
+            registration.state,
+            RegistrationState::Unreachable | RegistrationState::Refused
+        ) {
             degraded_because.push("the consul registration is not kept alive".to_owned());
         }
     }
     let (status, reason) = if draining {
         (
             ReadyState::Draining,
-            Some("shutting down: finishing requests in flight".to_owned()),
+            Some(
+                "shutting down: still serving while clients stop choosing this instance".to_owned(),
+            ),
         )
     } else if !waiting.is_empty() {
         (

@@ -63,6 +63,7 @@ pub async fn handle(
 ) -> Response<ProxyBody> {
     let started = Instant::now();
     let request_id = headers::request_id(request.headers());
+    let http1 = request.version() <= Version::HTTP_11;
     let request_line =
         tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO).then(|| RequestLine {
             method: request.method().clone(),
@@ -107,6 +108,11 @@ pub async fn handle(
     response
         .headers_mut()
         .insert(X_REQUEST_ID.clone(), request_id);
+    if http1 && state.draining() && response.status() != StatusCode::SWITCHING_PROTOCOLS {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     response
 }
 

@@ -17,6 +17,7 @@ pub mod stream;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +51,10 @@ pub struct ProxyState {
     snapshots: SnapshotHandle,
     clients: UpstreamClients,
     counters: Arc<GatewayCounters>,
+    /// Set when the shutdown sequence starts: HTTP/1.1 answers then carry `Connection: close`, so
+    /// clients pinned to a keep-alive connection move to a new one (which their load balancer no
+    /// longer sends here) before the listeners close, instead of racing the close.
+    draining: AtomicBool,
 }
 
 impl ProxyState {
@@ -58,7 +63,17 @@ impl ProxyState {
             snapshots,
             clients: UpstreamClients::default(),
             counters,
+            draining: AtomicBool::new(false),
         })
+    }
+
+    /// The drain delay begins: keep serving, but end each HTTP/1.1 connection after its answer.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 }
 

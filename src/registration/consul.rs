@@ -12,8 +12,9 @@ use serde_json::json;
 use super::RegistrationError;
 use crate::config::ConsulRegistration;
 
-/// The longest one call may take; shorter when the heartbeat period is, so calls never pile up.
-const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest one call may take; shorter when the TTL is short, so a hung call and its retry
+/// fit in one heartbeat period and the TTL never lapses for one slow answer.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why a call to the agent failed; the text names the call and the agent.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +65,7 @@ impl Agent {
     ) -> Result<Agent, RegistrationError> {
         let ttl = Duration::from_millis(config.ttl_ms);
         let client = reqwest::Client::builder()
-            .timeout(CALL_TIMEOUT.min(ttl / 3))
+            .timeout(call_timeout(ttl))
             .user_agent(concat!("raahi/", env!("CARGO_PKG_VERSION")))
             .no_proxy()
             .build()
@@ -198,7 +199,7 @@ impl Agent {
         if error.is_timeout() {
             return AgentError::Timeout {
                 call,
-                after: CALL_TIMEOUT.min(self.inner.ttl / 3),
+                after: call_timeout(self.inner.ttl),
             };
         }
         // The agent's address is named once, by the error's own text.
@@ -219,6 +220,10 @@ impl Agent {
             reason,
         }
     }
+}
+
+fn call_timeout(ttl: Duration) -> Duration {
+    CALL_TIMEOUT.min(ttl / 6)
 }
 
 /// A service or check id as one path segment (ids may hold `:` and, rarely, `/`).

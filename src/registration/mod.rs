@@ -26,15 +26,17 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Where the registration stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RegistrationState {
     /// Not registered yet (the first attempt is under way).
     Registering,
     /// Registered, the check passed within its TTL.
     Registered,
-    /// The agent did not answer or refused; retried with backoff. The proxy serves anyway.
+    /// The agent did not answer or failed; retried with backoff. The proxy serves anyway.
     Unreachable,
+    /// The agent refused the token (401, 403): retried with backoff until an operator fixes it.
+    Refused,
     /// Draining: the check was failed so clients stop choosing this instance.
     Withdrawn,
     /// Removed from the registry at shutdown.
@@ -42,7 +44,7 @@ pub enum RegistrationState {
 }
 
 /// What `/readyz`, `/metrics` and `raahi status` show of the registration.
-#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RegistrationStatus {
     pub registry: &'static str,
     pub service_id: String,
@@ -64,6 +66,8 @@ pub struct RegistrationStatus {
 pub struct Registrar {
     agent: Agent,
     status: watch::Sender<RegistrationStatus>,
+    /// Tells the heartbeat loop to stop between two calls.
+    stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -86,10 +90,12 @@ impl Registrar {
             last_error: None,
             failures: 0,
         });
-        let task = tokio::spawn(keep_registered(agent.clone(), status.clone()));
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(keep_registered(agent.clone(), status.clone(), stopped));
         Ok(Registrar {
             agent,
             status,
+            stop,
             task: Some(task),
         })
     }
@@ -107,6 +113,10 @@ impl Registrar {
             Ok(Ok(())) => {
                 tracing::info!(service_id = %self.agent.service_id(), "registration withdrawn: check failed while draining");
                 set_state(&self.status, RegistrationState::Withdrawn);
+            }
+            // Nothing left to withdraw: the agent lost the registration.
+            Ok(Err(AgentError::UnknownCheck { .. })) => {
+                set_state(&self.status, RegistrationState::Withdrawn)
             }
             Ok(Err(error)) => {
                 note_failure(&self.status, "cannot withdraw the registration", &error)
@@ -145,12 +155,18 @@ impl Registrar {
 }
 
 impl Registrar {
-    /// Waits until the heartbeat task is gone, so no pass it had under way can land after the
-    /// withdrawal and make the check passing again.
+    /// Stops the heartbeat loop between two calls and waits for it, so a pass it had under way
+    /// has been answered before the withdrawal is sent and cannot make the check passing again.
+    /// A call the agent does not answer is cut off after its own timeout.
     async fn stop_heartbeats(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-            let _ = task.await;
+        let _ = self.stop.send(true);
+        if let Some(mut task) = self.task.take() {
+            if tokio::time::timeout(FAREWELL_TIMEOUT, &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
         }
     }
 }
@@ -170,11 +186,15 @@ pub struct RegistrationError(String);
 
 /// Registers, then passes the check every third of the TTL; registers again when the agent lost
 /// the check or could not be reached (an agent restarted without its data may have lost it).
-async fn keep_registered(agent: Agent, status: watch::Sender<RegistrationStatus>) {
+async fn keep_registered(
+    agent: Agent,
+    status: watch::Sender<RegistrationStatus>,
+    mut stop: watch::Receiver<bool>,
+) {
     let heartbeat = agent.ttl() / 3;
     let mut failures: u32 = 0;
     let mut registered = false;
-    loop {
+    while !*stop.borrow() {
         let call = if registered {
             agent.pass_check().await
         } else {
@@ -203,11 +223,25 @@ async fn keep_registered(agent: Agent, status: watch::Sender<RegistrationStatus>
                 failures = failures.saturating_add(1);
                 registered = false;
                 note_failure(&status, "consul agent call failed", &error);
-                set_state(&status, RegistrationState::Unreachable);
+                set_state(&status, state_after(&error));
                 retry_delay(failures, fastrand::f64())
             }
         };
-        tokio::time::sleep(wait).await;
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.wait_for(|stop| *stop) => {}
+        }
+    }
+}
+
+/// A refusal (a bad or missing ACL token: 401, 403) is a configuration problem an operator must
+/// fix; anything else is the agent being away.
+fn state_after(error: &AgentError) -> RegistrationState {
+    match error {
+        AgentError::Refused {
+            status: 401 | 403, ..
+        } => RegistrationState::Refused,
+        _ => RegistrationState::Unreachable,
     }
 }
 
