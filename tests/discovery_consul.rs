@@ -188,15 +188,7 @@ async fn registrations_and_deregistrations_reach_the_data_path_within_a_second()
         json!(fake.index().to_string()),
         "{status}"
     );
-    let metrics = gateway
-        .http
-        .get(gateway.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gateway.metrics_text().await;
     assert!(
         metrics.contains(
             "raahi_discovery_watch_connected{service=\"web\",source=\"consul\",provider=\"consul\"} 1"

@@ -148,15 +148,7 @@ async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_
     assert_eq!(body["registration"]["state"], "registered", "{body}");
     assert_eq!(body["registration"]["service_id"], "gw-1", "{body}");
     assert_eq!(body["degraded"], false, "{body}");
-    let metrics = gateway
-        .http
-        .get(gateway.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gateway.metrics_text().await;
     assert!(
         metrics
             .contains("raahi_registration_registered{registry=\"consul\",service_id=\"gw-1\"} 1"),

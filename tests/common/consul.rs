@@ -108,8 +108,6 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_rustls::TlsAcceptor;
 
 /// Consul's `DefaultQueryTime` and `MaxQueryTime` (blocking.mdx: "defaults to 5 minutes",
@@ -449,22 +447,9 @@ impl ConsulFake {
     /// The same over HTTPS (Consul's `https` port), with a self-signed certificate for
     /// `127.0.0.1` that only a client given [`ConsulFake::ca_pem`] trusts.
     pub async fn start_tls() -> ConsulFake {
-        let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()])
-            .expect("a self-signed certificate");
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
-            certified.signing_key.serialize_der(),
-        ));
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![certified.cert.der().clone()], key)
-        .expect("a server certificate");
-        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let (acceptor, pem) = super::self_signed_acceptor(&["127.0.0.1"]);
         let mut fake = Self::start_with(Some(acceptor)).await;
-        fake.ca_pem = Some(certified.cert.pem());
+        fake.ca_pem = Some(pem);
         fake
     }
 

@@ -547,6 +547,44 @@ impl TestGateway {
     }
 }
 
+/// A TLS acceptor with a fresh self-signed certificate for `names` (ring, as the gateway uses),
+/// and that certificate's PEM for a client that should trust it.
+pub fn self_signed_acceptor(names: &[&str]) -> (tokio_rustls::TlsAcceptor, String) {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let names: Vec<String> = names.iter().map(|name| (*name).to_owned()).collect();
+    let certified = rcgen::generate_simple_self_signed(names).expect("a self-signed certificate");
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+        certified.signing_key.serialize_der(),
+    ));
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_no_client_auth()
+    .with_single_cert(vec![certified.cert.der().clone()], key)
+    .expect("a server certificate");
+    (
+        tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        certified.cert.pem(),
+    )
+}
+
+impl TestGateway {
+    /// `GET /metrics` on the admin listener, as text.
+    pub async fn metrics_text(&self) -> String {
+        self.http
+            .get(self.admin_url("/metrics"))
+            .send()
+            .await
+            .expect("the admin listener answers")
+            .text()
+            .await
+            .expect("a text body")
+    }
+}
+
 /// Polls `condition` until it holds or `deadline` passes; panics with `what` on timeout.
 pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut condition: F)
 where

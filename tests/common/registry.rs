@@ -22,8 +22,6 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_rustls::TlsAcceptor;
 
 type Body = BoxBody<Bytes, Infallible>;
@@ -64,23 +62,8 @@ impl Registry {
     /// The same registry over HTTPS, with a self-signed certificate for `127.0.0.1` that no
     /// client trusts (for `tls_verify`).
     pub async fn start_tls() -> Registry {
-        let certified = rcgen::generate_simple_self_signed(vec![
-            "127.0.0.1".to_owned(),
-            "localhost".to_owned(),
-        ])
-        .expect("a self-signed certificate");
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
-            certified.signing_key.serialize_der(),
-        ));
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![certified.cert.der().clone()], key)
-        .expect("a server certificate");
-        Self::serve(Some(TlsAcceptor::from(Arc::new(config)))).await
+        let (acceptor, _) = super::self_signed_acceptor(&["127.0.0.1", "localhost"]);
+        Self::serve(Some(acceptor)).await
     }
 
     async fn serve(tls: Option<TlsAcceptor>) -> Registry {
