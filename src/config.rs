@@ -298,6 +298,18 @@ impl DatabaseConfig {
     fn default_url() -> String {
         "sqlite://data/raahi.db".to_owned()
     }
+
+    /// The URL as it may be printed or logged: without its password.
+    pub fn shown_url(&self) -> String {
+        match reqwest::Url::parse(&self.url) {
+            Ok(mut url) if url.password().is_some() => {
+                // Only fails for URLs that cannot have a password, which this one has.
+                let _ = url.set_password(None);
+                url.to_string()
+            }
+            _ => self.url.clone(),
+        }
+    }
 }
 
 impl Default for DatabaseConfig {
@@ -666,6 +678,25 @@ mod tests {
             ConfigError::InvalidKey { key, .. } => key,
             other => panic!("not a key error: {other}"),
         }
+    }
+
+    #[test]
+    fn the_database_url_is_shown_without_its_password() {
+        let shown = |url: &str| {
+            DatabaseConfig {
+                url: url.to_owned(),
+            }
+            .shown_url()
+        };
+        assert_eq!(
+            shown("postgres://raahi:s3cr3t@db.internal:5432/raahi"),
+            "postgres://raahi@db.internal:5432/raahi"
+        );
+        assert_eq!(
+            shown("postgres://raahi@db/raahi"),
+            "postgres://raahi@db/raahi"
+        );
+        assert_eq!(shown("sqlite://data/raahi.db"), "sqlite://data/raahi.db");
     }
 
     #[test]

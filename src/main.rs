@@ -120,6 +120,13 @@ fn main() -> ExitCode {
             eprintln!("raahi: invalid configuration: {error}");
             return ExitCode::from(2);
         }
+        // So is the resources file: a bad edit must show here, not at the next SIGHUP.
+        if let Some(path) = &config.resources.file {
+            if let Err(error) = raahi::resources::check_file(path) {
+                eprintln!("raahi: invalid configuration: {error}");
+                return ExitCode::from(2);
+            }
+        }
         println!("configuration is valid");
         return ExitCode::SUCCESS;
     }
@@ -175,10 +182,11 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Serve => serve(config).await,
         Command::Migrate => {
+            let shown = config.database.shown_url();
             Store::connect(&config.database.url)
                 .await
-                .with_context(|| format!("migrating {}", config.database.url))?;
-            println!("database {} is up to date", config.database.url);
+                .with_context(|| format!("migrating {shown}"))?;
+            println!("database {shown} is up to date");
             Ok(())
         }
         Command::Token {

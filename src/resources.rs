@@ -104,12 +104,7 @@ impl ResourcesFile {
     /// when the file is invalid.
     pub async fn apply(&self) -> Result<ApplyReport, ResourcesError> {
         let file = self.path.display().to_string();
-        let text =
-            std::fs::read_to_string(&self.path).map_err(|error| ResourcesError::Unreadable {
-                file: file.clone(),
-                reason: error.to_string(),
-            })?;
-        let resources = parse(&file, &text)?;
+        let resources = check_file(&self.path)?;
         let report = apply(&self.store, &resources)
             .await
             .map_err(|error| ResourcesError::Store(error, file.clone()))?;
@@ -171,6 +166,17 @@ fn read<T: serde::de::DeserializeOwned>(
         .map_err(|error| invalid(file, location, error.to_string()))?;
     crate::admin::validate::from_json(json)
         .map_err(|(field, message)| invalid(file, format!("{location}{field}"), message))
+}
+
+/// Reads, parses and validates the file at `path` without touching the store (what
+/// `raahi check-config` and every apply do first).
+pub fn check_file(path: &std::path::Path) -> Result<Resources, ResourcesError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|error| ResourcesError::Unreadable {
+        file: file.clone(),
+        reason: error.to_string(),
+    })?;
+    parse(&file, &text)
 }
 
 /// Parses and validates a resources file without touching the store.

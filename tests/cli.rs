@@ -81,6 +81,57 @@ fn check_config_reads_the_certificate_files() {
 }
 
 #[test]
+fn check_config_validates_the_resources_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("resources.toml");
+    let check = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        raahi()
+            .env("RAAHI_RESOURCES_FILE", &file)
+            .args(["--config", "config/raahi.toml", "check-config"])
+            .output()
+            .unwrap()
+    };
+    let bad = check(
+        "[[services]]\nname = \"web\"\n  [[services.discovery_sources]]\n  name = \"c\"\n  \
+         provider = \"consul\"\n  config = { service = \"web\", wait_ms = 10 }\n",
+    );
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("resources.toml")
+            && stderr.contains("services[0].discovery_sources[0].config.wait_ms"),
+        "names the file and the place: {stderr}"
+    );
+    let good = check("[[services]]\nname = \"web\"\n");
+    assert!(good.status.success(), "{good:?}");
+}
+
+#[test]
+fn migrate_never_prints_the_database_password() {
+    // Nothing listens on port 1: the migration fails, and its error names the database.
+    let output = raahi()
+        .env(
+            "RAAHI_DATABASE_URL",
+            "postgres://raahi:s3cr3t-pw@127.0.0.1:1/raahi",
+        )
+        .args(["--config", "config/raahi.toml", "migrate"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        printed.contains("postgres://raahi@127.0.0.1:1/raahi"),
+        "{printed}"
+    );
+    assert!(!printed.contains("s3cr3t-pw"), "{printed}");
+}
+
+#[test]
 fn shipped_config_is_valid() {
     let output = raahi()
         .args(["--config", "config/raahi.toml", "check-config"])
