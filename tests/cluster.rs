@@ -42,13 +42,7 @@ async fn two_instances(database_url: &str) -> (TestGateway, TestGateway) {
 
 /// Status and body of a GET through an instance's proxy (status 0 when it does not answer).
 async fn fetch(gateway: &TestGateway, path: &str) -> (u16, String) {
-    match gateway.http.get(gateway.proxy_url(path)).send().await {
-        Ok(response) => {
-            let status = response.status().as_u16();
-            (status, response.text().await.unwrap_or_default())
-        }
-        Err(_) => (0, String::new()),
-    }
+    gateway.fetch_status(path).await
 }
 
 async fn serves(gateway: &TestGateway, path: &str, body: &str) -> bool {

@@ -88,13 +88,7 @@ async fn wait_status(
 
 /// Status and body of a GET through the proxy (status 0 when it does not answer).
 async fn fetch(gateway: &TestGateway) -> (u16, String) {
-    match gateway.http.get(gateway.proxy_url("/")).send().await {
-        Ok(response) => {
-            let status = response.status().as_u16();
-            (status, response.text().await.unwrap_or_default())
-        }
-        Err(_) => (0, String::new()),
-    }
+    gateway.fetch_status("/").await
 }
 
 /// Fetches until the proxy answers `body` `times` times in a row; returns how long that took.

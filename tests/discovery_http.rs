@@ -1805,14 +1805,8 @@ async fn readyz_waits_for_the_first_refresh_of_an_enabled_source() {
     let registry = Registry::start().await;
     let a = Upstream::start("a").await;
     let readyz = || async {
-        let response = gateway
-            .http
-            .get(gateway.admin_url("/readyz"))
-            .send()
-            .await
-            .unwrap();
-        let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
-        (status, response.text().await.unwrap())
+        let (status, body) = gateway.readyz().await;
+        (StatusCode::from_u16(status).unwrap(), body.to_string())
     };
     assert_eq!(readyz().await.0, StatusCode::OK, "ready without sources");
 

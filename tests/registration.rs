@@ -17,14 +17,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use raahi::config::Config;
-use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 /// Longest wait for anything the gateway does on its own with the short timers used here.
 const WAIT: Duration = Duration::from_secs(10);
 const TTL_MS: u64 = 1_500;
 
-/// An in-process gateway's config, registered in `fake` as service `edge` with id `id`.
+/// The environment that registers a gateway in `fake` as service `edge` with id `id`.
+fn registration_env(fake: &ConsulFake, id: &str, drain_ms: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_SERVICE_ID", id.to_owned()),
+        ("RAAHI_REGISTRATION_CONSUL_TTL_MS", TTL_MS.to_string()),
+        (
+            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+            "3000".to_owned(),
+        ),
+        ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms.to_owned()),
+    ]
+}
+
+/// An in-process gateway's config: [`registration_env`] with no drain delay, `extra` on top.
 fn registered_config(
     dir: &std::path::Path,
     fake: &ConsulFake,
@@ -34,22 +49,13 @@ fn registered_config(
     let mut env: Vec<(String, String)> = [
         ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
         ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
-        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
         (
             "RAAHI_DATABASE_URL",
             format!("sqlite://{}/raahi.db", dir.display()),
         ),
-        ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
-        ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
-        ("RAAHI_REGISTRATION_CONSUL_SERVICE_ID", id.to_owned()),
-        ("RAAHI_REGISTRATION_CONSUL_TTL_MS", TTL_MS.to_string()),
-        (
-            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
-            "3000".to_owned(),
-        ),
-        ("RAAHI_PROXY_DRAIN_DELAY_MS", "0".to_owned()),
     ]
     .into_iter()
+    .chain(registration_env(fake, id, "0"))
     .map(|(name, value)| (name.to_owned(), value))
     .collect();
     for (name, value) in extra {
@@ -63,29 +69,6 @@ async fn registered_gateway(fake: &ConsulFake, id: &str, extra: &[(&str, &str)])
     let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
     let config = registered_config(dir.path(), fake, id, extra);
     TestGateway::start_with(dir, config).await
-}
-
-/// `/readyz`: its status code and body.
-async fn readyz(gateway: &TestGateway) -> (StatusCode, Value) {
-    let response = gateway
-        .http
-        .get(gateway.admin_url("/readyz"))
-        .send()
-        .await
-        .unwrap();
-    let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
-    (status, response.json().await.unwrap())
-}
-
-/// Status and body of a GET through a proxy at `addr` (status 0 when it does not answer).
-async fn fetch_from(http: &reqwest::Client, addr: std::net::SocketAddr) -> (u16, String) {
-    match http.get(format!("http://{addr}/")).send().await {
-        Ok(response) => {
-            let status = response.status().as_u16();
-            (status, response.text().await.unwrap_or_default())
-        }
-        Err(_) => (0, String::new()),
-    }
 }
 
 async fn wait_check(fake: &ConsulFake, id: &str, status: &str) {
@@ -143,8 +126,8 @@ async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_
     assert_eq!(fake.index(), index, "the check never lapsed");
     assert_eq!(fake.agent_registrations(), 1, "registered once");
 
-    let (status, body) = readyz(&gateway).await;
-    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = gateway.readyz().await;
+    assert_eq!(status, 200, "{body}");
     assert_eq!(body["registration"]["state"], "registered", "{body}");
     assert_eq!(body["registration"]["service_id"], "gw-1", "{body}");
     assert_eq!(body["degraded"], false, "{body}");
@@ -205,7 +188,7 @@ async fn an_agent_down_at_start_never_stops_the_proxy_and_is_registered_with_whe
         .service_with_targets("web", &[target(&upstream, 1, 0)])
         .await;
     gateway.route_all_to(service).await;
-    assert_eq!(fetch_from(&gateway.http, gateway.proxy).await.1, "served");
+    assert_eq!(gateway.fetch_status("/").await.1, "served");
     let body = wait_until_readyz(&gateway, "the registration is unreachable", |body| {
         body["registration"]["state"] == "unreachable"
     })
@@ -241,7 +224,7 @@ async fn wait_until_readyz(
 ) -> Value {
     let end = Instant::now() + WAIT;
     loop {
-        let (_, body) = readyz(gateway).await;
+        let (_, body) = gateway.readyz().await;
         if done(&body) {
             return body;
         }
@@ -278,7 +261,7 @@ async fn draining_fails_the_check_keeps_serving_for_the_delay_then_deregisters()
     })
     .await;
     assert_eq!(body["status"], "draining", "{body}");
-    assert_eq!(readyz(&gateway).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(gateway.readyz().await.0, 503);
     wait_check(&fake, "gw-1", "critical").await;
     assert_eq!(fake.agent_check_output("gw-1").as_deref(), Some("draining"));
     assert!(started.elapsed() < Duration::from_millis(2_000));
@@ -311,10 +294,7 @@ async fn draining_fails_the_check_keeps_serving_for_the_delay_then_deregisters()
     // Then it stops accepting, and deregisters once done.
     drained.await.unwrap();
     assert!(started.elapsed() >= Duration::from_millis(3_000));
-    assert_eq!(
-        fetch_from(&reqwest::Client::new(), gateway.proxy).await.0,
-        0
-    );
+    assert_eq!(gateway.fetch_status("/").await.0, 0);
     assert!(fake.agent_service("gw-1").is_none(), "deregistered");
     assert_eq!(fake.agent_deregistrations(), 1);
     drop(hurry);
@@ -346,23 +326,8 @@ async fn a_second_signal_cuts_the_drain_delay_short() {
 // Processes: signals, a crash, and a rolling restart
 // ---------------------------------------------------------------------------------------------
 
-fn process_env(fake: &ConsulFake, id: &str, drain_ms: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
-        ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
-        ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
-        ("RAAHI_REGISTRATION_CONSUL_SERVICE_ID", id.to_owned()),
-        ("RAAHI_REGISTRATION_CONSUL_TTL_MS", TTL_MS.to_string()),
-        (
-            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
-            "3000".to_owned(),
-        ),
-        ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms.to_owned()),
-    ]
-}
-
 async fn spawn_registered(fake: &ConsulFake, id: &str, drain_ms: &str) -> RaahiProcess {
-    let env = process_env(fake, id, drain_ms);
+    let env = registration_env(fake, id, drain_ms);
     let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     RaahiProcess::serve(&pairs).await
 }
@@ -619,7 +584,7 @@ async fn a_second_gateway_routes_to_the_first_through_its_registration() {
         .await;
     // register → discover → route
     wait_until("the front routes through the edge", WAIT, || async {
-        fetch_from(&front.http, front.proxy).await == (200, "origin".to_owned())
+        front.fetch_status("/").await == (200, "origin".to_owned())
     })
     .await;
     let status = front.source_status(source).await;
@@ -631,7 +596,7 @@ async fn a_second_gateway_routes_to_the_first_through_its_registration() {
     let withdrawn = Instant::now();
     let drained = tokio::spawn(running.drain(std::future::pending()));
     loop {
-        let (status, body) = fetch_from(&front.http, front.proxy).await;
+        let (status, body) = front.fetch_status("/").await;
         match status {
             200 => assert_eq!(body, "origin"),
             503 => break,

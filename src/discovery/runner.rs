@@ -217,6 +217,15 @@ struct Lane {
 }
 
 impl Lane {
+    /// Until `delay` passed or an operator asked for a refresh (which then goes first).
+    async fn wait_or_woken(&self, delay: Duration) {
+        tokio::select! {
+            biased;
+            _ = self.wake.notified() => {}
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+
     /// Sends an outcome; false when the control task is gone (the loop ends).
     async fn report(
         &self,
@@ -249,11 +258,7 @@ async fn poll(
 ) {
     let mut delay = first_delay;
     loop {
-        tokio::select! {
-            biased;
-            _ = lane.wake.notified() => {}
-            _ = tokio::time::sleep(delay) => {}
-        }
+        lane.wait_or_woken(delay).await;
         lane.refreshing.store(true, Ordering::Release);
         let attempt_started = Instant::now();
         let result = match tokio::time::timeout(schedule.timeout, provider.refresh()).await {
@@ -308,11 +313,7 @@ async fn watch(provider: Box<dyn WatchProvider>, first_delay: Duration, lane: La
     };
     let mut delay = first_delay;
     loop {
-        tokio::select! {
-            biased;
-            _ = lane.wake.notified() => {}
-            _ = tokio::time::sleep(delay) => {}
-        }
+        lane.wait_or_woken(delay).await;
         // A full read is under way: an operator's refresh joins it.
         lane.refreshing.store(true, Ordering::Release);
         match follow(provider.as_ref(), &lane, &mut memory).await {

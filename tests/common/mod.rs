@@ -572,6 +572,30 @@ pub fn self_signed_acceptor(names: &[&str]) -> (tokio_rustls::TlsAcceptor, Strin
 }
 
 impl TestGateway {
+    /// Status and body of a GET through the proxy; status 0 when the proxy does not answer
+    /// (closed, or shut down).
+    pub async fn fetch_status(&self, path: &str) -> (u16, String) {
+        match self.http.get(self.proxy_url(path)).send().await {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                (status, response.text().await.unwrap_or_default())
+            }
+            Err(_) => (0, String::new()),
+        }
+    }
+
+    /// `GET /readyz` (no token): its status code and JSON body.
+    pub async fn readyz(&self) -> (u16, Value) {
+        let response = self
+            .http
+            .get(self.admin_url("/readyz"))
+            .send()
+            .await
+            .expect("the admin listener answers");
+        let status = response.status().as_u16();
+        (status, response.json().await.expect("a JSON body"))
+    }
+
     /// `GET /metrics` on the admin listener, as text.
     pub async fn metrics_text(&self) -> String {
         self.http
