@@ -672,7 +672,7 @@ async fn a_gigabyte_through_a_stream_route_with_flat_memory() {
             let take = (TOTAL - sent).min(CHUNK as u64) as usize;
             stream.write_all(&chunk[..take]).await?;
             sent += take as u64;
-            if sent % (64 << 20) == 0 {
+            if sent.is_multiple_of(64 << 20) {
                 peak = peak.max(rss_kib());
             }
         }
