@@ -72,7 +72,13 @@ text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequ
 text_enum!(TargetState { Active => "active", Draining => "draining", Stale => "stale" });
 text_enum!(Health { Unknown => "unknown", Healthy => "healthy", Unhealthy => "unhealthy" });
 text_enum!(Role { Admin => "admin", Viewer => "viewer" });
-text_enum!(ProviderKind { Dns => "dns", DnsSrv => "dns-srv", Http => "http", Consul => "consul" });
+text_enum!(ProviderKind {
+    Dns => "dns",
+    DnsSrv => "dns-srv",
+    Http => "http",
+    Consul => "consul",
+    Kubernetes => "kubernetes",
+});
 text_enum!(SourceState {
     Pending => "pending",
     Healthy => "healthy",
@@ -372,6 +378,8 @@ pub enum ProviderKind {
     Http,
     #[serde(rename = "consul")]
     Consul,
+    #[serde(rename = "kubernetes")]
+    Kubernetes,
 }
 
 /// Lifecycle of a discovery source (DESIGN §4).
@@ -466,7 +474,8 @@ pub struct WatchProgress {
     pub connected: bool,
     /// When `connected` last changed.
     pub since: DateTime<Utc>,
-    /// The registry's position of the last set delivered (Consul's `X-Consul-Index`, as text);
+    /// The registry's position of the last set delivered (Consul's `X-Consul-Index`, a
+    /// Kubernetes resource version, as text);
     /// null before the first.
     pub index: Option<String>,
 }

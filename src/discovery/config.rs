@@ -501,7 +501,7 @@ mod tests {
     fn descriptors_list_every_provider_with_schema_and_defaults() {
         let descriptors = descriptors();
         let names: Vec<&str> = descriptors.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["dns", "dns-srv", "http", "consul"]);
+        assert_eq!(names, ["dns", "dns-srv", "http", "consul", "kubernetes"]);
         for (descriptor, required) in descriptors.iter().zip(["hostname", "service_name", "url"]) {
             let schema = &descriptor.config_schema;
             assert!(

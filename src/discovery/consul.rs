@@ -349,8 +349,8 @@ impl WatchProvider for ConsulProvider {
         ))
     }
 
-    fn answer_deadline(&self) -> Duration {
-        self.inner.blocking_bound() + DEADLINE_MARGIN
+    fn answer_deadline(&self) -> Option<Duration> {
+        Some(self.inner.blocking_bound() + DEADLINE_MARGIN)
     }
 }
 

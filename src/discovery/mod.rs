@@ -1,5 +1,5 @@
-//! Service discovery: providers that read endpoints from DNS, DNS SRV, HTTP registries and
-//! Consul, the pure reconcile of endpoints into targets, source lifecycle, and the per-source
+//! Service discovery: providers that read endpoints from DNS, DNS SRV, HTTP registries,
+//! Consul and Kubernetes, the pure reconcile of endpoints into targets, source lifecycle, and the per-source
 //! refresh and watch loops.
 //!
 //! Every provider lives in its own module, which owns its config type (schema, validation,
@@ -13,6 +13,7 @@ pub mod consul;
 pub mod dns;
 pub mod dns_srv;
 pub mod http;
+pub mod kubernetes;
 pub mod lifecycle;
 pub mod reconcile;
 pub mod registry_client;
@@ -37,6 +38,7 @@ const PROVIDERS: &[Registered] = &[
     dns_srv::PROVIDER,
     http::PROVIDER,
     consul::PROVIDER,
+    kubernetes::PROVIDER,
 ];
 
 /// How a provider learns about changes (DESIGN §4).
@@ -184,6 +186,16 @@ pub enum DiscoveryError {
     /// A watch whose connection went silent past its longest legitimate wait.
     #[error("watch got no answer within {waited_ms} ms (its longest wait plus timeout_ms); reconnecting")]
     WatchSilent { waited_ms: u64 },
+    /// A file the provider reads to reach its registry (a token, a CA, a kubeconfig).
+    #[error("cannot use the {what} {path}: {reason}")]
+    LocalFile {
+        what: String,
+        path: String,
+        reason: String,
+    },
+    /// The provider cannot tell where or how to reach its registry.
+    #[error("{reason}")]
+    ClientSetup { reason: String },
     /// A watch stream that ended without an error (the registry closed it).
     #[error("watch ended by the registry; reconnecting")]
     WatchEnded,
@@ -216,8 +228,10 @@ pub trait WatchProvider: Send + Sync {
     /// Opens a watch from a full read.
     fn watch(&self) -> WatchStream;
     /// The longest a healthy watch may stay silent between answers (its longest legitimate wait
-    /// plus the request timeout): past it, the connection is taken for dead.
-    fn answer_deadline(&self) -> Duration;
+    /// plus the request timeout): past it, the connection is taken for dead. None for a watch
+    /// that may rightly stay silent for ever (a Kubernetes watch renews its requests inside the
+    /// stream) and bounds each of its requests itself.
+    fn answer_deadline(&self) -> Option<Duration>;
 }
 
 /// A source's refresh schedule, from the shared config keys.
@@ -292,6 +306,7 @@ mod tests {
                 ("dns-srv", FetchStyle::Poll),
                 ("http", FetchStyle::Poll),
                 ("consul", FetchStyle::Watch),
+                ("kubernetes", FetchStyle::Watch),
             ]
         );
         for (name, style) in listed {

@@ -29,6 +29,7 @@ use tokio::time::Instant;
 
 use super::{
     Discovered, DiscoveryError, Fetch, PollProvider, Schedule, WatchAnswer, WatchProvider,
+    WatchStream,
 };
 use crate::model::{Id, WatchProgress};
 
@@ -348,11 +349,11 @@ async fn follow(provider: &dyn WatchProvider, lane: &Lane, memory: &mut WatchMem
         let answer = tokio::select! {
             biased;
             _ = lane.wake.notified() => return WatchEnd::Restart,
-            answer = tokio::time::timeout(deadline, stream.next()) => answer,
+            answer = next_within(deadline, &mut stream) => answer,
         };
         let error = match answer {
-            Err(_) => DiscoveryError::WatchSilent {
-                waited_ms: deadline.as_millis() as u64,
+            Err(waited) => DiscoveryError::WatchSilent {
+                waited_ms: waited.as_millis() as u64,
             },
             Ok(None) => DiscoveryError::WatchEnded,
             Ok(Some(Err(error))) => error,
@@ -370,6 +371,19 @@ async fn follow(provider: &dyn WatchProvider, lane: &Lane, memory: &mut WatchMem
             }
         };
         return WatchEnd::Failed { error, requested };
+    }
+}
+
+/// The watch's next answer, or how long it waited in vain past its deadline.
+async fn next_within(
+    deadline: Option<Duration>,
+    stream: &mut WatchStream,
+) -> Result<Option<Result<WatchAnswer, DiscoveryError>>, Duration> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout(deadline, stream.next())
+            .await
+            .map_err(|_| deadline),
+        None => Ok(stream.next().await),
     }
 }
 
@@ -711,8 +725,8 @@ mod tests {
             ))
         }
 
-        fn answer_deadline(&self) -> Duration {
-            Duration::from_secs(70)
+        fn answer_deadline(&self) -> Option<Duration> {
+            Some(Duration::from_secs(70))
         }
     }
 
