@@ -4,6 +4,7 @@
 
 pub mod consul;
 pub mod knot;
+pub mod kubernetes;
 pub mod process;
 pub mod registry;
 
