@@ -589,7 +589,7 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
         .map(|p| p["name"].as_str().expect("a name"))
         .collect();
     names.sort_unstable();
-    assert_eq!(names, ["consul", "dns", "dns-srv", "http"]);
+    assert_eq!(names, ["consul", "dns", "dns-srv", "http", "kubernetes"]);
     let by_name = |name: &str| {
         providers
             .iter()
