@@ -194,7 +194,7 @@ async fn fetch(gateway: &TestGateway) -> (u16, String) {
 }
 
 /// Fetches until the proxy answers one of `bodies` `times` times in a row (and nothing else in
-/// between); returns how long that took.
+/// between); returns how long it took until that streak began.
 async fn wait_serving_only(
     gateway: &TestGateway,
     bodies: &[&str],
@@ -203,12 +203,17 @@ async fn wait_serving_only(
 ) -> Duration {
     let started = Instant::now();
     let mut in_a_row = 0;
+    let mut streak_began = Duration::ZERO;
     loop {
+        let asked = started.elapsed();
         let (status, got) = fetch(gateway).await;
         if status == 200 && bodies.contains(&got.as_str()) {
+            if in_a_row == 0 {
+                streak_began = asked;
+            }
             in_a_row += 1;
             if in_a_row == times {
-                return started.elapsed();
+                return streak_began;
             }
             continue;
         }
@@ -347,7 +352,7 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
         .find(|q| q.contains("watch=true"))
         .expect("a watch");
     assert!(watch.contains("allowWatchBookmarks=true"), "{watch}");
-    assert!(watch.contains("timeoutSeconds=290"), "{watch}");
+    assert!(watch.contains("timeoutSeconds=55"), "{watch}");
     assert!(!queries.iter().any(|q| q.contains(TOKEN)), "{queries:?}");
 
     // Scale up: the new pod takes traffic within a second, though nothing polls.
@@ -361,12 +366,14 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
 
     // Scale down: within a second the removed pod gets no new request.
     wait_watch_idle(&gateway, source).await;
-    let scaled_down = Instant::now();
     cluster
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("b")]));
-    wait_serving_only(&gateway, &["b"], 20, PROPAGATION).await;
-    assert!(scaled_down.elapsed() < PROPAGATION);
+    let only_b_from = wait_serving_only(&gateway, &["b"], 20, WAIT).await;
+    assert!(
+        only_b_from < PROPAGATION,
+        "the removed pod still got requests {only_b_from:?} after the change"
+    );
     let status = wait_status(&gateway, source, "one active, one draining", |s| {
         s["endpoints"]["active"] == 1 && s["endpoints"]["draining"] == 1
     })
@@ -541,7 +548,9 @@ async fn a_named_port_is_found_in_each_slice_and_shared_addresses_count_once() {
     assert_eq!(pods.key("v6"), format!("[::1]:{}", pods.port));
     wait_serving_only(&gateway, &["a", "b", "v6"], 1, WAIT).await;
     let mut seen = std::collections::HashSet::new();
+    let started = Instant::now();
     while seen.len() < 3 {
+        assert!(started.elapsed() < WAIT, "only {seen:?} answered");
         let (code, body) = fetch(&gateway).await;
         assert_eq!(code, 200, "{body}");
         seen.insert(body);
@@ -816,6 +825,99 @@ async fn an_api_server_outage_is_failing_then_stale_then_back() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    gateway.route_all_to(service).await;
+    let path = format!("/api/v1/services/{service}/discovery-sources");
+    let mut watching = cluster.source(json!({"wait_ms": 1_000, "timeout_ms": 500}));
+    watching["name"] = json!("watching");
+    let watching = gateway.create(&path, watching).await;
+    wait_status(&gateway, watching, "healthy", |s| s["state"] == "healthy").await;
+    wait_until("a watch is open", WAIT, || async {
+        cluster.fake.open_watches() == 1
+    })
+    .await;
+
+    // The API server accepts connections and reads requests but answers nothing.
+    cluster.fake.hang(true);
+    let hung = Instant::now();
+    // A new source's list: failing within timeout_ms.
+    let mut listing = cluster.source(json!({"timeout_ms": 500}));
+    listing["name"] = json!("listing");
+    let listing = gateway.create(&path, listing).await;
+    let status = wait_status(&gateway, listing, "failing", |s| s["state"] == "failing").await;
+    let error = status["last_error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!("{}/apis/discovery.k8s.io", cluster.fake.url()))
+            && error.contains("no answer within 500 ms"),
+        "{status}"
+    );
+    // The open watch goes silent: within wait_ms + 5 s (kube-rs's margin) + timeout_ms and a
+    // second's spacing, it is failing too, and the last set keeps serving.
+    let status = gateway
+        .wait_source_status(watching, "failing", 2 * WAIT, |s| s["state"] == "failing")
+        .await;
+    assert!(hung.elapsed() < Duration::from_millis(1_000 + 5_000 + 500 + 1_000 + 1_500));
+    assert_eq!(status["watch"]["connected"], false, "{status}");
+    assert!(
+        status["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no answer within 500 ms"),
+        "{status}"
+    );
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+
+    cluster.fake.hang(false);
+    for source in [watching, listing] {
+        gateway
+            .wait_source_status(source, "healthy", 2 * WAIT, |s| s["state"] == "healthy")
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_cut_at_once_are_asked_again_at_most_once_a_second() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    // A proxy in front of the API server that ends every watch at once.
+    cluster
+        .fake
+        .set_max_watch_timeout(Some(Duration::from_millis(1)));
+    let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
+    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    let watches = cluster.fake.watches();
+    let lists = cluster.fake.lists();
+    // A counting window: the rate of requests is what is measured.
+    let window = Instant::now();
+    wait_until("a 3 s window", WAIT, || async {
+        window.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    let made = cluster.fake.watches() - watches;
+    eprintln!(
+        "watches cut at once: {made} watch requests in {:?}",
+        window.elapsed()
+    );
+    assert!((2..=4).contains(&made), "{made} watch requests in 3 s");
+    assert_eq!(cluster.fake.lists(), lists, "each resumes without a list");
+    let status = gateway.source_status(source).await;
+    assert_eq!(status["state"], "healthy", "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_and_token_refusals_are_failed_refreshes_that_keep_the_last_set() {
     let gateway = TestGateway::start().await;
     let cluster = Cluster::start().await;
@@ -1039,6 +1141,27 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
     let status = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
     assert_eq!(status["endpoints"]["active"], 1, "{status}");
     assert_eq!(cluster.fake.last_token().as_deref(), Some(TOKEN));
+
+    // A server named by hand without token_file gets no token (not even a pod's own).
+    let bare = KubeFake::start().await;
+    bare.apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let mut by_hand = json!({
+        "name": "by-hand", "provider": "kubernetes",
+        "config": {"service": "web", "namespace": NAMESPACE, "api_server": bare.url()},
+    });
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "web-2"}))
+        .await;
+    by_hand["name"] = json!("by-hand");
+    let by_hand = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            by_hand,
+        )
+        .await;
+    wait_status(&gateway, by_hand, "healthy", |s| s["state"] == "healthy").await;
+    assert!(bare.requests() >= 1);
+    assert_eq!(bare.last_authorization(), None);
 
     // A kubeconfig that is not there: a failed refresh naming it.
     let (code, body) = gateway

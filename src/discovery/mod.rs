@@ -1,6 +1,6 @@
-//! Service discovery: providers that read endpoints from DNS, DNS SRV, HTTP registries,
-//! Consul and Kubernetes, the pure reconcile of endpoints into targets, source lifecycle, and the per-source
-//! refresh and watch loops.
+//! Service discovery: providers that read endpoints from DNS, DNS SRV, HTTP registries, Consul
+//! and Kubernetes, the pure reconcile of endpoints into targets, source lifecycle, and the
+//! per-source refresh and watch loops.
 //!
 //! Every provider lives in its own module, which owns its config type (schema, validation,
 //! parsing) and registers itself in [`PROVIDERS`]: admin, the resources file and the control task
