@@ -100,15 +100,15 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ALLOW, AUTHORIZATION, CONTENT_TYPE, VARY};
-use hyper::service::service_fn;
 use hyper::{HeaderMap, Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
+
+use super::fake_server::{rebind, Listening};
 
 /// Consul's `DefaultQueryTime` and `MaxQueryTime` (blocking.mdx: "defaults to 5 minutes",
 /// "limited to 10 minutes").
@@ -407,32 +407,13 @@ impl Shared {
     }
 }
 
-/// One listening period, between `start`/`restart` and `stop`.
-struct Run {
-    listener: Arc<TcpListener>,
-    stop: watch::Sender<bool>,
-    connections: Arc<Mutex<Vec<AbortHandle>>>,
-}
-
-impl Run {
-    fn stop(self) {
-        let _ = self.stop.send(true);
-        // Shutting the listening socket down makes the kernel refuse new connections right
-        // now, not whenever the accept task next runs: a test may connect right after `stop`.
-        let _ = socket2::SockRef::from(&*self.listener).shutdown(std::net::Shutdown::Read);
-        for connection in self.connections.lock().unwrap().drain(..) {
-            connection.abort();
-        }
-    }
-}
-
 pub struct ConsulFake {
     pub addr: SocketAddr,
     /// For [`ConsulFake::start_tls`]: the PEM of the self-signed certificate it serves, for a
     /// client's `ca_pem`.
     pub ca_pem: Option<String>,
     shared: Arc<Shared>,
-    run: Mutex<Option<Run>>,
+    run: Mutex<Option<Listening>>,
     tls: Option<TlsAcceptor>,
     /// The agent's TTL timers and reaper; they keep running across `stop`/`restart`.
     agent_timers: AbortHandle,
@@ -797,18 +778,7 @@ impl ConsulFake {
         if self.run.lock().unwrap().is_some() {
             return;
         }
-        // The old accept task may still hold the port for a moment after `stop`.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let listener = loop {
-            match TcpListener::bind(self.addr).await {
-                Ok(listener) => break listener,
-                Err(error) if Instant::now() < deadline => {
-                    let _ = error;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                Err(error) => panic!("restart: cannot bind {} again: {error}", self.addr),
-            }
-        };
+        let listener = rebind(self.addr).await;
         let run = serve(self.shared.clone(), listener, self.tls.clone());
         *self.run.lock().unwrap() = Some(run);
     }
@@ -839,54 +809,10 @@ fn assert_status(status: &str) {
     );
 }
 
-fn serve(shared: Arc<Shared>, listener: TcpListener, tls: Option<TlsAcceptor>) -> Run {
-    let listener = Arc::new(listener);
-    let (stop, mut stopped) = watch::channel(false);
-    let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
-    let accepting = listener.clone();
-    let tracked = connections.clone();
-    tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                accepted = accepting.accept() => accepted,
-                _ = stopped.wait_for(|stop| *stop) => break,
-            };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                // After `stop` shut the socket down, accept fails until this task sees the flag.
-                Err(_) if *stopped.borrow() => break,
-                Err(_) => {
-                    tokio::task::yield_now().await;
-                    continue;
-                }
-            };
-            let shared = shared.clone();
-            let service = service_fn(move |request| answer(request, shared.clone()));
-            let tls = tls.clone();
-            let connection = tokio::spawn(async move {
-                let http = hyper::server::conn::http1::Builder::new();
-                match tls {
-                    None => {
-                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                    }
-                    // A client that refuses the certificate ends the handshake here.
-                    Some(acceptor) => {
-                        if let Ok(stream) = acceptor.accept(stream).await {
-                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                        }
-                    }
-                }
-            });
-            let mut connections = tracked.lock().unwrap();
-            connections.retain(|handle| !handle.is_finished());
-            connections.push(connection.abort_handle());
-        }
-    });
-    Run {
-        listener,
-        stop,
-        connections,
-    }
+fn serve(shared: Arc<Shared>, listener: TcpListener, tls: Option<TlsAcceptor>) -> Listening {
+    Listening::serve(listener, tls, move |request| {
+        answer(request, shared.clone())
+    })
 }
 
 /// Counts a request as in flight for as long as its answer future lives, including when the

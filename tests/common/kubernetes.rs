@@ -112,15 +112,15 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
-use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
+
+use super::fake_server::{rebind, Listening};
 
 /// The API group and version served.
 pub const GROUP: &str = "discovery.k8s.io";
@@ -458,35 +458,13 @@ struct Shared {
     open_watches: AtomicUsize,
 }
 
-/// One listening period, between `start`/`restart` and `stop`.
-struct Run {
-    listener: Arc<TcpListener>,
-    stop: watch::Sender<bool>,
-    connections: Arc<Mutex<Vec<AbortHandle>>>,
-}
-
-impl Run {
-    fn drop_connections(&self) {
-        for connection in self.connections.lock().unwrap().drain(..) {
-            connection.abort();
-        }
-    }
-
-    fn stop(self) {
-        let _ = self.stop.send(true);
-        // Refuse new connections now, not when the accept task next runs.
-        let _ = socket2::SockRef::from(&*self.listener).shutdown(std::net::Shutdown::Read);
-        self.drop_connections();
-    }
-}
-
 /// The fake API server. See the module documentation for what it serves.
 pub struct KubeFake {
     pub addr: SocketAddr,
     /// For [`KubeFake::start_tls`]: the PEM of the self-signed certificate it serves.
     pub ca_pem: Option<String>,
     shared: Arc<Shared>,
-    run: Mutex<Option<Run>>,
+    run: Mutex<Option<Listening>>,
     tls: Option<TlsAcceptor>,
     bookmark_timer: AbortHandle,
 }
@@ -747,17 +725,7 @@ impl KubeFake {
         if self.run.lock().unwrap().is_some() {
             return;
         }
-        // The old accept task may hold the port for a moment after `stop`.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let listener = loop {
-            match TcpListener::bind(self.addr).await {
-                Ok(listener) => break listener,
-                Err(_) if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                Err(error) => panic!("restart: cannot bind {} again: {error}", self.addr),
-            }
-        };
+        let listener = rebind(self.addr).await;
         let run = serve(self.shared.clone(), listener, self.tls.clone());
         *self.run.lock().unwrap() = Some(run);
     }
@@ -792,52 +760,10 @@ async fn run_bookmarks(shared: Weak<Shared>, mut interval: watch::Receiver<Optio
     }
 }
 
-fn serve(shared: Arc<Shared>, listener: TcpListener, tls: Option<TlsAcceptor>) -> Run {
-    let listener = Arc::new(listener);
-    let (stop, mut stopped) = watch::channel(false);
-    let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
-    let accepting = listener.clone();
-    let tracked = connections.clone();
-    tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                accepted = accepting.accept() => accepted,
-                _ = stopped.wait_for(|stop| *stop) => break,
-            };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) if *stopped.borrow() => break,
-                Err(_) => {
-                    tokio::task::yield_now().await;
-                    continue;
-                }
-            };
-            let shared = shared.clone();
-            let service = service_fn(move |request| answer(request, shared.clone()));
-            let tls = tls.clone();
-            let connection = tokio::spawn(async move {
-                let http = hyper::server::conn::http1::Builder::new();
-                match tls {
-                    None => {
-                        let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                    }
-                    Some(acceptor) => {
-                        if let Ok(stream) = acceptor.accept(stream).await {
-                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
-                        }
-                    }
-                }
-            });
-            let mut connections = tracked.lock().unwrap();
-            connections.retain(|handle| !handle.is_finished());
-            connections.push(connection.abort_handle());
-        }
-    });
-    Run {
-        listener,
-        stop,
-        connections,
-    }
+fn serve(shared: Arc<Shared>, listener: TcpListener, tls: Option<TlsAcceptor>) -> Listening {
+    Listening::serve(listener, tls, move |request| {
+        answer(request, shared.clone())
+    })
 }
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod consul;
+pub mod fake_server;
 pub mod knot;
 pub mod kubernetes;
 pub mod process;
