@@ -857,7 +857,7 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     let error = status["last_error"].as_str().unwrap_or_default();
     assert!(
         error.contains(&format!("{}/apis/discovery.k8s.io", cluster.fake.url()))
-            && error.contains("no answer within 500 ms"),
+            && error.contains("the list did not complete within 500 ms (timeout_ms)"),
         "{status}"
     );
     // The open watch goes silent: within wait_ms + 5 s (kube-rs's margin) + timeout_ms and a
@@ -868,10 +868,9 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     assert!(hung.elapsed() < Duration::from_millis(1_000 + 5_000 + 500 + 1_000 + 1_500));
     assert_eq!(status["watch"]["connected"], false, "{status}");
     assert!(
-        status["last_error"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("no answer within 500 ms"),
+        status["last_error"].as_str().unwrap_or_default().contains(
+            "(watch) could not be fetched: the watch request got no answer within 500 ms"
+        ),
         "{status}"
     );
     wait_serving_only(&gateway, &["a"], 3, WAIT).await;
@@ -1145,14 +1144,13 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
     // A server named by hand without token_file gets no token (not even a pod's own).
     let bare = KubeFake::start().await;
     bare.apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
-    let mut by_hand = json!({
+    let by_hand = json!({
         "name": "by-hand", "provider": "kubernetes",
         "config": {"service": "web", "namespace": NAMESPACE, "api_server": bare.url()},
     });
     let service = gateway
         .create("/api/v1/services", json!({"name": "web-2"}))
         .await;
-    by_hand["name"] = json!("by-hand");
     let by_hand = gateway
         .create(
             &format!("/api/v1/services/{service}/discovery-sources"),

@@ -322,6 +322,17 @@ async fn watch(provider: Box<dyn WatchProvider>, first_delay: Duration, lane: La
             WatchEnd::Closed => return,
             WatchEnd::Failed { error, requested } => {
                 lane.refreshing.store(false, Ordering::Release);
+                // A watch connected for longer than the longest backoff proved itself even if it
+                // answered only once (a quiet Kubernetes watch answers its list and then nothing
+                // until a change): its failure starts the backoff over.
+                if memory.progress.connected
+                    && (lane.clock.now() - memory.progress.since)
+                        .to_std()
+                        .unwrap_or_default()
+                        >= BACKOFF_MAX
+                {
+                    memory.failures = 0;
+                }
                 memory.failures = memory.failures.saturating_add(1);
                 delay = backoff_delay(memory.failures, fastrand::f64());
                 if memory.progress.connected {
@@ -649,6 +660,8 @@ mod tests {
         /// The set, after the registry took this long to answer.
         Slow(&'static [u16], Duration),
         Fail,
+        /// Silence for this long, then a failure (a quiet watch that breaks).
+        FailAfter(Duration),
         Hang,
     }
 
@@ -696,7 +709,10 @@ mod tests {
                     let step = step.unwrap_or_else(|| last.clone());
                     let (ports, refused) = match step {
                         Step::Hang => std::future::pending().await,
-                        Step::Fail => {
+                        Step::Fail | Step::FailAfter(_) => {
+                            if let Step::FailAfter(silence) = step {
+                                tokio::time::sleep(silence).await;
+                            }
                             let error = DiscoveryError::HttpStatus {
                                 url: "http://consul".into(),
                                 status: 500,
@@ -974,5 +990,28 @@ mod tests {
             [1, 2, 4],
             "the wait doubles though each full read answered"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_stayed_connected_a_long_time_starts_its_backoff_over() {
+        let mut harness = start_watch(&[
+            Step::Set(&[1]),
+            Step::FailAfter(Duration::from_secs(61)),
+            Step::Set(&[1]),
+            Step::FailAfter(Duration::from_secs(61)),
+            Step::Set(&[1]),
+            Step::FailAfter(Duration::from_secs(30)),
+            Step::Hang,
+        ]);
+        let mut retries = Vec::new();
+        while retries.len() < 3 {
+            let outcome = harness.outcomes.recv().await.unwrap();
+            if outcome.result.is_err() {
+                retries
+                    .push((outcome.next_refresh_at.unwrap() - outcome.finished_at).num_seconds());
+            }
+        }
+        // Connected 61 s each time: 1 s, 1 s; then only 30 s: the backoff doubles.
+        assert_eq!(retries, [1, 1, 2]);
     }
 }

@@ -12,12 +12,11 @@ use http::HeaderValue;
 
 use super::{watch_length, KubernetesConfig, SERVICE_NAME_LABEL};
 use crate::discovery::registry_client::error_chain;
+use crate::discovery::runner::WATCH_SPACING;
 use crate::discovery::DiscoveryError;
 
 /// Where a pod's service account is mounted (the in-cluster defaults).
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
-/// The least time between two watch requests of one watch.
-const WATCH_REQUEST_SPACING: Duration = Duration::from_secs(1);
 
 /// A client for one watch, with what it was resolved to.
 pub(super) struct Connection {
@@ -239,21 +238,26 @@ impl TokenFile {
         Ok(value)
     }
 
-    fn current(&self) -> Option<HeaderValue> {
-        let mut last = self.last.lock().ok()?;
+    fn current(&self) -> HeaderValue {
+        // A panic elsewhere while holding the lock leaves a token that is still good.
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Ok(value) = Self::read(&self.path) {
             *last = value;
         }
-        Some(last.clone())
+        last.clone()
     }
 }
 
 /// What every request to the API server goes through, outside kube-rs's own stack:
 /// - the current bearer token (from [`TokenFile`]);
-/// - watch requests at least [`WATCH_REQUEST_SPACING`] apart: kube-rs opens a new watch at once
+/// - watch requests at least [`WATCH_SPACING`] apart: kube-rs opens a new watch at once
 ///   when one ends, so a proxy that cuts watches would otherwise make it loop;
-/// - a bound on the wait for each answer's head (`timeout_ms`), so an API server that accepts
-///   connections but never answers is a failed refresh, not a watch that looks connected.
+/// - a bound on the wait for a watch answer's head (`timeout_ms`), so an API server that
+///   accepts connections but never answers is a failed refresh, not a watch that looks
+///   connected (lists are bounded where they are read).
 struct RequestPolicy<S> {
     inner: S,
     token: Option<Arc<TokenFile>>,
@@ -289,7 +293,7 @@ impl<S> RequestPolicy<S> {
         let now = tokio::time::Instant::now();
         let slot = self
             .last_watch
-            .map_or(now, |last| (last + WATCH_REQUEST_SPACING).max(now));
+            .map_or(now, |last| (last + WATCH_SPACING).max(now));
         self.last_watch = Some(slot);
         Some(slot)
     }
@@ -313,8 +317,8 @@ where
     }
 
     fn call(&mut self, mut request: KubeRequest) -> Self::Future {
-        if let Some(value) = self.token.as_ref().and_then(|token| token.current()) {
-            request.headers_mut().insert(AUTHORIZATION, value);
+        if let Some(token) = &self.token {
+            request.headers_mut().insert(AUTHORIZATION, token.current());
         }
         let slot = self.watch_slot(&request);
         let head_timeout = self.head_timeout;
@@ -322,13 +326,15 @@ where
         // request itself.
         let response = self.inner.call(request);
         Box::pin(async move {
-            if let Some(slot) = slot {
-                tokio::time::sleep_until(slot).await;
-            }
+            // Lists are bounded whole, page by page, where they are read (`follow.rs`).
+            let Some(slot) = slot else {
+                return response.await;
+            };
+            tokio::time::sleep_until(slot).await;
             match tokio::time::timeout(head_timeout, response).await {
                 Ok(answered) => answered,
                 Err(_) => Err(format!(
-                    "no answer within {} ms (timeout_ms)",
+                    "the watch request got no answer within {} ms (timeout_ms)",
                     head_timeout.as_millis()
                 )
                 .into()),

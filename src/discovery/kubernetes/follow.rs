@@ -37,15 +37,25 @@ pub(super) struct Follower {
 
 impl Follower {
     pub(super) async fn open(config: &KubernetesConfig) -> Result<Follower, DiscoveryError> {
-        // A kubeconfig may run an exec credential plugin: it gets `timeout_ms` like a list.
-        let timeout = Duration::from_millis(config.timeout_ms);
-        let connection = tokio::time::timeout(timeout, Connection::open(config))
+        // A kubeconfig may run an exec credential plugin, which kube-rs runs synchronously: on a
+        // blocking thread, so it stalls no runtime worker, and bounded by `timeout_ms`.
+        let owned = config.clone();
+        let runtime = tokio::runtime::Handle::current();
+        let opening =
+            tokio::task::spawn_blocking(move || runtime.block_on(Connection::open(&owned)));
+        let setup = |reason: String| DiscoveryError::ClientSetup { reason };
+        let connection = tokio::time::timeout(Duration::from_millis(config.timeout_ms), opening)
             .await
-            .map_err(|_| DiscoveryError::ClientSetup {
-                reason: format!(
+            .map_err(|_| {
+                setup(format!(
                     "finding the API server's credentials took longer than {} ms (timeout_ms)",
                     config.timeout_ms
-                ),
+                ))
+            })?
+            .map_err(|err| {
+                setup(format!(
+                    "finding the API server's credentials failed: {err}"
+                ))
             })??;
         let api = kube::Api::<EndpointSlice>::namespaced(
             connection.client.clone(),
@@ -166,8 +176,11 @@ struct SliceSet {
     slices: BTreeMap<String, EndpointSlice>,
     /// A list in progress (kube-rs's `Init` .. `InitDone`).
     listing: Option<BTreeMap<String, EndpointSlice>>,
-    /// The resource version of the newest object seen since the last list began.
+    /// The resource version of the newest object in `slices`.
     position: String,
+    /// The same for the list in progress: it replaces `position` with the list, since a
+    /// restored etcd may number from lower again.
+    listing_position: String,
 }
 
 impl SliceSet {
@@ -181,12 +194,11 @@ impl SliceSet {
         match event {
             watcher::Event::Init => {
                 self.listing = Some(BTreeMap::new());
-                // A restored etcd may number from lower again.
-                self.position.clear();
+                self.listing_position.clear();
                 false
             }
             watcher::Event::InitApply(slice) => {
-                self.note_position(&slice);
+                newest(&mut self.listing_position, &slice);
                 if let Some(listing) = &mut self.listing {
                     listing.insert(name_of(&slice), slice);
                 }
@@ -196,6 +208,7 @@ impl SliceSet {
                 if let Some(listing) = self.listing.take() {
                     self.slices = listing;
                 }
+                self.position = std::mem::take(&mut self.listing_position);
                 if self.position.is_empty() {
                     // An empty list carries no object; the answer still needs a position.
                     self.position = "0".to_owned();
@@ -203,30 +216,31 @@ impl SliceSet {
                 true
             }
             watcher::Event::Apply(slice) => {
-                self.note_position(&slice);
+                newest(&mut self.position, &slice);
                 self.slices.insert(name_of(&slice), slice);
                 true
             }
             watcher::Event::Delete(slice) => {
-                self.note_position(&slice);
+                newest(&mut self.position, &slice);
                 self.slices.remove(&name_of(&slice));
                 true
             }
         }
     }
+}
 
-    /// Resource versions are opaque; numeric ones (every real API server's) compare as numbers.
-    fn note_position(&mut self, slice: &EndpointSlice) {
-        let Some(version) = slice.metadata.resource_version.as_deref() else {
-            return;
-        };
-        let newer = match (version.parse::<u64>(), self.position.parse::<u64>()) {
-            (Ok(seen), Ok(known)) => seen > known,
-            _ => true,
-        };
-        if newer {
-            self.position = version.to_owned();
-        }
+/// Keeps in `position` the newer of it and the slice's resource version. Resource versions are
+/// opaque; numeric ones (every real API server's) compare as numbers.
+fn newest(position: &mut String, slice: &EndpointSlice) {
+    let Some(version) = slice.metadata.resource_version.as_deref() else {
+        return;
+    };
+    let newer = match (version.parse::<u64>(), position.parse::<u64>()) {
+        (Ok(seen), Ok(known)) => seen > known,
+        _ => true,
+    };
+    if newer {
+        *position = version.to_owned();
     }
 }
 
@@ -249,6 +263,11 @@ fn refused(url: &str, status: &kube::core::Status) -> DiscoveryError {
 fn client_failed(url: &str, err: &kube::Error) -> DiscoveryError {
     match err {
         kube::Error::Api(status) => refused(url, status),
+        // Our own request policy's refusals read better without kube's "ServiceError: ".
+        kube::Error::Service(err) => DiscoveryError::HttpRequest {
+            url: url.to_owned(),
+            reason: error_chain(err.as_ref()),
+        },
         kube::Error::SerdeError(err) => DiscoveryError::BadJson {
             url: url.to_owned(),
             reason: err.to_string(),
@@ -435,6 +454,38 @@ mod tests {
             error.to_string(),
             "registry https://api/list (watch) answered HTTP 403: endpointslices is forbidden"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_relist_begun_inside_a_burst_leaves_the_answer_as_it_was() {
+        let (mut follower, sender) = scripted(5_000);
+        listed(&sender, vec![event_slice("web-a", "7", &["10.0.0.1"])]);
+        follower.next_answer().await.unwrap();
+        sender
+            .send(Ok(watcher::Event::Apply(event_slice(
+                "web-a",
+                "8",
+                &["10.0.0.1", "10.0.0.2"],
+            ))))
+            .unwrap();
+        sender.send(Err(expired())).unwrap();
+        sender.send(Ok(watcher::Event::Init)).unwrap();
+        sender
+            .send(Ok(watcher::Event::InitApply(event_slice(
+                "web-a",
+                "2",
+                &["10.0.0.9"],
+            ))))
+            .unwrap();
+        // The list is not done when the burst window ends: the set and position are the last
+        // complete ones.
+        let answer = follower.next_answer().await.unwrap();
+        assert_eq!(keys(&answer.discovered), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert_eq!(answer.position, "8");
+        sender.send(Ok(watcher::Event::InitDone)).unwrap();
+        let relisted = follower.next_answer().await.unwrap();
+        assert_eq!(keys(&relisted.discovered), ["10.0.0.9:8080"]);
+        assert_eq!(relisted.position, "2");
     }
 
     #[tokio::test(start_paused = true)]
