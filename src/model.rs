@@ -414,10 +414,67 @@ pub struct DiscoverySource {
     pub enabled: bool,
     pub stale_after_ms: u64,
     pub removal_grace_ms: u64,
+    /// Holds sudden mass removals until confirmed (DESIGN §4); null: off.
+    pub removal_guard: Option<RemovalGuard>,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// When one refresh would remove more than `max_percent` of a source's active endpoints, and
+/// more than `min_endpoints` of them, the removals are held until the smaller set is confirmed
+/// (seen for `confirm_ms` across at least 3 refreshes) or an admin accepts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RemovalGuard {
+    #[serde(default = "default_guard_max_percent")]
+    pub max_percent: u32,
+    #[serde(default = "default_guard_min_endpoints")]
+    pub min_endpoints: u32,
+    #[serde(default = "default_guard_confirm_ms")]
+    pub confirm_ms: u64,
+}
+
+impl Default for RemovalGuard {
+    fn default() -> Self {
+        RemovalGuard {
+            max_percent: default_guard_max_percent(),
+            min_endpoints: default_guard_min_endpoints(),
+            confirm_ms: default_guard_confirm_ms(),
+        }
+    }
+}
+
+fn default_guard_max_percent() -> u32 {
+    50
+}
+fn default_guard_min_endpoints() -> u32 {
+    1
+}
+fn default_guard_confirm_ms() -> u64 {
+    60_000
+}
+/// A source without `removal_guard` gets the default guard; an explicit null turns it off.
+fn default_removal_guard() -> Option<RemovalGuard> {
+    Some(RemovalGuard::default())
+}
+
+/// Removals the guard holds back (the source status's `guard`; null while it holds nothing).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct GuardHold {
+    /// How many targets are held.
+    pub holding: u64,
+    /// Their provider keys.
+    pub held: Vec<String>,
+    /// When the registry first answered the smaller set now being confirmed.
+    pub since: DateTime<Utc>,
+    /// Refreshes that answered that same set, the first included.
+    pub confirmations: u32,
+    /// The revision of that set.
+    pub revision: String,
+    /// Why the removals are held, for operators.
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -434,6 +491,9 @@ pub struct DiscoverySourceSpec {
     pub stale_after_ms: u64,
     #[serde(default = "default_removal_grace_ms")]
     pub removal_grace_ms: u64,
+    /// Absent: the default guard (50 %, 1 endpoint, 60 s); null: no guard.
+    #[serde(default = "default_removal_guard")]
+    pub removal_guard: Option<RemovalGuard>,
 }
 
 impl DiscoverySource {
@@ -445,6 +505,7 @@ impl DiscoverySource {
             enabled: self.enabled,
             stale_after_ms: self.stale_after_ms,
             removal_grace_ms: self.removal_grace_ms,
+            removal_guard: self.removal_guard,
         }
     }
 }
@@ -464,6 +525,9 @@ pub struct SourceProgress {
     /// The watch of a watch provider (null for poll providers and before the watch starts).
     #[serde(default)]
     pub watch: Option<WatchProgress>,
+    /// Removals the removal guard holds back; null while it holds nothing.
+    #[serde(default)]
+    pub guard: Option<GuardHold>,
 }
 
 /// Where a watch provider's long request stands.

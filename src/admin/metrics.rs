@@ -93,6 +93,8 @@ struct SourceSample {
     duration_seconds: f64,
     /// A watch provider's watch: connected or not; None for poll providers.
     watch_connected: Option<bool>,
+    /// Targets the removal guard holds.
+    guard_held: u64,
 }
 
 pub async fn metrics(State(state): State<AdminState>) -> Response {
@@ -240,6 +242,7 @@ async fn gather_store(
             duration_seconds: read(|stats| stats.duration_micros.load(Ordering::Relaxed)) as f64
                 / 1_000_000.0,
             watch_connected: progress.watch.as_ref().map(|watch| watch.connected),
+            guard_held: progress.guard.as_ref().map_or(0, |hold| hold.holding),
         });
     }
     Ok(())
@@ -502,6 +505,15 @@ impl Collector for Scrape {
                     )
                 })
             }),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_discovery_guard_held_targets",
+            "Targets the removal guard keeps serving although their source's registry no longer \
+             lists them.",
+            self.sources
+                .iter()
+                .map(|source| (source.labels.clone(), source.guard_held as i64)),
         )?;
         gauge(
             &mut encoder,

@@ -135,6 +135,12 @@ pub fn assess(
             )),
             _ => {}
         }
+        if let Some(hold) = &progress.guard {
+            degraded_because.push(format!(
+                "the removal guard of discovery source {} holds {} targets",
+                source.name, hold.holding
+            ));
+        }
     }
     if ejected_targets > 0 {
         degraded_because.push(format!("{ejected_targets} targets ejected"));
@@ -214,6 +220,7 @@ mod tests {
             enabled: state != SourceState::Disabled,
             stale_after_ms: 300_000,
             removal_grace_ms: 60_000,
+            removal_guard: None,
             managed_by: None,
             created_at: at(0),
             updated_at: at(0),

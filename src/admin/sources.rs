@@ -11,7 +11,7 @@ use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
 use super::{validate, AdminState, List};
-use crate::control::RefreshAnswer;
+use crate::control::{AcceptAnswer, RefreshAnswer};
 use crate::discovery::{self, ProviderDescriptor};
 use crate::model::{DiscoverySource, DiscoverySourceSpec, Id, SourceStatus};
 
@@ -26,6 +26,7 @@ pub fn router() -> OpenApiRouter<AdminState> {
         ))
         .routes(routes!(source_status))
         .routes(routes!(refresh_source))
+        .routes(routes!(accept_removals))
         .routes(routes!(list_providers))
 }
 
@@ -88,7 +89,14 @@ async fn patch_source(
     patch: MergePatch,
 ) -> Result<Json<DiscoverySource>, ApiError> {
     let current = state.store.get_source(id).await?;
-    let spec = validate::source(patch.apply(&current.spec())?)?;
+    // Null removes a member in a merge patch, and a source without `removal_guard` gets the
+    // default guard; an explicit null still means "off", as in POST and PUT.
+    let guard_off = patch.0.get("removal_guard").is_some_and(|v| v.is_null());
+    let mut spec = patch.apply(&current.spec())?;
+    if guard_off {
+        spec.removal_guard = None;
+    }
+    let spec = validate::source(spec)?;
     let source = state.store.update_source(id, &spec).await?;
     state.apply().await?;
     Ok(Json(source))
@@ -152,6 +160,39 @@ async fn refresh_source(
         }
     }
     Ok((StatusCode::ACCEPTED, Json(status_of(&state, id).await?)))
+}
+
+/// What `POST /discovery-sources/{id}/accept-removals` did.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct AcceptedRemovals {
+    /// Targets that drain now (0 when the guard held nothing); null when the acceptance was
+    /// passed on to the instance that refreshes the source.
+    pub released: Option<u64>,
+    pub status: SourceStatus,
+}
+
+/// Accepts the removals the source's removal guard holds: those targets drain now (200). On a
+/// shared store, an instance that does not refresh the source passes the acceptance on to the
+/// one that does (202).
+#[utoipa::path(post, path = "/discovery-sources/{id}/accept-removals", tag = "discovery",
+    responses((status = 200, body = AcceptedRemovals), (status = 202, body = AcceptedRemovals), (status = 404, body = ErrorBody)))]
+async fn accept_removals(
+    _: Admin,
+    State(state): State<AdminState>,
+    IdPath(id): IdPath,
+) -> Result<(StatusCode, Json<AcceptedRemovals>), ApiError> {
+    state.store.get_source(id).await?;
+    let (code, released) = match state.control.accept_removals(id).await? {
+        AcceptAnswer::Released(released) => (StatusCode::OK, Some(released)),
+        AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None),
+        AcceptAnswer::Unknown => {
+            return Err(ApiError::NotFound {
+                message: format!("discovery source {id} not found"),
+            })
+        }
+    };
+    let status = status_of(&state, id).await?;
+    Ok((code, Json(AcceptedRemovals { released, status })))
 }
 
 #[utoipa::path(get, path = "/discovery/providers", tag = "discovery",

@@ -9,8 +9,8 @@ use http::uri::Authority;
 use super::error::ApiError;
 use crate::discovery;
 use crate::model::{
-    CertificateSpec, DiscoverySourceSpec, Protocol, RouteSpec, ServiceSpec, StreamRouteSpec,
-    TargetSpec, TokenSpec,
+    CertificateSpec, DiscoverySourceSpec, Protocol, RemovalGuard, RouteSpec, ServiceSpec,
+    StreamRouteSpec, TargetSpec, TokenSpec,
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
@@ -401,6 +401,8 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
 
 const MAX_STALE_AFTER_MS: u64 = 30 * 24 * 3_600_000;
 const MAX_REMOVAL_GRACE_MS: u64 = 24 * 3_600_000;
+const MIN_GUARD_CONFIRM_MS: u64 = 100;
+const MAX_GUARD_CONFIRM_MS: u64 = 24 * 3_600_000;
 
 /// Checks a source; its `config` comes back normalised with every provider default filled in.
 pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiError> {
@@ -425,7 +427,26 @@ pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiE
             format!("removal_grace_ms must be from 0 to {MAX_REMOVAL_GRACE_MS}"),
         ));
     }
+    if let Some(guard) = &spec.removal_guard {
+        removal_guard(guard)?;
+    }
     Ok(spec)
+}
+
+fn removal_guard(guard: &RemovalGuard) -> Result<(), ApiError> {
+    if guard.max_percent > 100 {
+        return Err(ApiError::validation(
+            "removal_guard.max_percent",
+            "max_percent must be from 0 to 100 (100 never holds; null turns the guard off)",
+        ));
+    }
+    if !(MIN_GUARD_CONFIRM_MS..=MAX_GUARD_CONFIRM_MS).contains(&guard.confirm_ms) {
+        return Err(ApiError::validation(
+            "removal_guard.confirm_ms",
+            format!("confirm_ms must be from {MIN_GUARD_CONFIRM_MS} to {MAX_GUARD_CONFIRM_MS}"),
+        ));
+    }
+    Ok(())
 }
 
 pub fn token(spec: TokenSpec) -> Result<TokenSpec, ApiError> {

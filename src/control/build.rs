@@ -32,6 +32,17 @@ impl CarriedState {
             .or_insert_with(|| Arc::new(TargetHealth::new(target.health)))
             .clone()
     }
+
+    /// Health checks or passive ejection took the target out (as far as this instance saw).
+    pub fn taken_out(&self, target: &Target) -> bool {
+        if target.health == Health::Unhealthy {
+            return true;
+        }
+        self.health.get(&target.id).is_some_and(|health| {
+            health.health() == Health::Unhealthy
+                || health.ejected_until(crate::balance::unix_ms()).is_some()
+        })
+    }
 }
 
 /// Builds a snapshot, reusing each surviving target's and service's runtime state and

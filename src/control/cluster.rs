@@ -24,6 +24,8 @@ use crate::model::Id;
 pub const CONFIG_CHANNEL: &str = "raahi_config";
 /// Asks the holder of a source's lease to refresh it now (payload: the source id).
 pub const REFRESH_CHANNEL: &str = "raahi_refresh";
+/// Payload: a source id whose held removals an admin accepted through another instance.
+pub const ACCEPT_CHANNEL: &str = "raahi_accept_removals";
 
 const RECONNECT_BACKOFF_START: Duration = Duration::from_millis(100);
 const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -55,6 +57,8 @@ pub(super) enum ClusterEvent {
     Resync,
     /// Someone asked (through another instance) for this source to be refreshed now.
     RefreshRequested(Id),
+    /// An admin accepted (through another instance) the removals this source's guard holds.
+    AcceptRequested(Id),
 }
 
 /// Aborts the task when dropped, so the listener ends with the control task.
@@ -110,6 +114,11 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
                         .parse::<Id>()
                         .ok()
                         .map(ClusterEvent::RefreshRequested),
+                    ACCEPT_CHANNEL => notification
+                        .payload()
+                        .parse::<Id>()
+                        .ok()
+                        .map(ClusterEvent::AcceptRequested),
                     _ => None,
                 },
                 Ok(None) => {
@@ -136,7 +145,7 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
 async fn connect(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener
-        .listen_all([CONFIG_CHANNEL, REFRESH_CHANNEL])
+        .listen_all([CONFIG_CHANNEL, REFRESH_CHANNEL, ACCEPT_CHANNEL])
         .await?;
     Ok(listener)
 }

@@ -14,6 +14,7 @@
 mod build;
 mod cluster;
 mod edge;
+mod guard;
 mod health;
 mod sources;
 
@@ -34,6 +35,7 @@ use cluster::ClusterEvent;
 pub use cluster::ClusterSettings;
 use edge::Edge;
 pub use edge::{EdgeOptions, FileCertificates};
+pub use guard::AcceptAnswer;
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +78,10 @@ enum Command {
     Refresh {
         source_id: Id,
         reply: Reply<RefreshAnswer>,
+    },
+    AcceptRemovals {
+        source_id: Id,
+        reply: Reply<AcceptAnswer>,
     },
     BindStream {
         listen: std::net::SocketAddr,
@@ -181,6 +187,13 @@ impl ControlHandle {
     pub async fn refresh_source(&self, source_id: Id) -> Result<RefreshAnswer, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
         self.send(Command::Refresh { source_id, reply }, done).await
+    }
+
+    /// Drains the targets the removal guard of `source_id` holds (an admin accepted them).
+    pub async fn accept_removals(&self, source_id: Id) -> Result<AcceptAnswer, Arc<ControlError>> {
+        let (reply, done) = oneshot::channel();
+        self.send(Command::AcceptRemovals { source_id, reply }, done)
+            .await
     }
 
     async fn send<T>(
@@ -290,6 +303,9 @@ impl ControlTask {
                 ClusterEvent::RefreshRequested(source_id) => {
                     self.refresh_if_held(source_id);
                 }
+                ClusterEvent::AcceptRequested(source_id) => {
+                    self.accept_if_held(source_id).await;
+                }
             }
             next = events.try_recv().ok();
         }
@@ -381,6 +397,13 @@ impl ControlTask {
                 Command::Apply(reply) => apply_waiting.push(reply),
                 Command::Refresh { source_id, reply } => {
                     let _ = reply.send(Ok(self.request_refresh(source_id).await));
+                }
+                Command::AcceptRemovals { source_id, reply } => {
+                    let answer = self
+                        .accept_removals(source_id)
+                        .await
+                        .map_err(|error| Arc::new(ControlError::Store(error)));
+                    let _ = reply.send(answer);
                 }
                 Command::BindStream { listen, reply } => {
                     let _ = reply.send(self.edge.bind_stream_listener(listen));

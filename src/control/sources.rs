@@ -20,19 +20,23 @@ use crate::model::{DiscoverySource, Id, SourceProgress, SourceState, TargetChang
 use crate::store::StoreError;
 
 pub(super) struct SourceEntry {
-    source: DiscoverySource,
-    progress: SourceProgress,
+    pub(super) source: DiscoverySource,
+    pub(super) progress: SourceProgress,
     /// None while disabled (or when its config cannot build a provider).
-    runner: Option<RunnerHandle>,
+    pub(super) runner: Option<RunnerHandle>,
     /// Earliest removal deadline among its draining targets.
     next_removal: Option<DateTime<Utc>>,
     /// Until when this instance holds the source's lease, judged conservatively from the start
     /// of the request that took or renewed it. None: another instance (or nobody) holds it.
     lease_until: Option<tokio::time::Instant>,
+    /// Its provider config changed: the next answer is applied without the removal guard.
+    pub(super) unguarded_once: bool,
+    /// While the removal guard holds: when to read the registry again.
+    pub(super) guard_reread_at: Option<DateTime<Utc>>,
 }
 
 impl SourceEntry {
-    fn removal_grace(&self) -> Duration {
+    pub(super) fn removal_grace(&self) -> Duration {
         Duration::from_millis(self.source.removal_grace_ms)
     }
 
@@ -44,7 +48,7 @@ impl SourceEntry {
         self.lease_until
     }
 
-    fn holds_lease(&self) -> bool {
+    pub(super) fn holds_lease(&self) -> bool {
         self.lease_until
             .is_some_and(|until| until > tokio::time::Instant::now())
     }
@@ -123,6 +127,8 @@ impl ControlTask {
             progress,
             runner: None,
             lease_until: None,
+            unguarded_once: false,
+            guard_reread_at: None,
         };
         match self.bid_for_lease(entry.source.id).await {
             Ok(until) => entry.lease_until = until,
@@ -143,12 +149,16 @@ impl ControlTask {
             return Ok(false);
         };
         let was_enabled = entry.source.enabled;
+        let unguarded_once = entry.unguarded_once;
+        entry.unguarded_once |=
+            entry.source.provider != source.provider || entry.source.config != source.config;
         let previous = std::mem::replace(&mut entry.source, source);
         entry.runner = None;
         let outcome = self.enforce_enabled(&mut entry, was_enabled).await;
         if outcome.is_err() {
             // Still differs from the store, so the retry of the sync reconfigures it again.
             entry.source = previous;
+            entry.unguarded_once = unguarded_once;
         }
         self.sources.insert(entry.source.id, entry);
         outcome
@@ -183,6 +193,7 @@ impl ControlTask {
             let changes = reconcile::drain_all(&targets, now, entry.removal_grace());
             changed = self.write_changes(entry, &changes).await?;
             lifecycle::disable(&mut entry.progress);
+            forget_hold(entry);
             lifecycle::watch_gone(&mut entry.progress, now);
             self.store
                 .save_progress(entry.source.id, &entry.progress)
@@ -463,12 +474,9 @@ impl ControlTask {
         let changes = match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
-                let changes = reconcile::reconcile(
-                    &targets,
-                    &discovered.endpoints,
-                    now,
-                    entry.removal_grace(),
-                );
+                let endpoints = self.judge_removals(entry, &targets, &discovered, now);
+                let changes =
+                    reconcile::reconcile(&targets, &endpoints, now, entry.removal_grace());
                 let transition = lifecycle::record_success(
                     &mut entry.progress,
                     now,
@@ -512,6 +520,7 @@ impl ControlTask {
                 // Whenever stale, not only on the transition: a store failure on that first
                 // write must not leave the targets of a stale source active.
                 if entry.progress.state == SourceState::Stale {
+                    forget_hold(entry);
                     self.stale_changes(entry, transition).await?
                 } else {
                     Vec::new()
@@ -553,7 +562,7 @@ impl ControlTask {
     }
 
     /// Refreshes the entry's removal deadline after written changes. Returns whether any.
-    async fn after_changes(
+    pub(super) async fn after_changes(
         &self,
         entry: &mut SourceEntry,
         changes: &[TargetChange],
@@ -592,6 +601,7 @@ impl ControlTask {
                 [
                     entry.next_removal,
                     lifecycle::stale_deadline(&entry.progress, entry.stale_after()),
+                    entry.guard_reread_at,
                 ]
             })
             .flatten()
@@ -656,9 +666,11 @@ impl ControlTask {
                 entry.next_removal = reconcile::next_removal(&targets);
             }
         }
+        self.reread_holding(entry, now);
         let stale_after = entry.stale_after();
         if lifecycle::check_stale(&mut entry.progress, now, stale_after) == Transition::BecameStale
         {
+            forget_hold(entry);
             changed |= self.mark_stale(entry).await?;
             self.store
                 .save_progress(entry.source.id, &entry.progress)
@@ -666,4 +678,10 @@ impl ControlTask {
         }
         Ok(changed)
     }
+}
+
+/// A stale or disabled source's targets no longer serve, so the guard has nothing to hold.
+fn forget_hold(entry: &mut SourceEntry) {
+    entry.progress.guard = None;
+    entry.guard_reread_at = None;
 }

@@ -444,6 +444,7 @@ impl Watcher {
         let mut endpoints = Vec::with_capacity(entries.len());
         let mut keys = HashSet::new();
         let mut refusals = Vec::new();
+        let mut departures = Vec::new();
         for entry in entries {
             match self.endpoint_of(entry) {
                 Ok(Some(endpoint)) => {
@@ -452,15 +453,18 @@ impl Watcher {
                         endpoints.push(endpoint);
                     }
                 }
-                Ok(None) => {}
+                // Listed with failing checks: Consul itself says it is going (or gone).
+                Ok(None) => departures.push(entry.key()),
                 Err(reason) => refusals.push(format!("{}: {reason}", entry.key())),
             }
         }
+        departures.retain(|key| !keys.contains(key));
         Discovered {
             revision: revision_of(&endpoints),
             endpoints,
             ttl: None,
             refused: refused_text(&refusals, entries.len()),
+            departures,
         }
     }
 
@@ -815,6 +819,11 @@ mod tests {
             .map(|e| e.key.as_str())
             .collect();
         assert_eq!(keys, ["n1/web-1", "n4/web-4"]);
+        assert_eq!(
+            discovered.departures,
+            ["n2/web-2", "n3/web-3"],
+            "listed with failing checks: explicit departures"
+        );
         let first = &discovered.endpoints[0];
         assert_eq!(
             (first.host.as_str(), first.port, first.weight),
@@ -842,6 +851,7 @@ mod tests {
         );
         assert_eq!(warning.priority, 2);
         assert_eq!(discovered.endpoints.len(), 3, "critical is always left out");
+        assert_eq!(discovered.departures, ["n3/web-3"]);
     }
 
     #[test]

@@ -179,6 +179,7 @@ impl DnsProvider {
             endpoints,
             ttl: min_ttl(answers.iter().map(|answer| answer.ttl)),
             refused: None,
+            departures: Vec::new(),
         })
     }
 }

@@ -169,6 +169,7 @@ impl DnsSrvProvider {
             endpoints,
             ttl: min_ttl(ttls.into_iter()),
             refused: None,
+            departures: Vec::new(),
         })
     }
 

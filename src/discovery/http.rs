@@ -209,6 +209,7 @@ impl HttpProvider {
             endpoints,
             ttl: None,
             refused: None,
+            departures: Vec::new(),
         })
     }
 

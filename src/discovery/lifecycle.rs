@@ -280,6 +280,7 @@ mod tests {
                 revision: Some("rev-1".to_owned()),
                 failing_since: None,
                 watch: None,
+                guard: None,
             }
         );
     }
@@ -360,6 +361,7 @@ mod tests {
                 revision: None,
                 failing_since: Some(at(T0)),
                 watch: None,
+                guard: None,
             }
         );
     }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod consul;
 pub mod dns;
 pub mod dns_srv;
+pub mod guard;
 pub mod http;
 pub mod kubernetes;
 pub mod lifecycle;
@@ -138,6 +139,9 @@ pub struct Discovered {
     /// What the provider left out of the set and why (entries it could not use), for the
     /// source's `last_error`: a refusal is never silent.
     pub refused: Option<String>,
+    /// Keys the registry still lists but says are leaving (Consul: not passing; Kubernetes:
+    /// terminating or not ready): explicit departures, which the removal guard never holds.
+    pub departures: Vec<String>,
 }
 
 /// Why a refresh failed. The text is what an operator reads in the source's `last_error`, so it

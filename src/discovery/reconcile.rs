@@ -101,6 +101,30 @@ pub fn drain_all(
         .collect()
 }
 
+/// An admin accepted the removals the guard held: the active targets with these keys drain
+/// until `now + removal_grace`.
+pub fn drain_keys(
+    current: &[Target],
+    keys: &[String],
+    now: DateTime<Utc>,
+    removal_grace: Duration,
+) -> Vec<TargetChange> {
+    let remove_at = deadline(now, removal_grace);
+    let named = current.iter().filter(|t| {
+        t.state == TargetState::Active
+            && t.provider_key
+                .as_ref()
+                .is_some_and(|key| keys.contains(key))
+    });
+    in_id_order(named)
+        .into_iter()
+        .map(|target| TargetChange::Drain {
+            id: target.id,
+            remove_at,
+        })
+        .collect()
+}
+
 /// Draining targets whose grace has ended (`remove_at <= now`) are deleted.
 pub fn expire(current: &[Target], now: DateTime<Utc>) -> Vec<TargetChange> {
     let due = current
@@ -531,6 +555,24 @@ mod tests {
     }
 
     // --- drain_all ---------------------------------------------------------------------------
+
+    #[test]
+    fn drain_keys_drains_only_the_named_active_targets() {
+        let current = [
+            target(1, "a"),
+            target(2, "b"),
+            draining(3, "c", now() + TimeDelta::seconds(5)),
+            target(4, "d"),
+        ];
+        let keys = ["b".to_owned(), "c".to_owned(), "zz".to_owned()];
+        assert_eq!(
+            drain_keys(&current, &keys, now(), GRACE),
+            [TargetChange::Drain {
+                id: 2,
+                remove_at: now() + TimeDelta::seconds(60)
+            }]
+        );
+    }
 
     #[test]
     fn drain_all_drains_active_and_stale_but_keeps_existing_deadlines() {

@@ -464,6 +464,7 @@ mod tests {
                     revision: "r".into(),
                     ttl: self.ttl,
                     refused: None,
+                    departures: Vec::new(),
                 })
             })
         }
@@ -692,6 +693,7 @@ mod tests {
             endpoints,
             ttl: None,
             refused: None,
+            departures: Vec::new(),
         }
     }
 

@@ -96,6 +96,18 @@ impl Store {
         Ok(())
     }
 
+    /// Passes an admin's acceptance of held removals to the instance holding the source's lease
+    /// (a notification on PostgreSQL; on SQLite this instance is the only one).
+    pub async fn request_accept_by_holder(&self, source_id: Id) -> Result<(), StoreError> {
+        if let Backend::Postgres(pool) = &self.backend {
+            sqlx::query("SELECT pg_notify('raahi_accept_removals', $1)")
+                .bind(source_id.to_string())
+                .execute(pool)
+                .await?;
+        }
+        Ok(())
+    }
+
     /// The statement that reads a source's lease holder inside a refresh's transaction, locking
     /// the lease row on PostgreSQL so a takeover waits until this write is committed.
     pub(super) fn lease_fence_sql(&self) -> &'static str {

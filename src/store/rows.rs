@@ -224,6 +224,8 @@ pub(super) struct SourceRow {
     revision: Option<String>,
     failing_since: Option<i64>,
     watch: Option<String>,
+    removal_guard: Option<String>,
+    guard: Option<String>,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -239,12 +241,8 @@ impl SourceRow {
             next_refresh_at: self.next_refresh_at.map(time).transpose()?,
             revision: self.revision,
             failing_since: self.failing_since.map(time).transpose()?,
-            watch: self
-                .watch
-                .as_deref()
-                .map(serde_json::from_str)
-                .transpose()
-                .map_err(|e| StoreError::Corrupt(format!("source watch: {e}")))?,
+            watch: json_column(self.watch.as_deref(), "source watch")?,
+            guard: json_column(self.guard.as_deref(), "source guard")?,
         };
         let source = DiscoverySource {
             id: self.id,
@@ -256,12 +254,23 @@ impl SourceRow {
             enabled: self.enabled,
             stale_after_ms: non_negative(self.stale_after_ms, "stale_after_ms")?,
             removal_grace_ms: non_negative(self.removal_grace_ms, "removal_grace_ms")?,
+            removal_guard: json_column(self.removal_guard.as_deref(), "removal_guard")?,
             managed_by: self.managed_by,
             created_at: time(self.created_at)?,
             updated_at: time(self.updated_at)?,
         };
         Ok((source, progress))
     }
+}
+
+/// A nullable JSON text column.
+fn json_column<T: serde::de::DeserializeOwned>(
+    text: Option<&str>,
+    what: &str,
+) -> Result<Option<T>, StoreError> {
+    text.map(serde_json::from_str)
+        .transpose()
+        .map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
 impl TryFrom<SourceRow> for DiscoverySource {

@@ -8,8 +8,8 @@ macro_rules! save_progress_query {
         sqlx::query(
             "UPDATE discovery_sources SET state = $1, last_error = $2, last_refresh_at = $3,
                 last_success_at = $4, next_refresh_at = $5, revision = $6, failing_since = $7,
-                watch = $8
-             WHERE id = $9",
+                watch = $8, guard = $9
+             WHERE id = $10",
         )
         .bind($progress.state.as_str())
         .bind(&$progress.last_error)
@@ -18,7 +18,8 @@ macro_rules! save_progress_query {
         .bind(millis($progress.next_refresh_at))
         .bind(&$progress.revision)
         .bind(millis($progress.failing_since))
-        .bind(watch_json(&$progress.watch))
+        .bind(json_text(&$progress.watch))
+        .bind(json_text(&$progress.guard))
         .bind($id)
     };
 }
@@ -27,13 +28,13 @@ use super::rows::{SourceRow, TargetRow};
 use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
     DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
-    WatchProgress,
 };
 
-fn watch_json(watch: &Option<WatchProgress>) -> Option<String> {
-    watch
+/// An optional part of a source stored as JSON text (NULL when absent).
+fn json_text<T: serde::Serialize>(value: &Option<T>) -> Option<String> {
+    value
         .as_ref()
-        .and_then(|watch| serde_json::to_string(watch).ok())
+        .and_then(|value| serde_json::to_string(value).ok())
 }
 
 fn millis(time: Option<DateTime<Utc>>) -> Option<i64> {
@@ -136,8 +137,8 @@ impl Store {
         let state = if spec.enabled { "pending" } else { "disabled" };
         let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO discovery_sources (service_id, name, provider, config, enabled,
-                stale_after_ms, removal_grace_ms, state, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+                stale_after_ms, removal_grace_ms, removal_guard, state, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING id",
         )
         .bind(service_id)
         .bind(&spec.name)
@@ -146,6 +147,7 @@ impl Store {
         .bind(spec.enabled)
         .bind(spec.stale_after_ms as i64)
         .bind(spec.removal_grace_ms as i64)
+        .bind(json_text(&spec.removal_guard))
         .bind(state)
         .bind(now)
         .bind(now)
@@ -162,8 +164,8 @@ impl Store {
     ) -> Result<DiscoverySource, StoreError> {
         let affected = on_pool!(self, |pool| sqlx::query(
             "UPDATE discovery_sources SET name = $1, provider = $2, config = $3, enabled = $4,
-                stale_after_ms = $5, removal_grace_ms = $6, updated_at = $7
-             WHERE id = $8",
+                stale_after_ms = $5, removal_grace_ms = $6, removal_guard = $7, updated_at = $8
+             WHERE id = $9",
         )
         .bind(&spec.name)
         .bind(spec.provider.as_str())
@@ -171,6 +173,7 @@ impl Store {
         .bind(spec.enabled)
         .bind(spec.stale_after_ms as i64)
         .bind(spec.removal_grace_ms as i64)
+        .bind(json_text(&spec.removal_guard))
         .bind(now_ms())
         .bind(id)
         .execute(pool)

@@ -262,6 +262,11 @@ fn source_spec(name: &str) -> crate::model::DiscoverySourceSpec {
         enabled: true,
         stale_after_ms: 300_000,
         removal_grace_ms: 60_000,
+        removal_guard: Some(crate::model::RemovalGuard {
+            max_percent: 40,
+            min_endpoints: 2,
+            confirm_ms: 5_000,
+        }),
     }
 }
 
@@ -291,6 +296,14 @@ fn progress(revision: &str) -> crate::model::SourceProgress {
             connected: true,
             since: at,
             index: Some("42".to_owned()),
+        }),
+        guard: Some(crate::model::GuardHold {
+            holding: 2,
+            held: vec!["a".to_owned(), "b".to_owned()],
+            since: at,
+            confirmations: 1,
+            revision: revision.to_owned(),
+            reason: "held".to_owned(),
         }),
     }
 }

@@ -68,6 +68,8 @@ pub fn endpoints_of(
     let mut best: BTreeMap<SocketAddr, (Readiness, Endpoint)> = BTreeMap::new();
     let mut refused: Vec<String> = Vec::new();
     let mut port_missing: Vec<String> = Vec::new();
+    // Addresses listed but not ready: the API itself says they are leaving.
+    let mut not_ready: Vec<SocketAddr> = Vec::new();
     several_ports(slices, wanted)?;
     for (name, slice) in slices {
         if slice.endpoints.is_empty() {
@@ -89,20 +91,23 @@ pub fn endpoints_of(
         };
         for endpoint in &slice.endpoints {
             let readiness = readiness_of(endpoint);
-            if readiness == Readiness::Out {
-                continue;
-            }
             let Some(address) = endpoint.addresses.first() else {
                 continue;
             };
             // No semantics are defined for addresses beyond the first (kube-proxy ignores them).
             let Ok(ip) = address.parse::<IpAddr>() else {
-                refused.push(format!(
-                    "slice {name}: address {address:?} is not an IP address"
-                ));
+                if readiness != Readiness::Out {
+                    refused.push(format!(
+                        "slice {name}: address {address:?} is not an IP address"
+                    ));
+                }
                 continue;
             };
             let key = SocketAddr::new(ip, port);
+            if readiness == Readiness::Out {
+                not_ready.push(key);
+                continue;
+            }
             if best.get(&key).is_some_and(|(known, _)| *known >= readiness) {
                 continue;
             }
@@ -122,16 +127,31 @@ pub fn endpoints_of(
     let any_ready = best
         .values()
         .any(|(readiness, _)| *readiness == Readiness::Ready);
-    let endpoints: Vec<Endpoint> = best
+    let (endpoints, terminating): (Vec<_>, Vec<_>) = best
         .into_values()
-        .filter(|(readiness, _)| !any_ready || *readiness == Readiness::Ready)
+        .partition(|(readiness, _)| !any_ready || *readiness == Readiness::Ready);
+    let endpoints: Vec<Endpoint> = endpoints
+        .into_iter()
         .map(|(_, endpoint)| endpoint)
         .collect();
+    let listed: std::collections::HashSet<&str> = endpoints
+        .iter()
+        .map(|endpoint| endpoint.key.as_str())
+        .collect();
+    let mut departures: Vec<String> = terminating
+        .into_iter()
+        .map(|(_, endpoint)| endpoint.key)
+        .chain(not_ready.into_iter().map(|key| key.to_string()))
+        .filter(|key| !listed.contains(key.as_str()))
+        .collect();
+    departures.sort();
+    departures.dedup();
     Ok(Discovered {
         revision: revision_of(&endpoints),
         endpoints,
         ttl: None,
         refused: (!refused.is_empty()).then(|| refused.join("; ")),
+        departures,
     })
 }
 
@@ -402,6 +422,11 @@ pub(super) mod tests {
         )
         .unwrap();
         assert_eq!(keys(&rolling), ["10.0.0.1:8080"]);
+        assert_eq!(
+            rolling.departures,
+            ["10.0.0.2:8080"],
+            "terminating: an explicit departure the removal guard never holds"
+        );
         let all_terminating = set(
             vec![slice(
                 "web-1",
@@ -417,6 +442,11 @@ pub(super) mod tests {
         )
         .unwrap();
         assert_eq!(keys(&all_terminating), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert_eq!(
+            all_terminating.departures,
+            ["10.0.0.3:8080"],
+            "neither ready nor serving"
+        );
         assert_eq!(
             all_terminating.endpoints[0].metadata["terminating"],
             json!(true)

@@ -1,0 +1,177 @@
+//! The removal guard (DESIGN §4): a registry that suddenly answers with far fewer endpoints is
+//! more often broken than right (a zone pushed half-empty, `[]` after a bad deploy, NXDOMAIN
+//! during a transfer), so such removals are held until the smaller set is confirmed.
+//!
+//! Pure: the caller passes the source's targets, the refresh's result, the hold so far, which
+//! targets health checks or ejection took out, and the time. The guard answers with the set for
+//! reconcile (the registry's endpoints plus the held targets, unchanged) and the hold to keep.
+//!
+//! - Only unexplained removals count: keys of `active` targets that the answer neither lists nor
+//!   names as departing. Explicit departures (Consul: failing checks; Kubernetes: terminating or
+//!   not ready) are never held.
+//! - The guard holds when those removals are more than `max_percent` of the active targets and
+//!   more than `min_endpoints`: all of them, except targets health checks or ejection took out
+//!   (those are down anyway and drain).
+//! - The hold ends when the answer no longer removes that much (the registry recovered, or the
+//!   set shrank one endpoint at a time), or when the same smaller set (same revision) has been
+//!   answered for `confirm_ms` across at least [`CONFIRMATIONS`] refreshes, or when the guard is
+//!   turned off, or when an admin accepts the removals (the held keys drain).
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+
+use super::Discovered;
+use crate::model::{Endpoint, GuardHold, RemovalGuard, Target, TargetState};
+
+/// Refreshes that must answer the smaller set (the first included) before it is trusted.
+pub const CONFIRMATIONS: u32 = 3;
+
+/// What the guard made of one successful refresh.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// The set to reconcile: the registry's endpoints, then the held targets as they are.
+    pub endpoints: Vec<Endpoint>,
+    /// The hold after this refresh; None when nothing is held.
+    pub hold: Option<GuardHold>,
+    /// What changed, for the log.
+    pub change: Change,
+}
+
+/// How the hold changed with this refresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing held before or after.
+    None,
+    /// A hold started, or restarted because the registry answered another smaller set.
+    Started,
+    /// The same smaller set was answered again; still short of confirmation.
+    StillHolding,
+    /// The smaller set was confirmed: the held removals apply now.
+    Confirmed,
+    /// The answer no longer removes too much (or the guard is off, or every held target went
+    /// down): the hold ended without confirmation.
+    Ended,
+}
+
+/// Applies the guard to one successful refresh of a source whose targets are `current`.
+/// `taken_out` tells whether health checks or ejection took a target out.
+pub fn judge(
+    settings: Option<&RemovalGuard>,
+    current: &[Target],
+    discovered: &Discovered,
+    hold: Option<&GuardHold>,
+    taken_out: impl Fn(&Target) -> bool,
+    now: DateTime<Utc>,
+) -> Verdict {
+    let held_before = hold.is_some();
+    let pass = |change| Verdict {
+        endpoints: discovered.endpoints.clone(),
+        hold: None,
+        change,
+    };
+    let ended = if held_before {
+        Change::Ended
+    } else {
+        Change::None
+    };
+    let Some(settings) = settings else {
+        return pass(ended);
+    };
+    let missing = unexplained_removals(current, discovered);
+    let removed = missing.len();
+    let active = current.iter().filter(|target| is_active(target)).count();
+    if !too_many(removed, active, settings) {
+        return pass(ended);
+    }
+    let (since, confirmations) = match hold {
+        Some(hold) if hold.revision == discovered.revision => {
+            (hold.since, hold.confirmations.saturating_add(1))
+        }
+        _ => (now, 1),
+    };
+    let confirm_for = chrono::Duration::milliseconds(settings.confirm_ms as i64);
+    if confirmations >= CONFIRMATIONS && now - since >= confirm_for {
+        return pass(Change::Confirmed);
+    }
+    let held: Vec<&Target> = missing
+        .into_iter()
+        .filter(|target| !taken_out(target))
+        .collect();
+    if held.is_empty() {
+        return pass(ended);
+    }
+    let change = match hold {
+        Some(hold) if hold.revision == discovered.revision && hold.since == since => {
+            Change::StillHolding
+        }
+        _ => Change::Started,
+    };
+    let reason = format!(
+        "the registry's answer would remove {removed} of {active} active endpoints \
+         (more than {}% and more than {}); held until the same set is seen for {} ms across \
+         {CONFIRMATIONS} refreshes or an admin accepts the removals",
+        settings.max_percent, settings.min_endpoints, settings.confirm_ms
+    );
+    let mut endpoints = discovered.endpoints.clone();
+    endpoints.extend(held.iter().map(|target| endpoint_of(target)));
+    Verdict {
+        endpoints,
+        hold: Some(GuardHold {
+            holding: held.len() as u64,
+            held: held.iter().filter_map(|t| t.provider_key.clone()).collect(),
+            since,
+            confirmations,
+            revision: discovered.revision.clone(),
+            reason,
+        }),
+        change,
+    }
+}
+
+/// More than `max_percent` of `active` and more than `min_endpoints`.
+fn too_many(removed: usize, active: usize, settings: &RemovalGuard) -> bool {
+    removed > settings.min_endpoints as usize
+        && (removed as u128) * 100 > u128::from(settings.max_percent) * active as u128
+}
+
+/// Active targets whose key the answer neither lists nor names as departing.
+fn unexplained_removals<'a>(current: &'a [Target], discovered: &Discovered) -> Vec<&'a Target> {
+    let explained: HashSet<&str> = discovered
+        .endpoints
+        .iter()
+        .map(|endpoint| endpoint.key.as_str())
+        .chain(discovered.departures.iter().map(String::as_str))
+        .collect();
+    current
+        .iter()
+        .filter(|target| is_active(target))
+        .filter(|target| {
+            target
+                .provider_key
+                .as_deref()
+                .is_some_and(|key| !explained.contains(key))
+        })
+        .collect()
+}
+
+/// Serving now and owned by discovery: the targets a wrong answer would take away.
+fn is_active(target: &Target) -> bool {
+    target.state == TargetState::Active && target.provider_key.is_some()
+}
+
+/// A held target, as the endpoint it was last discovered as, so reconcile changes nothing.
+fn endpoint_of(target: &Target) -> Endpoint {
+    Endpoint {
+        key: target.provider_key.clone().unwrap_or_default(),
+        host: target.host.clone(),
+        port: target.port,
+        weight: target.weight,
+        priority: target.priority,
+        enabled: target.enabled,
+        metadata: target.metadata.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests;
