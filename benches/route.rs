@@ -32,6 +32,7 @@ fn service() -> ServiceRuntime {
         targets: Vec::new(),
         balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
         counters: Default::default(),
+        discovery_gap: None,
     }
 }
 

@@ -544,6 +544,16 @@ pub struct WatchProgress {
     pub index: Option<String>,
 }
 
+/// A discovery source as the routing snapshot sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceStanding {
+    pub id: Id,
+    pub service_id: Id,
+    pub name: String,
+    pub enabled: bool,
+    pub state: SourceState,
+}
+
 /// Targets of one source by lifecycle state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct EndpointCounts {
@@ -663,6 +673,8 @@ pub struct CertificateSpec {
 pub struct RoutingConfig {
     pub services: Vec<Service>,
     pub targets: Vec<Target>,
+    /// How each discovery source stands, to tell a service's clients why it has no target.
+    pub sources: Vec<SourceStanding>,
     pub routes: Vec<Route>,
     pub stream_routes: Vec<StreamRoute>,
     pub certificates: Vec<CertificateWithKey>,

@@ -126,6 +126,10 @@ pub struct ServiceRuntime {
     pub targets: Vec<TargetRuntime>,
     pub balancer: Balancer,
     pub counters: Arc<ServiceCounters>,
+    /// Set while the service's targets come only from discovery sources none of which is
+    /// healthy (pending, failing or stale): those sources with their states, e.g.
+    /// `web-dns (pending)`, for the `discovery_unavailable` answer.
+    pub discovery_gap: Option<Box<str>>,
 }
 
 /// How a target was chosen.
@@ -506,6 +510,7 @@ mod tests {
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
             counters: Default::default(),
+            discovery_gap: None,
         }
     }
 

@@ -7,7 +7,7 @@ use http::uri::Authority;
 use http::HeaderValue;
 
 use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
-use crate::model::{Health, Id, RoutingConfig, Target};
+use crate::model::{Health, Id, RoutingConfig, SourceStanding, SourceState, Target};
 use crate::snapshot::{
     authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, StreamStats,
     TargetRuntime,
@@ -116,6 +116,11 @@ pub fn build_snapshot(
                 targets: runtimes,
                 balancer: Balancer::new(service.lb_policy, members),
                 counters: carried.counters.entry(service.id).or_default().clone(),
+                discovery_gap: discovery_gap(
+                    service.id,
+                    &config.sources,
+                    targets_by_service.get(&service.id).map_or(&[][..], Vec::as_slice),
+                ),
             }
         })
         .collect();
@@ -129,8 +134,111 @@ pub fn build_snapshot(
     })
 }
 
+/// The service's enabled sources with their states, when none of them is healthy and no
+/// operator target could take traffic: then a client without a target is told that discovery,
+/// not the targets, is why (DESIGN §5).
+fn discovery_gap(
+    service_id: Id,
+    sources: &[SourceStanding],
+    targets: &[&Target],
+) -> Option<Box<str>> {
+    let sources: Vec<&SourceStanding> = sources
+        .iter()
+        .filter(|source| source.service_id == service_id && source.enabled)
+        .collect();
+    let unhealthy = |source: &&SourceStanding| {
+        matches!(
+            source.state,
+            SourceState::Pending | SourceState::Failing | SourceState::Stale
+        )
+    };
+    let operator_targets = targets
+        .iter()
+        .any(|target| target.source_id.is_none() && target.takes_new_traffic());
+    if sources.is_empty() || !sources.iter().all(unhealthy) || operator_targets {
+        return None;
+    }
+    let listed: Vec<String> = sources
+        .iter()
+        .map(|source| format!("{} ({})", source.name, source.state.as_str()))
+        .collect();
+    Some(listed.join(", ").into())
+}
+
 fn target_authority(target: &Target) -> Option<(Authority, HeaderValue)> {
     let text = authority_text(&target.host, target.port);
     let header = HeaderValue::from_str(&text).ok()?;
     Some((Authority::try_from(text).ok()?, header))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TargetState;
+
+    fn standing(id: Id, name: &str, state: SourceState) -> SourceStanding {
+        SourceStanding {
+            id,
+            service_id: 1,
+            name: name.to_owned(),
+            enabled: state != SourceState::Disabled,
+            state,
+        }
+    }
+
+    fn operator_target(state: TargetState) -> Target {
+        let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
+        Target {
+            id: 9,
+            service_id: 1,
+            source_id: None,
+            host: "10.0.0.1".to_owned(),
+            port: 80,
+            weight: 100,
+            priority: 0,
+            enabled: true,
+            metadata: serde_json::json!({}),
+            provider_key: None,
+            state,
+            health: Health::Unknown,
+            ejected_until: None,
+            remove_at: None,
+            last_check: None,
+            managed_by: None,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    #[test]
+    fn a_gap_names_every_enabled_source_when_none_is_healthy() {
+        let sources = [
+            standing(1, "dns", SourceState::Pending),
+            standing(2, "http", SourceState::Stale),
+            standing(3, "off", SourceState::Disabled),
+        ];
+        assert_eq!(
+            discovery_gap(1, &sources, &[]).as_deref(),
+            Some("dns (pending), http (stale)")
+        );
+        assert_eq!(
+            discovery_gap(2, &sources, &[]),
+            None,
+            "another service's sources"
+        );
+    }
+
+    #[test]
+    fn no_gap_with_a_healthy_source_an_operator_target_or_no_source() {
+        let failing = standing(1, "dns", SourceState::Failing);
+        let healthy = standing(2, "http", SourceState::Healthy);
+        assert_eq!(discovery_gap(1, &[failing.clone(), healthy], &[]), None);
+        let serving = operator_target(TargetState::Active);
+        assert_eq!(discovery_gap(1, &[failing.clone()], &[&serving]), None);
+        let draining = operator_target(TargetState::Draining);
+        assert!(discovery_gap(1, &[failing], &[&draining]).is_some());
+        assert_eq!(discovery_gap(1, &[], &[]), None);
+        let disabled_only = standing(1, "off", SourceState::Disabled);
+        assert_eq!(discovery_gap(1, &[disabled_only], &[]), None);
+    }
 }

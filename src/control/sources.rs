@@ -471,6 +471,8 @@ impl ControlTask {
         if outcome.watch.is_some() {
             entry.progress.watch = outcome.watch;
         }
+        // A change of state changes which 503 the service answers (discovery_unavailable).
+        let state_changed;
         let changes = match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
@@ -491,6 +493,7 @@ impl ControlTask {
                         "discovery left entries out"
                     );
                 }
+                state_changed = transition != Transition::Unchanged;
                 if transition != Transition::Unchanged || !changes.is_empty() {
                     tracing::info!(
                         source_id = entry.source.id,
@@ -511,6 +514,7 @@ impl ControlTask {
                     stale_after,
                     outcome.next_refresh_at,
                 );
+                state_changed = transition != Transition::Unchanged;
                 // Once per change of error or state, not on every retry of the same failure.
                 if repeated && transition == Transition::Unchanged {
                     tracing::debug!(source_id = entry.source.id, %error, "discovery refresh failed again");
@@ -535,7 +539,7 @@ impl ControlTask {
                 Some(&entry.progress),
             )
             .await?;
-        self.after_changes(entry, &changes).await
+        Ok(self.after_changes(entry, &changes).await? || state_changed)
     }
 
     /// Stale targets of a source that just turned stale.
@@ -671,7 +675,9 @@ impl ControlTask {
         if lifecycle::check_stale(&mut entry.progress, now, stale_after) == Transition::BecameStale
         {
             forget_hold(entry);
-            changed |= self.mark_stale(entry).await?;
+            self.mark_stale(entry).await?;
+            // Also without targets to mark: the state names itself in discovery_unavailable.
+            changed = true;
             self.store
                 .save_progress(entry.source.id, &entry.progress)
                 .await?;

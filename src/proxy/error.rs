@@ -10,6 +10,8 @@ pub enum Blame {
     Client,
     Upstream,
     Gateway,
+    /// Service discovery left the service without targets.
+    Discovery,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +20,9 @@ pub enum ProxyError {
     NoRoute { host: String, path: String },
     #[error("no available target for service {service}")]
     NoAvailableTarget { service: String },
+    /// No target, and the service's discovery sources are why (none of them is healthy).
+    #[error("service {service} has no target to send to: its discovery sources are not healthy: {sources}")]
+    DiscoveryUnavailable { service: String, sources: String },
     #[error("could not connect to target {target} of service {service}: {reason}")]
     ConnectFailed {
         service: String,
@@ -67,6 +72,18 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
+    /// Why `service` has no target to pick: its discovery, or its targets.
+    pub fn no_target(service: &crate::snapshot::ServiceRuntime) -> ProxyError {
+        let name = service.service.name.clone();
+        match &service.discovery_gap {
+            Some(sources) => ProxyError::DiscoveryUnavailable {
+                service: name,
+                sources: sources.to_string(),
+            },
+            None => ProxyError::NoAvailableTarget { service: name },
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
@@ -75,7 +92,9 @@ impl ProxyError {
                 StatusCode::REQUEST_TIMEOUT
             }
             ProxyError::UpstreamSendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            ProxyError::NoAvailableTarget { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoAvailableTarget { .. } | ProxyError::DiscoveryUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::ConnectFailed { .. }
             | ProxyError::UpstreamTlsFailed { .. }
             | ProxyError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
@@ -93,6 +112,7 @@ impl ProxyError {
             ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
             ProxyError::UpstreamSendTimeout { .. } => "upstream_send_timeout",
             ProxyError::NoAvailableTarget { .. } => "no_available_target",
+            ProxyError::DiscoveryUnavailable { .. } => "discovery_unavailable",
             ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
             ProxyError::UpstreamTlsFailed { .. } => "upstream_tls_failed",
             ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
@@ -108,6 +128,7 @@ impl ProxyError {
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientHeaderTimeout { .. } => Blame::Client,
             ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
+            ProxyError::DiscoveryUnavailable { .. } => Blame::Discovery,
             _ => Blame::Upstream,
         }
     }
@@ -148,6 +169,7 @@ impl ProxyError {
             } => format!("a target of service {service} failed before responding: {reason}"),
             ProxyError::NoRoute { .. }
             | ProxyError::NoAvailableTarget { .. }
+            | ProxyError::DiscoveryUnavailable { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientHeaderTimeout { .. } => self.to_string(),

@@ -81,7 +81,7 @@ pub async fn handle(
                 super::Blame::Client => {
                     tracing::debug!(request_id = ?request_id, code = error.code(), %error, "request failed")
                 }
-                super::Blame::Upstream | super::Blame::Gateway => {
+                super::Blame::Upstream | super::Blame::Gateway | super::Blame::Discovery => {
                     tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
                 }
             }
@@ -545,9 +545,7 @@ async fn send_with_retries(
             break;
         }
     }
-    Err(last_error.unwrap_or_else(|| ProxyError::NoAvailableTarget {
-        service: service.service.name.clone(),
-    }))
+    Err(last_error.unwrap_or_else(|| ProxyError::no_target(service)))
 }
 
 /// Why no response headers came in time.

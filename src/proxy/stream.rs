@@ -80,6 +80,8 @@ pub enum StreamError {
     },
     #[error("no available target for service {service}")]
     NoAvailableTarget { service: String },
+    #[error("service {service} has no target to connect to: its discovery sources are not healthy: {sources}")]
+    DiscoveryUnavailable { service: String, sources: String },
     #[error("could not connect to target {target} of service {service}: {reason}")]
     ConnectFailed {
         service: String,
@@ -109,6 +111,7 @@ impl StreamError {
             | StreamError::ShuttingDown { .. }
             | StreamError::NoRuntime { .. }
             | StreamError::NoAvailableTarget { .. } => Blame::Gateway,
+            StreamError::DiscoveryUnavailable { .. } => Blame::Discovery,
         }
     }
 
@@ -131,6 +134,7 @@ impl StreamError {
             StreamError::BadHello(_) => "bad_client_hello",
             StreamError::NoRoute { .. } => "no_route",
             StreamError::NoAvailableTarget { .. } => "no_available_target",
+            StreamError::DiscoveryUnavailable { .. } => "discovery_unavailable",
             StreamError::ConnectFailed { .. } => "upstream_connect_failed",
             StreamError::ConnectTimeout { .. } => "upstream_connect_timeout",
         }
@@ -590,7 +594,7 @@ async fn serve_connection(
                 Blame::Client => {
                     tracing::debug!(%client, %listen, code = error.code(), %error, "stream connection refused")
                 }
-                Blame::Upstream | Blame::Gateway => {
+                Blame::Upstream | Blame::Gateway | Blame::Discovery => {
                     tracing::warn!(%client, %listen, code = error.code(), %error, "stream connection failed")
                 }
             }
@@ -759,11 +763,16 @@ async fn connect_upstream(
             break;
         }
     }
-    Err(
-        last_error.unwrap_or_else(|| StreamError::NoAvailableTarget {
-            service: service.service.name.clone(),
-        }),
-    )
+    Err(last_error.unwrap_or_else(|| {
+        let name = service.service.name.clone();
+        match &service.discovery_gap {
+            Some(sources) => StreamError::DiscoveryUnavailable {
+                service: name,
+                sources: sources.to_string(),
+            },
+            None => StreamError::NoAvailableTarget { service: name },
+        }
+    }))
 }
 
 /// A failed direction of a relay, by the side whose socket failed.

@@ -270,6 +270,7 @@ mod tests {
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
             counters: Default::default(),
+            discovery_gap: None,
         })
     }
 

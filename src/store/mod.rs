@@ -183,38 +183,53 @@ impl Store {
     /// moment, so a route is never read without the service it was written with.
     pub async fn load_routing_config(&self) -> Result<RoutingConfig, StoreError> {
         let shared = self.is_shared();
-        let (services, targets, routes, stream_routes, certificates) = on_pool!(self, |pool| {
-            let mut transaction = pool.begin().await?;
-            if shared {
-                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    .execute(&mut *transaction)
+        let (services, targets, sources, routes, stream_routes, certificates) =
+            on_pool!(self, |pool| {
+                let mut transaction = pool.begin().await?;
+                if shared {
+                    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                        .execute(&mut *transaction)
+                        .await?;
+                }
+                let services =
+                    sqlx::query_as::<_, ServiceRow>("SELECT * FROM services ORDER BY id")
+                        .fetch_all(&mut *transaction)
+                        .await?;
+                let targets = sqlx::query_as::<_, TargetRow>("SELECT * FROM targets ORDER BY id")
+                    .fetch_all(&mut *transaction)
                     .await?;
-            }
-            let services = sqlx::query_as::<_, ServiceRow>("SELECT * FROM services ORDER BY id")
-                .fetch_all(&mut *transaction)
-                .await?;
-            let targets = sqlx::query_as::<_, TargetRow>("SELECT * FROM targets ORDER BY id")
-                .fetch_all(&mut *transaction)
-                .await?;
-            let routes = sqlx::query_as::<_, RouteRow>("SELECT * FROM routes ORDER BY id")
-                .fetch_all(&mut *transaction)
-                .await?;
-            let stream_routes = sqlx::query_as::<_, stream_routes::StreamRouteRow>(
-                "SELECT * FROM stream_routes ORDER BY id",
+                let sources = sqlx::query_as::<_, rows::StandingRow>(
+                "SELECT id, service_id, name, enabled, state FROM discovery_sources ORDER BY id",
             )
             .fetch_all(&mut *transaction)
             .await?;
-            let certificates = sqlx::query_as::<_, certificates::CertificateRow>(
-                "SELECT * FROM certificates ORDER BY id",
-            )
-            .fetch_all(&mut *transaction)
-            .await?;
-            transaction.commit().await?;
-            (services, targets, routes, stream_routes, certificates)
-        });
+                let routes = sqlx::query_as::<_, RouteRow>("SELECT * FROM routes ORDER BY id")
+                    .fetch_all(&mut *transaction)
+                    .await?;
+                let stream_routes = sqlx::query_as::<_, stream_routes::StreamRouteRow>(
+                    "SELECT * FROM stream_routes ORDER BY id",
+                )
+                .fetch_all(&mut *transaction)
+                .await?;
+                let certificates = sqlx::query_as::<_, certificates::CertificateRow>(
+                    "SELECT * FROM certificates ORDER BY id",
+                )
+                .fetch_all(&mut *transaction)
+                .await?;
+                transaction.commit().await?;
+                (
+                    services,
+                    targets,
+                    sources,
+                    routes,
+                    stream_routes,
+                    certificates,
+                )
+            });
         Ok(RoutingConfig {
             services: convert_all(services)?,
             targets: convert_all(targets)?,
+            sources: convert_all(sources)?,
             routes: convert_all(routes)?,
             stream_routes: convert_all(stream_routes)?,
             certificates: certificates

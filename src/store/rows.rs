@@ -5,7 +5,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use super::StoreError;
 use crate::model::{
     DiscoverySource, Health, LbPolicy, Protocol, ProviderKind, Role, Route, Service,
-    SourceProgress, SourceState, Target, TargetState, Timeouts, Token,
+    SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
 };
 
 pub(super) fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
@@ -202,6 +202,29 @@ impl TryFrom<TokenRow> for Token {
             name: row.name,
             role: parse_text(&row.role, "token role", Role::parse)?,
             created_at: time(row.created_at)?,
+        })
+    }
+}
+
+/// What the routing snapshot needs of a discovery source.
+#[derive(sqlx::FromRow)]
+pub(super) struct StandingRow {
+    id: i64,
+    service_id: i64,
+    name: String,
+    enabled: bool,
+    state: String,
+}
+
+impl TryFrom<StandingRow> for SourceStanding {
+    type Error = StoreError;
+    fn try_from(row: StandingRow) -> Result<Self, StoreError> {
+        Ok(SourceStanding {
+            id: row.id,
+            service_id: row.service_id,
+            name: row.name,
+            enabled: row.enabled,
+            state: parse_text(&row.state, "source state", SourceState::parse)?,
         })
     }
 }
