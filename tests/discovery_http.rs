@@ -918,11 +918,13 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
         "an enabled source has a next refresh: {pending}"
     );
     assert_eq!(pending["endpoints"], counts(0, 0, 0), "{pending}");
-    let (status, code, _) = proxy_error(&gateway).await;
+    let (status, code, message) = proxy_error(&gateway).await;
     assert_eq!(
         (status, code.as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, "no_available_target")
+        (StatusCode::SERVICE_UNAVAILABLE, "discovery_unavailable"),
+        "only a pending source feeds the service"
     );
+    assert!(message.contains("(pending)"), "{message}");
 
     let healthy = wait_state(&gateway, source, "healthy").await;
     registry.set_delay(Duration::ZERO);
@@ -1222,8 +1224,11 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
     wait_proxy(&gateway, StatusCode::SERVICE_UNAVAILABLE).await;
     let (status, code, message) = proxy_error(&gateway).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(code, "no_available_target");
-    assert!(message.contains("web"), "{message}");
+    assert_eq!(code, "discovery_unavailable");
+    assert!(
+        message.contains("web") && message.contains("(stale)"),
+        "{message}"
+    );
 
     // Still stale while the failures go on (only a success brings it back).
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1279,7 +1284,8 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
             "registry",
             &registry,
             json!({}),
-            json!({"removal_grace_ms": grace}),
+            // This test empties the registry on purpose; discovery_safety.rs tests the guard.
+            json!({"removal_grace_ms": grace, "removal_guard": null}),
         ),
     )
     .await;
