@@ -333,6 +333,19 @@ pub struct Target {
 }
 
 impl Target {
+    /// The endpoint a discovered target was last refreshed from (None for operator targets).
+    pub fn discovered_endpoint(&self) -> Option<Endpoint> {
+        Some(Endpoint {
+            key: self.provider_key.clone()?,
+            host: self.host.clone(),
+            port: self.port,
+            weight: self.weight,
+            priority: self.priority,
+            enabled: self.enabled,
+            metadata: self.metadata.clone(),
+        })
+    }
+
     /// Lifecycle and operator switches allow new traffic (health and ejection are judged at pick time).
     pub fn takes_new_traffic(&self) -> bool {
         self.state == TargetState::Active && self.enabled && self.weight > 0
@@ -469,10 +482,11 @@ pub struct GuardHold {
     pub held: Vec<String>,
     /// When the registry first answered the smaller set now being confirmed.
     pub since: DateTime<Utc>,
-    /// Refreshes that answered that same set, the first included.
+    /// Refreshes that answered with the same removals, the first included.
     pub confirmations: u32,
-    /// The revision of that set.
-    pub revision: String,
+    /// Active targets when the hold started: the share removed is measured against it while
+    /// the hold lasts, so endpoints the suspicious answer adds cannot dilute it.
+    pub base: u64,
     /// Why the removals are held, for operators.
     pub reason: String,
 }

@@ -20,8 +20,11 @@ use serde_json::{json, Value};
 
 /// Longest wait for anything the gateway does on its own with the short timers used here.
 const WAIT: Duration = Duration::from_secs(15);
-/// Confirmation time of the guards under test: long enough to watch a hold, short enough for CI.
-const CONFIRM_MS: i64 = 2_500;
+/// Confirmation time of the guards under test: long enough to watch a hold on a loaded machine,
+/// short enough for CI.
+const CONFIRM_MS: i64 = 4_000;
+/// The sources' removal grace: a drained target's `remove_at` minus this is when it drained.
+const GRACE_MS: i64 = 60_000;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -56,7 +59,7 @@ fn source(name: &str, provider: &str, config: Value, guard: Value) -> Value {
         "provider": provider,
         "config": config,
         "stale_after_ms": 600_000,
-        "removal_grace_ms": 60_000,
+        "removal_grace_ms": GRACE_MS,
         "removal_guard": guard,
     })
 }
@@ -224,16 +227,22 @@ async fn a_zone_emptied_to_nxdomain_keeps_serving_until_confirmed() {
     );
 
     // The same empty answer, seen for confirm_ms across 3 refreshes: the removals apply.
-    let confirmed = wait_status(&gateway, source, "the hold confirmed", |s| {
+    wait_status(&gateway, source, "the hold confirmed", |s| {
         s["guard"].is_null() && counts(s) == (0, 3)
     })
     .await;
-    let applied_at = time(&confirmed["last_success_at"]);
-    assert!(
-        applied_at - since >= chrono::Duration::milliseconds(CONFIRM_MS),
-        "confirmed after {} ms, before confirm_ms {CONFIRM_MS}",
-        (applied_at - since).num_milliseconds()
-    );
+    let drained = gateway
+        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+        .await
+        .1;
+    for target in drained["items"].as_array().expect("targets") {
+        let drained_at = time(&target["remove_at"]) - chrono::Duration::milliseconds(GRACE_MS);
+        assert!(
+            drained_at - since >= chrono::Duration::milliseconds(CONFIRM_MS),
+            "drained {} ms after the hold began, before confirm_ms {CONFIRM_MS}: {target}",
+            (drained_at - since).num_milliseconds()
+        );
+    }
     assert_eq!(proxy_status(&gateway).await, 503, "every target drains");
     drop(upstreams);
 }
@@ -488,7 +497,7 @@ async fn entries_the_registry_marks_critical_are_never_held() {
             "consul",
             "consul",
             json!({"address": fake.url(), "service": "web", "wait_ms": 10_000, "timeout_ms": 500}),
-            guard(600_000),
+            guard(CONFIRM_MS),
         ),
     )
     .await;
@@ -520,6 +529,19 @@ async fn entries_the_registry_marks_critical_are_never_held() {
     })
     .await;
     assert_eq!(counts(&held), (3, 0), "{held}");
+    // The catalog stays as it is, so the watch itself answers nothing new: the guard's own
+    // re-reads (every confirm_ms / 2) confirm the removals.
+    let reads_before = fake.requests();
+    let confirmed = wait_status(&gateway, source, "the removals confirmed", |s| {
+        s["guard"].is_null() && counts(s) == (1, 2)
+    })
+    .await;
+    assert!(confirmed["guard"].is_null(), "{confirmed}");
+    assert!(
+        fake.requests() >= reads_before + 2,
+        "the guard re-read the catalog: {} requests",
+        fake.requests() - reads_before
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -599,6 +621,12 @@ async fn the_guard_settings_default_validate_and_turn_off() {
 // Honest 503s
 // ---------------------------------------------------------------------------------------------
 
+async fn refresh(gateway: &TestGateway, source: i64) {
+    let path = format!("/api/v1/discovery-sources/{source}/refresh");
+    let (code, body) = gateway.api("POST", &path, None).await;
+    assert_eq!(code, 202, "{body}");
+}
+
 async fn proxy_error(gateway: &TestGateway) -> (u16, Value) {
     let response = reqwest::get(gateway.proxy_url("/"))
         .await
@@ -632,14 +660,7 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
     // Failing from the start: no last known good targets either.
     registry.set_delay(Duration::ZERO);
     registry.set_raw(500, "text/plain", "registry broken");
-    let (code, _) = gateway
-        .api(
-            "POST",
-            &format!("/api/v1/discovery-sources/{source}/refresh"),
-            None,
-        )
-        .await;
-    assert_eq!(code, 202);
+    refresh(&gateway, source).await;
     wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
     wait_until("the 503 names the failing source", WAIT, || async {
         let (status, error) = proxy_error(&gateway).await;
@@ -653,14 +674,7 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
 
     // Healthy but empty: the registry answered, so the targets (none) are the reason.
     registry.set_json(json!([]));
-    let (code, _) = gateway
-        .api(
-            "POST",
-            &format!("/api/v1/discovery-sources/{source}/refresh"),
-            None,
-        )
-        .await;
-    assert_eq!(code, 202);
+    refresh(&gateway, source).await;
     wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
     wait_until(
         "no_available_target once the source is healthy",

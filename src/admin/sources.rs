@@ -185,6 +185,14 @@ async fn accept_removals(
     let (code, released) = match state.control.accept_removals(id).await? {
         AcceptAnswer::Released(released) => (StatusCode::OK, Some(released)),
         AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None),
+        AcceptAnswer::NoHolder => {
+            return Err(ApiError::Unavailable {
+                message: format!(
+                    "no instance refreshes discovery source {id} right now (its lease is not \
+                     held); try again"
+                ),
+            })
+        }
         AcceptAnswer::Unknown => {
             return Err(ApiError::NotFound {
                 message: format!("discovery source {id} not found"),

@@ -59,6 +59,13 @@ pub fn build_snapshot(
             .or_default()
             .push(target);
     }
+    let mut sources_by_service: HashMap<Id, Vec<&SourceStanding>> = HashMap::new();
+    for source in &config.sources {
+        sources_by_service
+            .entry(source.service_id)
+            .or_default()
+            .push(source);
+    }
     let existing: HashSet<Id> = config.targets.iter().map(|target| target.id).collect();
     carried.loads.retain(|id, _| existing.contains(id));
     carried.health.retain(|id, _| existing.contains(id));
@@ -117,9 +124,12 @@ pub fn build_snapshot(
                 balancer: Balancer::new(service.lb_policy, members),
                 counters: carried.counters.entry(service.id).or_default().clone(),
                 discovery_gap: discovery_gap(
-                    service.id,
-                    &config.sources,
-                    targets_by_service.get(&service.id).map_or(&[][..], Vec::as_slice),
+                    sources_by_service
+                        .get(&service.id)
+                        .map_or(&[][..], Vec::as_slice),
+                    targets_by_service
+                        .get(&service.id)
+                        .map_or(&[][..], Vec::as_slice),
                 ),
             }
         })
@@ -137,14 +147,11 @@ pub fn build_snapshot(
 /// The service's enabled sources with their states, when none of them is healthy and no
 /// operator target could take traffic: then a client without a target is told that discovery,
 /// not the targets, is why (DESIGN §5).
-fn discovery_gap(
-    service_id: Id,
-    sources: &[SourceStanding],
-    targets: &[&Target],
-) -> Option<Box<str>> {
+fn discovery_gap(sources: &[&SourceStanding], targets: &[&Target]) -> Option<Box<str>> {
     let sources: Vec<&SourceStanding> = sources
         .iter()
-        .filter(|source| source.service_id == service_id && source.enabled)
+        .copied()
+        .filter(|source| source.enabled)
         .collect();
     let unhealthy = |source: &&SourceStanding| {
         matches!(
@@ -217,14 +224,10 @@ mod tests {
             standing(2, "http", SourceState::Stale),
             standing(3, "off", SourceState::Disabled),
         ];
+        let sources: Vec<&SourceStanding> = sources.iter().collect();
         assert_eq!(
-            discovery_gap(1, &sources, &[]).as_deref(),
+            discovery_gap(&sources, &[]).as_deref(),
             Some("dns (pending), http (stale)")
-        );
-        assert_eq!(
-            discovery_gap(2, &sources, &[]),
-            None,
-            "another service's sources"
         );
     }
 
@@ -232,13 +235,13 @@ mod tests {
     fn no_gap_with_a_healthy_source_an_operator_target_or_no_source() {
         let failing = standing(1, "dns", SourceState::Failing);
         let healthy = standing(2, "http", SourceState::Healthy);
-        assert_eq!(discovery_gap(1, &[failing.clone(), healthy], &[]), None);
+        assert_eq!(discovery_gap(&[&failing, &healthy], &[]), None);
         let serving = operator_target(TargetState::Active);
-        assert_eq!(discovery_gap(1, &[failing.clone()], &[&serving]), None);
+        assert_eq!(discovery_gap(&[&failing], &[&serving]), None);
         let draining = operator_target(TargetState::Draining);
-        assert!(discovery_gap(1, &[failing], &[&draining]).is_some());
-        assert_eq!(discovery_gap(1, &[], &[]), None);
+        assert!(discovery_gap(&[&failing], &[&draining]).is_some());
+        assert_eq!(discovery_gap(&[], &[]), None);
         let disabled_only = standing(1, "off", SourceState::Disabled);
-        assert_eq!(discovery_gap(1, &[disabled_only], &[]), None);
+        assert_eq!(discovery_gap(&[&disabled_only], &[]), None);
     }
 }

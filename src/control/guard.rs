@@ -24,6 +24,8 @@ pub enum AcceptAnswer {
     Released(u64),
     /// Another instance refreshes this source; the acceptance was passed on to it.
     PassedOn,
+    /// No instance refreshes the source now (its lease is not held: the store is unreachable).
+    NoHolder,
     /// No such source (deleted meanwhile).
     Unknown,
 }
@@ -38,12 +40,7 @@ impl ControlTask {
         discovered: &Discovered,
         now: DateTime<Utc>,
     ) -> Vec<Endpoint> {
-        // The first answer after its config changed is the operator's own doing.
-        let settings = if std::mem::take(&mut entry.unguarded_once) {
-            None
-        } else {
-            entry.source.removal_guard
-        };
+        let settings = entry.source.removal_guard;
         let taken_out = |target: &Target| self.carried.taken_out(target);
         let verdict = guard::judge(
             settings.as_ref(),
@@ -82,8 +79,11 @@ impl ControlTask {
     async fn accept_held(&mut self, entry: &mut SourceEntry) -> Result<AcceptAnswer, StoreError> {
         let id = entry.source.id;
         if !entry.holds_lease() {
-            self.store.request_accept_by_holder(id).await?;
-            return Ok(AcceptAnswer::PassedOn);
+            return Ok(if self.store.request_accept_by_holder(id).await? {
+                AcceptAnswer::PassedOn
+            } else {
+                AcceptAnswer::NoHolder
+            });
         }
         let Some(hold) = entry.progress.guard.clone() else {
             return Ok(AcceptAnswer::Released(0));
@@ -91,17 +91,22 @@ impl ControlTask {
         let targets = self.store.source_targets(id).await?;
         let now = self.clock.now();
         let changes = reconcile::drain_keys(&targets, &hold.held, now, entry.removal_grace());
+        let reread_at = entry.guard_reread_at.take();
         entry.progress.guard = None;
-        entry.guard_reread_at = None;
         if let Err(error) = self
             .store
             .apply_refresh(entry.source.service_id, id, &changes, Some(&entry.progress))
             .await
         {
             entry.progress.guard = Some(hold);
+            entry.guard_reread_at = reread_at;
             return Err(error);
         }
-        self.after_changes(entry, &changes).await?;
+        // The drain is stored: a failure to read the deadlines back only delays the removal.
+        if let Err(error) = self.after_changes(entry, &changes).await {
+            tracing::warn!(source_id = id, %error, "removal deadlines not re-read; retrying soon");
+            entry.next_removal = Some(now + chrono::Duration::seconds(1));
+        }
         tracing::warn!(
             source_id = id,
             released = changes.len(),
@@ -157,6 +162,10 @@ fn log_change(source_id: Id, change: Change, hold: Option<&crate::model::GuardHo
         (Change::Ended, _) => tracing::info!(
             source_id,
             "removal guard: the registry's answer no longer removes too much; hold ended"
+        ),
+        (Change::Released, _) => tracing::info!(
+            source_id,
+            "removal guard: health checks or ejection took every held target out; hold ended"
         ),
         _ => {}
     }

@@ -25,12 +25,10 @@ pub(super) struct SourceEntry {
     /// None while disabled (or when its config cannot build a provider).
     pub(super) runner: Option<RunnerHandle>,
     /// Earliest removal deadline among its draining targets.
-    next_removal: Option<DateTime<Utc>>,
+    pub(super) next_removal: Option<DateTime<Utc>>,
     /// Until when this instance holds the source's lease, judged conservatively from the start
     /// of the request that took or renewed it. None: another instance (or nobody) holds it.
     lease_until: Option<tokio::time::Instant>,
-    /// Its provider config changed: the next answer is applied without the removal guard.
-    pub(super) unguarded_once: bool,
     /// While the removal guard holds: when to read the registry again.
     pub(super) guard_reread_at: Option<DateTime<Utc>>,
 }
@@ -127,7 +125,6 @@ impl ControlTask {
             progress,
             runner: None,
             lease_until: None,
-            unguarded_once: false,
             guard_reread_at: None,
         };
         match self.bid_for_lease(entry.source.id).await {
@@ -149,16 +146,12 @@ impl ControlTask {
             return Ok(false);
         };
         let was_enabled = entry.source.enabled;
-        let unguarded_once = entry.unguarded_once;
-        entry.unguarded_once |=
-            entry.source.provider != source.provider || entry.source.config != source.config;
         let previous = std::mem::replace(&mut entry.source, source);
         entry.runner = None;
         let outcome = self.enforce_enabled(&mut entry, was_enabled).await;
         if outcome.is_err() {
             // Still differs from the store, so the retry of the sync reconfigures it again.
             entry.source = previous;
-            entry.unguarded_once = unguarded_once;
         }
         self.sources.insert(entry.source.id, entry);
         outcome
@@ -471,6 +464,8 @@ impl ControlTask {
         if outcome.watch.is_some() {
             entry.progress.watch = outcome.watch;
         }
+        // Restored when the store refuses the write, so the hold is not ahead of the targets.
+        let guard_before = (entry.progress.guard.clone(), entry.guard_reread_at);
         // A change of state changes which 503 the service answers (discovery_unavailable).
         let state_changed;
         let changes = match outcome.result {
@@ -531,14 +526,19 @@ impl ControlTask {
                 }
             }
         };
-        self.store
+        let written = self
+            .store
             .apply_refresh(
                 entry.source.service_id,
                 entry.source.id,
                 &changes,
                 Some(&entry.progress),
             )
-            .await?;
+            .await;
+        if let Err(error) = written {
+            (entry.progress.guard, entry.guard_reread_at) = guard_before;
+            return Err(error);
+        }
         Ok(self.after_changes(entry, &changes).await? || state_changed)
     }
 

@@ -12,10 +12,13 @@
 //! - The guard holds when those removals are more than `max_percent` of the active targets and
 //!   more than `min_endpoints`: all of them, except targets health checks or ejection took out
 //!   (those are down anyway and drain).
+//! - While a hold lasts, the share is measured against the active targets it started with, so
+//!   endpoints the suspicious answer itself adds cannot dilute it.
 //! - The hold ends when the answer no longer removes that much (the registry recovered, or the
-//!   set shrank one endpoint at a time), or when the same smaller set (same revision) has been
-//!   answered for `confirm_ms` across at least [`CONFIRMATIONS`] refreshes, or when the guard is
-//!   turned off, or when an admin accepts the removals (the held keys drain).
+//!   set shrank one endpoint at a time), or when the same removals (no key missing anew; weight
+//!   or metadata changes do not count) have been answered for `confirm_ms` across at least
+//!   [`CONFIRMATIONS`] refreshes, or when the guard is turned off, or when an admin accepts the
+//!   removals (the held keys drain).
 
 use std::collections::HashSet;
 
@@ -43,15 +46,17 @@ pub struct Verdict {
 pub enum Change {
     /// Nothing held before or after.
     None,
-    /// A hold started, or restarted because the registry answered another smaller set.
+    /// A hold started, or restarted because another key went missing.
     Started,
-    /// The same smaller set was answered again; still short of confirmation.
+    /// The same removals were answered again; still short of confirmation.
     StillHolding,
     /// The smaller set was confirmed: the held removals apply now.
     Confirmed,
-    /// The answer no longer removes too much (or the guard is off, or every held target went
-    /// down): the hold ended without confirmation.
+    /// The answer no longer removes too much (or the guard is off): the hold ended without
+    /// confirmation.
     Ended,
+    /// Health checks or ejection took every held target out: nothing left to hold.
+    Released,
 }
 
 /// Applies the guard to one successful refresh of a source whose targets are `current`.
@@ -80,14 +85,25 @@ pub fn judge(
     };
     let missing = unexplained_removals(current, discovered);
     let removed = missing.len();
-    let active = current.iter().filter(|target| is_active(target)).count();
-    if !too_many(removed, active, settings) {
+    let base = hold.map_or_else(
+        || current.iter().filter(|target| is_active(target)).count(),
+        |hold| hold.base as usize,
+    );
+    if !too_many(removed, base, settings) {
         return pass(ended);
     }
+    // The same removals (or fewer: some came back or were taken out) confirm the hold; a key
+    // that goes missing anew has not been confirmed, so the hold starts over.
+    let same_removals = hold.is_some_and(|hold| {
+        missing.iter().all(|target| {
+            target
+                .provider_key
+                .as_ref()
+                .is_some_and(|key| hold.held.contains(key))
+        })
+    });
     let (since, confirmations) = match hold {
-        Some(hold) if hold.revision == discovered.revision => {
-            (hold.since, hold.confirmations.saturating_add(1))
-        }
+        Some(hold) if same_removals => (hold.since, hold.confirmations.saturating_add(1)),
         _ => (now, 1),
     };
     let confirm_for = chrono::Duration::milliseconds(settings.confirm_ms as i64);
@@ -99,22 +115,29 @@ pub fn judge(
         .filter(|target| !taken_out(target))
         .collect();
     if held.is_empty() {
-        return pass(ended);
+        return pass(if held_before {
+            Change::Released
+        } else {
+            Change::None
+        });
     }
-    let change = match hold {
-        Some(hold) if hold.revision == discovered.revision && hold.since == since => {
-            Change::StillHolding
-        }
-        _ => Change::Started,
+    let change = if same_removals {
+        Change::StillHolding
+    } else {
+        Change::Started
     };
     let reason = format!(
-        "the registry's answer would remove {removed} of {active} active endpoints \
-         (more than {}% and more than {}); held until the same set is seen for {} ms across \
-         {CONFIRMATIONS} refreshes or an admin accepts the removals",
+        "the registry's answer would remove {removed} of {base} active endpoints \
+         (more than {}% and more than {}); held until the same removals are seen for {} ms \
+         across {CONFIRMATIONS} refreshes or an admin accepts them",
         settings.max_percent, settings.min_endpoints, settings.confirm_ms
     );
     let mut endpoints = discovered.endpoints.clone();
-    endpoints.extend(held.iter().map(|target| endpoint_of(target)));
+    // As last discovered, so reconcile changes nothing about them.
+    endpoints.extend(
+        held.iter()
+            .filter_map(|target| target.discovered_endpoint()),
+    );
     Verdict {
         endpoints,
         hold: Some(GuardHold {
@@ -122,7 +145,7 @@ pub fn judge(
             held: held.iter().filter_map(|t| t.provider_key.clone()).collect(),
             since,
             confirmations,
-            revision: discovered.revision.clone(),
+            base: base as u64,
             reason,
         }),
         change,
@@ -158,19 +181,6 @@ fn unexplained_removals<'a>(current: &'a [Target], discovered: &Discovered) -> V
 /// Serving now and owned by discovery: the targets a wrong answer would take away.
 fn is_active(target: &Target) -> bool {
     target.state == TargetState::Active && target.provider_key.is_some()
-}
-
-/// A held target, as the endpoint it was last discovered as, so reconcile changes nothing.
-fn endpoint_of(target: &Target) -> Endpoint {
-    Endpoint {
-        key: target.provider_key.clone().unwrap_or_default(),
-        host: target.host.clone(),
-        port: target.port,
-        weight: target.weight,
-        priority: target.priority,
-        enabled: target.enabled,
-        metadata: target.metadata.clone(),
-    }
 }
 
 #[cfg(test)]

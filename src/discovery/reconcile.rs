@@ -725,15 +725,7 @@ mod tests {
 
     /// The endpoint a target was made from.
     fn endpoint_of(target: &Target) -> Endpoint {
-        Endpoint {
-            key: target.provider_key.clone().unwrap(),
-            host: target.host.clone(),
-            port: target.port,
-            weight: target.weight,
-            priority: target.priority,
-            enabled: target.enabled,
-            metadata: target.metadata.clone(),
-        }
+        target.discovered_endpoint().expect("a discovered target")
     }
 
     fn random_target(rng: &mut fastrand::Rng, id: Id, key: String) -> Target {

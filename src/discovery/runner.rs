@@ -296,9 +296,9 @@ enum WatchEnd {
 /// What the watch loop remembers across reconnects.
 struct WatchMemory {
     progress: WatchProgress,
-    /// The set last reported (its revision and what was refused from it), so an identical answer
-    /// is not reported again.
-    reported: Option<(String, Option<String>)>,
+    /// The set last reported (its revision, what was refused from it and who is departing), so
+    /// an identical answer is not reported again.
+    reported: Option<(String, Option<String>, Vec<String>)>,
     failures: u32,
 }
 
@@ -421,6 +421,7 @@ async fn accept(
     let set = (
         answer.discovered.revision.clone(),
         answer.discovered.refused.clone(),
+        answer.discovered.departures.clone(),
     );
     let lost = lane.report_again.swap(false, Ordering::AcqRel);
     if !first && !lost && memory.reported.as_ref() == Some(&set) {

@@ -302,7 +302,7 @@ fn progress(revision: &str) -> crate::model::SourceProgress {
             held: vec!["a".to_owned(), "b".to_owned()],
             since: at,
             confirmations: 1,
-            revision: revision.to_owned(),
+            base: 3,
             reason: "held".to_owned(),
         }),
     }

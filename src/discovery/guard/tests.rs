@@ -449,3 +449,81 @@ fn held_targets_keep_their_fields() {
     assert_eq!((held.weight, held.priority), (7, 2));
     assert_eq!(held.metadata, json!({"zone": "b"}));
 }
+
+#[test]
+fn weight_or_metadata_churn_keeps_confirming() {
+    let current = targets(4);
+    let small = answer(&["k1"]);
+    let mut churned = answer(&["k1"]);
+    churned.endpoints[0].weight = 7;
+    churned.endpoints[0].metadata = json!({"heartbeat": 2});
+    churned.revision = revision_of(&churned.endpoints);
+    let verdicts = run(
+        &current,
+        &[(0, &small), (30_000, &churned), (60_000, &small)],
+    );
+    assert_eq!(verdicts[1].change, Change::StillHolding);
+    assert_eq!(
+        verdicts[2].change,
+        Change::Confirmed,
+        "the same removals, three times"
+    );
+}
+
+#[test]
+fn endpoints_the_suspicious_answer_adds_do_not_dilute_the_share() {
+    // Four known targets; the registry answers four others (a wrong environment).
+    let mut current = targets(4);
+    let strangers = answer(&["k5", "k6", "k7", "k8"]);
+    let first = judge(Some(&guard()), &current, &strangers, None, up, at(0));
+    assert_eq!(
+        first.hold.as_ref().map(|h| (h.holding, h.base)),
+        Some((4, 4))
+    );
+    // Reconcile created them: 4 of 8 active would be only half, but the hold measures against 4.
+    current.extend((5..=8).map(|i| target(i, &format!("k{i}"))));
+    let second = judge(
+        Some(&guard()),
+        &current,
+        &strangers,
+        first.hold.as_ref(),
+        up,
+        at(1_000),
+    );
+    assert_eq!(second.change, Change::StillHolding);
+    assert_eq!(second.hold.as_ref().unwrap().confirmations, 2);
+}
+
+#[test]
+fn keys_that_come_back_keep_the_confirmation_going() {
+    let current = targets(10);
+    let two = answer(&["k1", "k2"]);
+    let three = answer(&["k1", "k2", "k3"]);
+    let verdicts = run(&current, &[(0, &two), (30_000, &three), (60_000, &three)]);
+    assert_eq!(
+        verdicts[1].change,
+        Change::StillHolding,
+        "k3 returned: fewer removals"
+    );
+    assert_eq!(verdicts[1].hold.as_ref().unwrap().held.len(), 7);
+    assert_eq!(verdicts[2].change, Change::Confirmed);
+    assert_eq!(keys(&verdicts[2]), ["k1", "k2", "k3"]);
+}
+
+#[test]
+fn a_hold_whose_targets_all_went_down_is_released() {
+    let current = targets(3);
+    let first = judge(Some(&guard()), &current, &answer(&[]), None, up, at(0));
+    let all_down = |_: &Target| true;
+    let second = judge(
+        Some(&guard()),
+        &current,
+        &answer(&[]),
+        first.hold.as_ref(),
+        all_down,
+        at(1),
+    );
+    assert_eq!(second.change, Change::Released);
+    assert_eq!(second.hold, None);
+    assert!(second.endpoints.is_empty(), "they drain");
+}
