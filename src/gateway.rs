@@ -14,7 +14,8 @@ use tokio::task::JoinHandle;
 use crate::admin::{self, auth, AdminState};
 use crate::config::{Config, TlsConfig};
 use crate::control::{
-    self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificates,
+    self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificateExpiry,
+    FileCertificates,
 };
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
@@ -93,14 +94,23 @@ pub fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, St
             reason: error.to_string(),
         })
     };
+    let expiry = |cert_file: &Path, parsed: &tls::ParsedCertificate| FileCertificateExpiry {
+        cert_file: cert_file.display().to_string(),
+        sni: parsed.names.first().cloned().unwrap_or_default(),
+        not_after: parsed.not_after,
+    };
     let mut certificates = FileCertificates::default();
     if let (Some(cert_file), Some(key_file)) = (&config.cert_file, &config.key_file) {
         let parsed = load(cert_file, key_file)?;
+        certificates.expiries.push(expiry(cert_file, &parsed));
         certificates.default = Some(parsed.key.clone());
         certificates.others.push((parsed.names, parsed.key));
     }
     for files in &config.certificates {
         let parsed = load(&files.cert_file, &files.key_file)?;
+        certificates
+            .expiries
+            .push(expiry(&files.cert_file, &parsed));
         certificates.others.push((parsed.names, parsed.key));
     }
     Ok(certificates)

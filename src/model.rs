@@ -766,6 +766,8 @@ pub struct TokenSpec {
 }
 
 pub const DEFAULT_WEIGHT: u32 = 100;
+/// Largest target weight the API accepts; every provider keeps the weights it discovers within it.
+pub const MAX_WEIGHT: u32 = 65_535;
 
 fn default_true() -> bool {
     true

@@ -1165,6 +1165,49 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(remaining[0]["name"], "web");
 }
 
+/// RFC 7396: a nested `null` removes the member even where the current value is null (a service
+/// without a health check), so the member takes its default instead of being refused.
+#[tokio::test]
+async fn a_nested_null_patched_onto_a_missing_object_removes_the_member() {
+    let gateway = TestGateway::start().await;
+    let id = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    let path = format!("/api/v1/services/{id}");
+    assert!(get_ok(&gateway, &path).await["health_check"].is_null());
+
+    let (status, patched) = gateway
+        .api(
+            "PATCH",
+            &path,
+            Some(json!({"health_check": {"type": "http", "path": null}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{patched}");
+    assert_eq!(patched["health_check"]["type"], "http", "{patched}");
+    assert_eq!(patched["health_check"]["path"], "/", "{patched}");
+    assert_eq!(get_ok(&gateway, &path).await, patched);
+
+    // On an existing check a nested null resets just that member.
+    gateway
+        .api(
+            "PATCH",
+            &path,
+            Some(json!({"health_check": {"path": "/ping", "interval_ms": 500}})),
+        )
+        .await;
+    let (status, reset) = gateway
+        .api(
+            "PATCH",
+            &path,
+            Some(json!({"health_check": {"path": null}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{reset}");
+    assert_eq!(reset["health_check"]["path"], "/", "{reset}");
+    assert_eq!(reset["health_check"]["interval_ms"], 500, "{reset}");
+}
+
 #[tokio::test]
 async fn targets_round_trip_with_defaults_put_and_merge_patch() {
     let gateway = TestGateway::start().await;

@@ -746,7 +746,7 @@ async fn dns_srv_tiers_and_weights_with_failover() {
     assert!(s["revision"].is_string(), "{s}");
 
     // Port, priority and weight come from the records (RFC 2782 weight w → balancer weight
-    // w×100, as the provider maps them).
+    // w×100 while the answer's largest weight is at most 655, as the provider maps them).
     let found = targets(&gateway, service).await;
     assert_eq!(found.len(), 3, "{found:?}");
     for (port, weight, priority) in [(pa, 100, 10), (pb, 300, 10), (pc, 100, 20)] {

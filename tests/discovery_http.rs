@@ -1,7 +1,8 @@
 //! HTTP-registry discovery through real sockets (DESIGN.md §4 and §7): the discovery-source admin
 //! API, the source lifecycle (pending, healthy, failing, stale, disabled), reconcile by provider
-//! key, forced and coalesced refreshes, restart from the store and readiness. A real HTTP
-//! registry (`common::registry`) feeds endpoints that point at real upstream servers.
+//! key, forced and coalesced refreshes, restart from the store, readiness, several sources on
+//! one service and health kept across a flap. A real HTTP registry (`common::registry`) feeds
+//! endpoints that point at real upstream servers.
 
 mod common;
 use common::registry::Registry;
@@ -2114,4 +2115,207 @@ async fn tls_verify_refuses_an_untrusted_registry_certificate_unless_turned_off(
     assert!(registry.requests() >= 1);
     wait_proxy(&gateway, StatusCode::OK).await;
     assert_eq!(fetch(&gateway).await, (StatusCode::OK, "a".to_owned()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Several sources on one service; health across a flap
+// ---------------------------------------------------------------------------------------------
+
+/// The target ids of `targets`, by provider key.
+fn ids_by_key(targets: &HashMap<String, Value>) -> HashMap<String, i64> {
+    targets
+        .iter()
+        .map(|(key, target)| (key.clone(), id_of(target)))
+        .collect()
+}
+
+/// DESIGN §4: two sources feed one service at once. Each owns its own targets (even under the
+/// same provider key), traffic reaches both sources' endpoints, and a change to one source's set
+/// or its deletion touches only that source's targets.
+#[tokio::test]
+async fn two_sources_feed_one_service_and_each_changes_only_its_own_targets() {
+    let gateway = TestGateway::start().await;
+    let (first_registry, second_registry) = (Registry::start().await, Registry::start().await);
+    let (a1, a2, b1) = (
+        Upstream::start("a1").await,
+        Upstream::start("a2").await,
+        Upstream::start("b1").await,
+    );
+    let service = service_with_route(&gateway, "web").await;
+    // Both registries name an endpoint "one": provider keys belong to a source.
+    first_registry.set_json(json!([
+        endpoint("one", &a1, 100, 0),
+        endpoint("two", &a2, 100, 0),
+    ]));
+    second_registry.set_json(json!([endpoint("one", &b1, 100, 0)]));
+    let long_grace = json!({"removal_grace_ms": 60_000});
+    let first = add_source(
+        &gateway,
+        service,
+        http_source("first", &first_registry, json!({}), long_grace.clone()),
+    )
+    .await;
+    let second = add_source(
+        &gateway,
+        service,
+        http_source("second", &second_registry, json!({}), long_grace),
+    )
+    .await;
+    wait_status(&gateway, first, "first healthy with 2", |s| {
+        s["state"] == "healthy" && s["endpoints"] == counts(2, 0, 0)
+    })
+    .await;
+    wait_status(&gateway, second, "second healthy with 1", |s| {
+        s["state"] == "healthy" && s["endpoints"] == counts(1, 0, 0)
+    })
+    .await;
+    let first_targets = source_targets(&gateway, service, first).await;
+    let second_targets = source_targets(&gateway, service, second).await;
+    assert_eq!(
+        first_targets["one"]["port"],
+        a1.addr.port(),
+        "{first_targets:?}"
+    );
+    assert_eq!(
+        second_targets["one"]["port"],
+        b1.addr.port(),
+        "{second_targets:?}"
+    );
+    assert_ne!(id_of(&first_targets["one"]), id_of(&second_targets["one"]));
+
+    // Traffic reaches every endpoint of both sources.
+    wait_for("traffic on a1, a2 and b1", WAIT, || async {
+        let seen = spread(&gateway, "/", 30, 3).await;
+        ["a1", "a2", "b1"]
+            .iter()
+            .all(|name| hits(&seen, name) > 0)
+            .then_some(())
+    })
+    .await;
+
+    // The first source loses "two": only its target drains; the second's is left as it was.
+    first_registry.set_json(json!([endpoint("one", &a1, 100, 0)]));
+    wait_status(&gateway, first, "first: one active, one draining", |s| {
+        s["endpoints"] == counts(1, 1, 0)
+    })
+    .await;
+    let first_now = source_targets(&gateway, service, first).await;
+    assert_eq!(first_now["two"]["state"], "draining", "{first_now:?}");
+    assert_eq!(first_now["one"]["state"], "active", "{first_now:?}");
+    assert_eq!(ids_by_key(&first_now), ids_by_key(&first_targets));
+    assert_eq!(
+        source_targets(&gateway, service, second).await,
+        second_targets,
+        "the other source's target is untouched"
+    );
+    assert_eq!(
+        source_status(&gateway, second).await["endpoints"],
+        counts(1, 0, 0)
+    );
+    wait_for("traffic on a1 and b1 only", WAIT, || async {
+        let seen = spread(&gateway, "/", 30, 3).await;
+        (hits(&seen, "a1") > 0 && hits(&seen, "b1") > 0 && hits(&seen, "a2") == 0).then_some(())
+    })
+    .await;
+
+    // Deleting the second source removes its target at once and leaves the first's alone.
+    let (status, body) = gateway
+        .api(
+            "DELETE",
+            &format!("/api/v1/discovery-sources/{second}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    assert_eq!(
+        target_status(&gateway, id_of(&second_targets["one"]))
+            .await
+            .0,
+        StatusCode::NOT_FOUND
+    );
+    let after = source_targets(&gateway, service, first).await;
+    assert_eq!(ids_by_key(&after), ids_by_key(&first_targets));
+    assert_eq!(after["one"]["state"], "active", "{after:?}");
+    assert_eq!(
+        after["two"]["state"], "draining",
+        "still draining, within its grace: {after:?}"
+    );
+    let seen = spread(&gateway, "/", 20, 2).await;
+    assert_eq!(hits(&seen, "a1"), 20, "{seen:?}");
+}
+
+/// DESIGN §4: an endpoint that leaves and returns within `removal_grace_ms` keeps its target
+/// id and its health: it comes back `active` and `healthy` at once, not `unknown` until checks
+/// prove it again.
+#[tokio::test]
+async fn an_endpoint_back_within_its_grace_keeps_its_id_and_health() {
+    let gateway = TestGateway::start().await;
+    let registry = Registry::start().await;
+    let (a, b) = (Upstream::start("a").await, Upstream::start("b").await);
+    let service = service_with_route(&gateway, "web").await;
+    // Three passes 150 ms apart: health the checks had to earn again would stay `unknown` for
+    // at least 300 ms after the return, far longer than one status poll takes.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(json!({"health_check": {
+                "path": "/", "interval_ms": 150, "timeout_ms": 500, "healthy_threshold": 3
+            }})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    registry.set_json(json!([
+        endpoint("a", &a, 100, 0),
+        endpoint("b", &b, 100, 0)
+    ]));
+    let source = add_source(
+        &gateway,
+        service,
+        http_source(
+            "registry",
+            &registry,
+            json!({}),
+            json!({"removal_grace_ms": 60_000}),
+        ),
+    )
+    .await;
+    wait_state(&gateway, source, "healthy").await;
+    let idb = id_of(&source_targets(&gateway, service, source).await["b"]);
+    wait_for("b healthy", WAIT, || async {
+        let (_, target) = target_status(&gateway, idb).await;
+        (target["health"] == "healthy").then_some(())
+    })
+    .await;
+
+    registry.set_json(json!([endpoint("a", &a, 100, 0)]));
+    let draining = wait_for("b draining", WAIT, || async {
+        let (_, target) = target_status(&gateway, idb).await;
+        (target["state"] == "draining").then_some(target)
+    })
+    .await;
+    assert_eq!(draining["health"], "healthy", "{draining}");
+
+    registry.set_json(json!([
+        endpoint("a", &a, 100, 0),
+        endpoint("b", &b, 100, 0)
+    ]));
+    let back = wait_for("b active again", WAIT, || async {
+        let (status, target) = target_status(&gateway, idb).await;
+        assert_eq!(status, StatusCode::OK, "b was deleted within its grace");
+        (target["state"] == "active").then_some(target)
+    })
+    .await;
+    assert_eq!(id_of(&back), idb);
+    assert_eq!(
+        back["health"], "healthy",
+        "health kept across the flap: {back}"
+    );
+    assert!(back["remove_at"].is_null(), "{back}");
+    let listed = source_targets(&gateway, service, source).await;
+    assert_eq!(listed["b"]["health"], "healthy", "{listed:?}");
+    wait_for("b gets traffic again", WAIT, || async {
+        (hits(&spread(&gateway, "/", 20, 1).await, "b") > 0).then_some(())
+    })
+    .await;
 }

@@ -56,7 +56,18 @@ impl Pki {
     /// A leaf for `names` (DNS names or IP addresses).
     fn leaf(&self, names: &[&str]) -> Leaf {
         let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
-        let params = CertificateParams::new(names).expect("leaf params");
+        self.issue(CertificateParams::new(names).expect("leaf params"))
+    }
+
+    /// A leaf for `names` that expires at the start of `year` (UTC).
+    fn leaf_until(&self, names: &[&str], year: i32) -> Leaf {
+        let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
+        let mut params = CertificateParams::new(names).expect("leaf params");
+        params.not_after = rcgen::date_time_ymd(year, 1, 1);
+        self.issue(params)
+    }
+
+    fn issue(&self, params: CertificateParams) -> Leaf {
         let key = KeyPair::generate().expect("leaf key");
         let cert = params
             .signed_by(&key, &self.issuer)
@@ -1038,6 +1049,56 @@ async fn client_chosen_hosts_share_the_targets_connections() {
         handshakes <= 2,
         "30 client Hosts opened {handshakes} upstream TLS connections"
     );
+}
+
+/// `raahi_certificate_not_after_seconds` reports the certificate files beside the API
+/// certificates, told apart by `source`, and a reload (what SIGHUP does) replaces a file's series.
+#[tokio::test]
+async fn the_expiry_metric_covers_certificate_files_and_follows_a_reload() {
+    const START_OF_2031: u64 = 1_924_992_000;
+    const START_OF_2032: u64 = 1_956_528_000;
+    const START_OF_2033: u64 = 1_988_150_400;
+    let pki = Pki::new("test CA");
+    let (gateway, _) = tls_gateway(&pki.leaf_until(&["default.test"], 2031)).await;
+    let id = add_certificate(&gateway, &pki.leaf_until(&["api.test"], 2033), None).await;
+    let files = raahi::config::TlsConfig {
+        cert_file: Some(gateway.dir.path().join("default.crt")),
+        key_file: Some(gateway.dir.path().join("default.key")),
+        certificates: Vec::new(),
+    };
+    let file_series = format!(
+        "raahi_certificate_not_after_seconds{{source=\"file\",cert_file=\"{}\",sni=\"default.test\"}}",
+        gateway.dir.path().join("default.crt").display()
+    );
+    let api_series = format!(
+        "raahi_certificate_not_after_seconds{{source=\"api\",certificate_id=\"{id}\",sni=\"api.test\"}} {START_OF_2033}\n"
+    );
+    let metrics = gateway.metrics_text().await;
+    assert!(
+        metrics.contains(&format!("{file_series} {START_OF_2031}\n")),
+        "{metrics}"
+    );
+    assert!(metrics.contains(&api_series), "{metrics}");
+
+    let renewed = pki.leaf_until(&["default.test"], 2032);
+    std::fs::write(files.cert_file.as_ref().unwrap(), &renewed.cert_pem).unwrap();
+    std::fs::write(files.key_file.as_ref().unwrap(), &renewed.key_pem).unwrap();
+    let running = gateway.gateway.as_ref().expect("running");
+    running
+        .reload_certificate_files(&files)
+        .await
+        .expect("the renewed files load");
+    let metrics = gateway.metrics_text().await;
+    assert!(
+        metrics.contains(&format!("{file_series} {START_OF_2032}\n")),
+        "{metrics}"
+    );
+    assert_eq!(
+        metrics.matches("source=\"file\"").count(),
+        1,
+        "the renewed file replaces its series: {metrics}"
+    );
+    assert!(metrics.contains(&api_series), "{metrics}");
 }
 
 /// What SIGHUP does for certificate files: read them again and serve them; a file that fails

@@ -136,23 +136,10 @@ impl MergePatch {
         let mut document = serde_json::to_value(current).map_err(|e| ApiError::Unavailable {
             message: format!("cannot serialise the current object: {e}"),
         })?;
-        merge(&mut document, serde_json::Value::Object(self.0));
+        // The crate's RFC 7396 merge rather than our own: a nested object patched onto a
+        // member that is null or absent must still have its nulls removed, not copied in.
+        json_patch::merge(&mut document, &serde_json::Value::Object(self.0));
         from_value(document)
-    }
-}
-
-fn merge(target: &mut serde_json::Value, patch: serde_json::Value) {
-    match (target, patch) {
-        (serde_json::Value::Object(target), serde_json::Value::Object(patch)) => {
-            for (key, value) in patch {
-                if value.is_null() {
-                    target.remove(&key);
-                } else {
-                    merge(target.entry(key).or_insert(serde_json::Value::Null), value);
-                }
-            }
-        }
-        (target, patch) => *target = patch,
     }
 }
 
@@ -291,10 +278,87 @@ mod tests {
         assert!(matches!(missing, ApiError::Validation { ref field, .. } if field == "port"));
     }
 
+    /// Applies `patch` the way every PATCH handler does, through [`MergePatch::apply`].
+    fn merged(document: serde_json::Value, patch: serde_json::Value) -> serde_json::Value {
+        let serde_json::Value::Object(patch) = patch else {
+            panic!("a PATCH body is an object: {patch}");
+        };
+        MergePatch(patch).apply(&document).expect("a JSON value")
+    }
+
     #[test]
     fn merge_patch_replaces_and_removes() {
-        let mut document = serde_json::json!({"a": 1, "b": {"c": 2, "d": 3}});
-        merge(&mut document, serde_json::json!({"a": 5, "b": {"d": null}}));
-        assert_eq!(document, serde_json::json!({"a": 5, "b": {"c": 2}}));
+        let document = serde_json::json!({"a": 1, "b": {"c": 2, "d": 3}});
+        let patch = serde_json::json!({"a": 5, "b": {"d": null}});
+        assert_eq!(
+            merged(document, patch),
+            serde_json::json!({"a": 5, "b": {"c": 2}})
+        );
+    }
+
+    #[test]
+    fn nested_nulls_are_removed_where_the_current_member_is_null_or_absent() {
+        let patch = serde_json::json!({"check": {"type": "http", "path": null}});
+        let expected = serde_json::json!({"check": {"type": "http"}});
+        assert_eq!(
+            merged(serde_json::json!({"check": null}), patch.clone()),
+            expected
+        );
+        assert_eq!(merged(serde_json::json!({}), patch.clone()), expected);
+        assert_eq!(merged(serde_json::json!({"check": 7}), patch), expected);
+    }
+
+    /// RFC 7396 appendix A, the cases whose patch is an object (a PATCH body must be one).
+    #[test]
+    fn rfc_7396_appendix_a() {
+        use serde_json::json;
+        let cases = [
+            (json!({"a": "b"}), json!({"a": "c"}), json!({"a": "c"})),
+            (
+                json!({"a": "b"}),
+                json!({"b": "c"}),
+                json!({"a": "b", "b": "c"}),
+            ),
+            (json!({"a": "b"}), json!({"a": null}), json!({})),
+            (
+                json!({"a": "b", "b": "c"}),
+                json!({"a": null}),
+                json!({"b": "c"}),
+            ),
+            (json!({"a": ["b"]}), json!({"a": "c"}), json!({"a": "c"})),
+            (json!({"a": "c"}), json!({"a": ["b"]}), json!({"a": ["b"]})),
+            (
+                json!({"a": {"b": "c"}}),
+                json!({"a": {"b": "d", "c": null}}),
+                json!({"a": {"b": "d"}}),
+            ),
+            (
+                json!({"a": [{"b": "c"}]}),
+                json!({"a": [1]}),
+                json!({"a": [1]}),
+            ),
+            (
+                json!({"e": null}),
+                json!({"a": 1}),
+                json!({"e": null, "a": 1}),
+            ),
+            (
+                json!([1, 2]),
+                json!({"a": "b", "c": null}),
+                json!({"a": "b"}),
+            ),
+            (
+                json!({}),
+                json!({"a": {"bb": {"ccc": null}}}),
+                json!({"a": {"bb": {}}}),
+            ),
+        ];
+        for (document, patch, expected) in cases {
+            assert_eq!(
+                merged(document.clone(), patch.clone()),
+                expected,
+                "{document} + {patch}"
+            );
+        }
     }
 }

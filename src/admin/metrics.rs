@@ -182,6 +182,16 @@ async fn gather(state: &AdminState) -> Scrape {
             latency_sum,
         });
     }
+    for file in state.control.file_certificate_expiries().iter() {
+        scrape.certificates.push((
+            vec![
+                ("source", "file".to_owned()),
+                ("cert_file", file.cert_file.clone()),
+                ("sni", file.sni.clone()),
+            ],
+            file.not_after.timestamp(),
+        ));
+    }
     match gather_store(state, &service_names, &mut scrape).await {
         Ok(()) => scrape.store_up = true,
         // What the data path and the control task know is still worth reporting while the
@@ -207,6 +217,7 @@ async fn gather_store(
     {
         scrape.certificates.push((
             vec![
+                ("source", "api".to_owned()),
                 ("certificate_id", certificate.id.to_string()),
                 ("sni", certificate.snis.first().cloned().unwrap_or_default()),
             ],
@@ -399,7 +410,8 @@ impl Collector for Scrape {
         gauge(
             &mut encoder,
             "raahi_certificate_not_after_seconds",
-            "Expiry (unix seconds) of each certificate stored through the admin API.",
+            "Expiry (unix seconds) of each served certificate, by source: api (stored through \
+             the admin API; certificate_id) or file (the config's files; cert_file).",
             self.certificates.iter().cloned(),
         )?;
         counter(

@@ -10,14 +10,13 @@ use super::error::ApiError;
 use crate::discovery;
 use crate::model::{
     CertificateSpec, DiscoverySourceSpec, Protocol, RemovalGuard, RouteSpec, ServiceSpec,
-    StreamRouteSpec, TargetSpec, TokenSpec,
+    StreamRouteSpec, TargetSpec, TokenSpec, MAX_WEIGHT,
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
 const MAX_NAME_LEN: usize = 100;
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
 const MAX_ATTEMPTS: u32 = 10;
-pub const MAX_WEIGHT: u32 = 65_535;
 const MAX_METADATA_BYTES: usize = 16 * 1024;
 const MAX_HOSTS: usize = 100;
 const MAX_METHODS: usize = 16;

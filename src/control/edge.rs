@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
 use rustls::sign::CertifiedKey;
 
@@ -25,7 +26,22 @@ pub struct FileCertificates {
     pub default: Option<Arc<CertifiedKey>>,
     /// (names the certificate covers, certificate).
     pub others: Vec<(Vec<String>, Arc<CertifiedKey>)>,
+    /// One per certificate file, for `/metrics`.
+    pub expiries: Vec<FileCertificateExpiry>,
 }
+
+/// A certificate file's expiry, reported beside the API certificates' so that a file nobody
+/// renewed is seen before clients see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileCertificateExpiry {
+    pub cert_file: String,
+    /// The first name the certificate covers.
+    pub sni: String,
+    pub not_after: DateTime<Utc>,
+}
+
+/// The expiries of the certificate files currently served, shared with the admin API.
+pub type FileExpiries = Arc<ArcSwap<Vec<FileCertificateExpiry>>>;
 
 /// The listeners the control task manages; `None` parts are not running in this gateway.
 #[derive(Default)]
@@ -37,6 +53,7 @@ pub struct EdgeOptions {
 
 pub(super) struct Edge {
     options: EdgeOptions,
+    file_expiries: FileExpiries,
     /// Parsed API certificates by id, with the `updated_at` they were parsed at.
     parsed: HashMap<Id, (DateTime<Utc>, Arc<CertifiedKey>)>,
     /// Set while some stream route's address could not be bound.
@@ -51,8 +68,10 @@ pub(super) struct Edge {
 
 impl Edge {
     pub(super) fn new(options: EdgeOptions) -> Edge {
+        let expiries = options.file_certificates.expiries.clone();
         Edge {
             options,
+            file_expiries: Arc::new(ArcSwap::from_pointee(expiries)),
             parsed: HashMap::new(),
             rebind_at: None,
             rebind_backoff: REBIND_FIRST,
@@ -72,7 +91,13 @@ impl Edge {
     }
 
     pub(super) fn replace_file_certificates(&mut self, certificates: FileCertificates) {
+        self.file_expiries
+            .store(Arc::new(certificates.expiries.clone()));
         self.options.file_certificates = certificates;
+    }
+
+    pub(super) fn file_expiries(&self) -> FileExpiries {
+        self.file_expiries.clone()
     }
 
     /// The admin call that bound `listen` has stored its route (or failed to).

@@ -34,7 +34,7 @@ pub use build::{build_snapshot, CarriedState};
 use cluster::ClusterEvent;
 pub use cluster::ClusterSettings;
 use edge::Edge;
-pub use edge::{EdgeOptions, FileCertificates};
+pub use edge::{EdgeOptions, FileCertificateExpiry, FileCertificates};
 pub use guard::AcceptAnswer;
 use sources::SourceEntry;
 
@@ -107,9 +107,15 @@ pub struct ControlHandle {
     commands: mpsc::Sender<Command>,
     snapshots: SnapshotHandle,
     source_stats: SourceStatsMap,
+    file_expiries: edge::FileExpiries,
 }
 
 impl ControlHandle {
+    /// The expiries of the certificate files being served (none without certificate files).
+    pub fn file_certificate_expiries(&self) -> Arc<Vec<FileCertificateExpiry>> {
+        self.file_expiries.load_full()
+    }
+
     /// Refresh counters of every source, by source id.
     pub fn source_stats(&self) -> HashMap<Id, Arc<SourceStats>> {
         self.source_stats
@@ -499,6 +505,7 @@ pub async fn start(
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();
     let source_stats = task.source_stats.clone();
+    let file_expiries = task.edge.file_expiries();
     // Without a listener (SQLite) the sender stays alive in the task, so the receiver just waits.
     let join = tokio::spawn(async move {
         let _cluster_sender = cluster_sender;
@@ -509,6 +516,7 @@ pub async fn start(
             commands: sender,
             snapshots,
             source_stats,
+            file_expiries,
         },
         join,
     ))

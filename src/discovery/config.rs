@@ -15,14 +15,13 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::discovery::{ConfigError, Schedule};
-use crate::model::DEFAULT_WEIGHT;
+use crate::model::{DEFAULT_WEIGHT, MAX_WEIGHT};
 
 pub const DEFAULT_INTERVAL_MS: u64 = 30_000;
 pub const DEFAULT_TIMEOUT_MS: u64 = 5_000;
 
 const INTERVAL_RANGE: (u64, u64) = (100, 86_400_000);
 const TIMEOUT_RANGE: (u64, u64) = (10, 600_000);
-const WEIGHT_MAX: u32 = 65_535;
 const PORT_RANGE: (u32, u32) = (1, 65_535);
 
 pub(crate) fn default_interval_ms() -> u64 {
@@ -36,6 +35,18 @@ pub(crate) fn default_weight() -> u32 {
 }
 pub(crate) fn default_true() -> bool {
     true
+}
+
+/// Preferred factor from a registry's weights (SRV, Consul: 0 to 65535, 1 the common default)
+/// to target weights, so that a registry's 1 is a target's default of 100.
+const REGISTRY_WEIGHT_SCALE: u32 = 100;
+
+/// The factor for one endpoint set whose largest registry weight is `largest`: 100 when that
+/// fits, else the largest integer that keeps `largest × factor` within [`MAX_WEIGHT`] (1 at
+/// worst, as no registry weight exceeds it). One integer factor for the whole set keeps every
+/// proportion exact; a per-weight cap would flatten all large weights to the same value.
+pub(crate) fn registry_weight_scale(largest: u32) -> u32 {
+    (MAX_WEIGHT / largest.clamp(1, MAX_WEIGHT)).min(REGISTRY_WEIGHT_SCALE)
 }
 
 /// The keys every provider shares, read uniformly for checks and the schedule.
@@ -124,7 +135,7 @@ fn check_shared(shared: &SharedKeys) -> Result<(), ConfigError> {
         check_range("interval_ms", interval_ms, INTERVAL_RANGE)?;
     }
     check_range("timeout_ms", shared.timeout_ms, TIMEOUT_RANGE)?;
-    check_range("weight", shared.weight, (0, WEIGHT_MAX))?;
+    check_range("weight", shared.weight, (0, MAX_WEIGHT))?;
     if let Some(port) = shared.port {
         check_range("port", port, PORT_RANGE)?;
     }

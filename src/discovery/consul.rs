@@ -12,6 +12,12 @@
 //! check) is always left out, warning is left out when `passing_only` and otherwise weighted
 //! with `Weights.Warning`.
 //!
+//! Weights: Consul's are DNS SRV weights (it refuses any outside 0 to 65535 and serves them in
+//! its SRV answers), so they map like `dns-srv`'s: ×100 while the set's largest is at most 655,
+//! else by the one integer factor that keeps the largest within the API's 65535, so proportions
+//! stay exact. Unlike an SRV weight, 0 stays 0: in Consul it means "no traffic in this state"
+//! (a `Warning` weight of 0), and a target of weight 0 is never picked.
+//!
 //! An address must be an IP address: the request path never resolves names, and a name
 //! resolved here would go stale between catalog changes, which are the only times a watch
 //! answers. An entry whose address is a host name is left out and named in the source's
@@ -30,14 +36,14 @@ use serde_json::{json, Value};
 
 use crate::discovery::config::{
     self, check_range, check_url, default_timeout_ms, default_true, default_weight, error,
-    render_path, ProviderConfig, SharedKeys,
+    registry_weight_scale, render_path, ProviderConfig, SharedKeys,
 };
 use crate::discovery::registry_client::{error_chain, read_limited};
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, Registered,
     WatchAnswer, WatchProvider, WatchStream,
 };
-use crate::model::{Endpoint, ProviderKind};
+use crate::model::{Endpoint, ProviderKind, MAX_WEIGHT};
 
 pub const PROVIDER: Registered = Registered {
     provider: ProviderKind::Consul,
@@ -445,8 +451,12 @@ impl Watcher {
         let mut keys = HashSet::new();
         let mut refusals = Vec::new();
         let mut departures = Vec::new();
+        let largest = entries
+            .iter()
+            .filter_map(|entry| self.registry_weight(entry));
+        let scale = registry_weight_scale(largest.max().unwrap_or(0));
         for entry in entries {
-            match self.endpoint_of(entry) {
+            match self.endpoint_of(entry, scale) {
                 Ok(Some(endpoint)) => {
                     // Consul's first word on a key wins; a duplicate would be a catalog bug.
                     if keys.insert(endpoint.key.clone()) {
@@ -468,17 +478,36 @@ impl Watcher {
         }
     }
 
-    /// The endpoint of one entry; None when its checks leave it out; Err when it cannot be used.
-    fn endpoint_of(&self, entry: &Entry) -> Result<Option<Endpoint>, String> {
-        let status = entry.status();
-        let weights = entry.service.weights.as_ref();
-        let weight = match status {
-            CheckStatus::Critical => return Ok(None),
-            CheckStatus::Warning if self.passing_only => return Ok(None),
-            CheckStatus::Warning => weights.map(|weights| weights.warning),
-            CheckStatus::Passing => weights.map(|weights| weights.passing),
+    fn takes(&self, status: CheckStatus) -> bool {
+        match status {
+            CheckStatus::Passing => true,
+            CheckStatus::Warning => !self.passing_only,
+            CheckStatus::Critical => false,
+        }
+    }
+
+    /// The entry's `Weights` for its check status, within Consul's own range; None when it has
+    /// no `Weights` or its checks leave it out.
+    fn registry_weight(&self, entry: &Entry) -> Option<u32> {
+        let weights = entry.service.weights.as_ref()?;
+        let weight = match entry.status() {
+            status if !self.takes(status) => return None,
+            CheckStatus::Warning => weights.warning,
+            _ => weights.passing,
         };
-        let weight = weight.map_or(self.default_weight, balancer_weight);
+        Some(clamp_weight(weight))
+    }
+
+    /// The endpoint of one entry; None when its checks leave it out; Err when it cannot be used.
+    /// `scale` is the set's factor for registry weights (see the module doc).
+    fn endpoint_of(&self, entry: &Entry, scale: u32) -> Result<Option<Endpoint>, String> {
+        let status = entry.status();
+        if !self.takes(status) {
+            return Ok(None);
+        }
+        let weight = self
+            .registry_weight(entry)
+            .map_or(self.default_weight, |weight| weight * scale);
         let address = if entry.service.address.is_empty() {
             &entry.node.address
         } else {
@@ -539,12 +568,10 @@ impl Watcher {
     }
 }
 
-/// A Consul weight as a balancer weight: ×100, as `dns-srv` scales SRV weights, so Consul's
-/// default of 1 is Raahi's default of 100. Unlike an SRV weight, 0 stays 0: in Consul it means "no
-/// traffic in this state" (a `Warning` weight of 0), and a target of weight 0 is never picked.
-fn balancer_weight(weight: i64) -> u32 {
-    const SCALE: i64 = 100;
-    u32::try_from(weight.clamp(0, i64::from(u16::MAX)) * SCALE).unwrap_or(u32::MAX)
+/// Consul refuses weights outside 0 to 65535; one from a broken or foreign server is held to
+/// that range rather than refused, as the rest of its entry is still usable.
+fn clamp_weight(weight: i64) -> u32 {
+    u32::try_from(weight.clamp(0, i64::from(MAX_WEIGHT))).unwrap_or(MAX_WEIGHT)
 }
 
 /// The first line of an error answer, as Consul writes it ("ACL not found", "Permission denied").
@@ -874,13 +901,62 @@ mod tests {
         assert_eq!((endpoint.port, endpoint.weight), (7000, 40));
     }
 
+    /// Target weights of passing instances with these `Weights.Passing`, in order.
+    fn weights_of(watcher: &Watcher, passing: &[i64]) -> Vec<u32> {
+        let entries: Vec<Value> = passing
+            .iter()
+            .enumerate()
+            .map(|(n, weight)| {
+                let mut entry = entry("n", &format!("web-{n}"), "10.0.0.1", 80, &["passing"]);
+                entry["Service"]["Weights"]["Passing"] = json!(weight);
+                entry
+            })
+            .collect();
+        let discovered = watcher.discovered(&parse(Value::Array(entries)));
+        discovered.endpoints.iter().map(|e| e.weight).collect()
+    }
+
     #[test]
     fn weights_scale_like_srv_weights_but_zero_means_no_traffic() {
-        assert_eq!(balancer_weight(1), 100);
-        assert_eq!(balancer_weight(3), 300);
-        assert_eq!(balancer_weight(0), 0);
-        assert_eq!(balancer_weight(-4), 0);
-        assert_eq!(balancer_weight(1 << 40), 6_553_500);
+        let watcher = watcher(json!({}));
+        assert_eq!(weights_of(&watcher, &[1, 3, 0, -4]), [100, 300, 0, 0]);
+        assert_eq!(weights_of(&watcher, &[1, 655]), [100, 65_500]);
+    }
+
+    /// ×100 for every weight made 656 a target weight of 65600, which the API refuses; the
+    /// set's factor shrinks instead, keeping the proportions exact.
+    #[test]
+    fn large_weights_stay_within_the_target_limit() {
+        let watcher = watcher(json!({}));
+        assert_eq!(weights_of(&watcher, &[0, 1, 656]), [0, 99, 656 * 99]);
+        assert_eq!(weights_of(&watcher, &[1, 65_535]), [1, 65_535]);
+        assert_eq!(
+            weights_of(&watcher, &[1, 1 << 40]),
+            [1, 65_535],
+            "beyond what Consul accepts: held to its range"
+        );
+        // The factor follows the weights in use: a warning entry's when warning ones are taken.
+        let mut warning = entry("n", "web-w", "10.0.0.1", 80, &["warning"]);
+        warning["Service"]["Weights"]["Warning"] = json!(1000);
+        let entries = parse(json!([
+            entry("n", "web-1", "10.0.0.1", 80, &["passing"]),
+            warning
+        ]));
+        let strict: Vec<u32> = watcher
+            .discovered(&entries)
+            .endpoints
+            .iter()
+            .map(|e| e.weight)
+            .collect();
+        assert_eq!(strict, [300], "Weights.Passing 3, the warning one left out");
+        let lenient = self::watcher(json!({"passing_only": false}));
+        let both: Vec<u32> = lenient
+            .discovered(&entries)
+            .endpoints
+            .iter()
+            .map(|e| e.weight)
+            .collect();
+        assert_eq!(both, [3 * 65, 1000 * 65]);
     }
 
     #[test]

@@ -2,6 +2,14 @@
 //!
 //! Every priority tier is kept (the balancer fails over between tiers), and RFC 2782 weights
 //! are mapped so that a weight-0 record still gets a very small share.
+//!
+//! Weights: a record of weight 0 becomes target weight 1; a positive weight `w` becomes
+//! `w × k`, with one integer factor `k` for the whole answer: 100 while the largest record weight
+//! is at most 655, else `65535 / largest` (rounded down, 1 at worst). So no record weight can
+//! make a target weight beyond the 65535 the API accepts, positive weights keep their exact
+//! proportions, and a zero stays below every positive weight (with `k = 1` it equals a weight of
+//! 1, which is the chance RFC 2782's own selection gives it: picked only when the random number
+//! drawn from `0..=sum` is 0).
 
 use std::cmp::Reverse;
 use std::collections::{HashMap, HashSet};
@@ -17,7 +25,8 @@ use serde_json::Value;
 
 use crate::discovery::config::{
     self, check_dns_name, check_resolver, default_interval_ms, default_timeout_ms, default_true,
-    default_weight, normalised_resolver, resolver_address, ProviderConfig, SharedKeys,
+    default_weight, normalised_resolver, registry_weight_scale, resolver_address, ProviderConfig,
+    SharedKeys,
 };
 use crate::discovery::resolver::{address_key, min_ttl, Answer, Resolver, Session};
 use crate::discovery::{
@@ -100,10 +109,6 @@ fn build(config: &Value) -> Result<Fetch, ConfigError> {
     })
 }
 
-/// A positive SRV weight is scaled by this much so that weight 0 (mapped to 1) is "a very
-/// small share" next to any positive weight, as RFC 2782 asks.
-const WEIGHT_SCALE: u32 = 100;
-
 pub struct DnsSrvProvider {
     service_name: String,
     use_record_weight: bool,
@@ -133,6 +138,7 @@ impl DnsSrvProvider {
         let session = self.resolver.session().await;
         let answer = session.lookup(&self.service_name, RecordType::SRV).await?;
         let records = usable_records(&answer);
+        let scale = weight_scale(&records);
         let targets = unique_targets(&records);
         let lookups = targets.iter().map(|target| addresses_of(&session, target));
         let resolved = try_join_all(lookups).await?;
@@ -154,7 +160,7 @@ impl DnsSrvProvider {
                     key: address_key(*ip, srv.port()),
                     host: ip.to_string(),
                     port: srv.port(),
-                    weight: self.weight_of(srv),
+                    weight: self.weight_of(srv, scale),
                     priority: self.priority_of(srv),
                     enabled: true,
                     metadata: metadata.clone(),
@@ -173,9 +179,9 @@ impl DnsSrvProvider {
         })
     }
 
-    fn weight_of(&self, srv: &SRV) -> u32 {
+    fn weight_of(&self, srv: &SRV, scale: u32) -> u32 {
         if self.use_record_weight {
-            balancer_weight(srv.weight())
+            balancer_weight(srv.weight(), scale)
         } else {
             self.weight
         }
@@ -196,13 +202,19 @@ impl PollProvider for DnsSrvProvider {
     }
 }
 
-/// RFC 2782 weight → balancer weight. Weight 0 maps to 1 and positive weights to w×100, which
+/// The factor for every positive weight of one answer (see the module doc).
+fn weight_scale(records: &[SRV]) -> u32 {
+    let largest = records.iter().map(SRV::weight).max().unwrap_or(0);
+    registry_weight_scale(u32::from(largest))
+}
+
+/// RFC 2782 weight → balancer weight. Weight 0 maps to 1 and positive weights to w×scale, which
 /// covers both rules at once: in a tier of only zeros every record gets 1 (an even share), and
 /// next to positive weights a zero gets a very small share instead of none.
-fn balancer_weight(record_weight: u16) -> u32 {
+fn balancer_weight(record_weight: u16, scale: u32) -> u32 {
     match record_weight {
         0 => 1,
-        weight => u32::from(weight) * WEIGHT_SCALE,
+        weight => u32::from(weight) * scale,
     }
 }
 
@@ -260,7 +272,7 @@ fn target_text(target: &Name) -> String {
 mod tests {
     use super::*;
     use crate::discovery::resolver::test_server::{a, aaaa, srv, Reply, TestDns};
-    use crate::model::ProviderKind;
+    use crate::model::{ProviderKind, MAX_WEIGHT};
     use hickory_proto::op::ResponseCode;
     use serde_json::json;
 
@@ -476,10 +488,69 @@ mod tests {
         );
     }
 
+    /// Target weights of one answer's record weights, as `discover` maps them.
+    fn mapped(record_weights: &[u16]) -> Vec<u32> {
+        let largest = record_weights.iter().copied().max().unwrap_or(0);
+        let scale = registry_weight_scale(u32::from(largest));
+        record_weights
+            .iter()
+            .map(|weight| balancer_weight(*weight, scale))
+            .collect()
+    }
+
     #[test]
     fn weight_zero_gets_a_small_share() {
-        assert_eq!(balancer_weight(0), 1);
-        assert_eq!(balancer_weight(1), 100);
-        assert_eq!(balancer_weight(u16::MAX), 6_553_500);
+        assert_eq!(mapped(&[0, 1, 655]), [1, 100, 65_500]);
+        assert_eq!(mapped(&[0]), [1], "a tier of only zeros: an even share");
+    }
+
+    /// ×100 for every weight made 656 a target weight of 65600, which the API refuses; the
+    /// answer's factor shrinks instead, keeping the proportions exact.
+    #[test]
+    fn large_record_weights_stay_within_the_target_limit() {
+        assert_eq!(mapped(&[0, 1, 656]), [1, 99, 656 * 99]);
+        assert_eq!(mapped(&[0, 1, 655, 656]), [1, 99, 655 * 99, 656 * 99]);
+        assert_eq!(mapped(&[0, 1, 65_535]), [1, 1, 65_535]);
+        assert_eq!(mapped(&[32_768, 65_535]), [32_768, 65_535]);
+        for largest in 1..=u16::MAX {
+            let weights = mapped(&[0, 1, largest]);
+            assert!(weights[2] <= MAX_WEIGHT, "{largest} -> {weights:?}");
+            assert_eq!(
+                weights[2],
+                weights[1] * u32::from(largest),
+                "{largest}: proportions kept"
+            );
+            assert!(weights[0] <= weights[1], "{largest}: zero below one");
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_with_a_large_weight_is_scaled_as_a_whole() {
+        let dns = TestDns::start().await;
+        dns.set(
+            SERVICE,
+            RecordType::SRV,
+            Reply::Records(vec![
+                srv(SERVICE, 60, 10, 65_535, 9000, "a.test"),
+                srv(SERVICE, 60, 10, 1, 9001, "b.test"),
+                srv(SERVICE, 60, 10, 0, 9002, "c.test"),
+            ]),
+        );
+        for (host, ip) in [
+            ("a.test", "10.0.0.1"),
+            ("b.test", "10.0.0.2"),
+            ("c.test", "10.0.0.3"),
+        ] {
+            dns.set(host, RecordType::A, Reply::Records(vec![a(host, 60, ip)]));
+        }
+        let discovered = provider(&dns, json!({})).discover().await.unwrap();
+        assert_eq!(
+            summary(&discovered),
+            [
+                entry("10.0.0.1:9000", 65_535, 10),
+                entry("10.0.0.2:9001", 1, 10),
+                entry("10.0.0.3:9002", 1, 10),
+            ]
+        );
     }
 }

@@ -24,7 +24,7 @@ use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
     RefreshFuture, Registered,
 };
-use crate::model::{Endpoint, ProviderKind};
+use crate::model::{Endpoint, ProviderKind, MAX_WEIGHT};
 
 pub const PROVIDER: Registered = Registered {
     provider: ProviderKind::Http,
@@ -122,7 +122,6 @@ fn build(config: &Value) -> Result<Fetch, ConfigError> {
 
 /// Largest registry document read; a bigger one is a failed refresh, not a memory spike.
 pub const MAX_DOCUMENT_BYTES: u64 = 10 * 1024 * 1024;
-const MAX_WEIGHT: u64 = 65_535;
 
 pub struct HttpProvider {
     url: String,
@@ -351,7 +350,7 @@ fn parse_endpoint(
         None => defaults.weight,
         Some(value) => value
             .as_u64()
-            .filter(|weight| *weight <= MAX_WEIGHT)
+            .filter(|weight| *weight <= u64::from(MAX_WEIGHT))
             .and_then(|weight| u32::try_from(weight).ok())
             .ok_or((
                 Some("weight"),
