@@ -558,3 +558,61 @@ async fn wait_for_create(gateway: &TestGateway, path: &str, body: Value) -> i64 
     }
     created.expect("created")
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refreshes() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let upstreams: Vec<Upstream> =
+        futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
+    let registry = Registry::start().await;
+    registry.set_json(Value::Array(
+        ["h1", "h2", "h3"]
+            .iter()
+            .zip(&upstreams)
+            .map(|(key, upstream)| registry_endpoint(key, upstream))
+            .collect(),
+    ));
+    let service = discovered_service(&a, &registry, 200).await;
+    let source = a
+        .api(
+            "GET",
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            None,
+        )
+        .await
+        .1["items"][0]["id"]
+        .as_i64()
+        .expect("a source id");
+    // The registry empties: the holder's guard holds all three (the default guard).
+    registry.set_json(json!([]));
+    let held = a
+        .wait_source_status(source, "the guard holding 3", WAIT, |s| {
+            s["guard"]["holding"] == 3
+        })
+        .await;
+    let holder = held["refreshed_by"].as_str().expect("a holder").to_owned();
+    let other = if holder == "gw-a" { &b } else { &a };
+    let (status, answer) = other
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/accept-removals"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::ACCEPTED,
+        "passed on to {holder}: {answer}"
+    );
+    assert!(answer["released"].is_null(), "{answer}");
+    let accepted = other
+        .wait_source_status(
+            source,
+            "the held removals applied by the holder",
+            WAIT,
+            |s| s["guard"].is_null() && s["endpoints"]["active"] == 0,
+        )
+        .await;
+    assert_eq!(accepted["refreshed_by"], holder.as_str(), "{accepted}");
+}
