@@ -730,6 +730,10 @@ async fn a_failed_trial_doubles_the_ejection_and_a_successful_one_restores_the_t
 
     // It ends; the trial request fails: out again at once, for twice as long.
     wait_for_return("the first ejection ends").await;
+    let entry = runtime_target(&runtime(&gateway, service).await, flaky_id);
+    assert_eq!(entry["half_open"], true, "ended but unproven: {entry}");
+    assert_eq!(entry["ejections"], 1, "{entry}");
+    assert_eq!(entry["available"], true, "open to a trial: {entry}");
     let traffic = flaky.traffic();
     let (until, before, after) = drive_until_ejected(&gateway, "/x", service, flaky_id).await;
     assert_eq!(
@@ -757,6 +761,8 @@ async fn a_failed_trial_doubles_the_ejection_and_a_successful_one_restores_the_t
     let entry = runtime_target(&runtime(&gateway, service).await, flaky_id);
     assert_eq!(entry["ejected_until"], Value::Null, "{entry}");
     assert_eq!(entry["available"], true, "{entry}");
+    assert_eq!(entry["half_open"], false, "restored: {entry}");
+    assert_eq!(entry["ejections"], 0, "{entry}");
 
     // Restored: one failure no longer ejects it, and the next ejection lasts base again.
     flaky.set_status(503);
