@@ -12,7 +12,7 @@ use http::{HeaderValue, Method};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::balance::{unix_ms, Balancer, TargetHealth, TargetLoad};
+use crate::balance::{unix_ms, Admission, Balancer, TargetHealth, TargetLoad, Trial};
 use crate::model::{Id, Route, Service, StreamRoute};
 
 mod stream;
@@ -142,14 +142,41 @@ pub enum PickKind {
     Panic,
 }
 
+/// A picked target. Keep it until the attempt's outcome is recorded: it may hold the target's
+/// half-open trial, which the next request may only take once this one has its verdict.
+#[derive(Debug)]
+pub struct Pick<'a> {
+    pub target: &'a TargetRuntime,
+    pub kind: PickKind,
+    trial: Option<Trial<'a>>,
+}
+
+impl Pick<'_> {
+    /// The request is the target's one trial after an ejection.
+    pub fn is_trial(&self) -> bool {
+        self.trial.is_some()
+    }
+}
+
+/// Picks in a row that may lose a half-open target's trial to a concurrent request. Each loss
+/// leaves that target unavailable to the next pick (its trial is in flight), so a second pick
+/// nearly always succeeds; the bound keeps a pick O(1) however the races go, and a pick that
+/// loses them all is treated as finding nothing available.
+const TRIAL_RACES: usize = 4;
+
 impl ServiceRuntime {
     /// Picks a target for a new request or connection; `skip` excludes ones already tried.
     /// Without `allow_panic` (a retry), only available targets are picked.
+    ///
+    /// A half-open target (its ejection over, not yet proven) is available only while no trial
+    /// is in flight, and the pick that chooses it carries the trial. Panic picks ignore
+    /// ejection and so trials too: when nothing is available the target in a trial is as good
+    /// a choice as an ejected one, and such a pick holds no trial.
     pub fn pick(
         &self,
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
-    ) -> Option<(&TargetRuntime, PickKind)> {
+    ) -> Option<Pick<'_>> {
         // Read the clock at most once per pick, and only when some target has an ejection.
         let now_ms = std::cell::Cell::new(0);
         let clock = || {
@@ -158,12 +185,24 @@ impl ServiceRuntime {
             }
             now_ms.get()
         };
-        let available = self.balancer.pick(|index| {
+        for _ in 0..TRIAL_RACES {
+            let Some(index) = self.balancer.pick(|index| {
+                let target = &self.targets[index];
+                skip(target) || !target.health.is_available(clock)
+            }) else {
+                break;
+            };
             let target = &self.targets[index];
-            skip(target) || !target.health.is_available(clock)
-        });
-        if let Some(index) = available {
-            return Some((&self.targets[index], PickKind::Available));
+            let trial = match target.health.admit(clock) {
+                Admission::Open => None,
+                Admission::Trial(trial) => Some(trial),
+                Admission::Refused => continue,
+            };
+            return Some(Pick {
+                target,
+                kind: PickKind::Available,
+                trial,
+            });
         }
         if !allow_panic {
             return None;
@@ -172,7 +211,11 @@ impl ServiceRuntime {
             .balancer
             .pick_random(|index| skip(&self.targets[index]))?;
         self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
-        Some((&self.targets[index], PickKind::Panic))
+        Some(Pick {
+            target: &self.targets[index],
+            kind: PickKind::Panic,
+            trial: None,
+        })
     }
 }
 
@@ -653,5 +696,112 @@ mod tests {
     fn ipv6_authority_is_bracketed() {
         assert_eq!(authority_text("::1", 80), "[::1]:80");
         assert_eq!(authority_text("10.0.0.1", 80), "10.0.0.1:80");
+    }
+
+    /// A service of two equal targets (ids 0 and 1) in one tier.
+    fn two_targets(policy: LbPolicy) -> ServiceRuntime {
+        let mut runtime = service(1);
+        runtime.targets = (0..2)
+            .map(|id| {
+                let authority = format!("127.0.0.1:{}", 10_000 + id);
+                TargetRuntime {
+                    id,
+                    host_header: HeaderValue::from_str(&authority).unwrap(),
+                    authority: Authority::try_from(authority).unwrap(),
+                    load: Arc::default(),
+                    health: Arc::default(),
+                }
+            })
+            .collect();
+        let members = runtime
+            .targets
+            .iter()
+            .map(|target| crate::balance::Member {
+                weight: 1,
+                priority: 0,
+                load: target.load.clone(),
+            })
+            .collect();
+        runtime.balancer = Balancer::new(policy, members);
+        runtime
+    }
+
+    /// Ejects `target` by an ejection that has already run out: it is half-open.
+    fn half_open(target: &TargetRuntime) {
+        let policy = crate::model::Ejection {
+            base_ejection_ms: 10,
+            ..Default::default()
+        };
+        target.health.eject(unix_ms() - 1_000, &policy).unwrap();
+    }
+
+    #[test]
+    fn a_half_open_target_takes_one_pick_until_its_trial_ends() {
+        let runtime = two_targets(LbPolicy::RoundRobin);
+        half_open(&runtime.targets[1]);
+        let trial = (0..4)
+            .map(|_| runtime.pick(|_| false, true).unwrap())
+            .find(|pick| pick.target.id == 1)
+            .expect("round robin reaches the half-open target");
+        assert!(trial.is_trial());
+        for _ in 0..20 {
+            let pick = runtime.pick(|_| false, true).unwrap();
+            assert_eq!(
+                (pick.target.id, pick.kind),
+                (0, PickKind::Available),
+                "the other target takes every pick while the trial is in flight"
+            );
+            assert!(!pick.is_trial());
+        }
+        drop(trial);
+        let again = (0..4)
+            .map(|_| runtime.pick(|_| false, true).unwrap())
+            .find(|pick| pick.target.id == 1)
+            .expect("a trial that ended without a verdict lets the next pick try");
+        assert!(again.is_trial());
+    }
+
+    #[test]
+    fn a_candidate_the_pick_passes_over_keeps_its_trial() {
+        // Least-request looks at both targets (`skip` runs for each) and chooses the lighter:
+        // the half-open one, far busier, is looked at on every pick and chosen by none.
+        let runtime = two_targets(LbPolicy::LeastRequest);
+        half_open(&runtime.targets[1]);
+        for _ in 0..100 {
+            runtime.targets[1].load.start_request();
+        }
+        for _ in 0..50 {
+            let pick = runtime.pick(|_| false, true).unwrap();
+            assert_eq!(pick.target.id, 0);
+        }
+        assert!(
+            runtime.targets[1].health.is_available(unix_ms),
+            "a trial was claimed for a target that was not chosen"
+        );
+    }
+
+    #[test]
+    fn panic_picks_ignore_a_trial_in_flight_and_hold_none() {
+        let mut runtime = two_targets(LbPolicy::Random);
+        runtime.targets.truncate(1);
+        runtime.balancer = Balancer::new(
+            LbPolicy::Random,
+            vec![crate::balance::Member {
+                weight: 1,
+                priority: 0,
+                load: runtime.targets[0].load.clone(),
+            }],
+        );
+        half_open(&runtime.targets[0]);
+        let trial = runtime.pick(|_| false, true).unwrap();
+        assert!(trial.is_trial());
+        assert!(
+            runtime.pick(|_| false, false).is_none(),
+            "a retry takes no panic pick"
+        );
+        let panic = runtime.pick(|_| false, true).unwrap();
+        assert_eq!((panic.target.id, panic.kind), (0, PickKind::Panic));
+        assert!(!panic.is_trial());
+        assert_eq!(runtime.counters.panic_picks.load(Ordering::Relaxed), 1);
     }
 }

@@ -730,6 +730,10 @@ async fn a_failed_trial_doubles_the_ejection_and_a_successful_one_restores_the_t
 
     // It ends; the trial request fails: out again at once, for twice as long.
     wait_for_return("the first ejection ends").await;
+    let entry = runtime_target(&runtime(&gateway, service).await, flaky_id);
+    assert_eq!(entry["half_open"], true, "ended but unproven: {entry}");
+    assert_eq!(entry["ejections"], 1, "{entry}");
+    assert_eq!(entry["available"], true, "open to a trial: {entry}");
     let traffic = flaky.traffic();
     let (until, before, after) = drive_until_ejected(&gateway, "/x", service, flaky_id).await;
     assert_eq!(
@@ -757,6 +761,8 @@ async fn a_failed_trial_doubles_the_ejection_and_a_successful_one_restores_the_t
     let entry = runtime_target(&runtime(&gateway, service).await, flaky_id);
     assert_eq!(entry["ejected_until"], Value::Null, "{entry}");
     assert_eq!(entry["available"], true, "{entry}");
+    assert_eq!(entry["half_open"], false, "restored: {entry}");
+    assert_eq!(entry["ejections"], 0, "{entry}");
 
     // Restored: one failure no longer ejects it, and the next ejection lasts base again.
     flaky.set_status(503);
@@ -1539,4 +1545,198 @@ async fn a_success_that_lands_during_an_ejection_does_not_end_it() {
         assert_eq!(send(&gateway, "/x").await, (200, "backup".to_owned()));
     }
     assert_eq!(flaky.hits(), hits, "the ejected target got traffic again");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Half-open recovery
+// ---------------------------------------------------------------------------------------------
+
+/// An upstream that answers every request 503 after `delay`, counting the requests and the
+/// most it held at once.
+struct Broken {
+    addr: SocketAddr,
+    requests: Arc<AtomicUsize>,
+    most_at_once: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Broken {
+    async fn start(delay: Duration) -> Broken {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let most_at_once = Arc::new(AtomicUsize::new(0));
+        let active = Arc::new(AtomicUsize::new(0));
+        let (counted, most) = (requests.clone(), most_at_once.clone());
+        let task = tokio::spawn(async move {
+            let mut connections = JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (counted, most, active) = (counted.clone(), most.clone(), active.clone());
+                let service = service_fn(move |_request: Request<Incoming>| {
+                    let (counted, most, active) = (counted.clone(), most.clone(), active.clone());
+                    async move {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        most.fetch_max(active.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                        active.fetch_sub(1, Ordering::SeqCst);
+                        let mut response = Response::new(Full::new(Bytes::from_static(b"broken")));
+                        *response.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                connections.spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+                while connections.try_join_next().is_some() {}
+            }
+        });
+        Broken {
+            addr,
+            requests,
+            most_at_once,
+            task,
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Broken {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// DESIGN.md §5: when an ejection ends the target admits one request at a time until one
+/// succeeds or fails; it does not take its share while unproven. Under concurrent load, a target
+/// that stays broken gets one request per ejection that ends — the trial that ejects it again —
+/// where taking its share would send it every other request for as long as its slow 503 takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_load_a_still_broken_target_gets_one_request_per_ended_ejection() {
+    const CLIENTS: usize = 12;
+    const PER_CLIENT: usize = 4_000;
+    const EJECTIONS: u64 = 6;
+
+    let gateway = TestGateway::start().await;
+    let good = Fake::start("good", 200).await;
+    // Slow enough that, taking its share, it would hold several requests at once.
+    let broken = Broken::start(Duration::from_millis(50)).await;
+    let service = service(
+        &gateway,
+        json!({"name": "half-open", "ejection": {
+            "failures": 1, "window_ms": 60000, "base_ejection_ms": 100, "max_ejection_ms": 300
+        }}),
+        "/",
+    )
+    .await;
+    add_target(&gateway, service, good.body()).await;
+    let broken_id = add_target(&gateway, service, addr_body(broken.addr, 0)).await;
+
+    // One request at a time until it is ejected: its first failure, its only request so far.
+    drive_until_ejected(&gateway, "/x", service, broken_id).await;
+    assert_eq!(broken.requests(), 1);
+
+    // Concurrent clients, each paced at one request per 2 ms, until the target has been ejected
+    // EJECTIONS times (each ejection after the first ended in a trial, ~1.5 s in all).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let statuses = Arc::new(Mutex::new(Vec::<u16>::new()));
+    let mut clients = JoinSet::new();
+    for client in 0..CLIENTS {
+        let http = gateway.http.clone();
+        let url = gateway.proxy_url(&format!("/load/{client}"));
+        let (stop, statuses) = (stop.clone(), statuses.clone());
+        clients.spawn(async move {
+            let mut pace = tokio::time::interval(Duration::from_millis(2));
+            pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for _ in 0..PER_CLIENT {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                pace.tick().await;
+                let status = match http.get(&url).send().await {
+                    Ok(response) => {
+                        let status = response.status().as_u16();
+                        let _ = response.bytes().await;
+                        status
+                    }
+                    Err(_) => 0,
+                };
+                statuses.lock().unwrap().push(status);
+            }
+        });
+    }
+    let ejections = |view: &Value| {
+        runtime_target(view, broken_id)["ejections"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no ejections in the runtime view: {view}"))
+    };
+    wait_until(
+        "the broken target ejected again and again",
+        Duration::from_secs(30),
+        || {
+            let gateway = &gateway;
+            async move { ejections(&runtime(gateway, service).await) >= EJECTIONS }
+        },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    while let Some(joined) = clients.join_next().await {
+        joined.unwrap();
+    }
+
+    // Every client has its answer, and a trial's outcome is recorded before its client gets
+    // the answer: the counts are final.
+    let view = runtime(&gateway, service).await;
+    let ejected = ejections(&view) as usize;
+    let statuses = statuses.lock().unwrap().clone();
+    let failed = statuses.iter().filter(|&&status| status == 503).count();
+    eprintln!(
+        "{} requests under load, {failed} answered 503; the broken target got {} in all and was \
+         ejected {ejected} times; the good one served {}",
+        statuses.len(),
+        broken.requests(),
+        good.traffic()
+    );
+    assert!(
+        broken.requests() <= ejected,
+        "{} requests reached the broken target over {ejected} ejections: more than the one \
+         trial each ended ejection admits",
+        broken.requests()
+    );
+    assert_eq!(
+        broken.most_at_once.load(Ordering::SeqCst),
+        1,
+        "the broken target held several requests at once"
+    );
+    assert_eq!(
+        failed,
+        broken.requests() - 1,
+        "the load's only failures are the trials"
+    );
+    assert!(
+        statuses
+            .iter()
+            .all(|&status| status == 200 || status == 503),
+        "every request answered by a target: {:?}",
+        statuses
+            .iter()
+            .filter(|&&s| s != 200 && s != 503)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        statuses.len() >= 200,
+        "the load kept going over the ejections: {} requests",
+        statuses.len()
+    );
+    assert_eq!(
+        view["panic_picks"], 0,
+        "the good target was always there: {view}"
+    );
 }

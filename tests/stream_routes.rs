@@ -559,6 +559,85 @@ async fn connect_failure_falls_over_to_another_target() {
     );
 }
 
+/// A stream target's entry in its service's runtime view.
+async fn runtime_entry(gateway: &TestGateway, service: i64, target: i64) -> Value {
+    let (status, view) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/runtime"), None)
+        .await;
+    assert_eq!(status, 200, "{view}");
+    view["targets"]
+        .as_array()
+        .and_then(|targets| targets.iter().find(|entry| entry["id"] == target))
+        .cloned()
+        .unwrap_or_else(|| panic!("target {target} not in the runtime view: {view}"))
+}
+
+/// For a stream a connection that connects is the verdict: when an ejection ends, the one trial
+/// connection restores the target once it connects (DESIGN.md §5, half-open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trial_connection_that_connects_restores_an_ejected_target() {
+    let gateway = TestGateway::start().await;
+    let live = EchoUpstream::start("live").await;
+    let away = free_addr();
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "comeback", "protocol": "tcp", "timeouts": {"connect_ms": 2000},
+                   "ejection": {"failures": 1, "base_ejection_ms": 300}}),
+        )
+        .await;
+    let targets = format!("/api/v1/services/{service}/targets");
+    let away_target = gateway
+        .create(
+            &targets,
+            json!({"host": "127.0.0.1", "port": away.port(), "weight": 300}),
+        )
+        .await;
+    gateway
+        .create(
+            &targets,
+            json!({"host": "127.0.0.1", "port": live.addr.port(), "weight": 100}),
+        )
+        .await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_until(
+        "its refused connect ejects the target",
+        DEADLINE,
+        || async {
+            let _ = exchange(listen, b"e").await;
+            !runtime_entry(&gateway, service, away_target).await["ejected_until"].is_null()
+        },
+    )
+    .await;
+
+    // It comes back on its address; once the ejection has ended it is half-open.
+    let back = TcpListener::bind(away).await.unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    let accepting = tokio::spawn(async move {
+        while let Ok((stream, _)) = back.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    wait_until("the ejection ends", DEADLINE, || async {
+        runtime_entry(&gateway, service, away_target).await["half_open"] == true
+    })
+    .await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 0);
+    wait_until("a trial connection reaches it", DEADLINE, || async {
+        let _ = exchange(listen, b"t").await;
+        accepted.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    let entry = runtime_entry(&gateway, service, away_target).await;
+    assert_eq!(entry["half_open"], false, "restored: {entry}");
+    assert_eq!(entry["ejections"], 0, "{entry}");
+    assert_eq!(entry["available"], true, "{entry}");
+    accepting.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_target_keeps_its_open_connection() {
     let gateway = TestGateway::start().await;

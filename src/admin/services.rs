@@ -123,6 +123,11 @@ pub struct TargetRuntimeView {
     pub address: String,
     pub health: Health,
     pub ejected_until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Its ejection has ended but no request has succeeded since: it takes one trial request at
+    /// a time, and is not `available` while one is in flight.
+    pub half_open: bool,
+    /// Ejections since its last success; the next one lasts one more times `base_ejection_ms`.
+    pub ejections: u32,
     pub in_flight: u32,
     pub available: bool,
 }
@@ -157,6 +162,8 @@ async fn service_runtime(
                         .health
                         .ejected_until(now)
                         .and_then(|ms| chrono::DateTime::from_timestamp_millis(ms as i64)),
+                    half_open: target.health.half_open(now),
+                    ejections: target.health.ejections(),
                     in_flight: target.load.in_flight(),
                     available: target.health.is_available(|| now),
                 })

@@ -23,6 +23,8 @@ pub struct TargetHealth {
     ejections: AtomicU32,
     /// Ejected before and not yet proven by a success: one failure ejects it again.
     probation: AtomicBool,
+    /// Half-open: a request holds the one trial (its [`Trial`] guard) after the ejection ended.
+    trial: AtomicBool,
     window_start_ms: AtomicU64,
     window_failures: AtomicU32,
 }
@@ -48,6 +50,7 @@ impl TargetHealth {
             ejected_until_ms: AtomicU64::new(0),
             ejections: AtomicU32::new(0),
             probation: AtomicBool::new(false),
+            trial: AtomicBool::new(false),
             window_start_ms: AtomicU64::new(0),
             window_failures: AtomicU32::new(0),
         }
@@ -71,13 +74,56 @@ impl TargetHealth {
         (until > now_ms).then_some(until)
     }
 
-    /// Not unhealthy and not ejected. The clock is read only while an ejection is recorded.
+    /// Its ejection has ended but no success has proven it yet: it takes one request at a time.
+    pub fn half_open(&self, now_ms: u64) -> bool {
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        until != 0 && until <= now_ms
+    }
+
+    /// Ejections since its last success: the next one lasts one more times the base.
+    pub fn ejections(&self) -> u32 {
+        self.ejections.load(Ordering::Relaxed)
+    }
+
+    /// Not unhealthy, not ejected, and not half-open with its one trial already in flight. The
+    /// clock is read only while an ejection is recorded.
     pub fn is_available(&self, now_ms: impl FnOnce() -> u64) -> bool {
         if self.health.load(Ordering::Relaxed) == health_code(Health::Unhealthy) {
             return false;
         }
         let until = self.ejected_until_ms.load(Ordering::Relaxed);
-        until == 0 || until <= now_ms()
+        until == 0 || (until <= now_ms() && !self.trial.load(Ordering::Relaxed))
+    }
+
+    /// For a target a pick chose as available: lets the request through, as the one trial when
+    /// the target is half-open. Claimed here and not while the pick looks at candidates, since
+    /// a pick looks at some it does not choose. Refused when the trial went to another request,
+    /// or a failure ejected the target again, since the pick looked.
+    pub fn admit(&self, now_ms: impl FnOnce() -> u64) -> Admission<'_> {
+        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        if until == 0 {
+            return Admission::Open;
+        }
+        let now = now_ms();
+        if until > now {
+            return Admission::Refused;
+        }
+        // Acquire pairs with the release in `Trial::drop`: the last trial's verdict (a new
+        // ejection, or a restore) is visible to the re-check below.
+        if self
+            .trial
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return Admission::Refused;
+        }
+        let trial = Trial { health: self };
+        match self.ejected_until_ms.load(Ordering::Relaxed) {
+            // A success restored it in the meantime: no trial needed (dropping it releases it).
+            0 => Admission::Open,
+            until if until > now => Admission::Refused,
+            _ => Admission::Trial(trial),
+        }
     }
 
     /// A request it served succeeded: its failure window starts over, and a trial after an
@@ -143,6 +189,34 @@ impl TargetHealth {
     }
 }
 
+/// What a request a pick gave to a target may do.
+#[derive(Debug)]
+pub enum Admission<'a> {
+    /// The target is proven (or was never ejected): no trial needed.
+    Open,
+    /// The request is the target's one half-open trial; keep the guard until its outcome is
+    /// recorded.
+    Trial(Trial<'a>),
+    /// Pick another target.
+    Refused,
+}
+
+/// The half-open trial of a target, held by the request that carries it. Dropping it lets the
+/// next request try: after the request's outcome is recorded (a success restored the target, a
+/// failure ejected it again), or when the request ends without one (the client left, its
+/// upload failed), so a target can never stay in a trial for good.
+#[derive(Debug)]
+#[must_use = "dropping the trial at once lets the next request try too"]
+pub struct Trial<'a> {
+    health: &'a TargetHealth,
+}
+
+impl Drop for Trial<'_> {
+    fn drop(&mut self) {
+        self.health.trial.store(false, Ordering::Release);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,24 +261,116 @@ mod tests {
         assert!(!target.record_failure(300, &policy()));
     }
 
+    /// The trial `admit` gives at `now`, failing the test if it gives anything else.
+    fn trial(target: &TargetHealth, now: u64) -> Trial<'_> {
+        match target.admit(|| now) {
+            Admission::Trial(trial) => trial,
+            other => panic!("expected a trial at {now}, got {other:?}"),
+        }
+    }
+
+    fn refused(target: &TargetHealth, now: u64) -> bool {
+        matches!(target.admit(|| now), Admission::Refused)
+    }
+
     #[test]
     fn ejection_lasts_longer_each_time_up_to_the_cap() {
         let target = TargetHealth::default();
         assert_eq!(target.eject(0, &policy()), Some(10_000));
         assert!(!target.is_available(|| 5_000));
+        assert!(refused(&target, 5_000), "no trial while ejected");
         assert!(
             target.is_available(|| 10_000),
             "available again for a trial"
         );
+        assert!(target.half_open(10_000));
         // The trial fails: out again at once, for twice as long.
+        let first = trial(&target, 10_000);
         assert!(target.record_failure(10_001, &policy()));
         assert_eq!(target.eject(10_001, &policy()), Some(30_001));
+        drop(first);
+        assert!(!target.is_available(|| 10_002), "ejected again");
+        assert!(!target.half_open(10_002));
+        let second = trial(&target, 30_001);
         assert!(target.record_failure(30_002, &policy()));
         assert_eq!(
             target.eject(30_002, &policy()),
             Some(55_002),
             "capped at 25 s"
         );
+        drop(second);
+        assert_eq!(target.ejections(), 3);
+    }
+
+    #[test]
+    fn a_half_open_target_admits_one_trial_at_a_time() {
+        let target = TargetHealth::default();
+        target.eject(0, &policy());
+        let first = trial(&target, 10_000);
+        assert!(
+            !target.is_available(|| 10_001),
+            "not available while its trial is in flight"
+        );
+        assert!(refused(&target, 10_001), "a second trial is refused");
+        assert!(target.half_open(10_001), "still half-open: no verdict yet");
+        drop(first);
+        assert!(
+            target.is_available(|| 10_002),
+            "a trial that ended without a verdict lets the next request try"
+        );
+        let _second = trial(&target, 10_002);
+        assert!(refused(&target, 10_003));
+    }
+
+    #[test]
+    fn a_failed_trial_ejects_again_and_blocks_trials_until_it_ends() {
+        let target = TargetHealth::default();
+        target.eject(0, &policy());
+        let first = trial(&target, 10_000);
+        assert!(target.record_failure(10_500, &policy()), "on probation");
+        assert_eq!(target.eject(10_500, &policy()), Some(30_500), "2 × base");
+        drop(first);
+        assert!(!target.is_available(|| 10_501));
+        assert!(
+            refused(&target, 30_499),
+            "no trial before the new ejection ends"
+        );
+        let _second = trial(&target, 30_500);
+    }
+
+    #[test]
+    fn concurrent_admissions_give_out_one_trial() {
+        let target = TargetHealth::default();
+        target.eject(0, &policy());
+        let threads = 8;
+        let barrier = std::sync::Barrier::new(threads);
+        let trials = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| {
+                    barrier.wait();
+                    let admission = target.admit(|| 10_000);
+                    if matches!(admission, Admission::Trial(_)) {
+                        trials.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // Every thread still holds what it got while the others try.
+                    barrier.wait();
+                    drop(admission);
+                });
+            }
+        });
+        assert_eq!(trials.into_inner(), 1);
+        let _after = trial(&target, 10_001);
+    }
+
+    #[test]
+    fn without_an_ejection_admission_is_open_and_reads_no_clock() {
+        let target = TargetHealth::default();
+        assert!(matches!(
+            target.admit(|| panic!("clock read without an ejection")),
+            Admission::Open
+        ));
+        assert!(!target.half_open(0));
     }
 
     #[test]
@@ -219,8 +385,16 @@ mod tests {
     fn a_successful_trial_restores_the_target() {
         let target = TargetHealth::default();
         target.eject(0, &policy());
+        let trial = trial(&target, 10_000);
         target.record_success(|| 10_000);
-        assert!(target.is_available(|| 1));
+        assert!(
+            target.is_available(|| panic!("clock read after the restore")),
+            "restored: open to every request even before the trial is let go"
+        );
+        assert!(matches!(target.admit(|| 10_001), Admission::Open));
+        drop(trial);
+        assert!(!target.half_open(10_001));
+        assert_eq!(target.ejections(), 0);
         assert!(
             !target.record_failure(20_000, &policy()),
             "no longer on probation"

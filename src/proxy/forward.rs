@@ -432,11 +432,13 @@ async fn send_with_retries(
         // A retry goes only to an available target: falling back to an ejected or unhealthy
         // one after a failure would add latency, not a chance of success.
         let first_attempt = attempt == 1;
-        let Some((target, _)) =
-            service.pick(|candidate| tried.contains(candidate.id), first_attempt)
+        // Held to the end of the attempt, past its recorded outcome: a half-open trial must
+        // not pass to the next request before its verdict.
+        let Some(pick) = service.pick(|candidate| tried.contains(candidate.id), first_attempt)
         else {
             break;
         };
+        let target = pick.target;
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
         let may_retry_later = attempt < attempts;
@@ -594,13 +596,13 @@ async fn await_response<F: std::future::Future>(
 }
 
 /// Feeds passive ejection: a failure (connect error, timeout, a failure status) may take the
-/// target out; a success clears its record.
+/// target out; a success clears its record and ends a half-open trial by restoring the target.
 pub(super) fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
     let policy = &service.service.ejection;
-    if !policy.enabled {
-        return;
-    }
-    if !failed {
+    // With ejection turned off after a target was ejected, nothing would judge its trials and it
+    // would stay half-open (one request at a time) for good: any outcome restores it instead,
+    // once the ejection has run out.
+    if !failed || !policy.enabled {
         target.health.record_success(unix_ms);
         return;
     }

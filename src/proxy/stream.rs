@@ -720,11 +720,12 @@ async fn connect_upstream(
     for attempt in 1..=attempts {
         // Like HTTP: only the first pick may fall back to unhealthy or ejected targets.
         let first_attempt = attempt == 1;
-        let Some((target, _)) =
-            service.pick(|candidate| tried.contains(&candidate.id), first_attempt)
+        // Held past the recorded outcome, like HTTP: a connect is a half-open trial's verdict.
+        let Some(pick) = service.pick(|candidate| tried.contains(&candidate.id), first_attempt)
         else {
             break;
         };
+        let target = pick.target;
         tried.push(target.id);
         *last_target = Some(target.authority.clone());
         let in_flight = InFlight::start(&target.load);
