@@ -112,6 +112,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         targets,
         balancer: Balancer::new(policy, members),
         counters: Default::default(),
+        discovery_gap: None,
     }
 }
 
