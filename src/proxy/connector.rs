@@ -28,6 +28,29 @@ pub struct UpstreamTlsError {
     pub reason: String,
 }
 
+impl UpstreamTlsError {
+    /// The TLS failure somewhere in `error`'s chain of sources (a client wraps what the
+    /// connector returned).
+    pub fn find_in<'e>(
+        error: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e UpstreamTlsError> {
+        let mut current = Some(error);
+        while let Some(error) = current {
+            if let Some(found) = error.downcast_ref::<UpstreamTlsError>() {
+                return Some(found);
+            }
+            current = error.source();
+        }
+        None
+    }
+
+    /// The reason and the server name, as operators read them in a 502 body or a check's
+    /// `last_check`: `invalid peer certificate: UnknownIssuer (server name "api.test")`.
+    pub fn detail(&self) -> String {
+        format!("{} (server name {:?})", self.reason, self.server_name)
+    }
+}
+
 /// Which protocols the connector offers by ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AlpnOffer {
@@ -74,11 +97,7 @@ impl TlsTargetConnector {
             (Ok(name), Ok(config)) => {
                 let config = match alpn {
                     AlpnOffer::Http2AndHttp1 => config,
-                    AlpnOffer::Http1Only => {
-                        let mut config = rustls::ClientConfig::clone(&config);
-                        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-                        Arc::new(config)
-                    }
+                    AlpnOffer::Http1Only => with_alpn(&config, vec![b"http/1.1".to_vec()]),
                 };
                 Ok((name, config))
             }
@@ -101,6 +120,15 @@ impl TlsTargetConnector {
             reason,
         }
     }
+}
+
+fn with_alpn(
+    config: &Arc<rustls::ClientConfig>,
+    protocols: Vec<Vec<u8>>,
+) -> Arc<rustls::ClientConfig> {
+    let mut config = rustls::ClientConfig::clone(config);
+    config.alpn_protocols = protocols;
+    Arc::new(config)
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -211,58 +239,5 @@ impl Write for TlsConnection {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-}
-
-/// The server name for a service's upstream TLS (DESIGN §6): `tls_sni`, else `upstream_authority`
-/// without its port, else the target's host. IPv6 brackets are removed; an IP address yields no
-/// SNI extension and is verified against the certificate's IP addresses.
-pub fn upstream_server_name<'a>(
-    tls_sni: Option<&'a str>,
-    upstream_authority: Option<&'a str>,
-    target: &'a Authority,
-) -> &'a str {
-    if let Some(sni) = tls_sni.filter(|sni| !sni.is_empty()) {
-        return sni;
-    }
-    if let Some(authority) = upstream_authority.filter(|authority| !authority.is_empty()) {
-        return host_without_port(authority);
-    }
-    host_without_port(target.as_str())
-}
-
-fn host_without_port(authority: &str) -> &str {
-    if let Some(rest) = authority.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match authority.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => authority,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn server_name_follows_sni_then_authority_then_target() {
-        let target = Authority::from_static("10.0.0.7:8443");
-        assert_eq!(
-            upstream_server_name(Some("sni.test"), Some("api.test:443"), &target),
-            "sni.test"
-        );
-        assert_eq!(
-            upstream_server_name(None, Some("api.test:443"), &target),
-            "api.test"
-        );
-        assert_eq!(
-            upstream_server_name(None, Some("api.test"), &target),
-            "api.test"
-        );
-        assert_eq!(upstream_server_name(None, None, &target), "10.0.0.7");
-        let v6 = Authority::from_static("[::1]:8443");
-        assert_eq!(upstream_server_name(None, None, &v6), "::1");
-        assert_eq!(upstream_server_name(Some(""), Some("[::2]:1"), &v6), "::2");
     }
 }
