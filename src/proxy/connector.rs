@@ -1,5 +1,6 @@
-//! Upstream connections for `https` services: TCP to one target, then TLS with the service's
-//! server name and trust settings, offering `h2` and `http/1.1` by ALPN.
+//! Upstream TLS connections: TCP to one target, then TLS with the service's server name and
+//! trust settings. Traffic to `https` services offers `h2` and `http/1.1` by ALPN; health checks
+//! of `https` and `tls` services dial through the same connector, so they see what traffic sees.
 
 use std::future::Future;
 use std::io;
@@ -58,6 +59,10 @@ pub enum AlpnOffer {
     Http2AndHttp1,
     /// `http/1.1` only, for requests that upgrade the connection (WebSocket).
     Http1Only,
+    /// Nothing, for a bare handshake whatever the target speaks: a server whose own protocols
+    /// are not offered may refuse the handshake (`no_application_protocol`), which would say
+    /// nothing about whether it serves its clients.
+    Nothing,
 }
 
 /// Connects to one fixed target whatever the request URI says, so the URI's authority can carry
@@ -98,6 +103,7 @@ impl TlsTargetConnector {
                 let config = match alpn {
                     AlpnOffer::Http2AndHttp1 => config,
                     AlpnOffer::Http1Only => with_alpn(&config, vec![b"http/1.1".to_vec()]),
+                    AlpnOffer::Nothing => with_alpn(&config, Vec::new()),
                 };
                 Ok((name, config))
             }
@@ -188,6 +194,15 @@ fn handshake_reason(error: &io::Error) -> String {
 /// A TLS connection to a target, telling the client whether ALPN chose HTTP/2.
 pub struct TlsConnection {
     inner: TokioIo<TlsStream<TcpStream>>,
+}
+
+impl TlsConnection {
+    /// Ends the session with a `close_notify`, so the target sees an orderly close rather than
+    /// a truncated one.
+    pub async fn close(self) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.inner.into_inner().shutdown().await
+    }
 }
 
 impl Connection for TlsConnection {
