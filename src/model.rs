@@ -68,6 +68,14 @@ macro_rules! text_enum {
 }
 
 text_enum!(Protocol { Http => "http", Https => "https", Tcp => "tcp", Tls => "tls" });
+
+impl Protocol {
+    /// The service's targets speak TLS (`https` terminates it upstream, `tls` passes it through),
+    /// so health checks must too.
+    pub fn targets_speak_tls(self) -> bool {
+        matches!(self, Protocol::Https | Protocol::Tls)
+    }
+}
 text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequest => "least_request" });
 text_enum!(TargetState { Active => "active", Draining => "draining", Stale => "stale" });
 text_enum!(Health { Unknown => "unknown", Healthy => "healthy", Unhealthy => "unhealthy" });
@@ -90,11 +98,15 @@ text_enum!(SourceState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum HealthCheckKind {
-    /// A GET of `path`, healthy when the status is one of `expected_statuses`.
+    /// A GET of `path`, healthy when the status is one of `expected_statuses`; over TLS (the
+    /// service's server name, verification and CA) when the service is `https` or `tls`.
     #[default]
     Http,
-    /// A TCP connect.
+    /// A TCP connect, whatever the service's protocol.
     Tcp,
+    /// A TCP connect and a full TLS handshake with the service's server name, verification and
+    /// CA, then an orderly close; only for `https` and `tls` services.
+    Tls,
 }
 
 /// Active health checks of a service's targets, run by the control plane.

@@ -1,6 +1,7 @@
 //! The one place that installs the rustls crypto provider and builds TLS configs: certificate
 //! parsing and validation, SNI certificate selection for the HTTPS listener, and the client
-//! configs used for `https` upstreams.
+//! configs and server name used towards upstreams (by traffic to `https` targets and by health
+//! checks alike).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -8,6 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use arc_swap::ArcSwap;
 use chrono::{DateTime, Utc};
+use http::uri::Authority;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -211,6 +213,33 @@ pub fn check_snis_covered(names: &[String], snis: &[String]) -> Result<(), TlsEr
 
 fn normalize_server_name(name: &str) -> String {
     name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+/// The server name for a service's upstream TLS (DESIGN §6): `tls_sni`, else `upstream_authority`
+/// without its port, else the target's host. IPv6 brackets are removed; an IP address yields no
+/// SNI extension and is verified against the certificate's IP addresses.
+pub fn upstream_server_name<'a>(
+    tls_sni: Option<&'a str>,
+    upstream_authority: Option<&'a str>,
+    target: &'a Authority,
+) -> &'a str {
+    if let Some(sni) = tls_sni.filter(|sni| !sni.is_empty()) {
+        return sni;
+    }
+    if let Some(authority) = upstream_authority.filter(|authority| !authority.is_empty()) {
+        return host_without_port(authority);
+    }
+    host_without_port(target.as_str())
+}
+
+fn host_without_port(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    }
 }
 
 /// Parses a PEM bundle of CA certificates to trust; it must hold at least one usable certificate.
@@ -609,5 +638,26 @@ mod tests {
             config.alpn_protocols,
             vec![b"h2".to_vec(), b"http/1.1".to_vec()]
         );
+    }
+
+    #[test]
+    fn server_name_follows_sni_then_authority_then_target() {
+        let target = Authority::from_static("10.0.0.7:8443");
+        assert_eq!(
+            upstream_server_name(Some("sni.test"), Some("api.test:443"), &target),
+            "sni.test"
+        );
+        assert_eq!(
+            upstream_server_name(None, Some("api.test:443"), &target),
+            "api.test"
+        );
+        assert_eq!(
+            upstream_server_name(None, Some("api.test"), &target),
+            "api.test"
+        );
+        assert_eq!(upstream_server_name(None, None, &target), "10.0.0.7");
+        let v6 = Authority::from_static("[::1]:8443");
+        assert_eq!(upstream_server_name(None, None, &v6), "::1");
+        assert_eq!(upstream_server_name(Some(""), Some("[::2]:1"), &v6), "::2");
     }
 }

@@ -9,8 +9,8 @@ use http::uri::Authority;
 use super::error::ApiError;
 use crate::discovery;
 use crate::model::{
-    CertificateSpec, DiscoverySourceSpec, Protocol, RemovalGuard, RouteSpec, ServiceSpec,
-    StreamRouteSpec, TargetSpec, TokenSpec, MAX_WEIGHT,
+    CertificateSpec, DiscoverySourceSpec, HealthCheckKind, Protocol, RemovalGuard, RouteSpec,
+    ServiceSpec, StreamRouteSpec, TargetSpec, TokenSpec, MAX_WEIGHT,
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
@@ -186,7 +186,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
         }
     }
     if let Some(check) = &spec.health_check {
-        health_check(check)?;
+        health_check(check, spec.protocol)?;
     }
     ejection(&spec.ejection)?;
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
@@ -215,7 +215,16 @@ fn status_range(text: &str) -> Option<(u16, u16)> {
     ((100..=599).contains(&low) && (low..=599).contains(&high)).then_some((low, high))
 }
 
-fn health_check(check: &crate::model::HealthCheck) -> Result<(), ApiError> {
+fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result<(), ApiError> {
+    if check.kind == HealthCheckKind::Tls && !protocol.targets_speak_tls() {
+        return Err(ApiError::validation(
+            "health_check.type",
+            format!(
+                "a tls health check needs an https or tls service; this one is {}: use http or tcp",
+                protocol.as_str()
+            ),
+        ));
+    }
     if !check.path.starts_with('/')
         || check
             .path
@@ -520,6 +529,33 @@ mod tests {
         let mut bad = service_spec();
         bad.tls_ca_pem = Some("not a certificate".into());
         assert_eq!(field_of(service(bad)), "tls_ca_pem");
+    }
+
+    #[test]
+    fn a_tls_check_needs_a_service_whose_targets_speak_tls() {
+        let with_check = |protocol: Protocol, kind: &str| ServiceSpec {
+            protocol,
+            health_check: Some(serde_json::from_value(serde_json::json!({"type": kind})).unwrap()),
+            ..service_spec()
+        };
+        for protocol in [Protocol::Https, Protocol::Tls] {
+            assert!(service(with_check(protocol, "tls")).is_ok(), "{protocol:?}");
+        }
+        for protocol in [Protocol::Http, Protocol::Tcp] {
+            assert_eq!(
+                field_of(service(with_check(protocol, "tls"))),
+                "health_check.type",
+                "{protocol:?}"
+            );
+        }
+        for protocol in Protocol::ALL {
+            for kind in ["http", "tcp"] {
+                assert!(
+                    service(with_check(*protocol, kind)).is_ok(),
+                    "{kind} check on {protocol:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -1,12 +1,18 @@
 //! Active health checks: one loop per service that has `health_check` set, run in the control
 //! plane with jitter and a bound on concurrent checks, never on the request path. Verdicts go to
 //! the per-target atomics the balancer reads, and to the store for target listings.
+//!
+//! Checks speak the service's protocol: when its targets speak TLS (`https`, `tls`), HTTP checks
+//! and `tls` handshake checks dial through the proxy's own TLS connector with the same server
+//! name, verification and CA as traffic, so a check never judges a target by a protocol its
+//! traffic does not use.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::uri::{Authority, Scheme};
 use http::{header, HeaderValue, Request, Uri};
 use http_body_util::Empty;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -14,17 +20,21 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
+use tower::ServiceExt;
 
 use crate::balance::TargetHealth;
 use crate::model::{CheckResult, Health, HealthCheck, HealthCheckKind, Id, Service};
+use crate::proxy::{AlpnOffer, TlsTargetConnector, UpstreamTlsError};
 use crate::snapshot::SnapshotHandle;
 use crate::store::Store;
+use crate::tls;
 
 /// Checks running at once across all services.
 const MAX_CONCURRENT_CHECKS: usize = 64;
 const JITTER_FRACTION: f64 = 0.10;
 
-type CheckClient = Client<HttpConnector, Empty<Bytes>>;
+type PlainClient = Client<HttpConnector, Empty<Bytes>>;
+type TlsClient = Client<TlsTargetConnector, Empty<Bytes>>;
 
 /// The running check loops, one per service with checks on.
 pub(super) struct HealthCheckers {
@@ -34,8 +44,52 @@ pub(super) struct HealthCheckers {
 
 struct RunningLoop {
     /// What the loop was started with; a change restarts it.
-    settings: (HealthCheck, Option<String>),
+    settings: CheckSettings,
     task: JoinHandle<()>,
+}
+
+/// A service's check and the service settings that shape its connections and requests.
+#[derive(Debug, Clone, PartialEq)]
+struct CheckSettings {
+    check: HealthCheck,
+    upstream_authority: Option<String>,
+    /// The targets speak TLS (`https`, `tls`): HTTP checks go over TLS, as traffic does.
+    targets_speak_tls: bool,
+    tls_sni: Option<String>,
+    tls_verify: bool,
+    tls_ca_pem: Option<String>,
+}
+
+impl CheckSettings {
+    fn of(service: &Service) -> Option<CheckSettings> {
+        Some(CheckSettings {
+            check: service.health_check.clone()?,
+            upstream_authority: service.upstream_authority.clone(),
+            targets_speak_tls: service.protocol.targets_speak_tls(),
+            tls_sni: service.tls_sni.clone(),
+            tls_verify: service.tls_verify,
+            tls_ca_pem: service.tls_ca_pem.clone(),
+        })
+    }
+
+    /// The server name a check of `target` sends: the one its traffic sends (DESIGN §6).
+    fn server_name<'a>(&'a self, target: &'a Authority) -> &'a str {
+        tls::upstream_server_name(
+            self.tls_sni.as_deref(),
+            self.upstream_authority.as_deref(),
+            target,
+        )
+    }
+
+    /// `Host` of an HTTP check: the check's own, else the service's `upstream_authority`, else
+    /// the target's address.
+    fn host<'a>(&'a self, target: &'a Authority) -> &'a str {
+        self.check
+            .host
+            .as_deref()
+            .or(self.upstream_authority.as_deref())
+            .unwrap_or(target.as_str())
+    }
 }
 
 impl Drop for RunningLoop {
@@ -76,15 +130,12 @@ impl HealthCheckers {
             }
             let checker = ServiceChecker {
                 service_id,
-                check: settings.0.clone(),
-                upstream_authority: settings.1.clone(),
+                plain: fresh_connections(connector(settings.check.timeout_ms)),
+                tls_config: OnceLock::new(),
+                settings: settings.clone(),
                 snapshots: snapshots.clone(),
                 store: store.clone(),
                 permits: self.permits.clone(),
-                client: Client::builder(TokioExecutor::new())
-                    // A fresh connection per check: a pooled one would hide a dead listener.
-                    .pool_max_idle_per_host(0)
-                    .build(connector(settings.0.timeout_ms)),
             };
             let task = tokio::spawn(checker.run());
             self.loops
@@ -93,14 +144,22 @@ impl HealthCheckers {
     }
 }
 
-fn wanted(services: &[Service]) -> HashMap<Id, (HealthCheck, Option<String>)> {
+fn wanted(services: &[Service]) -> HashMap<Id, CheckSettings> {
     services
         .iter()
-        .filter_map(|service| {
-            let check = service.health_check.clone()?;
-            Some((service.id, (check, service.upstream_authority.clone())))
-        })
+        .filter_map(|service| Some((service.id, CheckSettings::of(service)?)))
         .collect()
+}
+
+/// A client that opens a new connection for every check: a pooled one would hide a dead
+/// listener (or, over TLS, a certificate that stopped verifying).
+fn fresh_connections<C>(connector: C) -> Client<C, Empty<Bytes>>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone,
+{
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build(connector)
 }
 
 fn connector(timeout_ms: u64) -> HttpConnector {
@@ -119,17 +178,19 @@ struct Streak {
 
 struct ServiceChecker {
     service_id: Id,
-    check: HealthCheck,
-    upstream_authority: Option<String>,
+    settings: CheckSettings,
     snapshots: SnapshotHandle,
     store: Store,
     permits: Arc<Semaphore>,
-    client: CheckClient,
+    plain: PlainClient,
+    /// The TLS client config of this loop, built on the first TLS check: parsing the CA bundle
+    /// once per loop, not once per check. An error fails every TLS check with its text.
+    tls_config: OnceLock<Result<Arc<rustls::ClientConfig>, String>>,
 }
 
 struct Probe {
     target_id: Id,
-    authority: String,
+    authority: Authority,
     health: Arc<TargetHealth>,
 }
 
@@ -155,7 +216,7 @@ impl ServiceChecker {
                     continue;
                 };
                 let streak = streaks.entry(probe.target_id).or_default();
-                let health = judge(&this.check, streak, &probe.health, result.passed);
+                let health = judge(&this.settings.check, streak, &probe.health, result.passed);
                 if health != probe.health.health() {
                     tracing::info!(
                         service_id = this.service_id,
@@ -173,7 +234,7 @@ impl ServiceChecker {
             if let Err(error) = this.store.record_health_checks(&records).await {
                 tracing::warn!(service_id = this.service_id, %error, "health check results not stored");
             }
-            let interval = Duration::from_millis(this.check.interval_ms);
+            let interval = Duration::from_millis(this.settings.check.interval_ms);
             tokio::time::sleep(interval.mul_f64(1.0 - JITTER_FRACTION * fastrand::f64())).await;
         }
     }
@@ -189,30 +250,29 @@ impl ServiceChecker {
             .iter()
             .map(|target| Probe {
                 target_id: target.id,
-                authority: target.authority.to_string(),
+                authority: target.authority.clone(),
                 health: target.health.clone(),
             })
             .collect()
     }
 
-    async fn check_one(&self, authority: &str) -> CheckResult {
-        let timeout = Duration::from_millis(self.check.timeout_ms);
+    async fn check_one(&self, target: &Authority) -> CheckResult {
+        let check = &self.settings.check;
         let attempt = async {
-            match self.check.kind {
-                HealthCheckKind::Tcp => tokio::net::TcpStream::connect(authority)
-                    .await
-                    .map(|_| (true, "connected".to_owned()))
-                    .map_err(|error| format!("connect: {error}")),
-                HealthCheckKind::Http => self.http_check(authority).await,
+            match check.kind {
+                HealthCheckKind::Tcp => tcp_check(target).await,
+                HealthCheckKind::Http if self.settings.targets_speak_tls => {
+                    self.https_check(target).await
+                }
+                HealthCheckKind::Http => self.http_check(target).await,
+                HealthCheckKind::Tls => self.tls_check(target).await,
             }
         };
+        let timeout = Duration::from_millis(check.timeout_ms);
         let (passed, detail) = match tokio::time::timeout(timeout, attempt).await {
             Ok(Ok(verdict)) => verdict,
             Ok(Err(detail)) => (false, detail),
-            Err(_) => (
-                false,
-                format!("timed out after {} ms", self.check.timeout_ms),
-            ),
+            Err(_) => (false, format!("timed out after {} ms", check.timeout_ms)),
         };
         CheckResult {
             at: chrono::Utc::now(),
@@ -221,42 +281,124 @@ impl ServiceChecker {
         }
     }
 
-    async fn http_check(&self, authority: &str) -> Result<(bool, String), String> {
-        let uri: Uri = format!("http://{authority}{}", self.check.path)
+    async fn http_check(&self, target: &Authority) -> Result<(bool, String), String> {
+        let uri: Uri = format!("http://{target}{}", self.settings.check.path)
             .parse()
             .map_err(|error| format!("bad check URI: {error}"))?;
-        let host = self
-            .check
-            .host
-            .as_deref()
-            .or(self.upstream_authority.as_deref())
-            .unwrap_or(authority);
-        let mut request = Request::new(Empty::new());
-        *request.uri_mut() = uri;
-        if let Ok(host) = HeaderValue::from_str(host) {
-            request.headers_mut().insert(header::HOST, host);
-        }
-        request.headers_mut().insert(
-            header::USER_AGENT,
-            HeaderValue::from_static("raahi-health-check"),
-        );
+        let request = check_request(uri, self.settings.host(target));
         let response = self
-            .client
+            .plain
             .request(request)
             .await
-            .map_err(|error| error_text(&error))?;
-        let status = response.status().as_u16();
-        let passed = self.check.expects(status);
-        let detail = if passed {
-            format!("HTTP {status}")
-        } else {
-            format!(
-                "HTTP {status}, expected {}",
-                self.check.expected_statuses.join(", ")
-            )
-        };
-        Ok((passed, detail))
+            .map_err(|error| failure_text(&error))?;
+        Ok(status_verdict(
+            &self.settings.check,
+            response.status().as_u16(),
+        ))
     }
+
+    /// An HTTP check over TLS, offering `h2` and `http/1.1` as traffic does.
+    async fn https_check(&self, target: &Authority) -> Result<(bool, String), String> {
+        let host = self.settings.host(target);
+        // The URI's authority is what HTTP/2 sends as `:authority` (it must agree with Host);
+        // the connector dials the target whatever the URI names.
+        let authority = Authority::try_from(host).unwrap_or_else(|_| target.clone());
+        let uri = Uri::builder()
+            .scheme(Scheme::HTTPS)
+            .authority(authority)
+            .path_and_query(self.settings.check.path.as_str())
+            .build()
+            .map_err(|error| format!("bad check URI: {error}"))?;
+        let client: TlsClient =
+            fresh_connections(self.tls_connector(target, AlpnOffer::Http2AndHttp1));
+        let response = client
+            .request(check_request(uri, host))
+            .await
+            .map_err(|error| failure_text(&error))?;
+        Ok(status_verdict(
+            &self.settings.check,
+            response.status().as_u16(),
+        ))
+    }
+
+    /// A TCP connect and a full TLS handshake, then an orderly close.
+    async fn tls_check(&self, target: &Authority) -> Result<(bool, String), String> {
+        let connector = self.tls_connector(target, AlpnOffer::Nothing);
+        match connector.oneshot(Uri::default()).await {
+            Ok(connection) => {
+                // The verdict is the handshake's; a close that fails changes nothing.
+                let _ = connection.close().await;
+                Ok((true, "TLS handshake completed".to_owned()))
+            }
+            Err(error) => Err(match UpstreamTlsError::find_in(&*error) {
+                Some(tls) => handshake_detail(tls),
+                None => format!("connect: {}", error_text(&*error)),
+            }),
+        }
+    }
+
+    fn tls_connector(&self, target: &Authority, alpn: AlpnOffer) -> TlsTargetConnector {
+        let config = self.tls_config.get_or_init(|| {
+            tls::client_config(
+                self.settings.tls_verify,
+                self.settings.tls_ca_pem.as_deref(),
+            )
+            .map_err(|error| error.to_string())
+        });
+        TlsTargetConnector::new(
+            target.clone(),
+            self.settings.server_name(target),
+            config.clone(),
+            alpn,
+            Duration::from_millis(self.settings.check.timeout_ms),
+        )
+    }
+}
+
+async fn tcp_check(target: &Authority) -> Result<(bool, String), String> {
+    tokio::net::TcpStream::connect(target.as_str())
+        .await
+        .map(|_| (true, "connected".to_owned()))
+        .map_err(|error| format!("connect: {error}"))
+}
+
+fn check_request(uri: Uri, host: &str) -> Request<Empty<Bytes>> {
+    let mut request = Request::new(Empty::new());
+    *request.uri_mut() = uri;
+    if let Ok(host) = HeaderValue::from_str(host) {
+        request.headers_mut().insert(header::HOST, host);
+    }
+    request.headers_mut().insert(
+        header::USER_AGENT,
+        HeaderValue::from_static("raahi-health-check"),
+    );
+    request
+}
+
+fn status_verdict(check: &HealthCheck, status: u16) -> (bool, String) {
+    if check.expects(status) {
+        return (true, format!("HTTP {status}"));
+    }
+    (
+        false,
+        format!(
+            "HTTP {status}, expected {}",
+            check.expected_statuses.join(", ")
+        ),
+    )
+}
+
+/// What went wrong, for `last_check`: the handshake's own reason when TLS failed (not the
+/// client's wrapping of it), the whole error chain otherwise.
+fn failure_text(error: &(dyn std::error::Error + 'static)) -> String {
+    match UpstreamTlsError::find_in(error) {
+        Some(tls) => handshake_detail(tls),
+        None => error_text(error),
+    }
+}
+
+fn handshake_detail(error: &UpstreamTlsError) -> String {
+    format!("TLS handshake: {}", error.detail())
 }
 
 fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
@@ -291,6 +433,7 @@ fn judge(check: &HealthCheck, streak: &mut Streak, current: &TargetHealth, passe
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{LbPolicy, Protocol, Timeouts};
 
     fn check() -> HealthCheck {
         serde_json::from_value(serde_json::json!({
@@ -323,6 +466,118 @@ mod tests {
         health.set_health(Health::Unhealthy);
         assert_eq!(judge(&check, &mut streak, &health, true), Health::Unhealthy);
         assert_eq!(judge(&check, &mut streak, &health, true), Health::Healthy);
+    }
+
+    fn service(protocol: Protocol) -> Service {
+        Service {
+            id: 1,
+            name: "s".into(),
+            protocol,
+            upstream_authority: None,
+            tls_sni: None,
+            tls_verify: true,
+            tls_ca_pem: None,
+            lb_policy: LbPolicy::RoundRobin,
+            timeouts: Timeouts::default(),
+            max_attempts: 3,
+            health_check: Some(check()),
+            ejection: Default::default(),
+            managed_by: None,
+            created_at: chrono::Utc::now(),
+            updated_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn checks_go_over_tls_when_the_targets_speak_it() {
+        for (protocol, over_tls) in [
+            (Protocol::Http, false),
+            (Protocol::Tcp, false),
+            (Protocol::Https, true),
+            (Protocol::Tls, true),
+        ] {
+            let settings = CheckSettings::of(&service(protocol)).expect("checks on");
+            assert_eq!(settings.targets_speak_tls, over_tls, "{protocol:?}");
+        }
+        let mut off = service(Protocol::Https);
+        off.health_check = None;
+        assert!(CheckSettings::of(&off).is_none());
+    }
+
+    #[test]
+    fn server_name_and_host_follow_the_traffic_rules() {
+        let target = Authority::from_static("127.0.0.1:8443");
+        let mut service = service(Protocol::Https);
+        let settings = CheckSettings::of(&service).unwrap();
+        assert_eq!(settings.server_name(&target), "127.0.0.1");
+        assert_eq!(settings.host(&target), "127.0.0.1:8443");
+
+        service.upstream_authority = Some("api.test:443".into());
+        let settings = CheckSettings::of(&service).unwrap();
+        assert_eq!(settings.server_name(&target), "api.test");
+        assert_eq!(settings.host(&target), "api.test:443");
+
+        service.tls_sni = Some("sni.test".into());
+        if let Some(check) = service.health_check.as_mut() {
+            check.host = Some("check.test".into());
+        }
+        let settings = CheckSettings::of(&service).unwrap();
+        assert_eq!(settings.server_name(&target), "sni.test");
+        assert_eq!(
+            settings.host(&target),
+            "check.test",
+            "the check's Host is not its server name"
+        );
+    }
+
+    #[test]
+    fn a_changed_trust_setting_restarts_the_loop() {
+        let before = [service(Protocol::Https)];
+        let changes: [fn(&mut Service); 4] = [
+            |service| service.tls_ca_pem = Some("-----BEGIN CERTIFICATE-----".into()),
+            |service| service.tls_verify = false,
+            |service| service.tls_sni = Some("other.test".into()),
+            |service| service.protocol = Protocol::Http,
+        ];
+        for change in changes {
+            let mut after = before.clone();
+            change(&mut after[0]);
+            assert_ne!(wanted(&before), wanted(&after), "{:?}", after[0]);
+        }
+    }
+
+    /// An error wrapping the connector's as hyper-util's client error does: by `source()`.
+    #[derive(Debug, thiserror::Error)]
+    #[error("client error (Connect)")]
+    struct Wrapped(#[source] Box<dyn std::error::Error + Send + Sync>);
+
+    #[test]
+    fn a_failed_handshake_reads_as_its_reason_and_server_name() {
+        let failure = UpstreamTlsError {
+            target: "127.0.0.1:8443".into(),
+            server_name: "api.test".into(),
+            reason: "invalid peer certificate: UnknownIssuer".into(),
+        };
+        let wrapped = Wrapped(Box::new(failure));
+        assert_eq!(
+            failure_text(&wrapped),
+            "TLS handshake: invalid peer certificate: UnknownIssuer (server name \"api.test\")"
+        );
+        let refused = Wrapped(Box::new(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused",
+        )));
+        assert_eq!(failure_text(&refused), "client error (Connect): refused");
+    }
+
+    #[test]
+    fn status_verdict_names_what_was_expected() {
+        let check = check();
+        assert_eq!(status_verdict(&check, 204), (true, "HTTP 204".to_owned()));
+        assert_eq!(
+            status_verdict(&check, 500),
+            (false, "HTTP 500, expected 200-399".to_owned())
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
-use super::connector::{upstream_server_name, AlpnOffer, TlsTargetConnector};
+use super::connector::{AlpnOffer, TlsTargetConnector};
 use super::pool::{PoolError, TargetPool};
 use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
@@ -96,7 +96,7 @@ impl TlsPoolSettings {
 }
 
 fn server_name<'a>(service: &'a Service, target: &'a Authority) -> &'a str {
-    upstream_server_name(
+    crate::tls::upstream_server_name(
         service.tls_sni.as_deref(),
         service.upstream_authority.as_deref(),
         target,

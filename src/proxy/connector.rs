@@ -1,5 +1,6 @@
-//! Upstream connections for `https` services: TCP to one target, then TLS with the service's
-//! server name and trust settings, offering `h2` and `http/1.1` by ALPN.
+//! Upstream TLS connections: TCP to one target, then TLS with the service's server name and
+//! trust settings. Traffic to `https` services offers `h2` and `http/1.1` by ALPN; health checks
+//! of `https` and `tls` services dial through the same connector, so they see what traffic sees.
 
 use std::future::Future;
 use std::io;
@@ -28,6 +29,29 @@ pub struct UpstreamTlsError {
     pub reason: String,
 }
 
+impl UpstreamTlsError {
+    /// The TLS failure somewhere in `error`'s chain of sources (a client wraps what the
+    /// connector returned).
+    pub fn find_in<'e>(
+        error: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e UpstreamTlsError> {
+        let mut current = Some(error);
+        while let Some(error) = current {
+            if let Some(found) = error.downcast_ref::<UpstreamTlsError>() {
+                return Some(found);
+            }
+            current = error.source();
+        }
+        None
+    }
+
+    /// The reason and the server name, as operators read them in a 502 body or a check's
+    /// `last_check`: `invalid peer certificate: UnknownIssuer (server name "api.test")`.
+    pub fn detail(&self) -> String {
+        format!("{} (server name {:?})", self.reason, self.server_name)
+    }
+}
+
 /// Which protocols the connector offers by ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AlpnOffer {
@@ -35,6 +59,10 @@ pub enum AlpnOffer {
     Http2AndHttp1,
     /// `http/1.1` only, for requests that upgrade the connection (WebSocket).
     Http1Only,
+    /// Nothing, for a bare handshake whatever the target speaks: a server whose own protocols
+    /// are not offered may refuse the handshake (`no_application_protocol`), which would say
+    /// nothing about whether it serves its clients.
+    Nothing,
 }
 
 /// Connects to one fixed target whatever the request URI says, so the URI's authority can carry
@@ -74,11 +102,8 @@ impl TlsTargetConnector {
             (Ok(name), Ok(config)) => {
                 let config = match alpn {
                     AlpnOffer::Http2AndHttp1 => config,
-                    AlpnOffer::Http1Only => {
-                        let mut config = rustls::ClientConfig::clone(&config);
-                        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-                        Arc::new(config)
-                    }
+                    AlpnOffer::Http1Only => with_alpn(&config, vec![b"http/1.1".to_vec()]),
+                    AlpnOffer::Nothing => with_alpn(&config, Vec::new()),
                 };
                 Ok((name, config))
             }
@@ -101,6 +126,15 @@ impl TlsTargetConnector {
             reason,
         }
     }
+}
+
+fn with_alpn(
+    config: &Arc<rustls::ClientConfig>,
+    protocols: Vec<Vec<u8>>,
+) -> Arc<rustls::ClientConfig> {
+    let mut config = rustls::ClientConfig::clone(config);
+    config.alpn_protocols = protocols;
+    Arc::new(config)
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -162,6 +196,15 @@ pub struct TlsConnection {
     inner: TokioIo<TlsStream<TcpStream>>,
 }
 
+impl TlsConnection {
+    /// Ends the session with a `close_notify`, so the target sees an orderly close rather than
+    /// a truncated one.
+    pub async fn close(self) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.inner.into_inner().shutdown().await
+    }
+}
+
 impl Connection for TlsConnection {
     fn connected(&self) -> Connected {
         let (tcp, session) = self.inner.inner().get_ref();
@@ -211,58 +254,5 @@ impl Write for TlsConnection {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-}
-
-/// The server name for a service's upstream TLS (DESIGN §6): `tls_sni`, else `upstream_authority`
-/// without its port, else the target's host. IPv6 brackets are removed; an IP address yields no
-/// SNI extension and is verified against the certificate's IP addresses.
-pub fn upstream_server_name<'a>(
-    tls_sni: Option<&'a str>,
-    upstream_authority: Option<&'a str>,
-    target: &'a Authority,
-) -> &'a str {
-    if let Some(sni) = tls_sni.filter(|sni| !sni.is_empty()) {
-        return sni;
-    }
-    if let Some(authority) = upstream_authority.filter(|authority| !authority.is_empty()) {
-        return host_without_port(authority);
-    }
-    host_without_port(target.as_str())
-}
-
-fn host_without_port(authority: &str) -> &str {
-    if let Some(rest) = authority.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    match authority.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => authority,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn server_name_follows_sni_then_authority_then_target() {
-        let target = Authority::from_static("10.0.0.7:8443");
-        assert_eq!(
-            upstream_server_name(Some("sni.test"), Some("api.test:443"), &target),
-            "sni.test"
-        );
-        assert_eq!(
-            upstream_server_name(None, Some("api.test:443"), &target),
-            "api.test"
-        );
-        assert_eq!(
-            upstream_server_name(None, Some("api.test"), &target),
-            "api.test"
-        );
-        assert_eq!(upstream_server_name(None, None, &target), "10.0.0.7");
-        let v6 = Authority::from_static("[::1]:8443");
-        assert_eq!(upstream_server_name(None, None, &v6), "::1");
-        assert_eq!(upstream_server_name(Some(""), Some("[::2]:1"), &v6), "::2");
     }
 }

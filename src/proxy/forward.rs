@@ -718,11 +718,11 @@ fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
 fn classify(service: &ServiceRuntime, target: &TargetRuntime, error: &UpstreamError) -> ProxyError {
     let reason = error_chain(error);
     if error.is_connect() {
-        if let Some(tls) = find_source::<UpstreamTlsError>(error) {
+        if let Some(tls) = UpstreamTlsError::find_in(error) {
             return ProxyError::UpstreamTlsFailed {
                 service: service.service.name.clone(),
                 target: target.authority.to_string(),
-                reason: format!("{} (server name {:?})", tls.reason, tls.server_name),
+                reason: tls.detail(),
             };
         }
         let plain_timeout =
@@ -745,19 +745,6 @@ fn classify(service: &ServiceRuntime, target: &TargetRuntime, error: &UpstreamEr
         target: target.authority.to_string(),
         reason,
     }
-}
-
-fn find_source<'e, T: std::error::Error + 'static>(
-    error: &'e (dyn std::error::Error + 'static),
-) -> Option<&'e T> {
-    let mut current = Some(error);
-    while let Some(error) = current {
-        if let Some(found) = error.downcast_ref::<T>() {
-            return Some(found);
-        }
-        current = error.source();
-    }
-    None
 }
 
 fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {

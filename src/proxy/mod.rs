@@ -31,7 +31,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
-pub use connector::UpstreamTlsError;
+pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
 pub use error::{Blame, ProxyError};
 pub use forward::{ProxyBody, ACCESS_LOG_TARGET};
 
