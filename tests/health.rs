@@ -1641,7 +1641,12 @@ async fn under_load_a_still_broken_target_gets_one_request_per_ended_ejection() 
 
     // One request at a time until it is ejected: its first failure, its only request so far.
     drive_until_ejected(&gateway, "/x", service, broken_id).await;
-    assert_eq!(broken.requests(), 1);
+    // On a slow machine the first ejection may already have ended in a trial by now.
+    let before_load = broken.requests();
+    assert!(
+        (1..=2).contains(&before_load),
+        "{before_load} requests before the load"
+    );
 
     // Concurrent clients, each paced at one request per 2 ms, until the target has been ejected
     // EJECTIONS times (each ejection after the first ended in a trial, ~1.5 s in all).
@@ -1717,7 +1722,7 @@ async fn under_load_a_still_broken_target_gets_one_request_per_ended_ejection() 
     );
     assert_eq!(
         failed,
-        broken.requests() - 1,
+        broken.requests() - before_load,
         "the load's only failures are the trials"
     );
     assert!(
