@@ -115,8 +115,7 @@ async fn delete_source(
 }
 
 async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError> {
-    let (_, progress) = state.store.get_source_with_progress(id).await?;
-    let endpoints = state.store.endpoint_counts(id).await?;
+    let (progress, endpoints) = state.store.source_progress_and_counts(id).await?;
     Ok(SourceStatus {
         source_id: id,
         progress,

@@ -254,6 +254,16 @@ pub(super) struct SourceRow {
     updated_at: i64,
 }
 
+/// A source row with its targets counted by state.
+#[derive(sqlx::FromRow)]
+pub(super) struct SourceCountsRow {
+    #[sqlx(flatten)]
+    pub(super) source: SourceRow,
+    pub(super) active_targets: i64,
+    pub(super) draining_targets: i64,
+    pub(super) stale_targets: i64,
+}
+
 impl SourceRow {
     pub(super) fn into_parts(self) -> Result<(DiscoverySource, SourceProgress), StoreError> {
         let progress = SourceProgress {

@@ -24,7 +24,7 @@ macro_rules! save_progress_query {
     };
 }
 
-use super::rows::{SourceRow, TargetRow};
+use super::rows::{SourceCountsRow, SourceRow, TargetRow};
 use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
     DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
@@ -218,24 +218,37 @@ impl Store {
         Ok(())
     }
 
-    pub async fn endpoint_counts(&self, source_id: Id) -> Result<EndpointCounts, StoreError> {
-        let rows: Vec<(String, i64)> = on_pool!(self, |pool| sqlx::query_as(
-            "SELECT state, COUNT(*) FROM targets WHERE source_id = $1 GROUP BY state",
+    /// A source's progress and its targets' counts, read in one statement so they agree (a
+    /// refresh writes both in one transaction; two reads could straddle it).
+    pub async fn source_progress_and_counts(
+        &self,
+        source_id: Id,
+    ) -> Result<(SourceProgress, EndpointCounts), StoreError> {
+        let row = on_pool!(self, |pool| sqlx::query_as::<_, SourceCountsRow>(
+            "SELECT s.*,
+                (SELECT COUNT(*) FROM targets t WHERE t.source_id = s.id AND t.state = 'active')
+                    AS active_targets,
+                (SELECT COUNT(*) FROM targets t WHERE t.source_id = s.id AND t.state = 'draining')
+                    AS draining_targets,
+                (SELECT COUNT(*) FROM targets t WHERE t.source_id = s.id AND t.state = 'stale')
+                    AS stale_targets
+             FROM discovery_sources s WHERE s.id = $1"
         )
         .bind(source_id)
-        .fetch_all(pool)
-        .await)?;
-        let mut counts = EndpointCounts::default();
-        for (state, count) in rows {
-            let count = count.max(0) as u64;
-            match state.as_str() {
-                "active" => counts.active = count,
-                "draining" => counts.draining = count,
-                "stale" => counts.stale = count,
-                other => return Err(StoreError::Corrupt(format!("target state {other:?}"))),
-            }
-        }
-        Ok(counts)
+        .fetch_optional(pool)
+        .await)?
+        .ok_or(StoreError::NotFound {
+            kind: "discovery source",
+            id: source_id,
+        })?;
+        let count = |count: i64| count.max(0) as u64;
+        let counts = EndpointCounts {
+            active: count(row.active_targets),
+            draining: count(row.draining_targets),
+            stale: count(row.stale_targets),
+        };
+        let (_, progress) = row.source.into_parts()?;
+        Ok((progress, counts))
     }
 
     pub async fn source_targets(&self, source_id: Id) -> Result<Vec<Target>, StoreError> {

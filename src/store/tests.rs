@@ -356,7 +356,8 @@ async fn sources_refresh_results_and_counts(kind: Kind) {
         )
         .await
         .unwrap();
-    let counts = store.endpoint_counts(source.id).await.unwrap();
+    let (stored, counts) = store.source_progress_and_counts(source.id).await.unwrap();
+    assert_eq!(stored, progress("r1"));
     assert_eq!((counts.active, counts.draining, counts.stale), (1, 1, 0));
     let drained = store.get_target(targets[0].id).await.unwrap();
     assert_eq!(drained.remove_at, Some(remove_at));
