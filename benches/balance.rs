@@ -129,7 +129,11 @@ fn service_pick(c: &mut Criterion) {
         };
         one_ejected.targets[0]
             .health
-            .eject(unix_ms(), &policy_hour)
+            .eject(
+                unix_ms(),
+                &policy_hour,
+                raahi::balance::FailureCause::Timeout,
+            )
             .expect("a fresh target can be ejected");
         for (variant, service) in [("no_ejection", &healthy), ("one_ejected", &one_ejected)] {
             group.bench_with_input(

@@ -270,11 +270,32 @@ pub struct AdminConfig {
     /// An admin token accepted in addition to stored ones; unset, the first start generates one.
     #[serde(default)]
     pub token: Option<String>,
+    /// Events kept for event-stream clients that resume with `Last-Event-ID`.
+    #[serde(default = "AdminConfig::default_event_ring")]
+    pub event_ring: usize,
+    /// Events an event-stream client may fall behind before it is cut off.
+    #[serde(default = "AdminConfig::default_event_client_queue")]
+    pub event_client_queue: usize,
 }
 
 impl AdminConfig {
     fn default_listen() -> SocketAddr {
         "127.0.0.1:9080".parse().expect("valid literal")
+    }
+
+    fn default_event_ring() -> usize {
+        crate::events::EventSettings::default().ring
+    }
+
+    fn default_event_client_queue() -> usize {
+        crate::events::EventSettings::default().client_queue
+    }
+
+    pub fn event_settings(&self) -> crate::events::EventSettings {
+        crate::events::EventSettings {
+            ring: self.event_ring,
+            client_queue: self.event_client_queue,
+        }
     }
 }
 
@@ -283,6 +304,8 @@ impl Default for AdminConfig {
         AdminConfig {
             listen: Self::default_listen(),
             token: None,
+            event_ring: Self::default_event_ring(),
+            event_client_queue: Self::default_event_client_queue(),
         }
     }
 }
@@ -403,6 +426,8 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ),
     ("RAAHI_ADMIN_LISTEN", "admin.listen"),
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
+    ("RAAHI_ADMIN_EVENT_RING", "admin.event_ring"),
+    ("RAAHI_ADMIN_EVENT_CLIENT_QUEUE", "admin.event_client_queue"),
     ("RAAHI_DATABASE_URL", "database.url"),
     ("RAAHI_CLUSTER_INSTANCE_ID", "cluster.instance_id"),
     ("RAAHI_CLUSTER_LEASE_MS", "cluster.lease_ms"),
@@ -501,6 +526,14 @@ impl Config {
                 },
                 "tls.cert_file and tls.key_file go together",
             ));
+        }
+        for (key, value) in [
+            ("admin.event_ring", self.admin.event_ring),
+            ("admin.event_client_queue", self.admin.event_client_queue),
+        ] {
+            if !(1..=1_000_000).contains(&value) {
+                return Err(invalid(key, "must be between 1 and 1000000"));
+            }
         }
         if self.proxy.client_header_timeout_ms == 0 {
             return Err(invalid(

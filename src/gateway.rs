@@ -17,6 +17,7 @@ use crate::control::{
     self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificateExpiry,
     FileCertificates,
 };
+use crate::events::EventLog;
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
 use crate::registration::{Registrar, RegistrationError};
@@ -167,11 +168,13 @@ impl Gateway {
             certificates: certificates.clone(),
             file_certificates: load_file_certificates(&config.tls)?,
         };
+        let events = Arc::new(EventLog::new(config.admin.event_settings()));
         let (control, control_task) = control::start(
             store.clone(),
             snapshots.clone(),
             edge,
             cluster_settings(config),
+            events.clone(),
         )
         .await?;
         // Applied before the listeners open, so the first request already sees it.
@@ -345,6 +348,8 @@ impl Gateway {
     /// (within the proxy's shutdown grace), then ends the control task.
     async fn stop_serving(self) {
         let _ = self.shutdown.send(true);
+        // Event streams never end by themselves; the admin listener waits for its connections.
+        self.control.events().close();
         if let Some(task) = self.sighup_task {
             task.abort();
         }
@@ -364,6 +369,7 @@ impl Gateway {
     /// looks like to the other instances (for tests).
     pub fn abort(self) {
         let _ = self.shutdown.send(true);
+        self.control.events().close();
         if let Some(task) = self.sighup_task {
             task.abort();
         }

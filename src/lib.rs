@@ -6,6 +6,7 @@ pub mod balance;
 pub mod config;
 pub mod control;
 pub mod discovery;
+pub mod events;
 pub mod gateway;
 pub mod model;
 pub mod proxy;

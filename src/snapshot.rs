@@ -732,7 +732,14 @@ mod tests {
             base_ejection_ms: 10,
             ..Default::default()
         };
-        target.health.eject(unix_ms() - 1_000, &policy).unwrap();
+        target
+            .health
+            .eject(
+                unix_ms() - 1_000,
+                &policy,
+                crate::balance::FailureCause::Timeout,
+            )
+            .unwrap();
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub async fn bootstrap(store: &Store, configured: Option<&str>) -> Result<Bootst
     }
 }
 
-async fn caller_role(parts: &Parts, state: &AdminState) -> Result<Role, ApiError> {
+async fn caller_token(parts: &Parts, state: &AdminState) -> Result<Token, ApiError> {
     let secret = parts
         .headers
         .get(header::AUTHORIZATION)
@@ -86,9 +86,25 @@ async fn caller_role(parts: &Parts, state: &AdminState) -> Result<Role, ApiError
         })
         .filter(|token| !token.is_empty())
         .ok_or(ApiError::Unauthorized)?;
-    match state.store.find_token_by_hash(&hash_token(secret)).await? {
-        Some(token) => Ok(token.role),
-        None => Err(ApiError::Unauthorized),
+    state
+        .store
+        .find_token_by_hash(&hash_token(secret))
+        .await?
+        .ok_or(ApiError::Unauthorized)
+}
+
+async fn caller_role(parts: &Parts, state: &AdminState) -> Result<Role, ApiError> {
+    caller_token(parts, state).await.map(|token| token.role)
+}
+
+/// The caller's token (any valid one), for `/session`.
+pub struct Caller(pub Token);
+
+impl FromRequestParts<AdminState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AdminState) -> Result<Self, ApiError> {
+        caller_token(parts, state).await.map(Caller)
     }
 }
 

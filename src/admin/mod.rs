@@ -4,6 +4,7 @@
 pub mod auth;
 mod certificates;
 mod error;
+mod events;
 mod extract;
 mod metrics;
 pub mod readiness;
@@ -100,6 +101,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(sources::router())
         .merge(stream_routes::router())
         .merge(certificates::router())
+        .merge(events::router())
         .split_for_parts();
     let openapi = std::sync::Arc::new(openapi);
     let api = api

@@ -27,7 +27,66 @@ pub struct TargetHealth {
     trial: AtomicBool,
     window_start_ms: AtomicU64,
     window_failures: AtomicU32,
+    /// What the failure that last ejected it was ([`EjectionCause`] packed), for the control
+    /// task to tell operators why; written only when ejecting.
+    last_ejection: AtomicU32,
 }
+
+/// The failure of one request or connection that feeds passive ejection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureCause {
+    /// The target answered a status the service counts as a failure.
+    Status(u16),
+    /// No connection could be made.
+    ConnectFailed,
+    /// No response (or no progress sending the body) in time.
+    Timeout,
+    /// The connection broke during the exchange.
+    ConnectionError,
+}
+
+impl std::fmt::Display for FailureCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FailureCause::Status(status) => write!(f, "HTTP {status}"),
+            FailureCause::ConnectFailed => f.write_str("connect failed"),
+            FailureCause::Timeout => f.write_str("timed out"),
+            FailureCause::ConnectionError => f.write_str("connection error"),
+        }
+    }
+}
+
+impl FailureCause {
+    fn code(self) -> u32 {
+        match self {
+            FailureCause::Status(status) => u32::from(status),
+            FailureCause::ConnectFailed => 1,
+            FailureCause::Timeout => 2,
+            FailureCause::ConnectionError => 3,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<FailureCause> {
+        match code {
+            0 => None,
+            1 => Some(FailureCause::ConnectFailed),
+            2 => Some(FailureCause::Timeout),
+            3 => Some(FailureCause::ConnectionError),
+            status => u16::try_from(status).ok().map(FailureCause::Status),
+        }
+    }
+}
+
+/// Why a target was last ejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EjectionCause {
+    pub failure: FailureCause,
+    /// The failure was of a half-open trial (or the first request after a restore), which
+    /// ejects at once; otherwise the ejection policy's failure count was reached.
+    pub trial: bool,
+}
+
+const TRIAL_BIT: u32 = 1 << 16;
 
 impl Default for TargetHealth {
     fn default() -> Self {
@@ -53,6 +112,7 @@ impl TargetHealth {
             trial: AtomicBool::new(false),
             window_start_ms: AtomicU64::new(0),
             window_failures: AtomicU32::new(0),
+            last_ejection: AtomicU32::new(0),
         }
     }
 
@@ -165,9 +225,18 @@ impl TargetHealth {
         failures >= policy.failures
     }
 
-    /// Takes the target out until `now + base × ejections` (capped). None when another request
-    /// ejected it first.
-    pub fn eject(&self, now_ms: u64, policy: &Ejection) -> Option<u64> {
+    /// Why it was last ejected (None before its first ejection).
+    pub fn last_ejection(&self) -> Option<EjectionCause> {
+        let packed = self.last_ejection.load(Ordering::Relaxed);
+        Some(EjectionCause {
+            failure: FailureCause::from_code(packed & !TRIAL_BIT)?,
+            trial: packed & TRIAL_BIT != 0,
+        })
+    }
+
+    /// Takes the target out until `now + base × ejections` (capped) because of `cause`. None
+    /// when another request ejected it first.
+    pub fn eject(&self, now_ms: u64, policy: &Ejection, cause: FailureCause) -> Option<u64> {
         let previous = self.ejected_until_ms.load(Ordering::Relaxed);
         if previous > now_ms {
             return None;
@@ -182,7 +251,13 @@ impl TargetHealth {
             .compare_exchange(previous, until, Ordering::Relaxed, Ordering::Relaxed)
             .ok()?;
         self.ejections.fetch_add(1, Ordering::Relaxed);
-        self.probation.store(true, Ordering::Relaxed);
+        let trial = if self.probation.swap(true, Ordering::Relaxed) {
+            TRIAL_BIT
+        } else {
+            0
+        };
+        self.last_ejection
+            .store(cause.code() | trial, Ordering::Relaxed);
         self.window_failures.store(0, Ordering::Relaxed);
         self.window_start_ms.store(now_ms, Ordering::Relaxed);
         Some(until)
@@ -274,9 +349,37 @@ mod tests {
     }
 
     #[test]
+    fn the_last_ejection_remembers_its_failure_and_whether_a_trial_failed() {
+        let target = TargetHealth::default();
+        assert_eq!(target.last_ejection(), None);
+        target.eject(0, &policy(), FailureCause::Status(503));
+        assert_eq!(
+            target.last_ejection(),
+            Some(EjectionCause {
+                failure: FailureCause::Status(503),
+                trial: false
+            })
+        );
+        // Once the ejection ran out, the failed trial ejects again, as a trial.
+        assert!(target.record_failure(10_001, &policy()));
+        target.eject(10_001, &policy(), FailureCause::ConnectFailed);
+        assert_eq!(
+            target.last_ejection(),
+            Some(EjectionCause {
+                failure: FailureCause::ConnectFailed,
+                trial: true
+            })
+        );
+        assert_eq!(FailureCause::Status(503).to_string(), "HTTP 503");
+    }
+
+    #[test]
     fn ejection_lasts_longer_each_time_up_to_the_cap() {
         let target = TargetHealth::default();
-        assert_eq!(target.eject(0, &policy()), Some(10_000));
+        assert_eq!(
+            target.eject(0, &policy(), FailureCause::Timeout),
+            Some(10_000)
+        );
         assert!(!target.is_available(|| 5_000));
         assert!(refused(&target, 5_000), "no trial while ejected");
         assert!(
@@ -287,14 +390,17 @@ mod tests {
         // The trial fails: out again at once, for twice as long.
         let first = trial(&target, 10_000);
         assert!(target.record_failure(10_001, &policy()));
-        assert_eq!(target.eject(10_001, &policy()), Some(30_001));
+        assert_eq!(
+            target.eject(10_001, &policy(), FailureCause::Timeout),
+            Some(30_001)
+        );
         drop(first);
         assert!(!target.is_available(|| 10_002), "ejected again");
         assert!(!target.half_open(10_002));
         let second = trial(&target, 30_001);
         assert!(target.record_failure(30_002, &policy()));
         assert_eq!(
-            target.eject(30_002, &policy()),
+            target.eject(30_002, &policy(), FailureCause::Timeout),
             Some(55_002),
             "capped at 25 s"
         );
@@ -305,7 +411,7 @@ mod tests {
     #[test]
     fn a_half_open_target_admits_one_trial_at_a_time() {
         let target = TargetHealth::default();
-        target.eject(0, &policy());
+        target.eject(0, &policy(), FailureCause::Timeout);
         let first = trial(&target, 10_000);
         assert!(
             !target.is_available(|| 10_001),
@@ -325,10 +431,14 @@ mod tests {
     #[test]
     fn a_failed_trial_ejects_again_and_blocks_trials_until_it_ends() {
         let target = TargetHealth::default();
-        target.eject(0, &policy());
+        target.eject(0, &policy(), FailureCause::Timeout);
         let first = trial(&target, 10_000);
         assert!(target.record_failure(10_500, &policy()), "on probation");
-        assert_eq!(target.eject(10_500, &policy()), Some(30_500), "2 × base");
+        assert_eq!(
+            target.eject(10_500, &policy(), FailureCause::Timeout),
+            Some(30_500),
+            "2 × base"
+        );
         drop(first);
         assert!(!target.is_available(|| 10_501));
         assert!(
@@ -341,7 +451,7 @@ mod tests {
     #[test]
     fn concurrent_admissions_give_out_one_trial() {
         let target = TargetHealth::default();
-        target.eject(0, &policy());
+        target.eject(0, &policy(), FailureCause::Timeout);
         let threads = 8;
         let barrier = std::sync::Barrier::new(threads);
         let trials = std::sync::atomic::AtomicUsize::new(0);
@@ -376,7 +486,7 @@ mod tests {
     #[test]
     fn a_success_during_the_ejection_does_not_end_it() {
         let target = TargetHealth::default();
-        target.eject(0, &policy());
+        target.eject(0, &policy(), FailureCause::Timeout);
         target.record_success(|| 5_000);
         assert!(!target.is_available(|| 5_001), "still ejected");
     }
@@ -384,7 +494,7 @@ mod tests {
     #[test]
     fn a_successful_trial_restores_the_target() {
         let target = TargetHealth::default();
-        target.eject(0, &policy());
+        target.eject(0, &policy(), FailureCause::Timeout);
         let trial = trial(&target, 10_000);
         target.record_success(|| 10_000);
         assert!(
@@ -400,7 +510,7 @@ mod tests {
             "no longer on probation"
         );
         assert_eq!(
-            target.eject(20_000, &policy()),
+            target.eject(20_000, &policy(), FailureCause::Timeout),
             Some(30_000),
             "back to the base time"
         );
@@ -409,8 +519,8 @@ mod tests {
     #[test]
     fn only_one_concurrent_ejection_wins() {
         let target = TargetHealth::default();
-        assert!(target.eject(0, &policy()).is_some());
-        assert!(target.eject(1, &policy()).is_none());
+        assert!(target.eject(0, &policy(), FailureCause::Timeout).is_some());
+        assert!(target.eject(1, &policy(), FailureCause::Timeout).is_none());
         assert!(
             !target.record_failure(2, &policy()),
             "failures while ejected do not count"

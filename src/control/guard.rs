@@ -11,7 +11,7 @@ use super::sources::SourceEntry;
 use super::ControlTask;
 use crate::discovery::guard::{self, Change};
 use crate::discovery::{reconcile, Discovered};
-use crate::model::{Endpoint, Id, Target};
+use crate::model::{Endpoint, Id, Target, TargetChange};
 use crate::store::StoreError;
 
 /// The least time between two re-reads of a holding source.
@@ -101,6 +101,14 @@ impl ControlTask {
             entry.progress.guard = Some(hold);
             entry.guard_reread_at = reread_at;
             return Err(error);
+        }
+        for change in &changes {
+            if let TargetChange::Drain { id: target_id, .. } = change {
+                self.observer.note(
+                    *target_id,
+                    "an admin accepted the removal guard's held removals",
+                );
+            }
         }
         // The drain is stored: a failure to read the deadlines back only delays the removal.
         if let Err(error) = self.after_changes(entry, &changes).await {

@@ -18,7 +18,7 @@ use http_body_util::Empty;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 use tower::ServiceExt;
 
@@ -36,10 +36,20 @@ const JITTER_FRACTION: f64 = 0.10;
 type PlainClient = Client<HttpConnector, Empty<Bytes>>;
 type TlsClient = Client<TlsTargetConnector, Empty<Bytes>>;
 
+/// A change of a target's health the checks decided, for the event log.
+#[derive(Debug)]
+pub(super) struct HealthVerdict {
+    pub(super) target_id: Id,
+    pub(super) health: crate::model::Health,
+    /// e.g. `3 failed checks: HTTP 500`.
+    pub(super) reason: String,
+}
+
 /// The running check loops, one per service with checks on.
 pub(super) struct HealthCheckers {
     loops: HashMap<Id, RunningLoop>,
     permits: Arc<Semaphore>,
+    verdicts: mpsc::Sender<HealthVerdict>,
 }
 
 struct RunningLoop {
@@ -98,16 +108,16 @@ impl Drop for RunningLoop {
     }
 }
 
-impl Default for HealthCheckers {
-    fn default() -> Self {
+impl HealthCheckers {
+    /// Changes of health are also told to `verdicts` (the control task's event log).
+    pub(super) fn new(verdicts: mpsc::Sender<HealthVerdict>) -> HealthCheckers {
         HealthCheckers {
             loops: HashMap::new(),
             permits: Arc::new(Semaphore::new(MAX_CONCURRENT_CHECKS)),
+            verdicts,
         }
     }
-}
 
-impl HealthCheckers {
     /// Stops the loops of services whose checks went away or changed. Done before a new
     /// snapshot resets the verdicts of unchecked targets, so no late result undoes the reset.
     pub(super) fn stop_unwanted(&mut self, services: &[Service]) {
@@ -136,6 +146,7 @@ impl HealthCheckers {
                 snapshots: snapshots.clone(),
                 store: store.clone(),
                 permits: self.permits.clone(),
+                verdicts: self.verdicts.clone(),
             };
             let task = tokio::spawn(checker.run());
             self.loops
@@ -182,6 +193,7 @@ struct ServiceChecker {
     snapshots: SnapshotHandle,
     store: Store,
     permits: Arc<Semaphore>,
+    verdicts: mpsc::Sender<HealthVerdict>,
     plain: PlainClient,
     /// The TLS client config of this loop, built on the first TLS check: parsing the CA bundle
     /// once per loop, not once per check. An error fails every TLS check with its text.
@@ -226,6 +238,19 @@ impl ServiceChecker {
                         "target health changed"
                     );
                     probe.health.set_health(health);
+                    let reason = match health {
+                        Health::Unhealthy => {
+                            format!("{} failed checks: {}", streak.failed, result.detail)
+                        }
+                        _ => format!("{} passed checks: {}", streak.passed, result.detail),
+                    };
+                    // Full only when the control task is far behind: the event then lacks
+                    // this detail, never the change itself (the task also reads the atomics).
+                    let _ = this.verdicts.try_send(HealthVerdict {
+                        target_id: probe.target_id,
+                        health,
+                        reason,
+                    });
                 }
                 seen.insert(probe.target_id);
                 records.push((probe.target_id, health, result));

@@ -16,6 +16,7 @@ mod cluster;
 mod edge;
 mod guard;
 mod health;
+mod observe;
 mod sources;
 
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::discovery::runner::{Clock, RefreshOutcome};
+use crate::events::EventLog;
 use crate::model::Id;
 use crate::snapshot::SnapshotHandle;
 use crate::store::{Store, StoreError};
@@ -36,6 +38,7 @@ pub use cluster::ClusterSettings;
 use edge::Edge;
 pub use edge::{EdgeOptions, FileCertificateExpiry, FileCertificates};
 pub use guard::AcceptAnswer;
+pub use observe::target_view;
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -108,9 +111,15 @@ pub struct ControlHandle {
     snapshots: SnapshotHandle,
     source_stats: SourceStatsMap,
     file_expiries: edge::FileExpiries,
+    events: Arc<EventLog>,
 }
 
 impl ControlHandle {
+    /// The log of what the control task changed or saw, for the event stream and histories.
+    pub fn events(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
     /// The expiries of the certificate files being served (none without certificate files).
     pub fn file_certificate_expiries(&self) -> Arc<Vec<FileCertificateExpiry>> {
         self.file_expiries.load_full()
@@ -242,6 +251,8 @@ struct ControlTask {
     outcomes: mpsc::Sender<RefreshOutcome>,
     /// Stream listeners and served certificates, kept in step with each snapshot.
     edge: Edge,
+    /// Turns what changed into events.
+    observer: observe::Observer,
 }
 
 impl ControlTask {
@@ -259,6 +270,8 @@ impl ControlTask {
         self.health_checkers.stop_unwanted(&config.services);
         let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
         self.snapshots.publish(snapshot);
+        self.observer
+            .config_loaded(&config, &self.snapshots.load(), &self.sources);
         self.edge
             .sync_stream_listeners(&config.stream_routes, self.clock.now());
         self.edge.publish_certificates(&config.certificates);
@@ -361,7 +374,11 @@ impl ControlTask {
         mut commands: mpsc::Receiver<Command>,
         mut outcomes: mpsc::Receiver<RefreshOutcome>,
         mut cluster_events: mpsc::Receiver<ClusterEvent>,
+        mut verdicts: mpsc::Receiver<health::HealthVerdict>,
     ) {
+        // Passive ejection only flips atomics on the request path; this is how soon it is seen.
+        let mut runtime_watch = tokio::time::interval(RUNTIME_WATCH_INTERVAL);
+        runtime_watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let wake_at = self.next_timer().map(|time| self.clock.instant_of(time));
             let cluster_wake = self.next_cluster_wake();
@@ -391,7 +408,18 @@ impl ControlTask {
                 _ = tokio::time::sleep_until(cluster_wake) => {
                     self.run_cluster_timers().await;
                 }
+                Some(verdict) = verdicts.recv() => {
+                    self.observer.note_health(verdict);
+                    while let Ok(more) = verdicts.try_recv() {
+                        self.observer.note_health(more);
+                    }
+                    self.observer.runtime_changed(&self.snapshots.load());
+                }
+                _ = runtime_watch.tick() => {
+                    self.observer.runtime_changed(&self.snapshots.load());
+                }
             }
+            self.observer.sources_changed(&self.sources);
         }
     }
 
@@ -451,6 +479,9 @@ impl ControlTask {
     }
 }
 
+/// How often the control task looks at the per-target atomics for health and ejection changes.
+const RUNTIME_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
+
 async fn sleep_until_or_forever(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(deadline) => tokio::time::sleep_until(deadline).await,
@@ -465,6 +496,7 @@ pub async fn start(
     snapshots: SnapshotHandle,
     edge: EdgeOptions,
     cluster: ClusterSettings,
+    events: Arc<EventLog>,
 ) -> Result<(ControlHandle, JoinHandle<()>), ControlError> {
     let (outcome_sender, outcome_receiver) = mpsc::channel(1024);
     // Bounded: a burst of notifications needs one reload, not one each.
@@ -478,6 +510,9 @@ pub async fn start(
     });
     let now = tokio::time::Instant::now();
     let shared = store.is_shared();
+    // Bounded: a check loop that finds it full drops the detail, never the change.
+    let (verdict_sender, verdict_receiver) = mpsc::channel(1024);
+    let observer = observe::Observer::new(events.clone(), store.instance_id().to_owned());
     let mut task = ControlTask {
         store,
         snapshots,
@@ -486,7 +521,7 @@ pub async fn start(
         generation: 0,
         sources: HashMap::new(),
         source_stats: SourceStatsMap::default(),
-        health_checkers: health::HealthCheckers::default(),
+        health_checkers: health::HealthCheckers::new(verdict_sender),
         resync_at: None,
         store_failures: 0,
         rebuild_due: false,
@@ -497,11 +532,13 @@ pub async fn start(
         next_runner_generation: 1,
         outcomes: outcome_sender,
         edge: Edge::new(edge),
+        observer,
     };
     task.rebuild().await?;
     if task.sync_sources().await? {
         task.rebuild().await?;
     }
+    task.observer.prime(&task.sources);
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();
     let source_stats = task.source_stats.clone();
@@ -509,7 +546,13 @@ pub async fn start(
     // Without a listener (SQLite) the sender stays alive in the task, so the receiver just waits.
     let join = tokio::spawn(async move {
         let _cluster_sender = cluster_sender;
-        task.run(receiver, outcome_receiver, cluster_receiver).await
+        task.run(
+            receiver,
+            outcome_receiver,
+            cluster_receiver,
+            verdict_receiver,
+        )
+        .await
     });
     Ok((
         ControlHandle {
@@ -517,6 +560,7 @@ pub async fn start(
             snapshots,
             source_stats,
             file_expiries,
+            events,
         },
         join,
     ))

@@ -26,7 +26,7 @@ use super::error::ProxyError;
 use super::h1client::RequestHead;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
-use crate::balance::unix_ms;
+use crate::balance::{unix_ms, FailureCause};
 use crate::model::Id;
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
 
@@ -483,12 +483,14 @@ async fn send_with_retries(
         }
         let error = match outcome {
             Ok(Ok(response)) => {
-                let failed = service
+                let status = response.status().as_u16();
+                let failure = service
                     .service
                     .ejection
                     .failure_statuses
-                    .contains(&response.status().as_u16());
-                record_outcome(service, target, failed);
+                    .contains(&status)
+                    .then_some(FailureCause::Status(status));
+                record_outcome(service, target, failure);
                 return Ok((response, in_flight));
             }
             Ok(Err(error)) => {
@@ -513,7 +515,7 @@ async fn send_with_retries(
             Err(NoResponse::BodyStalled {
                 client_stalled: false,
             }) => {
-                record_outcome(service, target, true);
+                record_outcome(service, target, Some(FailureCause::Timeout));
                 return Err(ProxyError::UpstreamSendTimeout {
                     service: service.service.name.clone(),
                     target: target.authority.to_string(),
@@ -521,7 +523,7 @@ async fn send_with_retries(
                 });
             }
             Err(NoResponse::HeadersLate) => {
-                record_outcome(service, target, true);
+                record_outcome(service, target, Some(FailureCause::Timeout));
                 return Err(ProxyError::ResponseTimeout {
                     service: service.service.name.clone(),
                     target: target.authority.to_string(),
@@ -529,7 +531,7 @@ async fn send_with_retries(
                 });
             }
         };
-        record_outcome(service, target, true);
+        record_outcome(service, target, Some(FailureCause::ConnectionError));
         drop(in_flight);
         if let Some(streaming) = streaming {
             outgoing.body = reclaim(streaming.returned);
@@ -597,20 +599,24 @@ async fn await_response<F: std::future::Future>(
 
 /// Feeds passive ejection: a failure (connect error, timeout, a failure status) may take the
 /// target out; a success clears its record and ends a half-open trial by restoring the target.
-pub(super) fn record_outcome(service: &ServiceRuntime, target: &TargetRuntime, failed: bool) {
+pub(super) fn record_outcome(
+    service: &ServiceRuntime,
+    target: &TargetRuntime,
+    failure: Option<FailureCause>,
+) {
     let policy = &service.service.ejection;
     // With ejection turned off after a target was ejected, nothing would judge its trials and it
     // would stay half-open (one request at a time) for good: any outcome restores it instead,
     // once the ejection has run out.
-    if !failed || !policy.enabled {
+    let Some(cause) = failure.filter(|_| policy.enabled) else {
         target.health.record_success(unix_ms);
         return;
-    }
+    };
     let now = unix_ms();
     if !target.health.record_failure(now, policy) || !ejection_allowed(service, now) {
         return;
     }
-    if let Some(until) = target.health.eject(now, policy) {
+    if let Some(until) = target.health.eject(now, policy, cause) {
         tracing::warn!(
             service = %service.service.name,
             target = %target.authority,

@@ -37,6 +37,7 @@ use super::body::InFlight;
 use super::error::Blame;
 use super::forward::{record_outcome, ACCESS_LOG_TARGET};
 use super::sni::{parse_client_hello, Hello, HelloError, RecordBoundary, MAX_CLIENT_HELLO_BUFFER};
+use crate::balance::FailureCause;
 use crate::model::Id;
 use crate::snapshot::{
     GatewayCounters, ServiceRuntime, SnapshotHandle, StreamRouteEntry, StreamStats,
@@ -736,7 +737,7 @@ async fn connect_upstream(
         .await
         {
             Ok(Ok(stream)) => {
-                record_outcome(service, target, false);
+                record_outcome(service, target, None);
                 return Ok((stream, in_flight));
             }
             Ok(Err(error)) => StreamError::ConnectFailed {
@@ -756,7 +757,11 @@ async fn connect_upstream(
             .counters
             .connect_errors
             .fetch_add(1, Ordering::Relaxed);
-        record_outcome(service, target, true);
+        let cause = match error {
+            StreamError::ConnectTimeout { .. } => FailureCause::Timeout,
+            _ => FailureCause::ConnectFailed,
+        };
+        record_outcome(service, target, Some(cause));
         tracing::debug!(target = %target.authority, attempt, %error, "stream connect attempt failed");
         let retry_allowed = error.retry_allowed();
         last_error = Some(error);

@@ -1,0 +1,150 @@
+use super::*;
+
+fn target_event(target_id: Id, change: TargetChangeKind, reason: &str) -> EventBody {
+    EventBody::Target(TargetEvent {
+        target_id,
+        source_id: None,
+        address: "127.0.0.1:8080".to_owned(),
+        change,
+        from: None,
+        to: None,
+        reason: reason.to_owned(),
+        target: None,
+    })
+}
+
+fn log(ring: usize, client_queue: usize) -> EventLog {
+    EventLog::new(EventSettings { ring, client_queue })
+}
+
+#[test]
+fn ids_increase_and_the_ring_keeps_the_newest() {
+    let log = log(3, 16);
+    let ids: Vec<u64> = (0..5)
+        .map(|n| log.record(Some(1), target_event(n, TargetChangeKind::Added, "new")))
+        .collect();
+    assert_eq!(ids, [1, 2, 3, 4, 5]);
+    let kept = log.subscribe(Some(2)).backlog.expect("3, 4, 5 are kept");
+    assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [3, 4, 5]);
+}
+
+#[test]
+fn a_client_resumes_exactly_after_its_last_event_or_gets_a_snapshot() {
+    let log = log(4, 16);
+    for n in 0..6 {
+        log.record(Some(1), target_event(n, TargetChangeKind::Added, "new"));
+    }
+    // The ring holds 3..=6.
+    let resumed = log.subscribe(Some(4)).backlog.unwrap();
+    assert_eq!(resumed.iter().map(|e| e.id).collect::<Vec<_>>(), [5, 6]);
+    assert_eq!(log.subscribe(Some(2)).backlog.unwrap().len(), 4);
+    assert!(log.subscribe(Some(6)).backlog.unwrap().is_empty());
+    assert!(
+        log.subscribe(Some(1)).backlog.is_none(),
+        "3 is the oldest kept"
+    );
+    assert!(
+        log.subscribe(Some(7)).backlog.is_none(),
+        "an id from before a restart"
+    );
+    assert!(log.subscribe(None).backlog.is_none());
+    assert_eq!(log.subscribe(None).last_id, 6);
+}
+
+#[tokio::test]
+async fn a_subscriber_receives_every_event_after_subscribing_and_lags_when_full() {
+    let log = log(100, 4);
+    log.record(None, target_event(1, TargetChangeKind::Added, "before"));
+    let mut subscription = log.subscribe(None);
+    assert_eq!(subscription.last_id, 1);
+    log.record(None, target_event(2, TargetChangeKind::Added, "after"));
+    assert_eq!(subscription.receiver.recv().await.unwrap().id, 2);
+    for n in 0..6 {
+        log.record(None, target_event(n, TargetChangeKind::Updated, "burst"));
+    }
+    assert!(matches!(
+        subscription.receiver.recv().await,
+        Err(broadcast::error::RecvError::Lagged(_))
+    ));
+}
+
+#[test]
+fn the_frame_is_one_sse_event_with_the_id_time_and_body() {
+    let log = log(10, 10);
+    log.record(
+        Some(9),
+        target_event(7, TargetChangeKind::Ejected, "5 failures"),
+    );
+    let event = &log.subscribe(Some(0)).backlog.unwrap()[0];
+    let text = std::str::from_utf8(&event.frame).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("id: 1"));
+    assert_eq!(lines.next(), Some("event: target"));
+    let data: serde_json::Value =
+        serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(data["id"], 1);
+    assert_eq!(data["service_id"], 9);
+    assert_eq!(data["target_id"], 7);
+    assert_eq!(data["change"], "ejected");
+    assert_eq!(data["reason"], "5 failures");
+    assert!(data["at"].as_str().unwrap().ends_with('Z'));
+    assert!(text.ends_with("\n\n"));
+}
+
+#[test]
+fn history_is_newest_first_and_bounded_per_target() {
+    let log = log(10, 10);
+    for n in 0..(HISTORY_PER_TARGET + 5) {
+        log.record(
+            Some(1),
+            target_event(3, TargetChangeKind::Health, &format!("check {n}")),
+        );
+    }
+    log.record(Some(1), target_event(4, TargetChangeKind::Added, "other"));
+    let history = log.history(3).unwrap();
+    assert_eq!(history.len(), HISTORY_PER_TARGET);
+    assert_eq!(
+        history[0].reason,
+        format!("check {}", HISTORY_PER_TARGET + 4)
+    );
+    assert_eq!(history.last().unwrap().reason, "check 5");
+    assert!(history.windows(2).all(|pair| pair[0].id > pair[1].id));
+    assert!(log.history(5).is_none());
+}
+
+#[test]
+fn removed_targets_keep_their_history_until_many_more_are_removed() {
+    let log = log(10, 10);
+    log.record(
+        Some(1),
+        target_event(1, TargetChangeKind::Removed, "grace ended"),
+    );
+    assert_eq!(log.history(1).unwrap()[0].reason, "grace ended");
+    for id in 2..=(RETIRED_HISTORIES as Id + 1) {
+        log.record(Some(1), target_event(id, TargetChangeKind::Removed, "gone"));
+    }
+    assert!(
+        log.history(1).is_none(),
+        "the oldest removed history is forgotten"
+    );
+    assert!(log.history(2).is_some());
+}
+
+#[test]
+fn config_and_source_events_are_named_by_kind() {
+    let log = log(10, 10);
+    log.record(
+        None,
+        EventBody::Config(ConfigEvent {
+            kind: ConfigKind::Route,
+            object_id: 4,
+            name: Some("api".into()),
+            change: ConfigChangeKind::Deleted,
+            object: None,
+        }),
+    );
+    let event = &log.subscribe(Some(0)).backlog.unwrap()[0];
+    assert!(event.frame.starts_with(b"id: 1\nevent: config\ndata: {"));
+    let text = std::str::from_utf8(&event.frame).unwrap();
+    assert!(text.contains(r#""kind":"route""#) && text.contains(r#""change":"deleted""#));
+}
