@@ -230,6 +230,15 @@ async fn an_admin_watches_targets_change_live() {
     let (web, payments) = (fixture.web, fixture.payments);
     let browser = Browser::start().await;
     sign_in(&browser, gateway, ADMIN_TOKEN).await;
+    // Every later render must keep to the page's Content-Security-Policy (no inline style or
+    // script): record any violation.
+    browser
+        .eval(
+            "window.cspViolations = []; document.addEventListener('securitypolicyviolation', \
+               (e) => window.cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`)); \
+             return true;",
+        )
+        .await;
 
     // The overview: both services, the stream live, the admin named in the header.
     browser
@@ -399,7 +408,14 @@ async fn an_admin_watches_targets_change_live() {
             &row_attr_script(b, "data-health", "unhealthy"),
         )
         .await;
-    // Keyboard: focus the row and press Enter.
+    // Keyboard: the row is in the tab order; focus it and press Enter.
+    assert_eq!(
+        browser
+            .test_id_attr(&format!("target-row-{b}"), "tabindex")
+            .await
+            .as_deref(),
+        Some("0")
+    );
     browser
         .eval(&format!(
             "document.querySelector('[data-testid=\"target-row-{b}\"]').focus(); return true;"
@@ -531,6 +547,11 @@ async fn an_admin_watches_targets_change_live() {
     assert!(w[2] > w[3], "the targets table scrolls horizontally: {w:?}");
     browser.eval("window.scrollTo(0, 0); return true;").await;
     browser.screenshot("service-phone").await;
+    assert_eq!(
+        browser.eval("return window.cspViolations;").await,
+        json!([]),
+        "the page broke its own Content-Security-Policy"
+    );
     let light = browser
         .eval(
             "return [matchMedia('(prefers-color-scheme: dark)').matches, \
