@@ -37,7 +37,7 @@ impl Default for EventSettings {
     fn default() -> Self {
         EventSettings {
             ring: 10_000,
-            client_queue: 1_024,
+            client_queue: 4_096,
         }
     }
 }
