@@ -273,8 +273,8 @@ pub struct AdminConfig {
     /// Events kept for event-stream clients that resume with `Last-Event-ID`.
     #[serde(default = "AdminConfig::default_event_ring")]
     pub event_ring: usize,
-    /// Events an event-stream client may fall behind before it is cut off (at most the ring, as
-    /// the ring already holds what a queue refers to).
+    /// Events an event-stream client may fall behind before it is cut off (one shared slot per
+    /// event: the events themselves are shared with the ring and every client).
     #[serde(default = "AdminConfig::default_event_client_queue")]
     pub event_client_queue: usize,
 }
@@ -634,11 +634,11 @@ fn read(path: &Path) -> Result<String, ConfigError> {
     })
 }
 
-/// Environment values are strings; durations (`*_ms` keys) are stored as integers so they can be
-/// overridden too.
 /// Keys whose environment value is a number though their names do not say so.
 const COUNT_KEYS: &[&str] = &["admin.event_ring", "admin.event_client_queue"];
 
+/// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
+/// integers so they can be overridden too.
 fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
     let mut parts = dotted.split('.').peekable();
     let mut current = table;
