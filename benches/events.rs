@@ -56,8 +56,9 @@ fn health_change(view: &TargetView) -> EventBody {
 }
 
 /// Records `EVENTS` events while `CLIENTS` tasks read every one; returns events a second and
-/// how many clients were cut off for falling behind.
-fn throughput_with_clients() -> (f64, u64) {
+/// how many clients were cut off for falling behind. Paced: every `pace` events the recorder
+/// waits until every client has caught up (None: never waits, as the control task does).
+fn throughput_with_clients(pace: Option<u64>) -> (f64, u64) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -71,23 +72,29 @@ fn throughput_with_clients() -> (f64, u64) {
         ejections: 0,
         in_flight: 3,
     };
+    let first = log.last_id();
+    let last = first + EVENTS;
+    let progress: Arc<Vec<AtomicU64>> = Arc::new((0..CLIENTS).map(|_| AtomicU64::new(0)).collect());
     runtime.block_on(async {
         let mut clients = Vec::new();
-        for _ in 0..CLIENTS {
+        for client in 0..CLIENTS {
             let mut receiver = log.subscribe(None).receiver;
             let cut_off = cut_off.clone();
+            let progress = progress.clone();
             clients.push(tokio::spawn(async move {
                 let mut bytes = 0usize;
                 loop {
                     match receiver.recv().await {
                         Ok(event) => {
                             bytes += event.frame.len();
-                            if event.id == EVENTS {
+                            progress[client].store(event.id - first, Ordering::Relaxed);
+                            if event.id == last {
                                 return bytes;
                             }
                         }
                         Err(RecvError::Lagged(_)) => {
                             cut_off.fetch_add(1, Ordering::Relaxed);
+                            progress[client].store(EVENTS, Ordering::Relaxed);
                             return bytes;
                         }
                         Err(RecvError::Closed) => return bytes,
@@ -97,10 +104,16 @@ fn throughput_with_clients() -> (f64, u64) {
         }
         let started = Instant::now();
         // The control task records from its own task; yielding between bursts as its loop does.
-        for n in 0..EVENTS {
+        for n in 1..=EVENTS {
             log.record(Some(1), health_change(&view));
-            if n % 256 == 0 {
-                tokio::task::yield_now().await;
+            match pace {
+                Some(pace) if n % pace == 0 => {
+                    while progress.iter().any(|p| p.load(Ordering::Relaxed) < n) {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                None if n % 256 == 0 => tokio::task::yield_now().await,
+                _ => {}
             }
         }
         let elapsed = started.elapsed();
@@ -115,10 +128,15 @@ fn throughput_with_clients() -> (f64, u64) {
 }
 
 fn bench_record(c: &mut Criterion) {
-    let (per_second, cut_off) = throughput_with_clients();
+    let (per_second, cut_off) = throughput_with_clients(None);
     println!(
-        "record with {CLIENTS} reading clients: {per_second:.0} events/s over {EVENTS} events; \
-         {cut_off} clients cut off for falling behind"
+        "record with {CLIENTS} reading clients, unpaced: {per_second:.0} events/s over {EVENTS} \
+         events; {cut_off} clients cut off for falling behind"
+    );
+    let (per_second, cut_off) = throughput_with_clients(Some(1_024));
+    println!(
+        "delivered to all {CLIENTS} clients (recorder waits every 1024 events): \
+         {per_second:.0} events/s; {cut_off} clients cut off"
     );
     let log = EventLog::new(EventSettings::default());
     let view = TargetView {
