@@ -15,6 +15,7 @@
 #                    connection per request) or h2c (prior knowledge, 8 streams a connection)
 #   RAAHI_LOG=warn   RUST_LOG for raahi (info writes the access log)
 #   WORKERS=1        TOKIO_WORKER_THREADS
+#   EVENT_CLIENTS=0  event-stream clients (curl -N on /api/v1/events) connected while measuring
 #   RAAHI_BIN=...    use this raahi binary instead of building target/release/raahi
 #   OUT=DIR          keep the callgrind output and annotations in DIR (default: a temporary dir,
 #                    removed at the end)
@@ -29,6 +30,7 @@ CONNECTIONS=${CONNECTIONS:-16}
 MODE=${MODE:-h1}
 RAAHI_LOG=${RAAHI_LOG:-warn}
 WORKERS=${WORKERS:-1}
+EVENT_CLIENTS=${EVENT_CLIENTS:-0}
 
 log() { printf '[callgrind] %s\n' "$*" >&2; }
 die() { printf '[callgrind] error: %s\n' "$*" >&2; exit 1; }
@@ -36,6 +38,7 @@ die() { printf '[callgrind] error: %s\n' "$*" >&2; exit 1; }
 [[ $REQUESTS =~ ^[0-9]+$ && $REQUESTS -ge 100 ]] || die "REQUESTS must be a whole number >= 100"
 [[ $CONNECTIONS =~ ^[0-9]+$ && $CONNECTIONS -ge 1 ]] || die "CONNECTIONS must be at least 1"
 [[ $MODE =~ ^(h1|close|h2c)$ ]] || die "MODE must be h1, close or h2c"
+[[ $EVENT_CLIENTS =~ ^[0-9]+$ ]] || die "EVENT_CLIENTS must be a whole number"
 for cmd in valgrind callgrind_control callgrind_annotate nginx h2load curl; do
     command -v "$cmd" >/dev/null 2>&1 || die "$cmd is missing (apt-get install valgrind nginx nghttp2-client curl)"
 done
@@ -135,6 +138,20 @@ done
 admin_post /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id}" >/dev/null
 wait_200 "http://127.0.0.1:$port/" 60
 
+for ((i = 0; i < EVENT_CLIENTS; i++)); do
+    curl -sN --noproxy '*' -H "Authorization: Bearer $token" \
+        "http://127.0.0.1:$admin_port/api/v1/events" >"$WORK/events$i.txt" 2>/dev/null &
+    PIDS+=("$!")
+done
+if ((EVENT_CLIENTS > 0)); then
+    deadline=$((SECONDS + 60))
+    until (($(grep -l '^event: snapshot' "$WORK"/events*.txt 2>/dev/null | wc -l) == EVENT_CLIENTS)); do
+        ((SECONDS < deadline)) || die "the event-stream clients got no snapshot"
+        sleep 0.2
+    done
+    log "$EVENT_CLIENTS event-stream clients connected"
+fi
+
 load=(h2load -c"$CONNECTIONS" --h1)
 [[ $MODE == close ]] && load=(h2load -c"$CONNECTIONS" --h1 -H 'Connection: close')
 [[ $MODE == h2c ]] && load=(h2load -c"$CONNECTIONS" -m8)
@@ -159,7 +176,7 @@ callgrind_annotate "$dump" >"$WORK/self.txt" 2>/dev/null
 cp "$dump" "$WORK/measured.callgrind"
 
 echo "raahi $(git -C "$REPO" describe --always --dirty --abbrev=12 2>/dev/null || echo '?'), $MODE," \
-    "RUST_LOG=$RAAHI_LOG, $CONNECTIONS connections, $REQUESTS requests"
+    "RUST_LOG=$RAAHI_LOG, $CONNECTIONS connections, $REQUESTS requests, $EVENT_CLIENTS event-stream clients"
 awk -v t="$total" -v n="$REQUESTS" 'BEGIN { printf "instructions per request: %.0f (all threads, total %d)\n", t / n, t }'
 echo
 echo "Top functions by self cost:"

@@ -273,7 +273,8 @@ pub struct AdminConfig {
     /// Events kept for event-stream clients that resume with `Last-Event-ID`.
     #[serde(default = "AdminConfig::default_event_ring")]
     pub event_ring: usize,
-    /// Events an event-stream client may fall behind before it is cut off.
+    /// Events an event-stream client may fall behind before it is cut off (one shared slot per
+    /// event: the events themselves are shared with the ring and every client).
     #[serde(default = "AdminConfig::default_event_client_queue")]
     pub event_client_queue: usize,
 }
@@ -633,15 +634,22 @@ fn read(path: &Path) -> Result<String, ConfigError> {
     })
 }
 
-/// Environment values are strings; durations (`*_ms` keys) are stored as integers so they can be
-/// overridden too.
+/// Keys whose environment value is a number though their names do not say so.
+const COUNT_KEYS: &[&str] = &["admin.event_ring", "admin.event_client_queue"];
+
+/// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
+/// integers so they can be overridden too.
 fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
     let mut parts = dotted.split('.').peekable();
     let mut current = table;
     while let Some(part) = parts.next() {
         if parts.peek().is_none() {
             let parsed = match value.parse::<i64>() {
-                Ok(number) if part.ends_with("_ms") || part.ends_with("_port") => {
+                Ok(number)
+                    if part.ends_with("_ms")
+                        || part.ends_with("_port")
+                        || COUNT_KEYS.contains(&dotted) =>
+                {
                     toml::Value::Integer(number)
                 }
                 // A list in one variable: comma-separated, blanks dropped.
@@ -918,5 +926,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("admin.token"), "{error}");
+    }
+
+    #[test]
+    fn event_stream_limits_default_override_and_validate() {
+        let config = Config::from_parts("c", None, &[]).unwrap();
+        assert_eq!(
+            (config.admin.event_ring, config.admin.event_client_queue),
+            (10_000, 4_096)
+        );
+        let config = Config::from_parts(
+            "c",
+            Some("[admin]\nevent_ring = 500\n"),
+            &env(&[("RAAHI_ADMIN_EVENT_CLIENT_QUEUE", "64")]),
+        )
+        .unwrap();
+        assert_eq!(
+            (config.admin.event_ring, config.admin.event_client_queue),
+            (500, 64)
+        );
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_ADMIN_EVENT_RING", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("admin.event_ring"), "{error}");
     }
 }

@@ -37,7 +37,7 @@ impl Default for EventSettings {
     fn default() -> Self {
         EventSettings {
             ring: 10_000,
-            client_queue: 1_024,
+            client_queue: 4_096,
         }
     }
 }
@@ -125,6 +125,8 @@ pub enum SourceChangeKind {
     Watch,
     /// It failed again with a different error.
     Error,
+    /// It answered a changed set (`to`: the new revision) without changing state.
+    Revision,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -277,7 +279,7 @@ impl EventLog {
         let (sender, _) = broadcast::channel(settings.client_queue);
         EventLog {
             inner: Mutex::new(Inner {
-                last_id: 0,
+                last_id: first_id_base(),
                 ring: VecDeque::with_capacity(settings.ring.min(1_024)),
                 history: HashMap::new(),
                 retired: VecDeque::new(),
@@ -401,6 +403,18 @@ impl Inner {
             }
         }
     }
+}
+
+/// Ids of this process start above the start time in microseconds (below 2^53, so exact as a
+/// JavaScript number): a `Last-Event-ID` from before a restart, or from another instance, is
+/// then outside this process's ring, and its client gets a fresh snapshot instead of events
+/// applied to a picture they do not belong to.
+fn first_id_base() -> u64 {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_micros())
+        .unwrap_or(0);
+    u64::try_from(micros).unwrap_or(0)
 }
 
 /// `id: …\nevent: …\ndata: …\n\n`. JSON has no raw newlines, so the data is one line.

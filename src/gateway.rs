@@ -252,7 +252,8 @@ impl Gateway {
         });
         let mut admin_shutdown = shutdown_signal;
         let admin_task = tokio::spawn(async move {
-            let serve = axum::serve(admin_listener, admin_app).with_graceful_shutdown(async move {
+            let listener = admin::StallGuardListener::new(admin_listener, admin::WRITE_STALL_LIMIT);
+            let serve = axum::serve(listener, admin_app).with_graceful_shutdown(async move {
                 let _ = admin_shutdown.wait_for(|stop| *stop).await;
             });
             if let Err(error) = serve.await {

@@ -200,13 +200,10 @@ impl EventStream {
             self.keep_alive,
         );
         futures_util::stream::unfold(
-            (self, keep_alive, false),
-            |(mut stream, mut keep_alive, ended)| async move {
-                if ended {
-                    return None;
-                }
+            (self, keep_alive),
+            |(mut stream, mut keep_alive)| async move {
                 match stream.next(&mut keep_alive).await {
-                    Next::Send(bytes) => Some((Ok(bytes), (stream, keep_alive, false))),
+                    Next::Send(bytes) => Some((Ok(bytes), (stream, keep_alive))),
                     Next::End => None,
                 }
             },
@@ -276,27 +273,29 @@ async fn snapshot_frame(
         .filter(|target| keep(target.service_id))
         .map(|target| target_view(target, runtimes.get(&target.id).copied(), now_ms))
         .collect();
+    let mut counts: HashMap<Id, EndpointCounts> = HashMap::new();
+    for view in &targets {
+        let Some(source_id) = view.target.source_id else {
+            continue;
+        };
+        let count = counts.entry(source_id).or_default();
+        match view.target.state {
+            TargetState::Active => count.active += 1,
+            TargetState::Draining => count.draining += 1,
+            TargetState::Stale => count.stale += 1,
+        }
+    }
+    let mut holders = state.store.source_lease_holders().await?;
     let mut sources = Vec::new();
     for (source, progress) in state.store.all_sources().await? {
         if !keep(source.service_id) {
             continue;
         }
-        let mut endpoints = EndpointCounts::default();
-        for target in targets
-            .iter()
-            .filter(|view| view.target.source_id == Some(source.id))
-        {
-            match target.target.state {
-                TargetState::Active => endpoints.active += 1,
-                TargetState::Draining => endpoints.draining += 1,
-                TargetState::Stale => endpoints.stale += 1,
-            }
-        }
         let status = SourceStatus {
             source_id: source.id,
             progress,
-            endpoints,
-            refreshed_by: state.store.source_lease_holder(source.id).await?,
+            endpoints: counts.get(&source.id).copied().unwrap_or_default(),
+            refreshed_by: holders.remove(&source.id),
         };
         sources.push(SourceView::new(&source, Some(status)));
     }
@@ -364,10 +363,12 @@ mod tests {
     async fn the_filter_passes_one_service_and_closing_ends_the_stream() {
         let log = EventLog::new(EventSettings::default());
         let mut stream = Box::pin(stream_of(&log, Some(2)).into_stream());
+        let base = log.last_id();
         record(&log, 1);
         record(&log, 2);
         let frame = stream.next().await.unwrap().unwrap();
-        assert!(frame.starts_with(b"id: 2\n"), "{frame:?}");
+        let second = format!("id: {}\n", base + 2);
+        assert!(frame.starts_with(second.as_bytes()), "{frame:?}");
         log.close();
         assert!(stream.next().await.is_none());
     }

@@ -11,6 +11,7 @@ pub mod readiness;
 mod routes;
 mod services;
 mod sources;
+mod stall;
 mod stream_routes;
 mod targets;
 mod tokens;
@@ -26,6 +27,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 
 pub use error::{ApiError, ErrorBody};
+pub use stall::{StallGuardListener, WRITE_STALL_LIMIT};
 
 use crate::control::ControlHandle;
 use crate::model::Id;

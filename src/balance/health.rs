@@ -27,8 +27,9 @@ pub struct TargetHealth {
     trial: AtomicBool,
     window_start_ms: AtomicU64,
     window_failures: AtomicU32,
-    /// What the failure that last ejected it was ([`EjectionCause`] packed), for the control
-    /// task to tell operators why; written only when ejecting.
+    /// The last ejection: its failure, whether a trial failed, and a sequence number that
+    /// never resets ([`EjectionCause`] packed), so the control task, looking now and then, tells
+    /// every ejection and why; written only when ejecting.
     last_ejection: AtomicU32,
 }
 
@@ -84,9 +85,16 @@ pub struct EjectionCause {
     /// The failure was of a half-open trial (or the first request after a restore), which
     /// ejects at once; otherwise the ejection policy's failure count was reached.
     pub trial: bool,
+    /// Counts ejections since the target entered rotation (wrapping), so two looks tell
+    /// whether it was ejected in between, even if it has been restored since.
+    pub sequence: u32,
 }
 
-const TRIAL_BIT: u32 = 1 << 16;
+/// `last_ejection` packs the failure code (statuses are below 1024), the trial bit, then the
+/// sequence in the remaining 21 bits.
+const CODE_MASK: u32 = (1 << 10) - 1;
+const TRIAL_BIT: u32 = 1 << 10;
+const SEQUENCE_SHIFT: u32 = 11;
 
 impl Default for TargetHealth {
     fn default() -> Self {
@@ -227,11 +235,19 @@ impl TargetHealth {
 
     /// Why it was last ejected (None before its first ejection).
     pub fn last_ejection(&self) -> Option<EjectionCause> {
-        let packed = self.last_ejection.load(Ordering::Relaxed);
+        // Acquire pairs with the release in `eject`: read first, the ejection it describes is
+        // visible in the fields read after it.
+        let packed = self.last_ejection.load(Ordering::Acquire);
         Some(EjectionCause {
-            failure: FailureCause::from_code(packed & !TRIAL_BIT)?,
+            failure: FailureCause::from_code(packed & CODE_MASK)?,
             trial: packed & TRIAL_BIT != 0,
+            sequence: packed >> SEQUENCE_SHIFT,
         })
+    }
+
+    /// The raw ejection deadline (Unix ms; 0 when not ejected or half-open), read once.
+    pub fn ejected_until_ms(&self) -> u64 {
+        self.ejected_until_ms.load(Ordering::Relaxed)
     }
 
     /// Takes the target out until `now + base × ejections` (capped) because of `cause`. None
@@ -256,8 +272,13 @@ impl TargetHealth {
         } else {
             0
         };
-        self.last_ejection
-            .store(cause.code() | trial, Ordering::Relaxed);
+        // Only the request that won the swap above writes, so load-then-store cannot race.
+        let sequence =
+            (self.last_ejection.load(Ordering::Relaxed) >> SEQUENCE_SHIFT).wrapping_add(1);
+        self.last_ejection.store(
+            (cause.code() & CODE_MASK) | trial | (sequence << SEQUENCE_SHIFT),
+            Ordering::Release,
+        );
         self.window_failures.store(0, Ordering::Relaxed);
         self.window_start_ms.store(now_ms, Ordering::Relaxed);
         Some(until)
@@ -357,7 +378,8 @@ mod tests {
             target.last_ejection(),
             Some(EjectionCause {
                 failure: FailureCause::Status(503),
-                trial: false
+                trial: false,
+                sequence: 1
             })
         );
         // Once the ejection ran out, the failed trial ejects again, as a trial.
@@ -367,7 +389,8 @@ mod tests {
             target.last_ejection(),
             Some(EjectionCause {
                 failure: FailureCause::ConnectFailed,
-                trial: true
+                trial: true,
+                sequence: 2
             })
         );
         assert_eq!(FailureCause::Status(503).to_string(), "HTTP 503");

@@ -237,7 +237,6 @@ impl ServiceChecker {
                         detail = %result.detail,
                         "target health changed"
                     );
-                    probe.health.set_health(health);
                     let reason = match health {
                         Health::Unhealthy => {
                             format!("{} failed checks: {}", streak.failed, result.detail)
@@ -246,11 +245,13 @@ impl ServiceChecker {
                     };
                     // Full only when the control task is far behind: the event then lacks
                     // this detail, never the change itself (the task also reads the atomics).
+                    // Told before it is set, so the control task's next look finds the reason.
                     let _ = this.verdicts.try_send(HealthVerdict {
                         target_id: probe.target_id,
                         health,
                         reason,
                     });
+                    probe.health.set_health(health);
                 }
                 seen.insert(probe.target_id);
                 records.push((probe.target_id, health, result));

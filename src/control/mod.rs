@@ -413,13 +413,28 @@ impl ControlTask {
                     while let Ok(more) = verdicts.try_recv() {
                         self.observer.note_health(more);
                     }
-                    self.observer.runtime_changed(&self.snapshots.load());
+                    self.observer.report_runtime(&self.snapshots.load());
                 }
                 _ = runtime_watch.tick() => {
-                    self.observer.runtime_changed(&self.snapshots.load());
+                    self.observer.report_runtime(&self.snapshots.load());
                 }
             }
-            self.observer.sources_changed(&self.sources);
+            self.report_sources().await;
+        }
+    }
+
+    /// Records the sources whose progress moved; for one another instance refreshes, its
+    /// lease holder comes from the store.
+    async fn report_sources(&mut self) {
+        for mut news in self.observer.source_news(&self.sources) {
+            if news.holder_unknown {
+                news.event.status.refreshed_by = self
+                    .store
+                    .source_lease_holder(news.event.source_id)
+                    .await
+                    .unwrap_or_default();
+            }
+            self.observer.record_source(news);
         }
     }
 

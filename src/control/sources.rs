@@ -70,8 +70,14 @@ impl ControlTask {
         let mut first_error = None;
         for (source, stored_progress) in stored {
             present.insert(source.id);
-            let outcome = match self.sources.get(&source.id) {
-                Some(entry) if entry.source == source => continue,
+            let outcome = match self.sources.get_mut(&source.id) {
+                Some(entry) if entry.source == source => {
+                    // Another instance refreshes it: what it stored is what this one shows.
+                    if !entry.holds_lease() {
+                        entry.progress = stored_progress;
+                    }
+                    continue;
+                }
                 Some(_) => self.reconfigure(source).await,
                 None => self.adopt(source, stored_progress).await,
             };

@@ -125,6 +125,9 @@ pub const MAX_DOCUMENT_BYTES: u64 = 10 * 1024 * 1024;
 
 pub struct HttpProvider {
     url: String,
+    /// The URL as errors name it: without credentials or query (where tokens travel), since
+    /// `last_error` reaches viewers through the event stream.
+    shown_url: String,
     client: reqwest::Client,
     headers: HeaderMap,
     endpoints_path: Option<Vec<String>>,
@@ -160,6 +163,7 @@ impl HttpProvider {
             })?;
         Ok(HttpProvider {
             url: config.url.clone(),
+            shown_url: shown_url(&config.url),
             client,
             headers: request_headers(config)?,
             endpoints_path: config
@@ -186,7 +190,7 @@ impl HttpProvider {
         let status = response.status();
         if !status.is_success() {
             return Err(DiscoveryError::HttpStatus {
-                url: self.url.clone(),
+                url: self.shown_url.clone(),
                 status: status.as_u16(),
             });
         }
@@ -199,7 +203,7 @@ impl HttpProvider {
         let body = self.read_body(response).await?;
         let document: Value =
             serde_json::from_slice(&body).map_err(|err| DiscoveryError::BadJson {
-                url: self.url.clone(),
+                url: self.shown_url.clone(),
                 reason: err.to_string(),
             })?;
         let endpoints = self.endpoints_in(&document)?;
@@ -213,7 +217,7 @@ impl HttpProvider {
     }
 
     async fn read_body(&self, response: reqwest::Response) -> Result<Vec<u8>, DiscoveryError> {
-        read_limited(response, &self.url, MAX_DOCUMENT_BYTES, |err| {
+        read_limited(response, &self.shown_url, MAX_DOCUMENT_BYTES, |err| {
             self.request_error(err)
         })
         .await
@@ -221,7 +225,7 @@ impl HttpProvider {
 
     fn endpoints_in(&self, document: &Value) -> Result<Vec<Endpoint>, DiscoveryError> {
         let bad = |(location, reason): (String, String)| DiscoveryError::BadDocument {
-            url: self.url.clone(),
+            url: self.shown_url.clone(),
             location,
             reason,
         };
@@ -250,10 +254,28 @@ impl HttpProvider {
             error_chain(&err.without_url())
         };
         DiscoveryError::HttpRequest {
-            url: self.url.clone(),
+            url: self.shown_url.clone(),
             reason,
         }
     }
+}
+
+/// `url` without user, password or query (`?…` marks a query left out).
+fn shown_url(url: &str) -> String {
+    let Ok(mut parsed) = reqwest::Url::parse(url) else {
+        return url.to_owned();
+    };
+    // Both only fail for URLs that cannot have credentials, which `check_url` refused.
+    let _ = parsed.set_username("");
+    let _ = parsed.set_password(None);
+    let had_query = parsed.query().is_some();
+    parsed.set_query(None);
+    parsed.set_fragment(None);
+    let mut shown = parsed.to_string();
+    if had_query {
+        shown.push_str("?…");
+    }
+    shown
 }
 
 impl PollProvider for HttpProvider {
@@ -452,6 +474,18 @@ fn kind_of(value: &Value) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn errors_name_the_url_without_credentials_or_query() {
+        assert_eq!(
+            super::shown_url("https://user:secret@registry.example:8443/v1/endpoints?token=abc#x"),
+            "https://registry.example:8443/v1/endpoints?…"
+        );
+        assert_eq!(
+            super::shown_url("http://127.0.0.1:8500/v1/endpoints"),
+            "http://127.0.0.1:8500/v1/endpoints"
+        );
+    }
+
     use std::convert::Infallible;
     use std::net::SocketAddr;
     use std::sync::Arc;

@@ -17,38 +17,55 @@ fn log(ring: usize, client_queue: usize) -> EventLog {
     EventLog::new(EventSettings { ring, client_queue })
 }
 
+fn offsets(events: &[Arc<Event>], base: u64) -> Vec<u64> {
+    events.iter().map(|event| event.id - base).collect()
+}
+
 #[test]
 fn ids_increase_and_the_ring_keeps_the_newest() {
     let log = log(3, 16);
+    let base = log.last_id();
     let ids: Vec<u64> = (0..5)
-        .map(|n| log.record(Some(1), target_event(n, TargetChangeKind::Added, "new")))
+        .map(|n| log.record(Some(1), target_event(n, TargetChangeKind::Added, "new")) - base)
         .collect();
     assert_eq!(ids, [1, 2, 3, 4, 5]);
-    let kept = log.subscribe(Some(2)).backlog.expect("3, 4, 5 are kept");
-    assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [3, 4, 5]);
+    let kept = log
+        .subscribe(Some(base + 2))
+        .backlog
+        .expect("3, 4, 5 are kept");
+    assert_eq!(offsets(&kept, base), [3, 4, 5]);
 }
 
 #[test]
 fn a_client_resumes_exactly_after_its_last_event_or_gets_a_snapshot() {
     let log = log(4, 16);
+    let base = log.last_id();
+    assert!(
+        base > 1_700_000_000_000_000,
+        "ids start above the start time in µs"
+    );
     for n in 0..6 {
         log.record(Some(1), target_event(n, TargetChangeKind::Added, "new"));
     }
     // The ring holds 3..=6.
-    let resumed = log.subscribe(Some(4)).backlog.unwrap();
-    assert_eq!(resumed.iter().map(|e| e.id).collect::<Vec<_>>(), [5, 6]);
-    assert_eq!(log.subscribe(Some(2)).backlog.unwrap().len(), 4);
-    assert!(log.subscribe(Some(6)).backlog.unwrap().is_empty());
+    let resumed = log.subscribe(Some(base + 4)).backlog.unwrap();
+    assert_eq!(offsets(&resumed, base), [5, 6]);
+    assert_eq!(log.subscribe(Some(base + 2)).backlog.unwrap().len(), 4);
+    assert!(log.subscribe(Some(base + 6)).backlog.unwrap().is_empty());
     assert!(
-        log.subscribe(Some(1)).backlog.is_none(),
+        log.subscribe(Some(base + 1)).backlog.is_none(),
         "3 is the oldest kept"
     );
     assert!(
-        log.subscribe(Some(7)).backlog.is_none(),
+        log.subscribe(Some(base + 7)).backlog.is_none(),
+        "an id from the future"
+    );
+    assert!(
+        log.subscribe(Some(5)).backlog.is_none(),
         "an id from before a restart"
     );
     assert!(log.subscribe(None).backlog.is_none());
-    assert_eq!(log.subscribe(None).last_id, 6);
+    assert_eq!(log.subscribe(None).last_id, base + 6);
 }
 
 #[tokio::test]
@@ -56,9 +73,9 @@ async fn a_subscriber_receives_every_event_after_subscribing_and_lags_when_full(
     let log = log(100, 4);
     log.record(None, target_event(1, TargetChangeKind::Added, "before"));
     let mut subscription = log.subscribe(None);
-    assert_eq!(subscription.last_id, 1);
-    log.record(None, target_event(2, TargetChangeKind::Added, "after"));
-    assert_eq!(subscription.receiver.recv().await.unwrap().id, 2);
+    let after = log.record(None, target_event(2, TargetChangeKind::Added, "after"));
+    assert_eq!(after, subscription.last_id + 1);
+    assert_eq!(subscription.receiver.recv().await.unwrap().id, after);
     for n in 0..6 {
         log.record(None, target_event(n, TargetChangeKind::Updated, "burst"));
     }
@@ -71,18 +88,19 @@ async fn a_subscriber_receives_every_event_after_subscribing_and_lags_when_full(
 #[test]
 fn the_frame_is_one_sse_event_with_the_id_time_and_body() {
     let log = log(10, 10);
-    log.record(
+    let base = log.last_id();
+    let id = log.record(
         Some(9),
         target_event(7, TargetChangeKind::Ejected, "5 failures"),
     );
-    let event = &log.subscribe(Some(0)).backlog.unwrap()[0];
+    let event = &log.subscribe(Some(base)).backlog.unwrap()[0];
     let text = std::str::from_utf8(&event.frame).unwrap();
     let mut lines = text.lines();
-    assert_eq!(lines.next(), Some("id: 1"));
+    assert_eq!(lines.next(), Some(format!("id: {id}").as_str()));
     assert_eq!(lines.next(), Some("event: target"));
     let data: serde_json::Value =
         serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
-    assert_eq!(data["id"], 1);
+    assert_eq!(data["id"], id);
     assert_eq!(data["service_id"], 9);
     assert_eq!(data["target_id"], 7);
     assert_eq!(data["change"], "ejected");
@@ -133,6 +151,7 @@ fn removed_targets_keep_their_history_until_many_more_are_removed() {
 #[test]
 fn config_and_source_events_are_named_by_kind() {
     let log = log(10, 10);
+    let base = log.last_id();
     log.record(
         None,
         EventBody::Config(ConfigEvent {
@@ -143,8 +162,8 @@ fn config_and_source_events_are_named_by_kind() {
             object: None,
         }),
     );
-    let event = &log.subscribe(Some(0)).backlog.unwrap()[0];
-    assert!(event.frame.starts_with(b"id: 1\nevent: config\ndata: {"));
+    let event = &log.subscribe(Some(base)).backlog.unwrap()[0];
     let text = std::str::from_utf8(&event.frame).unwrap();
+    assert!(text.starts_with(&format!("id: {}\nevent: config\ndata: {{", base + 1)));
     assert!(text.contains(r#""kind":"route""#) && text.contains(r#""change":"deleted""#));
 }

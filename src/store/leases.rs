@@ -4,6 +4,7 @@
 //! skewed clocks still agree. A plain table rather than advisory locks: it survives a
 //! connection pooler, and operators can see who holds what.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use super::{Backend, Store, StoreError};
@@ -82,6 +83,17 @@ impl Store {
             .bind(source_id)
             .fetch_optional(pool)
             .await)?)
+    }
+
+    /// Every held (unexpired) source lease: source id → holding instance.
+    pub async fn source_lease_holders(&self) -> Result<HashMap<Id, String>, StoreError> {
+        let sql = format!(
+            "SELECT source_id, holder FROM source_leases WHERE expires_at > {}",
+            self.now_sql()
+        );
+        let rows: Vec<(Id, String)> =
+            on_pool!(self, |pool| sqlx::query_as(&sql).fetch_all(pool).await)?;
+        Ok(rows.into_iter().collect())
     }
 
     /// Asks whichever instance holds the lease of `source_id` to refresh it now (a notification

@@ -1,0 +1,129 @@
+//! What the control task tells the event log. It keeps the last picture it reported (services,
+//! routes, sources, targets with their runtime state) and records the difference each time the
+//! configuration is reloaded, a source's progress moves, or the per-target atomics change.
+//!
+//! Diffing rather than reporting at each write site means one path covers every cause: the
+//! admin API, a resources file, this instance's discovery and another instance's changes on a
+//! shared store. The write sites only leave a reason for the change they make ([`note`]).
+//! Passive ejection happens on the request path, which only flips atomics; the runtime pass
+//! notices it here.
+//!
+//! [`note`]: Observer::note
+
+mod config;
+mod runtime;
+mod sources;
+mod targets;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::health::HealthVerdict;
+use super::sources::SourceEntry;
+use crate::events::EventLog;
+use crate::model::{
+    Certificate, DiscoverySource, EndpointCounts, Health, Id, Route, RoutingConfig, Service,
+    SourceProgress, StreamRoute, Target,
+};
+use crate::snapshot::Snapshot;
+
+pub use targets::target_view;
+
+/// Where a target in rotation stood at the last look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Look {
+    health: Health,
+    /// The sequence of its last ejection (0: never ejected).
+    ejection_sequence: u32,
+    phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Open,
+    Ejected,
+    HalfOpen,
+}
+
+struct SeenTarget {
+    target: Target,
+    /// None while out of rotation (draining, stale, disabled, weight 0): not looked at.
+    look: Option<Look>,
+}
+
+pub(super) struct Observer {
+    log: Arc<EventLog>,
+    instance_id: String,
+    /// False until the start is over: what exists at start is no event.
+    primed: bool,
+    services: HashMap<Id, Service>,
+    routes: HashMap<Id, Route>,
+    stream_routes: HashMap<Id, StreamRoute>,
+    certificates: HashMap<Id, Certificate>,
+    sources: HashMap<Id, DiscoverySource>,
+    /// The progress last reported per source.
+    progress: HashMap<Id, SourceProgress>,
+    /// Targets by state per source, as of the last reload.
+    counts: HashMap<Id, EndpointCounts>,
+    targets: HashMap<Id, SeenTarget>,
+    /// Why the control task is changing a target, for the event of that change.
+    reasons: HashMap<Id, String>,
+    /// What the checks saw when they changed a target's health (to what).
+    health_reasons: HashMap<Id, (Health, String)>,
+}
+
+impl Observer {
+    pub(super) fn new(log: Arc<EventLog>, instance_id: String) -> Observer {
+        Observer {
+            log,
+            instance_id,
+            primed: false,
+            services: HashMap::new(),
+            routes: HashMap::new(),
+            stream_routes: HashMap::new(),
+            certificates: HashMap::new(),
+            sources: HashMap::new(),
+            progress: HashMap::new(),
+            counts: HashMap::new(),
+            targets: HashMap::new(),
+            reasons: HashMap::new(),
+            health_reasons: HashMap::new(),
+        }
+    }
+
+    /// The reason of the event about the change to `target_id` being written now.
+    pub(super) fn note(&mut self, target_id: Id, reason: impl Into<String>) {
+        self.reasons.insert(target_id, reason.into());
+    }
+
+    pub(super) fn note_health(&mut self, verdict: HealthVerdict) {
+        self.health_reasons
+            .insert(verdict.target_id, (verdict.health, verdict.reason));
+    }
+
+    /// Reports from now on: what was loaded so far (at start) is the picture, not news.
+    pub(super) fn prime(&mut self, sources: &HashMap<Id, SourceEntry>) {
+        self.sources = sources
+            .iter()
+            .map(|(id, entry)| (*id, entry.source.clone()))
+            .collect();
+        self.progress = sources
+            .iter()
+            .map(|(id, entry)| (*id, entry.progress.clone()))
+            .collect();
+        self.primed = true;
+    }
+
+    /// Reports what a reload changed: configuration objects, then targets.
+    pub(super) fn config_loaded(
+        &mut self,
+        config: &RoutingConfig,
+        snapshot: &Snapshot,
+        sources: &HashMap<Id, SourceEntry>,
+    ) {
+        let previous_sources = self.report_config(config, snapshot, sources);
+        self.report_targets(config, snapshot, sources, &previous_sources);
+        // A note the reload did not use (its write failed) must not label a later change.
+        self.reasons.clear();
+    }
+}

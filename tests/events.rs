@@ -1,0 +1,499 @@
+//! The live view's API through real sockets: the SSE event stream (snapshot first, increasing
+//! ids, resume, filter, a stuck client cut off while another keeps receiving, streams ending at
+//! shutdown), target histories with their reasons, and `/session`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::registry::Registry;
+use common::{TestGateway, Upstream, ADMIN_TOKEN};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// One Server-Sent Event.
+#[derive(Debug, Clone)]
+struct Sse {
+    id: Option<u64>,
+    event: String,
+    data: Value,
+}
+
+/// An event-stream client reading through reqwest.
+struct Stream {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl Stream {
+    async fn open(gateway: &TestGateway, query: &str, last_event_id: Option<u64>) -> Stream {
+        let mut request = gateway
+            .http
+            .get(gateway.admin_url(&format!("/api/v1/events{query}")))
+            .bearer_auth(ADMIN_TOKEN);
+        if let Some(id) = last_event_id {
+            request = request.header("last-event-id", id.to_string());
+        }
+        let response = request.send().await.expect("events answer");
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response.headers()["content-type"].to_str().unwrap(),
+            "text/event-stream"
+        );
+        Stream {
+            response,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next event (comments skipped); None when the stream ended.
+    async fn next(&mut self) -> Option<Sse> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let frame: String = self.buffer.drain(..end + 2).collect();
+                if let Some(event) = parse(&frame) {
+                    return Some(event);
+                }
+                continue;
+            }
+            let chunk = tokio::time::timeout_at(deadline, self.response.chunk())
+                .await
+                .expect("an event within 10 s")
+                .expect("the stream reads");
+            self.buffer
+                .push_str(std::str::from_utf8(&chunk?).expect("UTF-8 events"));
+        }
+    }
+
+    /// Events until one matches (returns it), failing after 10 s.
+    async fn until(&mut self, what: &str, matches: impl Fn(&Sse) -> bool) -> Sse {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            assert!(Instant::now() < deadline, "no event: {what}");
+            let event = self
+                .next()
+                .await
+                .unwrap_or_else(|| panic!("stream ended before {what}"));
+            if matches(&event) {
+                return event;
+            }
+        }
+    }
+}
+
+fn parse(frame: &str) -> Option<Sse> {
+    let mut id = None;
+    let mut event = None;
+    let mut data = None;
+    for line in frame.lines() {
+        if let Some(value) = line.strip_prefix("id: ") {
+            id = value.parse().ok();
+        } else if let Some(value) = line.strip_prefix("event: ") {
+            event = Some(value.to_owned());
+        } else if let Some(value) = line.strip_prefix("data: ") {
+            data = Some(serde_json::from_str(value).expect("data is JSON"));
+        }
+    }
+    Some(Sse {
+        id,
+        event: event?,
+        data: data?,
+    })
+}
+
+fn target_change(event: &Sse, target: i64, change: &str) -> bool {
+    event.event == "target" && event.data["target_id"] == target && event.data["change"] == change
+}
+
+async fn web_service(gateway: &TestGateway, name: &str, extra: Value) -> i64 {
+    let mut body = json!({"name": name});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    gateway.create("/api/v1/services", body).await
+}
+
+async fn history(gateway: &TestGateway, target: i64) -> Vec<Value> {
+    let (status, body) = gateway
+        .api("GET", &format!("/api/v1/targets/{target}/history"), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["target_id"], target);
+    body["items"].as_array().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_starts_with_a_snapshot_then_each_change_with_its_reason() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("u1").await;
+    let service = web_service(
+        &gateway,
+        "web",
+        json!({"ejection": {"failures": 2, "failure_statuses": [503], "base_ejection_ms": 60000}}),
+    )
+    .await;
+    gateway.route_all_to(service).await;
+
+    let mut stream = Stream::open(&gateway, "", None).await;
+    let snapshot = stream.next().await.unwrap();
+    assert_eq!(snapshot.event, "snapshot");
+    let last_id = snapshot.data["last_id"].as_u64().unwrap();
+    assert_eq!(snapshot.id, Some(last_id));
+    assert!(
+        snapshot.data["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["name"] == "web" && s["panic_picks"] == 0),
+        "{}",
+        snapshot.data
+    );
+
+    let target = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": upstream.addr.port()}),
+        )
+        .await;
+    let added = stream
+        .until("target added", |e| target_change(e, target, "added"))
+        .await;
+    assert!(added.id.unwrap() > last_id);
+    assert_eq!(added.data["reason"], "created by configuration");
+    assert_eq!(added.data["service_id"], service);
+    assert_eq!(added.data["target"]["state"], "active");
+    assert_eq!(added.data["target"]["in_flight"], 0);
+
+    let path = format!("/api/v1/targets/{target}");
+    gateway
+        .api("PATCH", &path, Some(json!({"enabled": false})))
+        .await;
+    let disabled = stream
+        .until("target disabled", |e| target_change(e, target, "disabled"))
+        .await;
+    assert_eq!(disabled.data["reason"], "disabled by configuration");
+    assert_eq!(disabled.data["target"]["enabled"], false);
+    assert!(disabled.id > added.id);
+    gateway
+        .api("PATCH", &path, Some(json!({"enabled": true, "weight": 7})))
+        .await;
+    stream
+        .until("target enabled", |e| target_change(e, target, "enabled"))
+        .await;
+    let updated = stream
+        .until("target updated", |e| target_change(e, target, "updated"))
+        .await;
+    assert_eq!(updated.data["to"], "weight 100 → 7");
+
+    // Passive ejection happens on the request path; the control task reports it with its cause.
+    for _ in 0..2 {
+        let response = gateway.get("/status/503").await;
+        assert_eq!(response.status(), 503);
+    }
+    let ejected = stream
+        .until("target ejected", |e| target_change(e, target, "ejected"))
+        .await;
+    assert_eq!(ejected.data["reason"], "2 failures in 30 s: HTTP 503");
+    assert!(
+        ejected.data["target"]["ejected_until"].is_string(),
+        "{:?}",
+        ejected
+    );
+    assert_eq!(ejected.data["target"]["ejections"], 1);
+
+    let entries = history(&gateway, target).await;
+    let changes: Vec<&str> = entries
+        .iter()
+        .map(|e| e["change"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        changes,
+        ["ejected", "updated", "enabled", "disabled", "added"],
+        "{entries:?}"
+    );
+    assert_eq!(entries[0]["reason"], "2 failures in 30 s: HTTP 503");
+    assert_eq!(entries[0]["id"], ejected.id.unwrap());
+
+    // The target deleted: its removal is told, and its history is still answered.
+    let (status, _) = gateway.api("DELETE", &path, None).await;
+    assert_eq!(status, 204);
+    let removed = stream
+        .until("target removed", |e| target_change(e, target, "removed"))
+        .await;
+    assert_eq!(removed.data["reason"], "deleted by configuration");
+    assert!(removed.data["target"].is_null());
+    assert_eq!(history(&gateway, target).await[0]["change"], "removed");
+    let (status, _) = gateway
+        .api("GET", "/api/v1/targets/999999/history", None)
+        .await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_event_id_resumes_and_an_unknown_position_gets_a_fresh_snapshot() {
+    let gateway = TestGateway::start().await;
+    let service = web_service(&gateway, "web", json!({})).await;
+    let mut stream = Stream::open(&gateway, "", None).await;
+    stream.next().await.unwrap();
+    let mut ids = Vec::new();
+    for port in [9001, 9002, 9003] {
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                json!({"host": "127.0.0.1", "port": port}),
+            )
+            .await;
+        let added = stream
+            .until("added", |e| {
+                e.event == "target" && e.data["change"] == "added"
+            })
+            .await;
+        ids.push(added.id.unwrap());
+    }
+    assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "{ids:?}");
+
+    let mut resumed = Stream::open(&gateway, "", Some(ids[0])).await;
+    let next = resumed.next().await.unwrap();
+    assert_eq!(next.event, "target", "no snapshot when resuming: {next:?}");
+    let after = resumed.next().await.unwrap();
+    assert_eq!([next.id.unwrap(), after.id.unwrap()], [ids[1], ids[2]]);
+
+    // From another life of the gateway (ids start again after a restart): a snapshot.
+    let mut lost = Stream::open(&gateway, "", Some(1_000_000)).await;
+    let first = lost.next().await.unwrap();
+    assert_eq!(first.event, "snapshot");
+    assert_eq!(first.data["targets"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_filter_passes_only_that_service() {
+    let gateway = TestGateway::start().await;
+    let a = web_service(&gateway, "a", json!({})).await;
+    let b = web_service(&gateway, "b", json!({})).await;
+    let mut stream = Stream::open(&gateway, &format!("?service_id={a}"), None).await;
+    let snapshot = stream.next().await.unwrap();
+    let names: Vec<&str> = snapshot.data["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["a"]);
+    for service in [b, a] {
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                json!({"host": "127.0.0.1", "port": 9000}),
+            )
+            .await;
+    }
+    let first = stream.next().await.unwrap();
+    assert_eq!(first.data["service_id"], a, "{first:?}");
+
+    let (status, body) = gateway
+        .api("GET", "/api/v1/events?service_id=abc", None)
+        .await;
+    assert_eq!(status, 422, "{body}");
+    assert_eq!(body["error"]["field"], "service_id");
+    let (status, _) = gateway
+        .api("GET", "/api/v1/events?service_id=424242", None)
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = gateway.api_as(None, "GET", "/api/v1/events", None).await;
+    assert_eq!(status, 401);
+}
+
+/// Sends an event-stream request from a socket with a small receive buffer, then never reads.
+async fn stuck_client(gateway: &TestGateway) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(gateway.admin).await.unwrap();
+    let request = format!(
+        "GET /api/v1/events HTTP/1.1\r\nHost: raahi\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
+         Connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_client_is_cut_off_while_another_keeps_receiving() {
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let mut config = common::test_config(dir.path());
+    config.admin.event_client_queue = 32;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let service = web_service(&gateway, "web", json!({})).await;
+    let target = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": 9000, "metadata": {"padding": "x".repeat(16_000)}}),
+        )
+        .await;
+
+    let mut stuck = stuck_client(&gateway).await;
+    let mut reader = Stream::open(&gateway, "", None).await;
+    reader.next().await.unwrap();
+    // Each change is one event of about 16 KB, 6 MB in all: more than the stuck client's socket
+    // buffers hold. The reader takes each as it comes.
+    let mut last_id = 0;
+    for weight in 1..=400 {
+        gateway
+            .api(
+                "PATCH",
+                &format!("/api/v1/targets/{target}"),
+                Some(json!({"weight": weight})),
+            )
+            .await;
+        let event = reader
+            .until("the weight change", |e| target_change(e, target, "updated"))
+            .await;
+        last_id = event.id.unwrap();
+    }
+
+    // The stuck client's stream ended early: it reads what was buffered, then the close.
+    let mut received = Vec::new();
+    let read_all = tokio::time::timeout(WAIT, stuck.read_to_end(&mut received)).await;
+    assert!(read_all.is_ok(), "the stuck client was not cut off");
+    let text = String::from_utf8_lossy(&received);
+    assert!(
+        text.starts_with("HTTP/1.1 200"),
+        "{}",
+        &text[..text.len().min(200)]
+    );
+    let ids: Vec<u64> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("id: ")?.parse().ok())
+        .collect();
+    assert!(
+        ids.iter().max().copied().unwrap_or(0) < last_id,
+        "the stuck client got everything ({} frames)",
+        ids.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_source_lifecycle_changes_carry_their_details() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("h1").await;
+    let service = web_service(
+        &gateway,
+        "checked",
+        json!({"health_check": {"path": "/", "interval_ms": 100, "timeout_ms": 500,
+                                "healthy_threshold": 1, "unhealthy_threshold": 2}}),
+    )
+    .await;
+    let mut stream = Stream::open(&gateway, "", None).await;
+    stream.next().await.unwrap();
+    let target = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": upstream.addr.port()}),
+        )
+        .await;
+    let healthy = stream
+        .until("healthy", |e| {
+            target_change(e, target, "health") && e.data["to"] == "healthy"
+        })
+        .await;
+    assert_eq!(healthy.data["reason"], "1 passed checks: HTTP 200");
+    upstream.stop();
+    let unhealthy = stream
+        .until("unhealthy", |e| {
+            target_change(e, target, "health") && e.data["to"] == "unhealthy"
+        })
+        .await;
+    let reason = unhealthy.data["reason"].as_str().unwrap();
+    assert!(reason.starts_with("2 failed checks: "), "{reason}");
+    assert_eq!(unhealthy.data["from"], "healthy");
+
+    // A source: pending → healthy, then failing with its error.
+    let registry = Registry::start().await;
+    registry.set_json(json!([{"key": "a", "host": "127.0.0.1", "port": 9999}]));
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({"name": "registry", "provider": "http",
+                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 200}}),
+        )
+        .await;
+    let created = stream
+        .until("source created", |e| {
+            e.event == "config" && e.data["kind"] == "discovery_source"
+        })
+        .await;
+    assert_eq!(created.data["change"], "created");
+    assert_eq!(created.data["object"]["name"], "registry");
+    assert!(
+        created.data["object"].get("config").is_none(),
+        "no config (secrets) in events: {:?}",
+        created
+    );
+    // Its targets are told first, then the source's new state with their counts.
+    let discovered = added_reason(&mut stream, "discovered").await;
+    assert_eq!(discovered, "discovered by source registry");
+    let up = stream
+        .until("source healthy", |e| {
+            e.event == "source" && e.data["to"] == "healthy"
+        })
+        .await;
+    assert_eq!(up.data["source_id"], source);
+    assert_eq!(up.data["from"], "pending");
+    assert_eq!(up.data["status"]["endpoints"]["active"], 1, "{up:?}");
+    registry.set_raw(500, "text/plain", "broken");
+    let down = stream
+        .until("source failing", |e| {
+            e.event == "source" && e.data["to"] == "failing"
+        })
+        .await;
+    let reason = down.data["reason"].as_str().unwrap();
+    assert!(reason.contains("500"), "{reason}");
+    assert_eq!(down.data["status"]["last_error"], down.data["reason"]);
+}
+
+/// The reason of the next discovered target's `added` event.
+async fn added_reason(stream: &mut Stream, what: &str) -> String {
+    let added = stream
+        .until(what, |e| {
+            e.event == "target" && e.data["change"] == "added" && !e.data["source_id"].is_null()
+        })
+        .await;
+    added.data["reason"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_names_the_role_and_streams_end_when_the_gateway_stops() {
+    let mut gateway = TestGateway::start().await;
+    let (status, session) = gateway.api("GET", "/api/v1/session", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(session["role"], "admin");
+    let (_, token) = gateway
+        .api(
+            "POST",
+            "/api/v1/tokens",
+            Some(json!({"name": "wall", "role": "viewer"})),
+        )
+        .await;
+    let viewer = token["token"].as_str().unwrap();
+    let (status, session) = gateway
+        .api_as(Some(viewer), "GET", "/api/v1/session", None)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(session, json!({"role": "viewer", "name": "wall"}));
+    let (status, _) = gateway
+        .api_as(Some("raahi_wrong"), "GET", "/api/v1/session", None)
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+
+    let mut stream = Stream::open(&gateway, "", None).await;
+    stream.next().await.unwrap();
+    let running = gateway.gateway.take().unwrap();
+    tokio::time::timeout(WAIT, running.shutdown())
+        .await
+        .expect("shutdown does not wait for event streams");
+    while stream.next().await.is_some() {}
+}
