@@ -330,28 +330,22 @@ async function streamLoop(generation) {
         STREAM_SILENCE_MS);
     };
     let why = 'the stream ended';
-    let failedAttempt = false;
     try {
       if (state.stream.state !== 'down') setStream('connecting');
       const headers = { Authorization: `Bearer ${state.token}`, Accept: 'text/event-stream' };
       if (state.lastId !== null) headers['Last-Event-ID'] = state.lastId;
       feed();
-      let response;
-      try {
-        response = await fetch(new URL('events', API), {
-          headers, cache: 'no-store', signal: controller.signal,
-        });
-      } catch (error) {
-        failedAttempt = true;
-        throw error;
-      }
+      // Resuming is always safe: an id from before a restart (or from another instance) gets a
+      // fresh snapshot, as ids start above the process's start time.
+      const response = await fetch(new URL('events', API), {
+        headers, cache: 'no-store', signal: controller.signal,
+      });
       if (generation !== state.generation) return;
       if (response.status === 401) {
         signOut('The gateway no longer accepts this token. Sign in again.');
         return;
       }
       if (!response.ok || !response.body) {
-        failedAttempt = true;
         throw new Error(`the gateway answered HTTP ${response.status}`);
       }
       setStream('live');
@@ -377,12 +371,6 @@ async function streamLoop(generation) {
       clearTimeout(silence);
     }
     if (generation !== state.generation) return;
-    if (failedAttempt) {
-      // The gateway could not be reached: it has probably restarted, and event ids start again
-      // at 1 with a restart, so an old id could wrongly match a new event. Start afresh with a
-      // snapshot. (A stream that merely ended, e.g. cut off for falling behind, resumes.)
-      state.lastId = null;
-    }
     setStream('down', why, Date.now() + backoff);
     await new Promise((resolve) => {
       const timer = setTimeout(resolve, backoff);
