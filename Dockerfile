@@ -3,6 +3,7 @@ FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src src
+COPY ui ui
 COPY migrations migrations
 COPY benches benches
 RUN cargo build --release --locked --bin raahi

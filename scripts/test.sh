@@ -6,9 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages the tests use (Knot DNS for the dns and dns-srv discovery tests, PostgreSQL for
-# the shared store), installed only when missing.
-required_packages=(knot knot-dnsutils)
+# System packages the tests use (Knot DNS for the dns and dns-srv discovery tests, Chromium and
+# its WebDriver for the dashboard tests, PostgreSQL for the shared store), installed only when
+# missing.
+required_packages=(knot knot-dnsutils chromium chromium-driver)
 missing=()
 for package in "${required_packages[@]}"; do
   dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -15,6 +15,7 @@ mod stall;
 mod stream_routes;
 mod targets;
 mod tokens;
+mod ui;
 pub(crate) mod validate;
 
 use axum::response::IntoResponse;
@@ -121,6 +122,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readiness::readyz))
         .route("/metrics", get(metrics::metrics))
+        .merge(ui::router())
         .fallback(not_found)
         .with_state(state)
 }

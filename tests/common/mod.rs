@@ -2,6 +2,7 @@
 //! upstream HTTP servers, and condition waits with deadlines.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod consul;
 pub mod fake_server;
 pub mod knot;

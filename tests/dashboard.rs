@@ -1,0 +1,901 @@
+//! The dashboard (`/ui/`) in a real headless Chromium against the gateway in-process: signing in,
+//! the overview, a service page that follows the event stream without a reload (a target
+//! disabled through the API, a health check that starts failing and its history), admin buttons
+//! for admins only, a 401 that returns to the sign-in form, and the stream status while the
+//! gateway is down and after it is back. Screenshots go to `<target>/dashboard-artifacts/`.
+//!
+//! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
+//! them the browser tests fail saying so.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::browser::Browser;
+use common::fake_server::Listening;
+use common::registry::Registry;
+use common::{TestGateway, ADMIN_TOKEN};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use raahi::config::Config;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+/// An upstream that answers every request (health checks included) with the status the test
+/// sets, 200 at first.
+struct Switchable {
+    addr: SocketAddr,
+    status: Arc<AtomicU16>,
+    listening: Option<Listening>,
+}
+
+impl Switchable {
+    async fn start() -> Switchable {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let status = Arc::new(AtomicU16::new(200));
+        let shared = status.clone();
+        let listening = Listening::serve(listener, None, move |_request: Request<Incoming>| {
+            let code = shared.load(Ordering::SeqCst);
+            async move {
+                let mut response = Response::new(Full::new(Bytes::from_static(b"ok")));
+                *response.status_mut() = StatusCode::from_u16(code).unwrap();
+                Ok::<_, Infallible>(response)
+            }
+        });
+        Switchable {
+            addr,
+            status,
+            listening: Some(listening),
+        }
+    }
+
+    fn set_status(&self, code: u16) {
+        self.status.store(code, Ordering::SeqCst);
+    }
+
+    fn target(&self, weight: u32, priority: i32) -> Value {
+        json!({"host": "127.0.0.1", "port": self.addr.port(), "weight": weight, "priority": priority})
+    }
+}
+
+impl Drop for Switchable {
+    fn drop(&mut self) {
+        if let Some(listening) = self.listening.take() {
+            listening.stop();
+        }
+    }
+}
+
+/// A gateway with two services: `web` (health-checked every 200 ms; three operator targets at
+/// priority 0, a backup at priority 1, and two targets from an `http` discovery source) and
+/// `payments` (two unchecked targets); plus a viewer token.
+struct Fixture {
+    gateway: TestGateway,
+    web: i64,
+    payments: i64,
+    /// Operator targets of `web`: a, b, c (priority 0), d (priority 1).
+    operator: Vec<i64>,
+    upstreams: Vec<Switchable>,
+    source: i64,
+    _registry: Registry,
+    viewer: String,
+}
+
+impl Fixture {
+    async fn start(gateway: TestGateway) -> Fixture {
+        let mut upstreams = Vec::new();
+        for _ in 0..6 {
+            upstreams.push(Switchable::start().await);
+        }
+        let web = gateway
+            .create(
+                "/api/v1/services",
+                json!({
+                    "name": "web",
+                    "health_check": {
+                        "path": "/health", "interval_ms": 200, "timeout_ms": 500,
+                        "healthy_threshold": 1, "unhealthy_threshold": 2
+                    }
+                }),
+            )
+            .await;
+        gateway.route_all_to(web).await;
+        let mut operator = Vec::new();
+        for (upstream, weight, priority) in [
+            (&upstreams[0], 100, 0),
+            (&upstreams[1], 100, 0),
+            (&upstreams[2], 100, 0),
+            (&upstreams[3], 50, 1),
+        ] {
+            operator.push(
+                gateway
+                    .create(
+                        &format!("/api/v1/services/{web}/targets"),
+                        upstream.target(weight, priority),
+                    )
+                    .await,
+            );
+        }
+        let registry = Registry::start().await;
+        registry.set_json(json!([
+            {"key": "web-e", "host": "127.0.0.1", "port": upstreams[4].addr.port(), "weight": 100, "priority": 0},
+            {"key": "web-f", "host": "127.0.0.1", "port": upstreams[5].addr.port(), "weight": 100, "priority": 0},
+        ]));
+        let source = gateway
+            .create(
+                &format!("/api/v1/services/{web}/discovery-sources"),
+                json!({
+                    "name": "web-registry",
+                    "provider": "http",
+                    "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 5000},
+                }),
+            )
+            .await;
+        let payments = gateway
+            .service_with_targets(
+                "payments",
+                &[
+                    json!({"host": "192.0.2.10", "port": 8080}),
+                    json!({"host": "192.0.2.11", "port": 8080}),
+                ],
+            )
+            .await;
+        let (status, created) = gateway
+            .api(
+                "POST",
+                "/api/v1/tokens",
+                Some(json!({"name": "ops-viewer", "role": "viewer"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        let viewer = created["token"].as_str().expect("a token").to_owned();
+        Fixture {
+            gateway,
+            web,
+            payments,
+            operator,
+            upstreams,
+            source,
+            _registry: registry,
+            viewer,
+        }
+    }
+
+    /// Every target of `web` (6 once the source has refreshed).
+    async fn web_targets(&self) -> Vec<Value> {
+        let path = format!("/api/v1/services/{}/targets", self.web);
+        let (status, body) = self.gateway.api("GET", &path, None).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body["items"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+/// Opens the dashboard and signs in with `token`.
+async fn sign_in(browser: &Browser, gateway: &TestGateway, token: &str) {
+    browser.goto(&gateway.admin_url("/ui/")).await;
+    browser
+        .wait_for(
+            "the sign-in form",
+            WAIT,
+            "return document.querySelector('[data-testid=\"token-input\"]') !== null;",
+        )
+        .await;
+    browser
+        .by_test_id("token-input")
+        .await
+        .send_keys(token)
+        .await
+        .expect("type the token");
+    browser
+        .by_test_id("sign-in")
+        .await
+        .click()
+        .await
+        .expect("click sign in");
+}
+
+fn row_attr_script(target: i64, attribute: &str, value: &str) -> String {
+    format!(
+        "const row = document.querySelector('[data-testid=\"target-row-{target}\"]'); \
+         return row !== null && row.getAttribute('{attribute}') === '{value}';"
+    )
+}
+
+/// The number of elements under `main` matching `selector`.
+async fn count(browser: &Browser, selector: &str) -> u64 {
+    browser
+        .eval_with(
+            "return document.querySelectorAll(arguments[0]).length;",
+            vec![json!(selector)],
+        )
+        .await
+        .as_u64()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_watches_targets_change_live() {
+    let fixture = Fixture::start(TestGateway::start().await).await;
+    let gateway = &fixture.gateway;
+    let (web, payments) = (fixture.web, fixture.payments);
+    let browser = Browser::start().await;
+    sign_in(&browser, gateway, ADMIN_TOKEN).await;
+    // Every later render must keep to the page's Content-Security-Policy (no inline style or
+    // script): record any violation.
+    browser
+        .eval(
+            "window.cspViolations = []; document.addEventListener('securitypolicyviolation', \
+               (e) => window.cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`)); \
+             return true;",
+        )
+        .await;
+
+    // The overview: both services, the stream live, the admin named in the header.
+    browser
+        .wait_for(
+            "both service cards",
+            WAIT,
+            &format!(
+                "return document.querySelector('[data-testid=\"service-card-{web}\"]') !== null \
+                 && document.querySelector('[data-testid=\"service-card-{payments}\"]') !== null;"
+            ),
+        )
+        .await;
+    assert_eq!(
+        browser
+            .test_id_attr("stream-status", "data-state")
+            .await
+            .as_deref(),
+        Some("live")
+    );
+    assert_eq!(
+        browser.test_id_attr("who", "data-role").await.as_deref(),
+        Some("admin")
+    );
+    // All six targets of `web` (four operator, two discovered) turn healthy in the tier bars,
+    // live: the page was drawn before the first checks passed.
+    wait_all_targets(&fixture).await;
+    browser
+        .wait_for(
+            "six healthy blocks in web's card",
+            WAIT,
+            &format!(
+                "const card = document.querySelector('[data-testid=\"service-card-{web}\"]'); \
+                 return card.querySelectorAll('.block[data-condition=\"healthy\"]').length === 6;"
+            ),
+        )
+        .await;
+    let tiers = browser
+        .eval(&format!(
+            "const card = document.querySelector('[data-testid=\"service-card-{web}\"]'); \
+             return [...card.querySelectorAll('[data-testid^=\"tier-\"]')].map(t => \
+               [t.getAttribute('data-testid'), t.querySelectorAll('.block').length]);"
+        ))
+        .await;
+    assert_eq!(
+        tiers,
+        json!([["tier-0", 5], ["tier-1", 1]]),
+        "tiers by priority"
+    );
+    browser
+        .wait_for(
+            "the source's line with its state",
+            WAIT,
+            &format!(
+                "const line = document.querySelector('[data-testid=\"source-line-{}\"]'); \
+                 return line !== null && line.getAttribute('data-state') === 'healthy';",
+                fixture.source
+            ),
+        )
+        .await;
+
+    // The service page, reached by its link.
+    browser
+        .by_test_id(&format!("service-link-{web}"))
+        .await
+        .click()
+        .await
+        .expect("open the service page");
+    browser
+        .wait_for(
+            "six target rows",
+            WAIT,
+            "return document.querySelectorAll('[data-testid^=\"target-row-\"]').length === 6;",
+        )
+        .await;
+    assert!(browser
+        .eval("return location.hash;")
+        .await
+        .as_str()
+        .unwrap()
+        .ends_with(&format!("/services/{web}")));
+    // Admin buttons: enable/disable on operator targets only, refresh on the source.
+    for id in &fixture.operator {
+        assert_eq!(
+            count(&browser, &format!("[data-testid=\"toggle-target-{id}\"]")).await,
+            1
+        );
+    }
+    assert_eq!(
+        count(&browser, "[data-testid^=\"toggle-target-\"]").await,
+        4,
+        "no button on the two source-owned targets"
+    );
+    assert_eq!(
+        count(
+            &browser,
+            &format!("[data-testid=\"refresh-source-{}\"]", fixture.source)
+        )
+        .await,
+        1
+    );
+
+    // Disabled through the API: the row changes within 2 s, without a reload.
+    let a = fixture.operator[0];
+    let marker = "document.documentElement.dataset.unreloaded = 'yes'; return true;";
+    browser.eval(marker).await;
+    let asked = Instant::now();
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/targets/{a}"),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    browser
+        .wait_for(
+            "target a's row disabled",
+            Duration::from_secs(2),
+            &row_attr_script(a, "data-enabled", "false"),
+        )
+        .await;
+    eprintln!(
+        "the disabled row changed {:?} after the PATCH",
+        asked.elapsed()
+    );
+    assert_eq!(
+        browser
+            .test_id_attr(&format!("target-row-{a}"), "data-condition")
+            .await
+            .as_deref(),
+        Some("disabled")
+    );
+    assert_eq!(
+        browser
+            .eval("return document.documentElement.dataset.unreloaded;")
+            .await,
+        "yes",
+        "the page was not reloaded"
+    );
+
+    // The row's button enables it again (through the API, seen by the API).
+    browser
+        .by_test_id(&format!("toggle-target-{a}"))
+        .await
+        .click()
+        .await
+        .expect("click Enable");
+    browser
+        .wait_for(
+            "target a's row enabled",
+            WAIT,
+            &row_attr_script(a, "data-enabled", "true"),
+        )
+        .await;
+    let (_, target) = gateway
+        .api("GET", &format!("/api/v1/targets/{a}"), None)
+        .await;
+    assert_eq!(target["enabled"], true, "{target}");
+
+    // A health check starts failing: unhealthy live, and the history says why.
+    let b = fixture.operator[1];
+    fixture.upstreams[1].set_status(500);
+    browser
+        .wait_for(
+            "target b unhealthy",
+            WAIT,
+            &row_attr_script(b, "data-health", "unhealthy"),
+        )
+        .await;
+    // Keyboard: the row is in the tab order; focus it and press Enter.
+    assert_eq!(
+        browser
+            .test_id_attr(&format!("target-row-{b}"), "tabindex")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+    browser
+        .eval(&format!(
+            "document.querySelector('[data-testid=\"target-row-{b}\"]').focus(); return true;"
+        ))
+        .await;
+    let focused = browser
+        .client
+        .active_element()
+        .await
+        .expect("the focused row");
+    focused.send_keys("\u{E007}").await.expect("press Enter");
+    let reason = browser
+        .wait_for(
+            "target b's history with the failed checks",
+            WAIT,
+            &format!(
+                "const panel = document.querySelector('[data-testid=\"history\"]'); \
+                 if (!panel || panel.getAttribute('data-target-id') !== '{b}') return null; \
+                 const hit = [...panel.querySelectorAll('[data-testid=\"history-entry\"]')] \
+                   .find(e => e.getAttribute('data-change') === 'health' \
+                     && e.textContent.includes('HTTP 500')); \
+                 return hit ? hit.textContent : null;"
+            ),
+        )
+        .await;
+    let reason = reason.as_str().unwrap();
+    assert!(reason.contains("failed check"), "{reason}");
+    assert!(reason.contains("healthy → unhealthy"), "{reason}");
+    assert_eq!(
+        browser
+            .test_id_attr(&format!("target-row-{b}"), "aria-expanded")
+            .await
+            .as_deref(),
+        Some("true")
+    );
+    browser.resize(1280, 1100).await;
+    browser.eval("window.scrollTo(0, 0); return true;").await;
+    let service = browser.screenshot("service").await;
+    assert!(std::fs::metadata(&service).unwrap().len() > 10_000);
+    browser.resize(1280, 900).await;
+
+    // An action the API refuses shows its error inline: refreshing a disabled source.
+    let source = fixture.source;
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/discovery-sources/{source}"),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    browser
+        .wait_for(
+            "the source shown disabled",
+            WAIT,
+            &format!(
+                "const card = document.querySelector('[data-testid=\"source-{source}\"]'); \
+                 return card !== null && card.getAttribute('data-state') === 'disabled';"
+            ),
+        )
+        .await;
+    browser
+        .by_test_id(&format!("refresh-source-{source}"))
+        .await
+        .click()
+        .await
+        .expect("click Refresh");
+    let error = browser
+        .wait_for(
+            "the refusal shown next to the button",
+            WAIT,
+            &format!(
+                "const el = document.querySelector('[data-testid=\"action-error-refresh-{source}\"]'); \
+                 return el ? el.textContent : null;"
+            ),
+        )
+        .await;
+    let error = error.as_str().unwrap();
+    assert!(
+        error.contains("disabled") && error.contains("409"),
+        "{error}"
+    );
+
+    // Back to the overview, by the breadcrumb: the same changes are there, with their reasons
+    // in the recent changes.
+    browser.eval("window.scrollTo(0, 0); return true;").await;
+    browser
+        .by_test_id("back")
+        .await
+        .click()
+        .await
+        .expect("click the breadcrumb");
+    browser
+        .wait_for(
+            "b red in the overview and the changes listed",
+            WAIT,
+            &format!(
+                "const block = document.querySelector('[data-testid=\"block-{b}\"]'); \
+                 const changes = document.querySelectorAll('[data-testid=\"activity\"] li'); \
+                 return block !== null && block.getAttribute('data-condition') === 'unhealthy' \
+                   && [...changes].some(li => li.textContent.includes('failed checks'));"
+            ),
+        )
+        .await;
+    let overview = browser.screenshot("overview").await;
+    assert!(std::fs::metadata(&overview).unwrap().len() > 10_000);
+
+    // A phone's width: the page does not overflow sideways; the table scrolls inside its box.
+    browser
+        .eval(&format!("location.hash = '#/services/{web}'; return true;"))
+        .await;
+    browser.resize(390, 844).await;
+    let widths = browser
+        .wait_for(
+            "the narrow layout",
+            WAIT,
+            "const wrap = document.querySelector('.table-wrap'); \
+             return window.innerWidth === 390 && wrap ? [document.documentElement.scrollWidth, \
+               window.innerWidth, wrap.scrollWidth, wrap.clientWidth] : null;",
+        )
+        .await;
+    let w: Vec<u64> = widths
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(w[0] <= w[1], "the page overflows a phone's width: {w:?}");
+    assert!(w[2] > w[3], "the targets table scrolls horizontally: {w:?}");
+    browser.eval("window.scrollTo(0, 0); return true;").await;
+    browser.screenshot("service-phone").await;
+    assert_eq!(
+        browser.eval("return window.cspViolations;").await,
+        json!([]),
+        "the page broke its own Content-Security-Policy"
+    );
+    let light = browser
+        .eval(
+            "return [matchMedia('(prefers-color-scheme: dark)').matches, \
+               getComputedStyle(document.body).backgroundColor];",
+        )
+        .await;
+    assert_eq!(light, json!([false, "rgb(245, 246, 248)"]));
+    browser.close().await;
+
+    // The dark scheme, for a browser that prefers it.
+    let dark = Browser::start_dark(1280, 1000).await;
+    sign_in(&dark, gateway, ADMIN_TOKEN).await;
+    dark.eval(&format!("location.hash = '#/services/{web}'; return true;"))
+        .await;
+    dark.wait_for(
+        "the service page in the dark scheme",
+        WAIT,
+        "return document.querySelectorAll('[data-testid^=\"target-row-\"]').length === 6;",
+    )
+    .await;
+    let colours = dark
+        .eval(
+            "return [matchMedia('(prefers-color-scheme: dark)').matches, \
+               getComputedStyle(document.body).backgroundColor, \
+               getComputedStyle(document.body).color];",
+        )
+        .await;
+    assert_eq!(
+        colours,
+        json!([true, "rgb(15, 20, 26)", "rgb(228, 233, 240)"]),
+        "dark background, light text"
+    );
+    dark.screenshot("service-dark").await;
+    dark.close().await;
+}
+
+/// Waits until the API shows all six targets of `web` healthy.
+async fn wait_all_targets(fixture: &Fixture) {
+    let end = Instant::now() + WAIT;
+    loop {
+        let targets = fixture.web_targets().await;
+        if targets.len() == 6 && targets.iter().all(|t| t["health"] == "healthy") {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "web's targets did not all turn healthy: {targets:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewer_sees_no_admin_buttons_and_a_401_signs_out() {
+    let fixture = Fixture::start(TestGateway::start().await).await;
+    let gateway = &fixture.gateway;
+    let web = fixture.web;
+    let browser = Browser::start().await;
+
+    // A wrong token is refused on the form, and nothing is stored.
+    sign_in(&browser, gateway, "raahi_not-a-token").await;
+    let message = browser
+        .wait_for(
+            "the refusal on the sign-in form",
+            WAIT,
+            "const el = document.querySelector('[data-testid=\"sign-in-message\"]'); \
+             return el && el.textContent ? el.textContent : null;",
+        )
+        .await;
+    assert!(message.as_str().unwrap().contains("401"), "{message}");
+    assert_eq!(
+        browser
+            .eval("return sessionStorage.length + localStorage.length;")
+            .await,
+        0
+    );
+
+    browser
+        .by_test_id("token-input")
+        .await
+        .clear()
+        .await
+        .expect("clear the field");
+    browser
+        .by_test_id("token-input")
+        .await
+        .send_keys(&fixture.viewer)
+        .await
+        .expect("type the token");
+    browser
+        .by_test_id("sign-in")
+        .await
+        .click()
+        .await
+        .expect("click sign in");
+    browser
+        .wait_for(
+            "web's card",
+            WAIT,
+            &format!(
+                "return document.querySelector('[data-testid=\"service-card-{web}\"]') !== null;"
+            ),
+        )
+        .await;
+    assert_eq!(
+        browser.test_id_attr("who", "data-role").await.as_deref(),
+        Some("viewer")
+    );
+    // The token lives in this tab's sessionStorage only: never in the URL or localStorage.
+    let stored = browser
+        .eval("return [sessionStorage.getItem('raahi.token'), localStorage.length, location.href];")
+        .await;
+    assert_eq!(stored[0], fixture.viewer.as_str());
+    assert_eq!(stored[1], 0);
+    assert!(!stored[2].as_str().unwrap().contains(&fixture.viewer));
+
+    // The service page by its address: rows and sources, but no admin button in the page.
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{web}")))
+        .await;
+    browser
+        .wait_for(
+            "six target rows and the source",
+            WAIT,
+            &format!(
+                "return document.querySelectorAll('[data-testid^=\"target-row-\"]').length === 6 \
+                 && document.querySelector('[data-testid=\"source-{}\"]') !== null;",
+                fixture.source
+            ),
+        )
+        .await;
+    for selector in [
+        "[data-testid^=\"toggle-target-\"]",
+        "[data-testid^=\"refresh-source-\"]",
+        "[data-testid^=\"accept-removals-\"]",
+        "main button",
+    ] {
+        assert_eq!(
+            count(&browser, selector).await,
+            0,
+            "{selector} for a viewer"
+        );
+    }
+    // The viewer can still read a target's history.
+    let first = fixture.operator[0];
+    browser
+        .by_test_id(&format!("target-row-{first}"))
+        .await
+        .click()
+        .await
+        .expect("click a row");
+    browser
+        .wait_for(
+            "the history panel",
+            WAIT,
+            &format!(
+                "const panel = document.querySelector('[data-testid=\"history\"]'); \
+                 return panel !== null && panel.getAttribute('data-target-id') === '{first}' \
+                   && panel.querySelectorAll('[data-testid=\"history-entry\"]').length > 0;"
+            ),
+        )
+        .await;
+
+    // The token is revoked: the next call answers 401 and the page returns to sign-in.
+    let (_, tokens) = gateway.api("GET", "/api/v1/tokens", None).await;
+    let token_id = tokens["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "ops-viewer")
+        .expect("the viewer token")["id"]
+        .as_i64()
+        .unwrap();
+    let (status, _) = gateway
+        .api("DELETE", &format!("/api/v1/tokens/{token_id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let message = browser
+        .wait_for(
+            "the sign-in form after the 401",
+            WAIT,
+            "const el = document.querySelector('[data-testid=\"sign-in-message\"]'); \
+             return el && el.textContent ? el.textContent : null;",
+        )
+        .await;
+    assert!(
+        message.as_str().unwrap().contains("no longer accepts"),
+        "{message}"
+    );
+    assert_eq!(browser.eval("return sessionStorage.length;").await, 0);
+    browser.close().await;
+}
+
+/// A test config whose admin listener is on `admin` (to restart on the same address).
+fn config_on(dir: &std::path::Path, admin: SocketAddr) -> Config {
+    let env: Vec<(String, String)> = vec![
+        ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_LISTEN".into(), admin.to_string()),
+        ("RAAHI_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
+        (
+            "RAAHI_DATABASE_URL".into(),
+            format!("sqlite://{}/raahi.db", dir.display()),
+        ),
+    ];
+    Config::from_parts("dashboard-test.toml", None, &env).expect("test config is valid")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_says_when_the_stream_is_down_and_recovers_after_a_restart() {
+    let mut gateway = TestGateway::start().await;
+    let admin = gateway.admin;
+    let first = gateway
+        .service_with_targets("before", &[json!({"host": "192.0.2.1", "port": 80})])
+        .await;
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .wait_for(
+            "the stream live and the first service",
+            WAIT,
+            &format!(
+                "return document.querySelector('[data-testid=\"stream-status\"]') \
+                   .getAttribute('data-state') === 'live' \
+                 && document.querySelector('[data-testid=\"service-card-{first}\"]') !== null;"
+            ),
+        )
+        .await;
+
+    // The gateway stops: the page says so plainly, and keeps trying.
+    gateway
+        .gateway
+        .take()
+        .expect("a running gateway")
+        .shutdown()
+        .await;
+    let text = browser
+        .wait_for(
+            "the disconnected banner",
+            WAIT,
+            "const el = document.querySelector('[data-testid=\"stream-status\"]'); \
+             return el.getAttribute('data-state') === 'down' ? el.textContent : null;",
+        )
+        .await;
+    assert!(
+        text.as_str()
+            .unwrap()
+            .contains("Disconnected — reconnecting"),
+        "{text}"
+    );
+    // Said to screen readers too; a retry button; the data it can no longer vouch for dimmed.
+    assert_eq!(
+        browser
+            .eval(
+                "return [document.querySelector('[data-testid=\"stream-status\"]').getAttribute('role'), \
+                   document.querySelector('[data-testid=\"reconnect-now\"]') !== null, \
+                   document.body.getAttribute('data-stream')];"
+            )
+            .await,
+        json!(["status", true, "down"])
+    );
+    browser.screenshot("disconnected").await;
+
+    // Back at once on the same address (and store), with a service created since: the page
+    // reconnects by itself with its last event id, which the new process never issued, so it
+    // gets a fresh snapshot with the new service (not whichever new events follow that id).
+    let restarted =
+        TestGateway::start_with(gateway.dir.clone(), config_on(gateway.dir.path(), admin)).await;
+    let second = restarted
+        .service_with_targets("after", &[json!({"host": "192.0.2.2", "port": 80})])
+        .await;
+    browser
+        .wait_for(
+            "the stream live again with the new service",
+            Duration::from_secs(30),
+            &format!(
+                "return document.querySelector('[data-testid=\"stream-status\"]') \
+                   .getAttribute('data-state') === 'live' \
+                 && document.querySelector('[data-testid=\"service-card-{second}\"]') !== null \
+                 && document.querySelector('[data-testid=\"service-card-{first}\"]') !== null;"
+            ),
+        )
+        .await;
+    browser.close().await;
+}
+
+/// The files themselves, without a browser: served without a token, with their types and a
+/// strict policy; `/ui` redirects; an unknown file is the API's JSON 404.
+#[tokio::test]
+async fn the_dashboard_files_are_served_on_the_admin_listener() {
+    let gateway = TestGateway::start().await;
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let response = http.get(gateway.admin_url("/ui")).send().await.unwrap();
+    assert_eq!(response.status(), 308);
+    assert_eq!(response.headers()["location"], "ui/");
+
+    for (path, content_type, needle) in [
+        (
+            "/ui/",
+            "text/html; charset=utf-8",
+            "<script type=\"module\" src=\"app.js\">",
+        ),
+        (
+            "/ui/app.js",
+            "text/javascript; charset=utf-8",
+            "sessionStorage",
+        ),
+        (
+            "/ui/style.css",
+            "text/css; charset=utf-8",
+            "prefers-color-scheme: dark",
+        ),
+    ] {
+        let response = http.get(gateway.admin_url(path)).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{path}");
+        let headers = response.headers().clone();
+        assert_eq!(headers["content-type"], content_type, "{path}");
+        assert_eq!(headers["cache-control"], "no-cache", "{path}");
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        assert!(
+            csp.contains("script-src 'self'") && csp.contains("connect-src 'self'"),
+            "{csp}"
+        );
+        assert!(!csp.contains("unsafe"), "{csp}");
+        let body = response.text().await.unwrap();
+        assert!(body.contains(needle), "{path}");
+        // Nothing is fetched from elsewhere.
+        assert!(
+            !body.contains("http://") && !body.contains("https://"),
+            "{path} names an outside address"
+        );
+    }
+
+    let response = http
+        .get(gateway.admin_url("/ui/missing.js"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_found", "{body}");
+    // The API beside it is unchanged.
+    let (status, _) = gateway.api_as(None, "GET", "/api/v1/services", None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}

@@ -1,0 +1,1402 @@
+// Raahi dashboard: sign-in, the live event stream, an overview of every service and a page per
+// service. Plain JavaScript (an ES module), no build step, nothing fetched from elsewhere.
+//
+// The token is kept in sessionStorage only and travels in the Authorization header; the event
+// stream is read with fetch() for that reason (EventSource cannot send headers). Every event is
+// applied as an upsert of full objects, so applying one twice is harmless.
+
+const API = new URL('../api/v1/', document.baseURI);
+const TOKEN_KEY = 'raahi.token';
+const BACKOFF_FIRST_MS = 1000;
+const BACKOFF_MAX_MS = 10000;
+// The server sends a comment every 15 s: a stream silent for this long is dead.
+const STREAM_SILENCE_MS = 45000;
+const RUNTIME_POLL_MS = 2000;
+const ACTIVITY_MAX = 40;
+const HISTORY_MAX = 50;
+
+const state = {
+  token: null,
+  session: null, // {role, name}
+  services: new Map(),
+  targets: new Map(),
+  sources: new Map(),
+  loaded: false, // a snapshot has arrived
+  lastId: null,
+  stream: { state: 'idle', detail: '', retryAt: 0 },
+  activity: [], // recent events, newest first
+  history: new Map(), // target id -> {items, loading, error}
+  openTarget: null, // the target whose history is shown
+  revealHistory: false,
+  errors: new Map(), // action key -> message
+  busy: new Set(), // action keys in flight
+  generation: 0, // bumped on sign-out: stale loops stop
+  // The legend starts folded on a phone's width.
+  legendOpen: window.matchMedia('(min-width: 641px)').matches,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------------------
+
+/** Builds an element; children are nodes or text (never parsed as HTML). */
+function h(tag, props, ...children) {
+  const el = document.createElement(tag);
+  if (props) {
+    for (const [key, value] of Object.entries(props)) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === 'class') el.className = value;
+      else if (key.startsWith('on') && typeof value === 'function') {
+        el.addEventListener(key.slice(2), value);
+      } else el.setAttribute(key, value === true ? '' : String(value));
+    }
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : String(child));
+  }
+  return el;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+const timeFormat = new Intl.DateTimeFormat(undefined, {
+  hour: '2-digit', minute: '2-digit', second: '2-digit',
+});
+const dateTimeFormat = new Intl.DateTimeFormat(undefined, {
+  month: 'short', day: 'numeric', hour: '2-digit', minute: '2-digit', second: '2-digit',
+});
+
+function formatTime(iso) {
+  if (!iso) return '—';
+  const date = new Date(iso);
+  if (Number.isNaN(date.getTime())) return String(iso);
+  const today = new Date();
+  return date.toDateString() === today.toDateString()
+    ? timeFormat.format(date) : dateTimeFormat.format(date);
+}
+
+function spanText(ms) {
+  if (Math.abs(ms) < 1000) return `${Math.round(Math.abs(ms))} ms`;
+  const s = Math.round(Math.abs(ms) / 1000);
+  if (s < 60) return `${s} s`;
+  const m = Math.round(s / 60);
+  if (m < 60) return `${m} min`;
+  const hours = Math.round(m / 60);
+  if (hours < 48) return `${hours} h`;
+  return `${Math.round(hours / 24)} d`;
+}
+
+function relativeText(iso, now = Date.now()) {
+  const ms = new Date(iso).getTime() - now;
+  if (Math.abs(ms) < 1000) return 'now';
+  return ms > 0 ? `in ${spanText(ms)}` : `${spanText(ms)} ago`;
+}
+
+/** A time shown relative to now (kept current by the ticker), the absolute time on hover. */
+function relTime(iso) {
+  if (!iso) return '—';
+  return h('time', { datetime: iso, title: new Date(iso).toString(), 'data-rel': '' },
+    relativeText(iso));
+}
+
+function absTime(iso) {
+  if (!iso) return '—';
+  return h('time', { datetime: iso, title: new Date(iso).toString() }, formatTime(iso));
+}
+
+function address(target) {
+  const host = String(target.host ?? '');
+  return host.includes(':') ? `[${host}]:${target.port}` : `${host}:${target.port}`;
+}
+
+function plural(n, one, many = `${one}s`) {
+  return `${n} ${n === 1 ? one : many}`;
+}
+
+function byName(a, b) {
+  return String(a.name).localeCompare(String(b.name)) || a.id - b.id;
+}
+
+function byTierThenAddress(a, b) {
+  return (a.priority - b.priority) || address(a).localeCompare(address(b), undefined,
+    { numeric: true }) || a.id - b.id;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Target conditions: one word per target for colour, legend and tests
+// ---------------------------------------------------------------------------------------------
+
+const CONDITIONS = [
+  ['healthy', 'Healthy', 'active and passing its checks'],
+  ['unknown', 'Unknown', 'active, no health verdict (not checked, or not yet)'],
+  ['unhealthy', 'Unhealthy', 'failing its health checks'],
+  ['ejected', 'Ejected', 'taken out after failed requests, until its ejection ends'],
+  ['half-open', 'Half-open', 'ejection ended; one trial request at a time'],
+  ['draining', 'Draining', 'gone from discovery; no new traffic, requests finish'],
+  ['stale', 'Stale', 'its source is stale; no new traffic'],
+  ['disabled', 'Disabled', 'disabled by an operator'],
+];
+const CONDITION_LABEL = Object.fromEntries(CONDITIONS.map(([key, label]) => [key, label]));
+
+function isEjected(target, now = Date.now()) {
+  return Boolean(target.ejected_until) && new Date(target.ejected_until).getTime() > now;
+}
+
+function condition(target, now = Date.now()) {
+  if (target.state === 'draining') return 'draining';
+  if (target.state === 'stale') return 'stale';
+  if (!target.enabled) return 'disabled';
+  if (target.health === 'unhealthy') return 'unhealthy';
+  if (isEjected(target, now)) return 'ejected';
+  if (target.half_open) return 'half-open';
+  if (target.health === 'healthy') return 'healthy';
+  return 'unknown';
+}
+
+/** DESIGN §5: active, enabled, not unhealthy, not ejected, weight above zero. */
+function isAvailable(target, now = Date.now()) {
+  return target.state === 'active' && target.enabled && target.health !== 'unhealthy'
+    && !isEjected(target, now) && target.weight > 0;
+}
+
+function describeTarget(target, now = Date.now()) {
+  const parts = [target.state, target.health];
+  if (!target.enabled) parts.push('disabled');
+  if (isEjected(target, now)) parts.push(`ejected until ${formatTime(target.ejected_until)}`);
+  if (target.half_open) parts.push('half-open');
+  return `${address(target)}: ${parts.join(', ')}`;
+}
+
+function legend() {
+  return h('details', { class: 'legend', open: state.legendOpen },
+    h('summary', null, 'Legend'),
+    h('ul', { class: 'legend-items' },
+      CONDITIONS.map(([key, label, hint]) => h('li', { title: hint },
+        h('span', { class: `block c-${key}`, 'aria-hidden': 'true' }),
+        h('span', null, label)))));
+}
+
+// ---------------------------------------------------------------------------------------------
+// API calls
+// ---------------------------------------------------------------------------------------------
+
+class SignedOut extends Error {}
+
+function errorMessage(status, data) {
+  const error = data && typeof data === 'object' ? data.error : null;
+  if (error && error.message) return `${error.message} (HTTP ${status})`;
+  if (typeof data === 'string' && data) return `${data} (HTTP ${status})`;
+  return `the gateway answered HTTP ${status}`;
+}
+
+async function api(method, path, body) {
+  const headers = { Authorization: `Bearer ${state.token}`, Accept: 'application/json' };
+  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  const response = await fetch(new URL(path, API), {
+    method,
+    headers,
+    body: body === undefined ? undefined : JSON.stringify(body),
+    cache: 'no-store',
+  });
+  const text = await response.text();
+  let data = null;
+  if (text) {
+    try { data = JSON.parse(text); } catch { data = text; }
+  }
+  if (response.status === 401) {
+    signOut('The gateway no longer accepts this token. Sign in again.');
+    throw new SignedOut();
+  }
+  return { status: response.status, ok: response.ok, data };
+}
+
+async function checkToken(token) {
+  const response = await fetch(new URL('session', API), {
+    headers: { Authorization: `Bearer ${token}`, Accept: 'application/json' },
+    cache: 'no-store',
+  });
+  if (response.status === 401) return null;
+  if (!response.ok) throw new Error(`the gateway answered HTTP ${response.status}`);
+  return response.json();
+}
+
+/** Runs an admin action; its error (if any) is shown next to the control under `key`. */
+async function act(key, method, path, body, onSuccess) {
+  if (state.busy.has(key)) return;
+  state.busy.add(key);
+  state.errors.delete(key);
+  scheduleRender();
+  try {
+    const answer = await api(method, path, body);
+    if (answer.ok) {
+      if (onSuccess) onSuccess(answer.data);
+    } else {
+      state.errors.set(key, errorMessage(answer.status, answer.data));
+    }
+  } catch (error) {
+    if (error instanceof SignedOut) return;
+    state.errors.set(key, `Cannot reach the gateway: ${error.message}`);
+  } finally {
+    state.busy.delete(key);
+    scheduleRender();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The event stream
+// ---------------------------------------------------------------------------------------------
+
+/** A Server-Sent Events parser (the WHATWG rules for lines, fields and dispatch). */
+class SseParser {
+  constructor(onEvent, onComment) {
+    this.onEvent = onEvent;
+    this.onComment = onComment;
+    this.buffer = '';
+    this.data = [];
+    this.type = '';
+    this.id = null;
+  }
+
+  push(text) {
+    this.buffer += text;
+    let start = 0;
+    for (;;) {
+      const lf = this.buffer.indexOf('\n', start);
+      const cr = this.buffer.indexOf('\r', start);
+      let end;
+      let next;
+      if (lf === -1 && cr === -1) break;
+      if (cr === -1 || (lf !== -1 && lf < cr)) {
+        end = lf;
+        next = lf + 1;
+      } else {
+        // A CR at the very end may be the first half of CRLF: wait for more.
+        if (cr === this.buffer.length - 1) break;
+        end = cr;
+        next = this.buffer[cr + 1] === '\n' ? cr + 2 : cr + 1;
+      }
+      this.line(this.buffer.slice(start, end));
+      start = next;
+    }
+    this.buffer = this.buffer.slice(start);
+  }
+
+  line(line) {
+    if (line === '') {
+      this.dispatch();
+      return;
+    }
+    if (line.startsWith(':')) {
+      this.onComment(line.slice(1).trim());
+      return;
+    }
+    const colon = line.indexOf(':');
+    const field = colon === -1 ? line : line.slice(0, colon);
+    let value = colon === -1 ? '' : line.slice(colon + 1);
+    if (value.startsWith(' ')) value = value.slice(1);
+    if (field === 'event') this.type = value;
+    else if (field === 'data') this.data.push(value);
+    else if (field === 'id' && !value.includes('\0')) this.id = value;
+  }
+
+  dispatch() {
+    if (this.data.length > 0) {
+      this.onEvent({ type: this.type || 'message', data: this.data.join('\n'), id: this.id });
+    }
+    this.data = [];
+    this.type = '';
+  }
+}
+
+let streamAbort = null;
+let wakeStream = null;
+
+function setStream(next, detail = '', retryAt = 0) {
+  state.stream = { state: next, detail, retryAt };
+  document.body.setAttribute('data-stream', next);
+  renderStreamStatus();
+}
+
+async function streamLoop(generation) {
+  let backoff = BACKOFF_FIRST_MS;
+  while (generation === state.generation) {
+    const controller = new AbortController();
+    streamAbort = controller;
+    let silence = null;
+    const feed = () => {
+      clearTimeout(silence);
+      silence = setTimeout(() => controller.abort(new Error('no data for 45 s')),
+        STREAM_SILENCE_MS);
+    };
+    let why = 'the stream ended';
+    try {
+      if (state.stream.state !== 'down') setStream('connecting');
+      const headers = { Authorization: `Bearer ${state.token}`, Accept: 'text/event-stream' };
+      if (state.lastId !== null) headers['Last-Event-ID'] = state.lastId;
+      feed();
+      // Resuming is always safe: an id from before a restart (or from another instance) gets a
+      // fresh snapshot, as ids start above the process's start time.
+      const response = await fetch(new URL('events', API), {
+        headers, cache: 'no-store', signal: controller.signal,
+      });
+      if (generation !== state.generation) return;
+      if (response.status === 401) {
+        signOut('The gateway no longer accepts this token. Sign in again.');
+        return;
+      }
+      if (!response.ok || !response.body) {
+        throw new Error(`the gateway answered HTTP ${response.status}`);
+      }
+      setStream('live');
+      backoff = BACKOFF_FIRST_MS;
+      const parser = new SseParser((event) => {
+        if (generation === state.generation) onStreamEvent(event);
+      }, () => {});
+      const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        feed();
+        parser.push(value);
+      }
+    } catch (error) {
+      if (generation !== state.generation) return;
+      const reason = controller.signal.reason instanceof Error ? controller.signal.reason : error;
+      why = reason && reason.message ? reason.message : String(reason);
+      if (why === 'Failed to fetch' || why.startsWith('network error')) {
+        why = 'the gateway cannot be reached';
+      }
+    } finally {
+      clearTimeout(silence);
+    }
+    if (generation !== state.generation) return;
+    setStream('down', why, Date.now() + backoff);
+    await new Promise((resolve) => {
+      const timer = setTimeout(resolve, backoff);
+      wakeStream = () => { clearTimeout(timer); resolve(); };
+    });
+    wakeStream = null;
+    backoff = Math.min(backoff * 2, BACKOFF_MAX_MS);
+  }
+}
+
+function onStreamEvent(event) {
+  let payload;
+  try {
+    payload = JSON.parse(event.data);
+  } catch {
+    console.warn('raahi: an event whose data is not JSON', event);
+    return;
+  }
+  if (event.id !== null && event.id !== '') state.lastId = event.id;
+  switch (event.type) {
+    case 'snapshot': applySnapshot(payload); break;
+    case 'target': applyTarget(payload); break;
+    case 'source': applySource(payload); break;
+    case 'config': applyConfig(payload); break;
+    default: return;
+  }
+  scheduleRender();
+}
+
+function applySnapshot(snapshot) {
+  state.services = new Map((snapshot.services ?? []).map((s) => [s.id, s]));
+  state.targets = new Map((snapshot.targets ?? []).map((t) => [t.id, t]));
+  state.sources = new Map((snapshot.sources ?? []).map((s) => [s.id, s]));
+  state.loaded = true;
+  // Events may have been missed: histories on screen are read again.
+  const open = state.openTarget;
+  state.history.clear();
+  if (open !== null) loadHistory(open);
+}
+
+function remember(entry) {
+  state.activity.unshift(entry);
+  if (state.activity.length > ACTIVITY_MAX) state.activity.length = ACTIVITY_MAX;
+}
+
+function applyTarget(event) {
+  if (event.target) state.targets.set(event.target.id, event.target);
+  else state.targets.delete(event.target_id);
+  const history = state.history.get(event.target_id);
+  if (history) {
+    const entry = {
+      id: event.id, at: event.at, change: event.change, from: event.from, to: event.to,
+      reason: event.reason,
+    };
+    history.items = mergeHistory(history.items, [entry]);
+  }
+  remember({
+    id: event.id,
+    at: event.at,
+    service_id: event.service_id,
+    target_id: event.target_id,
+    what: `${event.address} ${changeText(event)}`,
+    reason: event.reason,
+    tone: toneOf(event.to ?? event.change),
+  });
+}
+
+function applySource(event) {
+  const known = state.sources.get(event.source_id);
+  state.sources.set(event.source_id, known ? { ...known, status: event.status } : {
+    id: event.source_id, service_id: event.service_id, name: event.name, provider: '',
+    enabled: true, status: event.status,
+  });
+  remember({
+    id: event.id,
+    at: event.at,
+    service_id: event.service_id,
+    what: `source ${event.name} ${changeText(event)}`,
+    reason: event.reason,
+    tone: toneOf(event.to ?? event.change),
+  });
+}
+
+function applyConfig(event) {
+  if (event.kind === 'service') {
+    if (event.change === 'deleted') {
+      state.services.delete(event.object_id);
+      for (const [id, t] of state.targets) if (t.service_id === event.object_id) state.targets.delete(id);
+      for (const [id, s] of state.sources) if (s.service_id === event.object_id) state.sources.delete(id);
+    } else if (event.object) {
+      const known = state.services.get(event.object.id);
+      state.services.set(event.object.id, {
+        ...event.object, panic_picks: event.object.panic_picks ?? known?.panic_picks ?? 0,
+      });
+    }
+  } else if (event.kind === 'discovery_source') {
+    if (event.change === 'deleted') state.sources.delete(event.object_id);
+    else if (event.object) {
+      const known = state.sources.get(event.object.id);
+      state.sources.set(event.object.id, { ...event.object, status: event.object.status ?? known?.status });
+    }
+  }
+  const kind = event.kind.replace('_', ' ');
+  remember({
+    id: event.id,
+    at: event.at,
+    service_id: event.service_id,
+    what: `${kind}${event.name ? ` ${event.name}` : ` ${event.object_id}`} ${event.change}`,
+    reason: '',
+    tone: event.change === 'deleted' ? 'muted' : 'info',
+  });
+}
+
+function changeText(event) {
+  if (event.from && event.to) return `${event.change}: ${event.from} → ${event.to}`;
+  if (event.to) return `${event.change}: ${event.to}`;
+  return event.change;
+}
+
+function toneOf(word) {
+  switch (word) {
+    case 'healthy': case 'active': case 'added': case 'restored': case 'enabled': return 'good';
+    case 'unhealthy': case 'failing': case 'stale': case 'removed': case 'ejected': return 'bad';
+    case 'draining': case 'half_open': case 'disabled': case 'guard': case 'pending': return 'warn';
+    default: return 'info';
+  }
+}
+
+function mergeHistory(items, more) {
+  const byId = new Map();
+  for (const item of [...items, ...more]) byId.set(item.id, item);
+  return [...byId.values()].sort((a, b) => b.id - a.id).slice(0, HISTORY_MAX);
+}
+
+async function loadHistory(id) {
+  const known = state.history.get(id);
+  state.history.set(id, { items: known?.items ?? [], loading: true, error: '' });
+  scheduleRender();
+  try {
+    const answer = await api('GET', `targets/${id}/history`);
+    const entry = state.history.get(id) ?? { items: [] };
+    if (answer.ok) {
+      entry.items = mergeHistory(entry.items, answer.data.items ?? []);
+      entry.error = '';
+    } else if (answer.status === 404) {
+      entry.error = '';
+    } else {
+      entry.error = errorMessage(answer.status, answer.data);
+    }
+    entry.loading = false;
+    state.history.set(id, entry);
+  } catch (error) {
+    if (error instanceof SignedOut) return;
+    state.history.set(id, { items: known?.items ?? [], loading: false,
+      error: `Cannot reach the gateway: ${error.message}` });
+  }
+  scheduleRender();
+}
+
+function toggleHistory(id) {
+  if (state.openTarget === id) {
+    state.openTarget = null;
+  } else {
+    state.openTarget = id;
+    state.revealHistory = true;
+    loadHistory(id);
+  }
+  scheduleRender();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime counters on a service page (in flight, panic picks)
+// ---------------------------------------------------------------------------------------------
+
+let pollTimer = null;
+let pollService = null;
+
+function syncPolling() {
+  const id = state.session ? currentRoute().service : null;
+  if (id === pollService) return;
+  clearInterval(pollTimer);
+  pollTimer = null;
+  pollService = id;
+  if (id !== null) {
+    pollRuntime(id);
+    pollTimer = setInterval(() => pollRuntime(id), RUNTIME_POLL_MS);
+  }
+}
+
+async function pollRuntime(id) {
+  if (state.stream.state !== 'live') return;
+  let answer;
+  try {
+    answer = await api('GET', `services/${id}/runtime`);
+  } catch {
+    return;
+  }
+  if (!answer.ok || pollService !== id) return;
+  let changed = false;
+  const service = state.services.get(id);
+  if (service && service.panic_picks !== answer.data.panic_picks) {
+    state.services.set(id, { ...service, panic_picks: answer.data.panic_picks });
+    changed = true;
+  }
+  for (const runtime of answer.data.targets ?? []) {
+    const target = state.targets.get(runtime.id);
+    if (target && target.in_flight !== runtime.in_flight) {
+      state.targets.set(runtime.id, { ...target, in_flight: runtime.in_flight });
+      changed = true;
+    }
+  }
+  // A refresh that changes nothing sends no event; admins may read the status itself, so the
+  // refresh times on the page stay current.
+  if (state.session?.role === 'admin') {
+    for (const source of servicesSources(id)) {
+      let status;
+      try {
+        status = await api('GET', `discovery-sources/${source.id}/status`);
+      } catch {
+        return;
+      }
+      const known = state.sources.get(source.id);
+      if (status.ok && known && pollService === id
+        && JSON.stringify(known.status) !== JSON.stringify(status.data)) {
+        state.sources.set(source.id, { ...known, status: status.data });
+        changed = true;
+      }
+    }
+  }
+  if (changed) scheduleRender();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session
+// ---------------------------------------------------------------------------------------------
+
+function enter(token, session) {
+  state.token = token;
+  state.session = session;
+  state.generation += 1;
+  state.loaded = false;
+  state.lastId = null;
+  state.activity = [];
+  state.history.clear();
+  state.errors.clear();
+  state.openTarget = null;
+  renderHeader();
+  render();
+  streamLoop(state.generation);
+  syncPolling();
+}
+
+function signOut(message = '') {
+  state.generation += 1;
+  if (streamAbort) streamAbort.abort(new Error('signed out'));
+  sessionStorage.removeItem(TOKEN_KEY);
+  state.token = null;
+  state.session = null;
+  state.services = new Map();
+  state.targets = new Map();
+  state.sources = new Map();
+  state.loaded = false;
+  state.lastId = null;
+  state.activity = [];
+  state.history.clear();
+  state.errors.clear();
+  state.openTarget = null;
+  syncPolling();
+  setStream('idle');
+  renderHeader();
+  renderSignIn(message);
+}
+
+/** A token from an earlier page load: check it, waiting out a gateway that is down. */
+async function resume(token) {
+  let backoff = BACKOFF_FIRST_MS;
+  const generation = state.generation;
+  for (;;) {
+    try {
+      const session = await checkToken(token);
+      if (generation !== state.generation) return;
+      if (session === null) {
+        signOut('The gateway no longer accepts the saved token. Sign in again.');
+      } else {
+        enter(token, session);
+      }
+      return;
+    } catch (error) {
+      if (generation !== state.generation) return;
+      setStream('down', 'the gateway cannot be reached', Date.now() + backoff);
+      await sleep(backoff);
+      backoff = Math.min(backoff * 2, BACKOFF_MAX_MS);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering
+// ---------------------------------------------------------------------------------------------
+
+let renderTimer = null;
+
+function scheduleRender() {
+  if (renderTimer !== null) return;
+  renderTimer = setTimeout(() => {
+    renderTimer = null;
+    render();
+  }, 16);
+}
+
+function currentRoute() {
+  const hash = location.hash.replace(/^#/, '') || '/';
+  const service = /^\/services\/(\d+)\/?$/.exec(hash);
+  if (service) return { name: 'service', service: Number(service[1]) };
+  if (hash === '/' || hash === '') return { name: 'overview', service: null };
+  return { name: 'unknown', service: null };
+}
+
+/** The key that pairs an old node with its new version while morphing (elements only). */
+function keyOf(node) {
+  return node.nodeType === Node.ELEMENT_NODE ? node.getAttribute('data-key') : null;
+}
+
+/**
+ * Makes `from` (in the page) look like `to` (just built), keeping every node that can stay:
+ * focus, scroll positions, an element under the pointer and text selections survive updates.
+ * Children with a `data-key` are matched by key, the others by position. The page's behaviour
+ * is attached by delegation on `main`, never to these nodes, so nothing stale is left behind.
+ */
+function morph(from, to) {
+  if (from.nodeType !== to.nodeType || from.nodeName !== to.nodeName
+    || keyOf(from) !== keyOf(to)) {
+    from.replaceWith(to);
+    return;
+  }
+  if (from.nodeType !== Node.ELEMENT_NODE) {
+    if (from.nodeValue !== to.nodeValue) from.nodeValue = to.nodeValue;
+    return;
+  }
+  for (const { name } of [...from.attributes]) {
+    if (!to.hasAttribute(name)) from.removeAttribute(name);
+  }
+  for (const { name, value } of [...to.attributes]) {
+    if (from.getAttribute(name) !== value) from.setAttribute(name, value);
+  }
+  morphChildren(from, to);
+}
+
+function morphChildren(from, to) {
+  const wanted = [...to.childNodes];
+  const keyed = new Map();
+  for (const child of from.childNodes) {
+    const key = keyOf(child);
+    if (key !== null) keyed.set(key, child);
+  }
+  wanted.forEach((next, index) => {
+    const current = from.childNodes[index] ?? null;
+    const key = keyOf(next);
+    let match = null;
+    if (key !== null) {
+      match = keyed.get(key) ?? null;
+      keyed.delete(key);
+    } else if (current && keyOf(current) === null && current.nodeName === next.nodeName) {
+      match = current;
+    }
+    if (match === null) {
+      from.insertBefore(next, current);
+      return;
+    }
+    if (match !== current) from.insertBefore(match, current);
+    morph(match, next);
+  });
+  while (from.childNodes.length > wanted.length) from.lastChild.remove();
+}
+
+function render() {
+  if (!state.session) return;
+  const main = document.getElementById('main');
+  const active = document.activeElement;
+  const focusKey = active && main.contains(active) ? active.getAttribute('data-focus') : null;
+
+  const route = currentRoute();
+  let view;
+  if (!state.loaded) view = loadingView();
+  else if (route.name === 'service') view = servicePage(route.service);
+  else if (route.name === 'overview') view = overviewPage();
+  else view = notFoundView('There is no such page.');
+  const shown = main.firstElementChild;
+  if (main.childNodes.length === 1 && shown && keyOf(shown) !== null) morph(shown, view);
+  else main.replaceChildren(view);
+
+  // The focused element was replaced (e.g. the page changed): focus its new version.
+  if (focusKey && !main.contains(document.activeElement)) {
+    const el = main.querySelector(`[data-focus="${CSS.escape(focusKey)}"]`);
+    if (el) el.focus({ preventScroll: true });
+  }
+  if (state.revealHistory) {
+    state.revealHistory = false;
+    const panel = main.querySelector('#history');
+    if (panel) panel.scrollIntoView({ block: 'nearest' });
+  }
+}
+
+function renderHeader() {
+  const who = document.getElementById('who');
+  const out = document.getElementById('sign-out');
+  const pill = document.getElementById('live-pill');
+  if (state.session) {
+    who.replaceChildren(
+      h('span', { class: 'who-name' }, state.session.name),
+      h('span', { class: `role role-${state.session.role}` }, state.session.role));
+    who.setAttribute('data-role', state.session.role);
+    who.hidden = false;
+    out.hidden = false;
+    pill.hidden = false;
+  } else {
+    who.hidden = true;
+    who.replaceChildren();
+    out.hidden = true;
+    pill.hidden = true;
+  }
+}
+
+function renderStreamStatus() {
+  const el = document.getElementById('stream-status');
+  const pill = document.getElementById('live-pill');
+  const { state: now, detail, retryAt } = state.stream;
+  el.setAttribute('data-state', now);
+  pill.setAttribute('data-state', now);
+  pill.textContent = { live: 'Live', connecting: 'Connecting…', down: 'Disconnected', idle: '' }[now];
+  if (now === 'down') {
+    el.replaceChildren(
+      h('strong', null, 'Disconnected — reconnecting…'),
+      h('span', { class: 'stream-detail' }, ` ${detail}.`),
+      h('span', { class: 'stream-retry', 'aria-hidden': 'true', 'data-retry-at': String(retryAt) },
+        retryText(retryAt)),
+      state.session ? h('button', {
+        type: 'button', class: 'btn btn-small', 'data-testid': 'reconnect-now',
+        onclick: () => { if (wakeStream) wakeStream(); },
+      }, 'Retry now') : null);
+  } else if (now === 'connecting') {
+    el.replaceChildren(h('span', null, 'Connecting to the live event stream…'));
+  } else if (now === 'live') {
+    el.replaceChildren(h('span', { class: 'sr-only' }, 'Live: receiving updates from the gateway.'));
+  } else {
+    el.replaceChildren();
+  }
+}
+
+function retryText(retryAt) {
+  const left = Math.max(0, retryAt - Date.now());
+  return left > 500 ? ` Next attempt in ${Math.ceil(left / 1000)} s.` : ' Trying now…';
+}
+
+function renderSignIn(message) {
+  document.title = 'Sign in · Raahi';
+  const main = document.getElementById('main');
+  const input = h('input', {
+    id: 'token', name: 'token', type: 'password', autocomplete: 'off', spellcheck: 'false',
+    required: true, 'data-testid': 'token-input', 'aria-describedby': 'token-help',
+  });
+  const button = h('button', { type: 'submit', class: 'btn btn-primary', 'data-testid': 'sign-in' },
+    'Sign in');
+  const note = h('p', { id: 'sign-in-message', class: 'form-message', role: 'alert',
+    'data-testid': 'sign-in-message' }, message || '');
+  const form = h('form', { class: 'sign-in-form', method: 'post', novalidate: true },
+    h('label', { for: 'token' }, 'API token'),
+    input,
+    h('p', { id: 'token-help', class: 'help' },
+      'An admin or viewer token of this gateway. It is kept in this browser tab only and is ',
+      'forgotten when you sign out or close the tab.'),
+    note,
+    button);
+  form.addEventListener('submit', async (event) => {
+    event.preventDefault();
+    const token = input.value.trim();
+    if (!token) {
+      note.textContent = 'Enter a token.';
+      input.focus();
+      return;
+    }
+    button.disabled = true;
+    button.textContent = 'Checking…';
+    note.textContent = '';
+    try {
+      const session = await checkToken(token);
+      if (session === null) {
+        note.textContent = 'The gateway did not accept this token (401). Check it and try again.';
+        input.select();
+        input.focus();
+        return;
+      }
+      sessionStorage.setItem(TOKEN_KEY, token);
+      input.value = '';
+      enter(token, session);
+    } catch (error) {
+      note.textContent = `Cannot reach the gateway: ${error.message}.`;
+    } finally {
+      button.disabled = false;
+      button.textContent = 'Sign in';
+    }
+  });
+  main.replaceChildren(h('section', { class: 'sign-in', 'aria-labelledby': 'sign-in-title',
+    'data-testid': 'sign-in-view' },
+  h('h1', { id: 'sign-in-title' }, 'Sign in to Raahi'),
+  h('p', { class: 'lead' }, 'Live view of services, targets and discovery sources.'),
+  form));
+  input.focus();
+}
+
+function loadingView() {
+  return h('section', { class: 'empty', 'data-testid': 'loading', 'data-key': 'loading' },
+    h('h1', null, 'Loading…'),
+    h('p', { class: 'muted' }, 'Waiting for the first snapshot from the event stream.'));
+}
+
+function notFoundView(text) {
+  document.title = 'Not found · Raahi';
+  return h('section', { class: 'empty', 'data-testid': 'not-found', 'data-key': 'not-found' },
+    h('h1', null, 'Not found'),
+    h('p', null, text),
+    h('p', null, h('a', { href: '#/' }, 'Back to all services')));
+}
+
+function badge(word, label = word, extra = {}) {
+  return h('span', { class: `badge b-${word}`, ...extra }, label);
+}
+
+function servicesTargets(id) {
+  return [...state.targets.values()].filter((t) => t.service_id === id);
+}
+
+function servicesSources(id) {
+  return [...state.sources.values()].filter((s) => s.service_id === id).sort(byName);
+}
+
+function counts(targets, now) {
+  const c = { active: 0, draining: 0, stale: 0, healthy: 0, unhealthy: 0, unknown: 0,
+    ejected: 0, available: 0 };
+  for (const t of targets) {
+    c[t.state] = (c[t.state] ?? 0) + 1;
+    c[t.health] = (c[t.health] ?? 0) + 1;
+    if (isEjected(t, now)) c.ejected += 1;
+    if (isAvailable(t, now)) c.available += 1;
+  }
+  return c;
+}
+
+function tiersOf(targets) {
+  const tiers = new Map();
+  for (const t of [...targets].sort(byTierThenAddress)) {
+    if (!tiers.has(t.priority)) tiers.set(t.priority, []);
+    tiers.get(t.priority).push(t);
+  }
+  return [...tiers.entries()].sort((a, b) => a[0] - b[0]);
+}
+
+function tierBars(targets, now) {
+  if (targets.length === 0) return h('p', { class: 'muted small' }, 'No targets yet.');
+  return h('div', { class: 'tiers' }, tiersOf(targets).map(([priority, members]) => {
+    const available = members.filter((t) => isAvailable(t, now)).length;
+    return h('div', { class: 'tier', 'data-testid': `tier-${priority}`, 'data-key': `tier-${priority}` },
+      h('div', { class: 'tier-label' },
+        h('span', null, `Priority ${priority}`),
+        h('span', { class: available === 0 ? 'tier-count bad' : 'tier-count' },
+          `${available}/${members.length} available`)),
+      h('ul', { class: 'blocks', 'aria-label': `Targets at priority ${priority}` },
+        members.map((t) => {
+          const c = condition(t, now);
+          const text = `${describeTarget(t, now)} (${CONDITION_LABEL[c]})`;
+          return h('li', { class: `block c-${c}`, role: 'img', 'aria-label': text, title: text,
+            'data-testid': `block-${t.id}`, 'data-key': `block-${t.id}`, 'data-condition': c });
+        })));
+  }));
+}
+
+function sourceSchedule(source, now) {
+  const s = source.status;
+  if (!s) return null;
+  if (s.watch) {
+    return s.watch.connected
+      ? h('span', null, 'watch connected since ', absTime(s.watch.since))
+      : h('span', { class: 'warn-text' }, 'watch disconnected since ', absTime(s.watch.since));
+  }
+  if (s.state === 'disabled' || source.enabled === false) return null;
+  if (s.next_refresh_at) {
+    // Refreshes that change nothing send no event: once the time shown has passed, say how
+    // often the source refreshes instead of a time in the past.
+    if (new Date(s.next_refresh_at).getTime() > now) {
+      return h('span', null, 'next refresh ', relTime(s.next_refresh_at));
+    }
+    const every = s.last_refresh_at
+      ? new Date(s.next_refresh_at).getTime() - new Date(s.last_refresh_at).getTime() : 0;
+    return h('span', null, every > 0 ? `refreshes about every ${spanText(every)}` : 'refreshing');
+  }
+  return null;
+}
+
+function guardLine(source) {
+  const guard = source.status?.guard;
+  if (!guard || !guard.holding) return null;
+  return h('p', { class: 'guard', 'data-testid': `guard-${source.id}` },
+    h('strong', null, `Guard holding ${plural(guard.holding, 'removal')}`),
+    ' since ', absTime(guard.since),
+    `, ${plural(guard.confirmations ?? 0, 'confirmation')}`,
+    guard.reason ? `: ${guard.reason}` : '');
+}
+
+function sourceState(source) {
+  return source.status?.state ?? (source.enabled === false ? 'disabled' : 'pending');
+}
+
+function serviceCard(service, now) {
+  const targets = servicesTargets(service.id);
+  const sources = servicesSources(service.id);
+  const c = counts(targets, now);
+  const troubled = c.unhealthy > 0 || c.ejected > 0 || (targets.length > 0 && c.available === 0)
+    || sources.some((s) => ['failing', 'stale'].includes(sourceState(s)) || s.status?.guard?.holding);
+  return h('article', {
+    class: `card${troubled ? ' attention' : ''}`, 'data-testid': `service-card-${service.id}`,
+    'data-key': `service-card-${service.id}`,
+    'aria-labelledby': `service-${service.id}-name`,
+  },
+  h('header', { class: 'card-head' },
+    h('h2', { id: `service-${service.id}-name` },
+      h('a', { href: `#/services/${service.id}`, 'data-testid': `service-link-${service.id}` },
+        service.name)),
+    badge('proto', service.protocol)),
+  h('dl', { class: 'stats' },
+    stat('Available', `${c.available} of ${targets.length}`, c.available === 0 && targets.length ? 'bad' : ''),
+    stat('Panic picks', String(service.panic_picks ?? 0), service.panic_picks ? 'bad' : '')),
+  countLines(c),
+  tierBars(targets, now),
+  sources.length ? h('ul', { class: 'source-lines', 'aria-label': 'Discovery sources' },
+    sources.map((source) => {
+      const st = sourceState(source);
+      const error = source.status?.last_error;
+      return h('li', { 'data-testid': `source-line-${source.id}`, 'data-state': st,
+        'data-key': `source-line-${source.id}` },
+        h('div', { class: 'source-line-head' },
+          h('span', { class: 'source-name' }, source.name),
+          source.provider ? h('span', { class: 'muted small' }, source.provider) : null,
+          badge(st),
+          h('span', { class: 'muted small' }, sourceSchedule(source, now))),
+        error ? h('p', { class: 'error-text small' }, `Last error: ${error}`) : null,
+        guardLine(source));
+    })) : h('p', { class: 'muted small' }, 'No discovery sources.'));
+}
+
+/** Two lines of counts: lifecycle, then health; zeros muted, trouble coloured. */
+function countLines(c) {
+  const item = (n, word, tone) => h('span', {
+    class: n === 0 ? 'count zero' : `count ${tone}`, 'data-count': word,
+  }, h('strong', null, String(n)), ` ${word}`);
+  return h('div', { class: 'count-lines' },
+    h('p', { 'aria-label': 'Targets by state' },
+      item(c.active, 'active', ''), item(c.draining, 'draining', 'warn'),
+      item(c.stale, 'stale', 'bad')),
+    h('p', { 'aria-label': 'Targets by health' },
+      item(c.healthy, 'healthy', 'good'), item(c.unhealthy, 'unhealthy', 'bad'),
+      item(c.ejected, 'ejected', 'warn')));
+}
+
+function stat(label, value, tone = '') {
+  return h('div', { class: 'stat' }, h('dt', null, label), h('dd', { class: tone }, value));
+}
+
+function overviewPage() {
+  document.title = 'Services · Raahi';
+  const now = Date.now();
+  const services = [...state.services.values()].sort(byName);
+  const nTargets = state.targets.size;
+  return h('div', { class: 'page', 'data-testid': 'overview', 'data-key': 'overview' },
+    h('div', { class: 'page-head' },
+      h('div', null,
+        h('h1', null, 'Services'),
+        h('p', { class: 'muted' },
+          `${plural(services.length, 'service')} · ${plural(nTargets, 'target')} · `,
+          `${plural(state.sources.size, 'discovery source')}`)),
+      legend()),
+    services.length === 0
+      ? h('p', { class: 'empty-note' }, 'No services yet. Create one through the admin API.')
+      : h('div', { class: 'cards' }, services.map((s) => serviceCard(s, now))),
+    activitySection(null));
+}
+
+function activitySection(serviceId) {
+  const items = state.activity.filter((a) => serviceId === null || a.service_id === serviceId)
+    .slice(0, serviceId === null ? 15 : 10);
+  return h('section', { class: 'activity', 'aria-labelledby': 'activity-title',
+    'data-testid': 'activity' },
+  h('h2', { id: 'activity-title' }, 'Recent changes'),
+  items.length === 0
+    ? h('p', { class: 'muted small' }, 'Nothing has changed since this page opened.')
+    : h('ol', { class: 'activity-list' }, items.map((a) => h('li', {
+      class: `tone-${a.tone}`, 'data-key': `event-${a.id}`,
+    },
+      h('span', { class: 'activity-time' }, absTime(a.at)),
+      serviceId === null && a.service_id !== null && state.services.get(a.service_id)
+        ? h('a', { class: 'activity-service', href: `#/services/${a.service_id}` },
+          state.services.get(a.service_id).name) : null,
+      h('span', { class: 'activity-what' }, a.what),
+      a.reason ? h('span', { class: 'activity-reason' }, a.reason) : null))));
+}
+
+function servicePage(id) {
+  const service = state.services.get(id);
+  if (!service) return notFoundView(`There is no service ${id} (it may have been deleted).`);
+  document.title = `${service.name} · Raahi`;
+  const now = Date.now();
+  const targets = servicesTargets(id).sort(byTierThenAddress);
+  const sources = servicesSources(id);
+  const c = counts(targets, now);
+  const check = service.health_check;
+  const checkText = check
+    ? `${check.type === 'http' || !check.type ? `HTTP GET ${check.path}` : check.type.toUpperCase()} every ${spanText(check.interval_ms)}`
+    : 'none';
+  const ejection = service.ejection;
+  const ejectionText = ejection && ejection.enabled
+    ? `after ${ejection.failures} failures in ${spanText(ejection.window_ms)}` : 'off';
+  return h('div', { class: 'page', 'data-testid': 'service-page', 'data-service-id': id,
+    'data-key': `service-${id}` },
+    h('nav', { class: 'crumbs', 'aria-label': 'Breadcrumb' },
+      h('a', { href: '#/', 'data-testid': 'back' }, 'Services'), h('span', { 'aria-hidden': 'true' }, ' / '),
+      h('span', { 'aria-current': 'page' }, service.name)),
+    h('div', { class: 'page-head' },
+      h('div', null,
+        h('h1', null, service.name, ' ', badge('proto', service.protocol)),
+        h('dl', { class: 'stats inline' },
+          stat('Balancing', service.lb_policy ?? '—'),
+          stat('Health checks', checkText),
+          stat('Ejection', ejectionText),
+          stat('Available', `${c.available} of ${targets.length}`, c.available === 0 && targets.length ? 'bad' : ''),
+          stat('Panic picks', String(service.panic_picks ?? 0), service.panic_picks ? 'bad' : ''))),
+      legend()),
+    h('section', { class: 'panel', 'aria-labelledby': 'targets-title' },
+      h('h2', { id: 'targets-title' }, 'Targets'),
+      tierBars(targets, now),
+      targets.length ? targetTable(targets, sources, now) : null,
+      historyPanel()),
+    h('section', { class: 'panel', 'aria-labelledby': 'sources-title' },
+      h('h2', { id: 'sources-title' }, 'Discovery sources'),
+      sources.length
+        ? h('div', { class: 'source-cards' }, sources.map((s) => sourceCard(s, now)))
+        : h('p', { class: 'muted' }, 'None: this service\u2019s targets are added through the API.')),
+    activitySection(id));
+}
+
+function targetTable(targets, sources, now) {
+  const admin = state.session.role === 'admin';
+  const sourceName = new Map(sources.map((s) => [s.id, s.name]));
+  return h('div', { class: 'table-wrap', 'data-scroll': 'targets' },
+    h('table', { class: 'targets', 'data-testid': 'targets-table' },
+      h('caption', { class: 'sr-only' },
+        'Targets of this service. Select a row (Enter) to show its history.'),
+      h('thead', null, h('tr', null,
+        h('th', { scope: 'col' }, 'Address'),
+        h('th', { scope: 'col', class: 'num' }, 'Weight'),
+        h('th', { scope: 'col', class: 'num' }, 'Priority'),
+        h('th', { scope: 'col' }, 'State'),
+        h('th', { scope: 'col' }, 'Health'),
+        h('th', { scope: 'col' }, 'Ejected until'),
+        h('th', { scope: 'col', class: 'num' }, 'In flight'),
+        h('th', { scope: 'col' }, 'Source'),
+        admin ? h('th', { scope: 'col' }, h('span', { class: 'sr-only' }, 'Actions')) : null)),
+      h('tbody', null, targets.map((t) => targetRow(t, sourceName, admin, now)))));
+}
+
+function targetRow(t, sourceName, admin, now) {
+  const c = condition(t, now);
+  const open = state.openTarget === t.id;
+  return h('tr', {
+    tabindex: '0',
+    class: `target-row${open ? ' selected' : ''}`,
+    'data-testid': `target-row-${t.id}`,
+    'data-key': `target-row-${t.id}`,
+    'data-target-id': t.id,
+    'data-focus': `row-${t.id}`,
+    'data-state': t.state,
+    'data-health': t.health,
+    'data-enabled': String(Boolean(t.enabled)),
+    'data-condition': c,
+    'aria-expanded': String(open),
+    'aria-controls': 'history',
+    'aria-label': `${describeTarget(t, now)}. Press Enter for its history.`,
+  },
+  h('td', { class: 'addr' },
+    h('span', { class: `block small c-${c}`, 'aria-hidden': 'true' }),
+    h('code', null, address(t))),
+  h('td', { class: 'num' }, String(t.weight)),
+  h('td', { class: 'num' }, String(t.priority)),
+  h('td', null, badge(t.state),
+    t.enabled ? null : [' ', badge('disabled')],
+    t.state === 'draining' && t.remove_at
+      ? h('div', { class: 'muted small' }, 'removed ', relTime(t.remove_at)) : null),
+  h('td', null, badge(t.health),
+    t.last_check ? h('div', { class: 'muted small', title: `checked ${formatTime(t.last_check.at)}` },
+      t.last_check.detail) : null),
+  h('td', null, isEjected(t, now)
+    ? h('span', { class: 'warn-text' }, absTime(t.ejected_until), ' ',
+      h('span', { class: 'muted small' }, '(', relTime(t.ejected_until), ')'))
+    : t.half_open ? badge('half-open', 'half-open trial') : h('span', { class: 'muted' }, '—')),
+  h('td', { class: 'num' }, String(t.in_flight ?? 0)),
+  h('td', null, t.source_id === null || t.source_id === undefined
+    ? h('span', { class: 'muted' }, 'operator')
+    : sourceName.get(t.source_id) ?? `source ${t.source_id}`),
+  admin ? h('td', { class: 'actions' }, targetActions(t)) : null);
+}
+
+function targetActions(t) {
+  if (t.source_id !== null && t.source_id !== undefined) {
+    return h('span', { class: 'muted small', title: 'Owned by its discovery source; read-only' },
+      'read-only');
+  }
+  const key = `target-${t.id}`;
+  const busy = state.busy.has(key);
+  const error = state.errors.get(key);
+  return [
+    h('button', {
+      type: 'button', class: 'btn btn-small', 'data-testid': `toggle-target-${t.id}`,
+      'data-focus': `toggle-${t.id}`, disabled: busy,
+      'data-action': 'toggle-target', 'data-id': t.id,
+      'aria-label': `${t.enabled ? 'Disable' : 'Enable'} ${address(t)}`,
+    }, t.enabled ? 'Disable' : 'Enable'),
+    error ? h('p', { class: 'action-error', role: 'alert', 'data-testid': `action-error-${key}` },
+      error) : null,
+  ];
+}
+
+function historyPanel() {
+  const id = state.openTarget;
+  if (id === null) return null;
+  const target = state.targets.get(id);
+  const history = state.history.get(id) ?? { items: [], loading: true };
+  const title = target ? address(target) : `target ${id}`;
+  return h('section', { id: 'history', class: 'history', 'data-testid': 'history',
+    'data-target-id': id, 'aria-labelledby': 'history-title' },
+  h('div', { class: 'history-head' },
+    h('h3', { id: 'history-title' }, `History of ${title}`),
+    h('button', { type: 'button', class: 'btn btn-small btn-quiet', 'data-testid': 'close-history',
+      'data-focus': 'close-history', 'data-action': 'close-history' },
+    'Close')),
+  target?.last_check ? h('p', { class: 'muted small' },
+    `Last check ${target.last_check.passed ? 'passed' : 'failed'}: ${target.last_check.detail} at `,
+    absTime(target.last_check.at)) : null,
+  history.error ? h('p', { class: 'action-error', role: 'alert' }, history.error) : null,
+  history.items.length === 0
+    ? h('p', { class: 'muted' }, history.loading ? 'Loading…'
+      : 'No transitions recorded since this gateway started.')
+    : h('ol', { class: 'history-list' }, history.items.map((item) => h('li', {
+      'data-testid': 'history-entry', 'data-change': item.change, 'data-key': `event-${item.id}`,
+      class: `tone-${toneOf(item.to ?? item.change)}`,
+    },
+    h('span', { class: 'activity-time' }, absTime(item.at)),
+    h('span', { class: 'history-change' }, changeText(item)),
+    h('span', { class: 'activity-reason' }, item.reason)))));
+}
+
+function sourceCard(source, now) {
+  const s = source.status ?? {};
+  const st = sourceState(source);
+  const admin = state.session.role === 'admin';
+  const refreshKey = `refresh-${source.id}`;
+  const acceptKey = `accept-${source.id}`;
+  const holding = Boolean(s.guard && s.guard.holding);
+  const endpoints = s.endpoints ?? { active: 0, draining: 0, stale: 0 };
+  return h('article', { class: 'source-card', 'data-testid': `source-${source.id}`,
+    'data-key': `source-${source.id}`,
+    'data-state': st, 'aria-labelledby': `source-${source.id}-name` },
+  h('header', { class: 'source-head' },
+    h('h3', { id: `source-${source.id}-name` }, source.name),
+    source.provider ? h('span', { class: 'muted' }, source.provider) : null,
+    badge(st)),
+  h('dl', { class: 'kv' },
+    kv('Endpoints', `${endpoints.active} active · ${endpoints.draining} draining · ${endpoints.stale} stale`),
+    kv('Schedule', sourceSchedule(source, now) ?? '—'),
+    kv('Last refresh', s.last_refresh_at ? relTime(s.last_refresh_at) : 'never'),
+    kv('Last success', s.last_success_at ? relTime(s.last_success_at) : 'never'),
+    s.failing_since ? kv('Failing since', absTime(s.failing_since)) : null,
+    s.revision ? kv('Revision', h('code', null, s.revision)) : null,
+    s.refreshed_by ? kv('Refreshed by', s.refreshed_by) : null),
+  s.last_error ? h('p', { class: 'error-box', 'data-testid': `source-error-${source.id}` },
+    h('strong', null, 'Last error: '), s.last_error) : null,
+  holding ? h('div', { class: 'guard-box' },
+    guardLine(source),
+    s.guard.held && s.guard.held.length
+      ? h('p', { class: 'small' }, 'Held: ', h('code', null, s.guard.held.slice(0, 12).join(', ')),
+        s.guard.held.length > 12 ? ` and ${s.guard.held.length - 12} more` : '') : null) : null,
+  admin ? h('div', { class: 'source-actions' },
+    h('button', {
+      type: 'button', class: 'btn btn-small', 'data-testid': `refresh-source-${source.id}`,
+      'data-focus': `refresh-${source.id}`, disabled: state.busy.has(refreshKey),
+      'data-action': 'refresh-source', 'data-id': source.id,
+    }, state.busy.has(refreshKey) ? 'Refreshing…' : 'Refresh now'),
+    holding ? h('button', {
+      type: 'button', class: 'btn btn-small btn-warn', 'data-testid': `accept-removals-${source.id}`,
+      'data-focus': `accept-${source.id}`, disabled: state.busy.has(acceptKey),
+      'data-action': 'accept-removals', 'data-id': source.id,
+    }, 'Accept held removals') : null) : null,
+  [refreshKey, acceptKey].map((key) => (state.errors.get(key)
+    ? h('p', { class: 'action-error', role: 'alert', 'data-testid': `action-error-${key}` },
+      state.errors.get(key)) : null)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the page does (delegated from `main`, so re-rendered nodes need no listeners)
+// ---------------------------------------------------------------------------------------------
+
+function runAction(action, id) {
+  switch (action) {
+    case 'toggle-target': {
+      const target = state.targets.get(id);
+      if (!target) return;
+      act(`target-${id}`, 'PATCH', `targets/${id}`, { enabled: !target.enabled }, (updated) => {
+        const known = state.targets.get(id);
+        if (known && updated) state.targets.set(id, { ...known, ...updated });
+      });
+      break;
+    }
+    case 'refresh-source':
+      act(`refresh-${id}`, 'POST', `discovery-sources/${id}/refresh`, undefined, (status) => {
+        const known = state.sources.get(id);
+        if (known && status && status.source_id === id) state.sources.set(id, { ...known, status });
+      });
+      break;
+    case 'accept-removals':
+      act(`accept-${id}`, 'POST', `discovery-sources/${id}/accept-removals`);
+      break;
+    case 'close-history':
+      state.openTarget = null;
+      scheduleRender();
+      break;
+    default:
+  }
+}
+
+function onMainClick(event) {
+  if (!state.session) return;
+  const control = event.target.closest('[data-action]');
+  if (control) {
+    runAction(control.getAttribute('data-action'), Number(control.getAttribute('data-id')));
+    return;
+  }
+  if (event.target.closest('a, button')) return;
+  const row = event.target.closest('tr[data-target-id]');
+  if (row) toggleHistory(Number(row.getAttribute('data-target-id')));
+}
+
+function onMainKeydown(event) {
+  const row = event.target;
+  if (!state.session || !(row instanceof HTMLTableRowElement) || !row.hasAttribute('data-target-id')) return;
+  if (event.key === 'Enter' || event.key === ' ') {
+    event.preventDefault();
+    toggleHistory(Number(row.getAttribute('data-target-id')));
+  }
+}
+
+function onMainToggle(event) {
+  if (event.target instanceof HTMLDetailsElement && event.target.classList.contains('legend')) {
+    state.legendOpen = event.target.open;
+  }
+}
+
+function kv(label, value) {
+  return h('div', null, h('dt', null, label), h('dd', null, value));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start
+// ---------------------------------------------------------------------------------------------
+
+function tick() {
+  const now = Date.now();
+  for (const el of document.querySelectorAll('time[data-rel]')) {
+    el.textContent = relativeText(el.getAttribute('datetime'), now);
+  }
+  for (const el of document.querySelectorAll('[data-retry-at]')) {
+    el.textContent = retryText(Number(el.getAttribute('data-retry-at')));
+  }
+  // An ejection that just ended changes a target's colour; a refresh time that just passed
+  // changes how a source's schedule reads.
+  if (state.session) {
+    const justPassed = (iso) => {
+      if (!iso) return false;
+      const at = new Date(iso).getTime();
+      return at <= now && at > now - 1500;
+    };
+    if ([...state.targets.values()].some((t) => justPassed(t.ejected_until))
+      || [...state.sources.values()].some((s) => justPassed(s.status?.next_refresh_at))) {
+      scheduleRender();
+    }
+  }
+}
+
+function start() {
+  document.getElementById('sign-out').addEventListener('click', () => signOut('Signed out.'));
+  const main = document.getElementById('main');
+  main.addEventListener('click', onMainClick);
+  main.addEventListener('keydown', onMainKeydown);
+  // `toggle` does not bubble: listen while it is captured.
+  main.addEventListener('toggle', onMainToggle, true);
+  window.addEventListener('hashchange', () => {
+    state.openTarget = null;
+    render();
+    syncPolling();
+    const heading = document.querySelector('#main h1');
+    if (heading) {
+      heading.setAttribute('tabindex', '-1');
+      heading.focus({ preventScroll: true });
+    }
+    window.scrollTo(0, 0);
+  });
+  document.addEventListener('keydown', (event) => {
+    if (event.key === 'Escape' && state.openTarget !== null) {
+      state.openTarget = null;
+      scheduleRender();
+    }
+  });
+  setInterval(tick, 1000);
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) {
+    document.getElementById('main').replaceChildren(loadingView());
+    resume(token);
+  } else {
+    renderSignIn('');
+  }
+}
+
+start();
