@@ -400,7 +400,7 @@ async fn health_and_source_lifecycle_changes_carry_their_details() {
             target_change(e, target, "health") && e.data["to"] == "healthy"
         })
         .await;
-    assert_eq!(healthy.data["reason"], "1 passed checks: HTTP 200");
+    assert_eq!(healthy.data["reason"], "1 passed check: HTTP 200");
     upstream.stop();
     let unhealthy = stream
         .until("unhealthy", |e| {
@@ -409,6 +409,13 @@ async fn health_and_source_lifecycle_changes_carry_their_details() {
         .await;
     let reason = unhealthy.data["reason"].as_str().unwrap();
     assert!(reason.starts_with("2 failed checks: "), "{reason}");
+    // The deciding check travels with the event, before the check round is stored.
+    let check = &unhealthy.data["target"]["last_check"];
+    assert_eq!(check["passed"], false, "{unhealthy:?}");
+    assert!(
+        reason.ends_with(check["detail"].as_str().unwrap()),
+        "{check}"
+    );
     assert_eq!(unhealthy.data["from"], "healthy");
 
     // A source: pending → healthy, then failing with its error.

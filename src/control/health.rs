@@ -43,6 +43,8 @@ pub(super) struct HealthVerdict {
     pub(super) health: crate::model::Health,
     /// e.g. `3 failed checks: HTTP 500`.
     pub(super) reason: String,
+    /// The check that decided it (the store has it only after the round).
+    pub(super) check: CheckResult,
 }
 
 /// The running check loops, one per service with checks on.
@@ -237,12 +239,12 @@ impl ServiceChecker {
                         detail = %result.detail,
                         "target health changed"
                     );
-                    let reason = match health {
-                        Health::Unhealthy => {
-                            format!("{} failed checks: {}", streak.failed, result.detail)
-                        }
-                        _ => format!("{} passed checks: {}", streak.passed, result.detail),
+                    let (count, verdict) = match health {
+                        Health::Unhealthy => (streak.failed, "failed"),
+                        _ => (streak.passed, "passed"),
                     };
+                    let plural = if count == 1 { "" } else { "s" };
+                    let reason = format!("{count} {verdict} check{plural}: {}", result.detail);
                     // Full only when the control task is far behind: the event then lacks
                     // this detail, never the change itself (the task also reads the atomics).
                     // Told before it is set, so the control task's next look finds the reason.
@@ -250,6 +252,7 @@ impl ServiceChecker {
                         target_id: probe.target_id,
                         health,
                         reason,
+                        check: result.clone(),
                     });
                     probe.health.set_health(health);
                 }

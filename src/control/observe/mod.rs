@@ -22,8 +22,8 @@ use super::health::HealthVerdict;
 use super::sources::SourceEntry;
 use crate::events::EventLog;
 use crate::model::{
-    Certificate, DiscoverySource, EndpointCounts, Health, Id, Route, RoutingConfig, Service,
-    SourceProgress, StreamRoute, Target,
+    Certificate, CheckResult, DiscoverySource, EndpointCounts, Health, Id, Route, RoutingConfig,
+    Service, SourceProgress, StreamRoute, Target,
 };
 use crate::snapshot::Snapshot;
 
@@ -70,6 +70,9 @@ pub(super) struct Observer {
     reasons: HashMap<Id, String>,
     /// What the checks saw when they changed a target's health (to what).
     health_reasons: HashMap<Id, (Health, String)>,
+    /// The check that last changed a target's health, newer than the stored `last_check`
+    /// until the check round is written.
+    deciding_checks: HashMap<Id, CheckResult>,
 }
 
 impl Observer {
@@ -88,6 +91,7 @@ impl Observer {
             targets: HashMap::new(),
             reasons: HashMap::new(),
             health_reasons: HashMap::new(),
+            deciding_checks: HashMap::new(),
         }
     }
 
@@ -99,6 +103,8 @@ impl Observer {
     pub(super) fn note_health(&mut self, verdict: HealthVerdict) {
         self.health_reasons
             .insert(verdict.target_id, (verdict.health, verdict.reason));
+        self.deciding_checks
+            .insert(verdict.target_id, verdict.check);
     }
 
     /// Reports from now on: what was loaded so far (at start) is the picture, not news.

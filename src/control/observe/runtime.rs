@@ -28,7 +28,17 @@ impl Observer {
                 if before == current {
                     continue;
                 }
-                let target = seen.target.clone();
+                let mut target = seen.target.clone();
+                // The store has the deciding check only once the round is written.
+                if let Some(check) = self.deciding_checks.get(&runtime.id) {
+                    if target
+                        .last_check
+                        .as_ref()
+                        .is_none_or(|stored| stored.at < check.at)
+                    {
+                        target.last_check = Some(check.clone());
+                    }
+                }
                 let news = self.runtime_news(before, current, runtime, &service.service.ejection);
                 for news in news {
                     self.record_target(

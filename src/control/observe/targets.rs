@@ -158,6 +158,7 @@ impl Observer {
                 continue;
             };
             self.health_reasons.remove(&id);
+            self.deciding_checks.remove(&id);
             let reason = self
                 .reasons
                 .remove(&id)
