@@ -899,3 +899,134 @@ async fn the_dashboard_files_are_served_on_the_admin_listener() {
     let (status, _) = gateway.api_as(None, "GET", "/api/v1/services", None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
+
+/// What the issue's operator watches: a registry change and a passive ejection appear on the
+/// service page live, each with its reason in the target's history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discovery_change_and_an_ejection_show_live_with_their_reasons() {
+    let gateway = TestGateway::start().await;
+    let a = Switchable::start().await;
+    let b = Switchable::start().await;
+    let shop = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "shop", "ejection": {
+                "failures": 2, "failure_statuses": [503], "base_ejection_ms": 60000
+            }}),
+        )
+        .await;
+    gateway.route_all_to(shop).await;
+    let registry = Registry::start().await;
+    let endpoint = |key: &str, upstream: &Switchable| json!({"key": key, "host": "127.0.0.1", "port": upstream.addr.port()});
+    registry.set_json(json!([endpoint("a", &a)]));
+    gateway
+        .create(
+            &format!("/api/v1/services/{shop}/discovery-sources"),
+            json!({"name": "shop-registry", "provider": "http",
+                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 200}}),
+        )
+        .await;
+
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .wait_for(
+            "the shop card",
+            WAIT,
+            &format!(
+                "return document.querySelector('[data-testid=\"service-link-{shop}\"]') !== null;"
+            ),
+        )
+        .await;
+    browser
+        .by_test_id(&format!("service-link-{shop}"))
+        .await
+        .click()
+        .await
+        .expect("open the service page");
+
+    // The registry starts answering b as well: its row appears without a reload.
+    registry.set_json(json!([endpoint("a", &a), endpoint("b", &b)]));
+    let target_b = {
+        let path = format!("/api/v1/services/{shop}/targets");
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let (_, body) = gateway.api("GET", &path, None).await;
+            let found = body["items"].as_array().and_then(|items| {
+                items
+                    .iter()
+                    .find(|t| t["provider_key"] == "b")
+                    .and_then(|t| t["id"].as_i64())
+            });
+            if let Some(id) = found {
+                break id;
+            }
+            assert!(Instant::now() < deadline, "b was never discovered");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    browser
+        .wait_for(
+            "b's row",
+            Duration::from_secs(2),
+            &row_attr_script(target_b, "data-state", "active"),
+        )
+        .await;
+
+    // b starts failing requests: two 503s eject it, and its row says so.
+    b.set_status(503);
+    for _ in 0..8 {
+        let response = gateway.get("/").await;
+        assert!(
+            [200, 503].contains(&response.status().as_u16()),
+            "{}",
+            response.status()
+        );
+    }
+    browser
+        .wait_for(
+            "b's row ejected",
+            Duration::from_secs(2),
+            &row_attr_script(target_b, "data-condition", "ejected"),
+        )
+        .await;
+
+    // Its history tells both, with their reasons.
+    browser
+        .eval(&format!(
+            "document.querySelector('[data-testid=\"target-row-{target_b}\"]').focus(); return true;"
+        ))
+        .await;
+    let focused = browser
+        .client
+        .active_element()
+        .await
+        .expect("the focused row");
+    focused.send_keys("\u{E007}").await.expect("press Enter");
+    let entries = browser
+        .wait_for(
+            "b's history with the ejection and the discovery",
+            WAIT,
+            &format!(
+                "const panel = document.querySelector('[data-testid=\"history\"]'); \
+                 if (!panel || panel.getAttribute('data-target-id') !== '{target_b}') return null; \
+                 const entries = [...panel.querySelectorAll('[data-testid=\"history-entry\"]')]; \
+                 const ejected = entries.find(e => e.getAttribute('data-change') === 'ejected'); \
+                 const added = entries.find(e => e.getAttribute('data-change') === 'added'); \
+                 return ejected && added ? [ejected.textContent, added.textContent] : null;"
+            ),
+        )
+        .await;
+    let ejected = entries[0].as_str().unwrap();
+    let added = entries[1].as_str().unwrap();
+    assert!(
+        ejected.contains("2 failures in 30 s: HTTP 503"),
+        "{ejected}"
+    );
+    assert!(
+        added.contains("discovered by source shop-registry"),
+        "{added}"
+    );
+    browser.screenshot("ejection").await;
+    browser.close().await;
+}

@@ -485,6 +485,10 @@ function applyConfig(event) {
 }
 
 function changeText(event) {
+  // An ejection's `to` is when it ends; a revision's is an opaque token.
+  if (event.change === 'ejected') return event.to ? `ejected until ${formatTime(event.to)}` : 'ejected';
+  if (event.change === 'revision') return 'new answer';
+  if (event.change === 'half_open') return 'half-open';
   if (event.from && event.to) return `${event.change}: ${event.from} → ${event.to}`;
   if (event.to) return `${event.change}: ${event.to}`;
   return event.change;
