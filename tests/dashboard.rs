@@ -211,6 +211,21 @@ fn row_attr_script(target: i64, attribute: &str, value: &str) -> String {
     )
 }
 
+/// Opens a target's history the way a keyboard user does: focus its row, press Enter.
+async fn open_history_by_keyboard(browser: &Browser, target: i64) {
+    browser
+        .eval(&format!(
+            "document.querySelector('[data-testid=\"target-row-{target}\"]').focus(); return true;"
+        ))
+        .await;
+    let focused = browser
+        .client
+        .active_element()
+        .await
+        .expect("the focused row");
+    focused.send_keys("\u{E007}").await.expect("press Enter");
+}
+
 /// The number of elements under `main` matching `selector`.
 async fn count(browser: &Browser, selector: &str) -> u64 {
     browser
@@ -416,17 +431,7 @@ async fn an_admin_watches_targets_change_live() {
             .as_deref(),
         Some("0")
     );
-    browser
-        .eval(&format!(
-            "document.querySelector('[data-testid=\"target-row-{b}\"]').focus(); return true;"
-        ))
-        .await;
-    let focused = browser
-        .client
-        .active_element()
-        .await
-        .expect("the focused row");
-    focused.send_keys("\u{E007}").await.expect("press Enter");
+    open_history_by_keyboard(&browser, b).await;
     let reason = browser
         .wait_for(
             "target b's history with the failed checks",
@@ -992,17 +997,7 @@ async fn a_discovery_change_and_an_ejection_show_live_with_their_reasons() {
         .await;
 
     // Its history tells both, with their reasons.
-    browser
-        .eval(&format!(
-            "document.querySelector('[data-testid=\"target-row-{target_b}\"]').focus(); return true;"
-        ))
-        .await;
-    let focused = browser
-        .client
-        .active_element()
-        .await
-        .expect("the focused row");
-    focused.send_keys("\u{E007}").await.expect("press Enter");
+    open_history_by_keyboard(&browser, target_b).await;
     let entries = browser
         .wait_for(
             "b's history with the ejection and the discovery",
