@@ -72,6 +72,11 @@ fi
 export RAAHI_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$pg_port/postgres"
 echo "throwaway PostgreSQL at $RAAHI_TEST_POSTGRES_URL" >&2
 
+# A CI run builds once from a clean clone: incremental artifacts would only take disk.
+if [ "${CI:-}" = true ]; then
+  export CARGO_INCREMENTAL=0
+fi
+
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked --no-fail-fast
