@@ -155,10 +155,27 @@ impl ClusterConfig {
 
     /// The configured instance id, or a generated one.
     pub fn instance_id_or_generated(&self) -> String {
-        self.instance_id
-            .clone()
-            .unwrap_or_else(crate::store::default_instance_id)
+        self.instance_id.clone().unwrap_or_else(default_instance_id)
     }
+}
+
+/// The name this process uses when none is configured: the host name and a random suffix, so two
+/// instances on one host (or two in one test process) never share it.
+pub fn default_instance_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|name| {
+            // Within PostgreSQL's 63-byte application_name, printable ASCII only.
+            name.trim()
+                .chars()
+                .filter(|c| c.is_ascii_graphic())
+                .take(48)
+                .collect::<String>()
+        })
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "raahi".to_owned());
+    format!("{host}-{:06x}", fastrand::u32(..0x100_0000))
 }
 
 impl Default for ClusterConfig {
@@ -285,18 +302,11 @@ impl AdminConfig {
     }
 
     fn default_event_ring() -> usize {
-        crate::events::EventSettings::default().ring
+        10_000
     }
 
     fn default_event_client_queue() -> usize {
-        crate::events::EventSettings::default().client_queue
-    }
-
-    pub fn event_settings(&self) -> crate::events::EventSettings {
-        crate::events::EventSettings {
-            ring: self.event_ring,
-            client_queue: self.event_client_queue,
-        }
+        4_096
     }
 }
 

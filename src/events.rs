@@ -303,7 +303,7 @@ impl EventLog {
 
     /// Records a change; returns its id.
     pub fn record(&self, service_id: Option<Id>, body: EventBody) -> u64 {
-        let at = Utc::now();
+        let at = crate::clock::now();
         let mut inner = self.lock();
         let id = inner.last_id + 1;
         inner.last_id = id;
@@ -410,11 +410,7 @@ impl Inner {
 /// then outside this process's ring, and its client gets a fresh snapshot instead of events
 /// applied to a picture they do not belong to.
 fn first_id_base() -> u64 {
-    let micros = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_micros())
-        .unwrap_or(0);
-    u64::try_from(micros).unwrap_or(0)
+    crate::clock::unix_micros()
 }
 
 /// `id: …\nevent: …\ndata: …\n\n`. JSON has no raw newlines, so the data is one line.

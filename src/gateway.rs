@@ -17,7 +17,7 @@ use crate::control::{
     self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificateExpiry,
     FileCertificates,
 };
-use crate::events::EventLog;
+use crate::events::{EventLog, EventSettings};
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{self, ListenerSettings, ProxyState};
 use crate::registration::{Registrar, RegistrationError};
@@ -168,7 +168,7 @@ impl Gateway {
             certificates: certificates.clone(),
             file_certificates: load_file_certificates(&config.tls)?,
         };
-        let events = Arc::new(EventLog::new(config.admin.event_settings()));
+        let events = Arc::new(EventLog::new(event_settings(&config.admin)));
         let (control, control_task) = control::start(
             store.clone(),
             snapshots.clone(),
@@ -245,7 +245,7 @@ impl Gateway {
         let admin_app = admin::router(AdminState {
             store: store.clone(),
             control: control.clone(),
-            started_at: chrono::Utc::now(),
+            started_at: crate::clock::now(),
             gateway_counters,
             draining: draining.clone(),
             registration: registrar.as_ref().map(Registrar::status),
@@ -441,4 +441,25 @@ fn reload_on_sighup(reloads: Reloads) -> JoinHandle<()> {
             reloads.reload().await;
         }
     })
+}
+
+/// The event log's bounds as configured (`config` names no module of the gateway).
+fn event_settings(admin: &crate::config::AdminConfig) -> EventSettings {
+    EventSettings {
+        ring: admin.event_ring,
+        client_queue: admin.event_client_queue,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configured_event_bounds_default_to_the_logs_own() {
+        assert_eq!(
+            event_settings(&crate::config::AdminConfig::default()),
+            EventSettings::default()
+        );
+    }
 }

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod balance;
+pub mod clock;
 pub mod config;
 pub mod control;
 pub mod discovery;
@@ -17,3 +18,4 @@ pub mod status;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod validate;

@@ -183,16 +183,23 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         Command::Serve => serve(config).await,
         Command::Migrate => {
             let shown = config.database.shown_url();
-            Store::connect(&config.database.url)
-                .await
-                .with_context(|| format!("migrating {shown}"))?;
+            Store::connect_as(
+                &config.database.url,
+                &config.cluster.instance_id_or_generated(),
+            )
+            .await
+            .with_context(|| format!("migrating {shown}"))?;
             println!("database {shown} is up to date");
             Ok(())
         }
         Command::Token {
             action: TokenAction::Create { role, name },
         } => {
-            let store = Store::connect(&config.database.url).await?;
+            let store = Store::connect_as(
+                &config.database.url,
+                &config.cluster.instance_id_or_generated(),
+            )
+            .await?;
             let role = match role {
                 RoleArg::Admin => Role::Admin,
                 RoleArg::Viewer => Role::Viewer,
@@ -201,7 +208,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 format!(
                     "{}-{}",
                     role.as_str(),
-                    chrono::Utc::now().format("%Y%m%d%H%M%S%3f")
+                    raahi::clock::now().format("%Y%m%d%H%M%S%3f")
                 )
             });
             let (token, secret) = auth::create_token(&store, &TokenSpec { name, role })

@@ -778,6 +778,10 @@ pub struct TokenSpec {
 }
 
 pub const DEFAULT_WEIGHT: u32 = 100;
+/// Most attempts a request or connection makes on a service's targets, whatever the service
+/// asks for: the API accepts `max_attempts` up to this, and the data path holds to it.
+pub const MAX_ATTEMPTS: u32 = 10;
+
 /// Largest target weight the API accepts; every provider keeps the weights it discovers within it.
 pub const MAX_WEIGHT: u32 = 65_535;
 

@@ -9,10 +9,10 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
-use crate::admin::validate;
 use crate::control::ControlHandle;
 use crate::model::{DiscoverySourceSpec, Id, RouteSpec, ServiceSpec, TargetSpec};
 use crate::store::{ManagedKind, Store, StoreError};
+use crate::validate::{self, ValidationError};
 
 /// The mark on objects this module manages.
 pub const MANAGER: &str = "resources-file";
@@ -164,8 +164,7 @@ fn read<T: serde::de::DeserializeOwned>(
 ) -> Result<T, ResourcesError> {
     let json = serde_json::to_value(toml::Value::Table(table))
         .map_err(|error| invalid(file, location, error.to_string()))?;
-    crate::admin::validate::from_json(json)
-        .map_err(|(field, message)| invalid(file, format!("{location}{field}"), message))
+    validate::from_value(json).map_err(|error| field_invalid(file, location, error))
 }
 
 /// Reads, parses and validates the file at `path` without touching the store (what
@@ -200,7 +199,7 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
         let target_tables = take_list(file, &location, &mut table, "targets")?;
         let source_tables = take_list(file, &location, &mut table, "discovery_sources")?;
         let spec = validate::service(read(file, &location, table)?)
-            .map_err(|error| api_invalid(file, &location, error))?;
+            .map_err(|error| field_invalid(file, &location, error))?;
         if !service_names.insert(spec.name.clone()) {
             return Err(invalid(
                 file,
@@ -213,7 +212,7 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
         for (target_index, table) in target_tables.into_iter().enumerate() {
             let location = format!("{location}targets[{target_index}].");
             let target = validate::target(read(file, &location, table)?)
-                .map_err(|error| api_invalid(file, &location, error))?;
+                .map_err(|error| field_invalid(file, &location, error))?;
             if !addresses.insert((target.host.clone(), target.port)) {
                 return Err(invalid(
                     file,
@@ -228,7 +227,7 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
         for (source_index, table) in source_tables.into_iter().enumerate() {
             let location = format!("{location}discovery_sources[{source_index}].");
             let source = validate::source(read(file, &location, table)?)
-                .map_err(|error| api_invalid(file, &location, error))?;
+                .map_err(|error| field_invalid(file, &location, error))?;
             if !source_names.insert(source.name.clone()) {
                 return Err(invalid(file, format!("{location}name"), "declared twice"));
             }
@@ -257,7 +256,7 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
         // Validated with a placeholder id: the service is resolved by name when applying.
         table.insert("service_id".to_owned(), toml::Value::Integer(0));
         let spec = validate::route(read(file, &location, table)?)
-            .map_err(|error| api_invalid(file, &location, error))?;
+            .map_err(|error| field_invalid(file, &location, error))?;
         if !route_names.insert(spec.name.clone()) {
             return Err(invalid(file, format!("{location}name"), "declared twice"));
         }
@@ -266,13 +265,8 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
     Ok(Resources { services, routes })
 }
 
-fn api_invalid(file: &str, location: &str, error: crate::admin::ApiError) -> ResourcesError {
-    match error {
-        crate::admin::ApiError::Validation { field, message } => {
-            invalid(file, format!("{location}{field}"), message)
-        }
-        other => invalid(file, location.trim_end_matches('.'), other.to_string()),
-    }
+fn field_invalid(file: &str, location: &str, error: ValidationError) -> ResourcesError {
+    invalid(file, format!("{location}{}", error.field), error.message)
 }
 
 /// A new object the file declares: mark it and report it.

@@ -12,7 +12,8 @@ use http::{HeaderValue, Method};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::balance::{unix_ms, Admission, Balancer, TargetHealth, TargetLoad, Trial};
+use crate::balance::{Admission, Balancer, TargetHealth, TargetLoad, Trial};
+use crate::clock::unix_ms;
 use crate::model::{Id, Route, Service, StreamRoute};
 
 mod stream;
@@ -528,7 +529,6 @@ pub fn authority_text(host: &str, port: u16) -> String {
 mod tests {
     use super::*;
     use crate::model::{LbPolicy, Protocol, Timeouts};
-    use chrono::Utc;
 
     fn service(id: Id) -> ServiceRuntime {
         ServiceRuntime {
@@ -546,8 +546,8 @@ mod tests {
                 health_check: None,
                 ejection: Default::default(),
                 managed_by: None,
-                created_at: Utc::now(),
-                updated_at: Utc::now(),
+                created_at: crate::clock::now(),
+                updated_at: crate::clock::now(),
             },
             upstream_host: None,
             targets: Vec::new(),
@@ -569,8 +569,8 @@ mod tests {
             strip_prefix: false,
             priority,
             managed_by: None,
-            created_at: Utc::now(),
-            updated_at: Utc::now(),
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
         }
     }
 

@@ -149,7 +149,7 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
         base,
         token: token.filter(|t| !t.is_empty()).map(str::to_owned),
     };
-    let fetched_at = Utc::now();
+    let fetched_at = crate::clock::now();
     let services: Vec<ApiService> = api.list("/api/v1/services").await?;
     let gateway = api.readiness().await;
     let reports: Vec<Option<ServiceReport>> = stream::iter(services)

@@ -26,7 +26,7 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let metadata = event.metadata();
-        let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let timestamp = crate::clock::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         write!(
             writer,
             "ts={timestamp} level={} target={}",
@@ -111,7 +111,7 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let metadata = event.metadata();
-        let timestamp = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let timestamp = crate::clock::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         write!(
             writer,
             "{{\"timestamp\":\"{timestamp}\",\"level\":\"{}\",\"fields\":{{",

@@ -10,9 +10,10 @@ use utoipa_axum::routes;
 use super::auth::Admin;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
 use crate::model::{Certificate, CertificateSpec};
 use crate::store::NewCertificate;
+use crate::validate;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()

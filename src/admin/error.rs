@@ -35,6 +35,15 @@ pub enum ApiError {
     Unavailable { message: String },
 }
 
+impl From<crate::validate::ValidationError> for ApiError {
+    fn from(error: crate::validate::ValidationError) -> ApiError {
+        ApiError::Validation {
+            field: error.field,
+            message: error.message,
+        }
+    }
+}
+
 impl ApiError {
     pub fn validation(field: impl Into<String>, message: impl Into<String>) -> ApiError {
         ApiError::Validation {

@@ -30,7 +30,7 @@ use super::auth::{Caller, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::IdPath;
 use super::AdminState;
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::control::target_view;
 use crate::events::{Event, HistoryEntry, ServiceView, SourceView, TargetView};
 use crate::model::{EndpointCounts, Id, Role, SourceStatus, TargetState};
@@ -301,7 +301,7 @@ async fn snapshot_frame(
     }
     let snapshot = EventSnapshot {
         last_id,
-        at: Utc::now(),
+        at: crate::clock::now(),
         services,
         targets,
         sources,

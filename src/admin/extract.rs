@@ -63,53 +63,7 @@ pub fn object_from_slice<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiErro
 
 /// Deserialises an already parsed document (a merged PATCH) into `T`.
 pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(json_error)
-}
-
-fn json_error(error: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
-    let path = error.path().to_string();
-    let inner = error.into_inner();
-    if inner.is_syntax() || inner.is_eof() || inner.is_io() {
-        return ApiError::Malformed {
-            message: format!("invalid JSON: {inner}"),
-        };
-    }
-    let message = readable(&strip_position(&inner.to_string()));
-    ApiError::Validation {
-        field: field_name(&path, &message),
-        message,
-    }
-}
-
-/// serde_json appends " at line L column C", which says nothing to someone reading a field error.
-fn strip_position(message: &str) -> String {
-    match message.rfind(" at line ") {
-        Some(index) => message[..index].to_owned(),
-        None => message.to_owned(),
-    }
-}
-
-/// Rust type names mean nothing to an API user.
-fn readable(message: &str) -> String {
-    match message.find("expected struct ") {
-        Some(index) => format!("{}expected a JSON object", &message[..index]),
-        None => message.to_owned(),
-    }
-}
-
-/// serde reports a missing field at its parent's path; name the field itself. (An unknown
-/// field's path already ends with its name.)
-fn field_name(path: &str, message: &str) -> String {
-    let named = message
-        .split('`')
-        .nth(1)
-        .filter(|_| message.starts_with("missing field"));
-    match (path, named) {
-        (".", Some(name)) => name.to_owned(),
-        (".", None) => "body".to_owned(),
-        (_, Some(name)) => format!("{path}.{name}"),
-        _ => path.to_owned(),
-    }
+    crate::validate::from_value(value).map_err(ApiError::from)
 }
 
 /// A JSON object for PATCH (RFC 7396 merge patch).

@@ -16,7 +16,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use super::AdminState;
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::model::{Health, Id, SourceState};
 
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];

@@ -16,7 +16,6 @@ mod stream_routes;
 mod targets;
 mod tokens;
 mod ui;
-pub(crate) mod validate;
 
 use axum::response::IntoResponse;
 use axum::routing::get;

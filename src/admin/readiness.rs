@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use super::AdminState;
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::model::{DiscoverySource, SourceProgress, SourceState};
 use crate::registration::{RegistrationState, RegistrationStatus};
 
@@ -54,7 +54,7 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
     let readiness = match state.store.all_sources().await {
         Ok(sources) => assess(
             &sources,
-            Utc::now(),
+            crate::clock::now(),
             state.started_at,
             ejected_targets,
             registration,

@@ -9,9 +9,10 @@ use utoipa_axum::routes;
 use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
 use crate::model::{Route, RouteSpec};
 use crate::store::StoreError;
+use crate::validate;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()

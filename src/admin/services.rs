@@ -9,13 +9,14 @@ use utoipa_axum::routes;
 use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
+use crate::validate;
 use std::sync::atomic::Ordering;
 
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::model::{Health, Id, Service, ServiceSpec};
 
 pub fn router() -> OpenApiRouter<AdminState> {

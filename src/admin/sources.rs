@@ -10,10 +10,11 @@ use utoipa_axum::routes;
 use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
 use crate::control::{AcceptAnswer, RefreshAnswer};
 use crate::discovery::{self, ProviderDescriptor};
 use crate::model::{DiscoverySource, DiscoverySourceSpec, Id, SourceStatus};
+use crate::validate;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()

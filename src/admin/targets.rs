@@ -9,10 +9,11 @@ use utoipa_axum::routes;
 use super::auth::{Admin, Viewer};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, MergePatch, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
+use crate::validate;
 use std::collections::HashMap;
 
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::model::{Id, Target, TargetSpec};
 use crate::snapshot::TargetRuntime;
 

@@ -11,8 +11,9 @@ use utoipa_axum::routes;
 use super::auth::{self, Admin};
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ApiJson, IdPath, PageQuery, Pagination};
-use super::{validate, AdminState, List};
+use super::{AdminState, List};
 use crate::model::{Token, TokenSpec};
+use crate::validate;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()

@@ -2,17 +2,8 @@
 //! atomics shared by every snapshot (carried by target id) and read on each pick.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::model::{Ejection, Health};
-
-/// Wall-clock milliseconds, so ejection deadlines can be shown to operators as times.
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_millis() as u64)
-        .unwrap_or(0)
-}
 
 #[derive(Debug)]
 pub struct TargetHealth {

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use crate::model::LbPolicy;
 
 use alias::AliasTable;
-pub use health::{unix_ms, Admission, EjectionCause, FailureCause, TargetHealth, Trial};
+pub use health::{Admission, EjectionCause, FailureCause, TargetHealth, Trial};
 use schedule::Schedule;
 
 /// Random schedule entries tried after the cursor's entry is skipped, before scanning the tier.

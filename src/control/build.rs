@@ -40,7 +40,7 @@ impl CarriedState {
         }
         self.health.get(&target.id).is_some_and(|health| {
             health.health() == Health::Unhealthy
-                || health.ejected_until(crate::balance::unix_ms()).is_some()
+                || health.ejected_until(crate::clock::unix_ms()).is_some()
         })
     }
 }

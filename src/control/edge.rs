@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use rustls::sign::CertifiedKey;
 
 use crate::model::{CertificateWithKey, Id, StreamRoute};
-use crate::proxy::stream::{StreamError, StreamListeners};
+use crate::proxy::stream::{BindError, StreamListeners};
 use crate::tls::{self, CertResolver, CertificateSet};
 
 /// First wait before binding again a stream listener whose address was taken; it doubles up to
@@ -82,7 +82,7 @@ impl Edge {
 
     /// Binds `listen` now, so the admin API can refuse a stream route whose address is taken
     /// before storing it. The address counts as wanted until [`Edge::release_pending`].
-    pub(super) fn bind_stream_listener(&mut self, listen: SocketAddr) -> Result<(), StreamError> {
+    pub(super) fn bind_stream_listener(&mut self, listen: SocketAddr) -> Result<(), BindError> {
         if let Some(streams) = &self.options.streams {
             streams.bind(listen)?;
         }

@@ -304,7 +304,7 @@ impl ServiceChecker {
             Err(_) => (false, format!("timed out after {} ms", check.timeout_ms)),
         };
         CheckResult {
-            at: chrono::Utc::now(),
+            at: crate::clock::now(),
             passed,
             detail,
         }
@@ -512,8 +512,8 @@ mod tests {
             health_check: Some(check()),
             ejection: Default::default(),
             managed_by: None,
-            created_at: chrono::Utc::now(),
-            updated_at: chrono::Utc::now(),
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
         }
     }
 

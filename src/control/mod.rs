@@ -88,7 +88,7 @@ enum Command {
     },
     BindStream {
         listen: std::net::SocketAddr,
-        reply: oneshot::Sender<Result<(), crate::proxy::stream::StreamError>>,
+        reply: oneshot::Sender<Result<(), crate::proxy::stream::BindError>>,
     },
     /// The config files' certificates were read again (SIGHUP); serve them from now on.
     FileCertificates {
@@ -179,7 +179,7 @@ impl ControlHandle {
     pub async fn bind_stream_listener(
         &self,
         listen: std::net::SocketAddr,
-    ) -> Result<Result<(), crate::proxy::stream::StreamError>, Arc<ControlError>> {
+    ) -> Result<Result<(), crate::proxy::stream::BindError>, Arc<ControlError>> {
         let (reply, done) = oneshot::channel();
         self.commands
             .send(Command::BindStream { listen, reply })

@@ -362,7 +362,7 @@ mod tests {
     async fn silence_is_a_lookup_error_within_the_timeout() {
         let dns = TestDns::start().await;
         dns.set("api.test", RecordType::A, Reply::Silence);
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let err = provider(&dns, json!({"timeout_ms": 1000, "record_types": ["a"]}))
             .discover()
             .await

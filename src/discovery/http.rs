@@ -894,7 +894,7 @@ mod tests {
             Response::new(StreamBody::new(pending).boxed())
         })
         .await;
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let err = provider(&registry, json!({"timeout_ms": 1000}))
             .discover()
             .await

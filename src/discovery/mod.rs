@@ -3,7 +3,7 @@
 //! per-source refresh and watch loops.
 //!
 //! Every provider lives in its own module, which owns its config type (schema, validation,
-//! parsing) and registers itself in [`PROVIDERS`]: admin, the resources file and the control task
+//! parsing) and registers itself in `PROVIDERS`: admin, the resources file and the control task
 //! find providers only through [`validate`], [`build`] and [`descriptors`].
 //!
 //! Imports only `model`: the control task wires results into the store and the snapshot.

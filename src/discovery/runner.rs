@@ -58,7 +58,7 @@ impl Clock {
     pub fn new() -> Clock {
         Clock {
             origin: tokio::time::Instant::now(),
-            origin_wall: Utc::now(),
+            origin_wall: crate::clock::now(),
         }
     }
 

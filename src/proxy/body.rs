@@ -10,26 +10,9 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
+use super::accounting::InFlight;
 use super::h1client::ResponseBody;
-use crate::balance::{unix_ms, TargetLoad};
-
-/// Counts a request against its target from pick until the response body is finished or dropped.
-pub struct InFlight {
-    load: Arc<TargetLoad>,
-}
-
-impl InFlight {
-    pub fn start(load: &Arc<TargetLoad>) -> InFlight {
-        load.start_request();
-        InFlight { load: load.clone() }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.load.finish_request();
-    }
-}
+use crate::clock::unix_ms;
 
 /// A response body from a target: read by hyper's client (`https` targets) or straight off a
 /// plain target's pooled connection, which goes back to its pool at the body's end.

@@ -21,7 +21,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::body::UpstreamRequestBody;
 use super::connector::{AlpnOffer, TlsTargetConnector};
-use super::pool::{PoolError, TargetPool};
+use super::plain_target::{PlainTarget, PlainTargetError};
 use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
@@ -30,7 +30,7 @@ type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
 /// The client one attempt uses.
 #[derive(Clone)]
 pub enum UpstreamClient {
-    Plain(Arc<TargetPool>),
+    Plain(Arc<PlainTarget>),
     Tls(Arc<TlsClient>),
 }
 
@@ -38,7 +38,7 @@ pub enum UpstreamClient {
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     #[error(transparent)]
-    Plain(#[from] PoolError),
+    Plain(#[from] PlainTargetError),
     #[error(transparent)]
     Tls(#[from] hyper_util::client::legacy::Error),
 }
@@ -53,7 +53,7 @@ impl UpstreamError {
     }
 }
 
-impl TargetPool {
+impl PlainTarget {
     fn matches(&self, service: &Service, target: &Authority) -> bool {
         *self.target() == *target
             && self.connect_timeout() == Duration::from_millis(service.timeouts.connect_ms)
@@ -143,7 +143,7 @@ impl TlsTargetPools {
 #[derive(Default)]
 pub struct UpstreamClients {
     // foldhash, not SipHash: looked up on every request, keyed by our own ids.
-    plain: ArcSwap<HashMap<(Id, Id), Arc<TargetPool>>>,
+    plain: ArcSwap<HashMap<(Id, Id), Arc<PlainTarget>>>,
     tls: ArcSwap<HashMap<(Id, Id), Arc<TlsTargetPools>>>,
 }
 
@@ -207,10 +207,10 @@ impl UpstreamClients {
         key: (Id, Id),
         runtime: &ServiceRuntime,
         target: &Authority,
-    ) -> Arc<TargetPool> {
+    ) -> Arc<PlainTarget> {
         let service = &runtime.service;
         let live_targets: HashSet<Id> = runtime.targets.iter().map(|target| target.id).collect();
-        let created = Arc::new(TargetPool::new(
+        let created = Arc::new(PlainTarget::new(
             target.clone(),
             Duration::from_millis(service.timeouts.connect_ms),
             Duration::from_millis(service.timeouts.idle_ms),

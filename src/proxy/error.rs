@@ -1,89 +1,31 @@
-//! Why a proxied request failed, and the one place that turns that into a status and a body.
+//! Why a proxied HTTP request failed, and the one place that turns that into a status and a
+//! body.
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 
-/// Who caused a failure, for logs and metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Blame {
-    Client,
-    Upstream,
-    Gateway,
-    /// Service discovery left the service without targets.
-    Discovery,
-}
+use super::failure::{Blame, NoTarget, UpstreamFailure, UpstreamFailureKind};
 
+/// Why a proxied HTTP request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     #[error("no route matches host {host:?} and path {path:?}")]
     NoRoute { host: String, path: String },
-    #[error("no available target for service {service}")]
-    NoAvailableTarget { service: String },
-    /// No target, and the service's discovery sources are why (none of them is healthy).
-    #[error("service {service} has no target to send to: its discovery sources are not healthy: {sources}")]
-    DiscoveryUnavailable { service: String, sources: String },
-    #[error("could not connect to target {target} of service {service}: {reason}")]
-    ConnectFailed {
-        service: String,
-        target: String,
-        reason: String,
-    },
-    /// The TLS handshake with a target failed (certificate refused, no common version, not TLS);
-    /// nothing was sent, so another target may be tried.
-    #[error("TLS with target {target} of service {service} failed: {reason}")]
-    UpstreamTlsFailed {
-        service: String,
-        target: String,
-        reason: String,
-    },
-    #[error("connecting to target {target} of service {service} timed out after {timeout_ms} ms")]
-    ConnectTimeout {
-        service: String,
-        target: String,
-        timeout_ms: u64,
-    },
-    #[error(
-        "target {target} of service {service} sent no response headers within {timeout_ms} ms"
-    )]
-    ResponseTimeout {
-        service: String,
-        target: String,
-        timeout_ms: u64,
-    },
+    #[error(transparent)]
+    NoTarget(#[from] NoTarget),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamFailure),
     #[error("the request body could not be read from the client: {reason}")]
     ClientBody { reason: String },
     #[error("the client sent no request body bytes for {timeout_ms} ms")]
     ClientBodyTimeout { timeout_ms: u64 },
     #[error("the client sent no complete request head within {timeout_ms} ms")]
     ClientHeaderTimeout { timeout_ms: u64 },
-    #[error("target {target} of service {service} read no request body bytes for {timeout_ms} ms")]
-    UpstreamSendTimeout {
-        service: String,
-        target: String,
-        timeout_ms: u64,
-    },
-    #[error("target {target} of service {service} failed before responding: {reason}")]
-    UpstreamFailed {
-        service: String,
-        target: String,
-        reason: String,
-    },
 }
 
 impl ProxyError {
-    /// Why `service` has no target to pick: its discovery, or its targets.
-    pub fn no_target(service: &crate::snapshot::ServiceRuntime) -> ProxyError {
-        let name = service.service.name.clone();
-        match &service.discovery_gap {
-            Some(sources) => ProxyError::DiscoveryUnavailable {
-                service: name,
-                sources: sources.to_string(),
-            },
-            None => ProxyError::NoAvailableTarget { service: name },
-        }
-    }
-
+    /// The one place a failure becomes an HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
@@ -91,16 +33,15 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientHeaderTimeout { .. } => {
                 StatusCode::REQUEST_TIMEOUT
             }
-            ProxyError::UpstreamSendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            ProxyError::NoAvailableTarget { .. } | ProxyError::DiscoveryUnavailable { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            ProxyError::ConnectFailed { .. }
-            | ProxyError::UpstreamTlsFailed { .. }
-            | ProxyError::UpstreamFailed { .. } => StatusCode::BAD_GATEWAY,
-            ProxyError::ConnectTimeout { .. } | ProxyError::ResponseTimeout { .. } => {
-                StatusCode::GATEWAY_TIMEOUT
-            }
+            ProxyError::NoTarget(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream(failure) => match failure.kind {
+                UpstreamFailureKind::ConnectFailed { .. }
+                | UpstreamFailureKind::TlsFailed { .. }
+                | UpstreamFailureKind::Failed { .. } => StatusCode::BAD_GATEWAY,
+                UpstreamFailureKind::ConnectTimeout { .. }
+                | UpstreamFailureKind::ResponseTimeout { .. }
+                | UpstreamFailureKind::SendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            },
         }
     }
 
@@ -110,14 +51,8 @@ impl ProxyError {
             ProxyError::ClientBody { .. } => "client_body_failed",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
-            ProxyError::UpstreamSendTimeout { .. } => "upstream_send_timeout",
-            ProxyError::NoAvailableTarget { .. } => "no_available_target",
-            ProxyError::DiscoveryUnavailable { .. } => "discovery_unavailable",
-            ProxyError::ConnectFailed { .. } => "upstream_connect_failed",
-            ProxyError::UpstreamTlsFailed { .. } => "upstream_tls_failed",
-            ProxyError::ConnectTimeout { .. } => "upstream_connect_timeout",
-            ProxyError::ResponseTimeout { .. } => "upstream_timeout",
-            ProxyError::UpstreamFailed { .. } => "upstream_failed",
+            ProxyError::NoTarget(no_target) => no_target.code(),
+            ProxyError::Upstream(failure) => failure.code(),
         }
     }
 
@@ -127,9 +62,8 @@ impl ProxyError {
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientHeaderTimeout { .. } => Blame::Client,
-            ProxyError::NoAvailableTarget { .. } => Blame::Gateway,
-            ProxyError::DiscoveryUnavailable { .. } => Blame::Discovery,
-            _ => Blame::Upstream,
+            ProxyError::NoTarget(no_target) => no_target.blame(),
+            ProxyError::Upstream(_) => Blame::Upstream,
         }
     }
 
@@ -137,42 +71,8 @@ impl ProxyError {
     /// are internal network details. The log has them, under the same request id.
     pub fn client_message(&self) -> String {
         match self {
-            ProxyError::ConnectFailed {
-                service, reason, ..
-            } => format!("could not connect to a target of service {service}: {reason}"),
-            ProxyError::UpstreamTlsFailed {
-                service, reason, ..
-            } => format!("TLS with a target of service {service} failed: {reason}"),
-            ProxyError::ConnectTimeout {
-                service,
-                timeout_ms,
-                ..
-            } => format!(
-                "connecting to a target of service {service} timed out after {timeout_ms} ms"
-            ),
-            ProxyError::ResponseTimeout {
-                service,
-                timeout_ms,
-                ..
-            } => format!(
-                "a target of service {service} sent no response headers within {timeout_ms} ms"
-            ),
-            ProxyError::UpstreamSendTimeout {
-                service,
-                timeout_ms,
-                ..
-            } => format!(
-                "a target of service {service} read no request body bytes for {timeout_ms} ms"
-            ),
-            ProxyError::UpstreamFailed {
-                service, reason, ..
-            } => format!("a target of service {service} failed before responding: {reason}"),
-            ProxyError::NoRoute { .. }
-            | ProxyError::NoAvailableTarget { .. }
-            | ProxyError::DiscoveryUnavailable { .. }
-            | ProxyError::ClientBody { .. }
-            | ProxyError::ClientBodyTimeout { .. }
-            | ProxyError::ClientHeaderTimeout { .. } => self.to_string(),
+            ProxyError::Upstream(failure) => failure.client_message(),
+            _ => self.to_string(),
         }
     }
 
@@ -215,29 +115,78 @@ impl ProxyError {
 mod tests {
     use super::*;
 
+    fn upstream(kind: UpstreamFailureKind) -> ProxyError {
+        ProxyError::Upstream(UpstreamFailure::new(
+            "web".into(),
+            "10.0.0.7:8443".into(),
+            kind,
+        ))
+    }
+
     #[test]
     fn each_error_has_its_status_and_code() {
-        let no_target = ProxyError::NoAvailableTarget {
+        let no_target = ProxyError::NoTarget(NoTarget::Unavailable {
             service: "web".into(),
-        };
+        });
         assert_eq!(no_target.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(no_target.code(), "no_available_target");
         assert_eq!(no_target.to_string(), "no available target for service web");
-        let timeout = ProxyError::ResponseTimeout {
+        let discovery = ProxyError::NoTarget(NoTarget::Discovery {
             service: "web".into(),
-            target: "10.0.0.1:80".into(),
-            timeout_ms: 5,
-        };
-        assert_eq!(timeout.status(), StatusCode::GATEWAY_TIMEOUT);
-        assert_eq!(timeout.code(), "upstream_timeout");
-        let tls = ProxyError::UpstreamTlsFailed {
-            service: "web".into(),
-            target: "10.0.0.1:443".into(),
-            reason: "invalid peer certificate: UnknownIssuer".into(),
-        };
-        assert_eq!(tls.status(), StatusCode::BAD_GATEWAY);
-        assert_eq!(tls.code(), "upstream_tls_failed");
-        assert_eq!(tls.blame(), Blame::Upstream);
-        assert!(tls.to_string().contains("UnknownIssuer"));
+            sources: "dns (failing)".into(),
+        });
+        assert_eq!(discovery.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(discovery.code(), "discovery_unavailable");
+        assert_eq!(discovery.blame(), Blame::Discovery);
+        let cases = [
+            (
+                UpstreamFailureKind::ConnectFailed {
+                    reason: "refused".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "upstream_connect_failed",
+            ),
+            (
+                UpstreamFailureKind::ConnectTimeout { timeout_ms: 5 },
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_connect_timeout",
+            ),
+            (
+                UpstreamFailureKind::TlsFailed {
+                    reason: "invalid peer certificate: UnknownIssuer".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "upstream_tls_failed",
+            ),
+            (
+                UpstreamFailureKind::ResponseTimeout { timeout_ms: 5 },
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+            ),
+            (
+                UpstreamFailureKind::SendTimeout { timeout_ms: 5 },
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_send_timeout",
+            ),
+            (
+                UpstreamFailureKind::Failed {
+                    reason: "reset".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "upstream_failed",
+            ),
+        ];
+        for (kind, status, code) in cases {
+            let error = upstream(kind);
+            assert_eq!(error.status(), status, "{error}");
+            assert_eq!(error.code(), code, "{error}");
+            assert_eq!(error.blame(), Blame::Upstream, "{error}");
+        }
+        assert!(upstream(UpstreamFailureKind::TlsFailed {
+            reason: "invalid peer certificate: UnknownIssuer".into()
+        })
+        .to_string()
+        .contains("UnknownIssuer"));
     }
 
     #[test]
@@ -265,38 +214,21 @@ mod tests {
     #[test]
     fn clients_are_not_told_target_addresses() {
         let failures = [
-            ProxyError::ConnectFailed {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
+            UpstreamFailureKind::ConnectFailed {
                 reason: "connection refused".into(),
             },
-            ProxyError::UpstreamTlsFailed {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
+            UpstreamFailureKind::TlsFailed {
                 reason: "invalid peer certificate: UnknownIssuer".into(),
             },
-            ProxyError::ConnectTimeout {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
-                timeout_ms: 5,
-            },
-            ProxyError::ResponseTimeout {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
-                timeout_ms: 5,
-            },
-            ProxyError::UpstreamSendTimeout {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
-                timeout_ms: 5,
-            },
-            ProxyError::UpstreamFailed {
-                service: "web".into(),
-                target: "10.0.0.7:8443".into(),
+            UpstreamFailureKind::ConnectTimeout { timeout_ms: 5 },
+            UpstreamFailureKind::ResponseTimeout { timeout_ms: 5 },
+            UpstreamFailureKind::SendTimeout { timeout_ms: 5 },
+            UpstreamFailureKind::Failed {
                 reason: "connection reset".into(),
             },
         ];
-        for failure in failures {
+        for kind in failures {
+            let failure = upstream(kind);
             assert!(
                 failure.to_string().contains("10.0.0.7:8443"),
                 "the log has it"

@@ -3,14 +3,17 @@
 //! A request does one lock-free snapshot load, a route lookup and a pick; it never touches the
 //! store, DNS or a lock shared by all requests.
 
+mod accounting;
 mod body;
 mod client;
 mod connector;
 mod error;
+mod failure;
 mod forward;
 mod h1client;
+mod h1server;
 mod headers;
-mod http1;
+mod plain_target;
 mod pool;
 mod sni;
 pub mod stream;
@@ -32,11 +35,15 @@ use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
 pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
-pub use error::{Blame, ProxyError};
-pub use forward::{ProxyBody, ACCESS_LOG_TARGET};
+pub use error::ProxyError;
+pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
+pub use forward::ProxyBody;
 
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
+
+/// The access log's tracing target: one line per HTTP request or L4 connection at INFO.
+pub const ACCESS_LOG_TARGET: &str = "raahi::access";
 
 /// Downstream connection settings.
 #[derive(Debug, Clone, Copy)]
@@ -111,9 +118,9 @@ pub fn serve_https(
 
 /// How a listener serves its connections.
 struct ConnectionSettings {
-    /// Plain HTTP/1.1 connections, which park while idle (see `http1`).
+    /// Plain HTTP/1.1 connections, which park while idle (see `h1server`).
     http1: hyper_http1::Builder,
-    park: http1::ParkSettings,
+    park: h1server::ParkSettings,
     /// HTTP/1.1 with upgrades, or HTTP/2 when the connection starts with its preface.
     any: auto::Builder<TokioExecutor>,
     /// HTTP/2 only, for TLS connections whose ALPN chose `h2`.
@@ -148,7 +155,7 @@ fn serve(
         .keep_alive(true);
     let connection_settings = Arc::new(ConnectionSettings {
         http1,
-        park: http1::ParkSettings::for_header_timeout(settings.client_header_timeout),
+        park: h1server::ParkSettings::for_header_timeout(settings.client_header_timeout),
         http2: builder.clone().http2_only(),
         any: builder,
         tls,
@@ -229,7 +236,7 @@ async fn wait_for_first_bytes(
     // spawn per connection.
     if settings.tls.is_none() && !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
         let (http1, park) = (settings.http1.clone(), settings.park);
-        Box::pin(http1::serve(
+        Box::pin(h1server::serve(
             stream, client, state, http1, park, watcher, shutdown,
         ))
         .await;

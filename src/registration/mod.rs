@@ -85,7 +85,7 @@ impl Registrar {
             service_name: config.service_name.clone(),
             address: advertised.to_string(),
             state: RegistrationState::Registering,
-            since: Utc::now(),
+            since: crate::clock::now(),
             last_heartbeat_at: None,
             last_error: None,
             failures: 0,
@@ -208,7 +208,7 @@ async fn keep_registered(
                 }
                 registered = true;
                 status.send_modify(|status| {
-                    status.last_heartbeat_at = Some(Utc::now());
+                    status.last_heartbeat_at = Some(crate::clock::now());
                     status.last_error = None;
                 });
                 set_state(&status, RegistrationState::Registered);
@@ -259,7 +259,7 @@ fn set_state(status: &watch::Sender<RegistrationStatus>, state: RegistrationStat
         let changed = status.state != state;
         if changed {
             status.state = state;
-            status.since = Utc::now();
+            status.since = crate::clock::now();
         }
         changed
     });

@@ -245,7 +245,6 @@ mod tests {
     use super::*;
     use crate::balance::Balancer;
     use crate::model::{LbPolicy, Protocol, Service, Timeouts};
-    use chrono::Utc;
 
     fn service(id: Id, protocol: Protocol) -> Arc<ServiceRuntime> {
         Arc::new(ServiceRuntime {
@@ -263,8 +262,8 @@ mod tests {
                 health_check: None,
                 ejection: Default::default(),
                 managed_by: None,
-                created_at: Utc::now(),
-                updated_at: Utc::now(),
+                created_at: crate::clock::now(),
+                updated_at: crate::clock::now(),
             },
             upstream_host: None,
             targets: Vec::new(),
@@ -280,8 +279,8 @@ mod tests {
             listen: listen.parse().unwrap(),
             sni: sni.map(str::to_owned),
             service_id,
-            created_at: Utc::now(),
-            updated_at: Utc::now(),
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
         }
     }
 

@@ -1,5 +1,7 @@
 use super::*;
-use crate::model::{LbPolicy, Protocol, Role, Timeouts};
+use crate::model::{
+    LbPolicy, Protocol, Role, RouteSpec, ServiceSpec, TargetSpec, Timeouts, TokenSpec,
+};
 
 /// Every test runs once per backend: `store::tests::sqlite::*` and `store::tests::postgres::*`.
 macro_rules! on_both_backends {
@@ -203,7 +205,7 @@ async fn targets_belong_to_a_service_and_go_with_it(kind: Kind) {
 async fn configuration_survives_reopening(kind: Kind) {
     let (url, _dir) = fresh_url(kind).await;
     {
-        let store = Store::connect(&url).await.unwrap();
+        let store = Store::connect_as(&url, "reopened").await.unwrap();
         let service = store.create_service(&service_spec("web")).await.unwrap();
         store
             .create_route(&route_spec("r", service.id))
@@ -220,7 +222,7 @@ async fn configuration_survives_reopening(kind: Kind) {
             .await
             .unwrap();
     }
-    let store = Store::connect(&url).await.unwrap();
+    let store = Store::connect_as(&url, "reopened").await.unwrap();
     let config = store.load_routing_config().await.unwrap();
     assert_eq!(config.services.len(), 1);
     assert_eq!(config.routes.len(), 1);
@@ -407,10 +409,10 @@ async fn a_lease_has_one_holder_until_released_or_expired(kind: Kind) {
         .take_source_lease(source.id, Duration::from_millis(200))
         .await
         .unwrap());
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !a.take_source_lease(source.id, long).await.unwrap() {
         assert!(
-            std::time::Instant::now() < deadline,
+            tokio::time::Instant::now() < deadline,
             "the lease never expired"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;

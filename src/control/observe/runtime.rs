@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 
 use super::targets::{target_view, TargetNews};
 use super::{Look, Observer, Phase};
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::events::TargetChangeKind;
 use crate::model::{Ejection, Health};
 use crate::snapshot::{Snapshot, TargetRuntime};
@@ -131,7 +131,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::balance::{unix_ms, FailureCause, TargetHealth};
+    use crate::balance::{FailureCause, TargetHealth};
+    use crate::clock::unix_ms;
     use crate::events::{EventLog, EventSettings};
 
     fn runtime() -> TargetRuntime {

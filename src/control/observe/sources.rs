@@ -186,7 +186,7 @@ mod tests {
         holding.guard = Some(GuardHold {
             holding: 2,
             held: vec!["a".into(), "b".into()],
-            since: chrono::Utc::now(),
+            since: crate::clock::now(),
             confirmations: 1,
             base: 3,
             reason: "2 of 3".into(),
@@ -204,7 +204,7 @@ mod tests {
         let mut watching = healthy.clone();
         watching.watch = Some(WatchProgress {
             connected: true,
-            since: chrono::Utc::now(),
+            since: crate::clock::now(),
             index: Some("7".into()),
         });
         assert_eq!(
@@ -214,14 +214,14 @@ mod tests {
 
         let mut answered = healthy.clone();
         answered.revision = Some("r2".into());
-        answered.last_refresh_at = Some(chrono::Utc::now());
+        answered.last_refresh_at = Some(crate::clock::now());
         assert_eq!(
             kinds(&describe_source_change(&healthy, &answered)),
             [SourceChangeKind::Revision]
         );
         // A refresh that changed nothing but its times is not news.
         let mut refreshed = healthy.clone();
-        refreshed.last_refresh_at = Some(chrono::Utc::now());
+        refreshed.last_refresh_at = Some(crate::clock::now());
         assert!(describe_source_change(&healthy, &refreshed).is_empty());
     }
 }

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use chrono::DateTime;
 
 use super::{Look, Observer, Phase, SeenTarget};
-use crate::balance::unix_ms;
+use crate::clock::unix_ms;
 use crate::control::sources::SourceEntry;
 use crate::events::{EventBody, TargetChangeKind, TargetEvent, TargetView};
 use crate::model::{DiscoverySource, EndpointCounts, Id, RoutingConfig, Target, TargetState};
@@ -325,7 +325,7 @@ mod tests {
     use super::*;
 
     fn target() -> Target {
-        let now = chrono::Utc::now();
+        let now = crate::clock::now();
         Target {
             id: 1,
             service_id: 1,

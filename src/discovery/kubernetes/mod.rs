@@ -266,7 +266,7 @@ impl WatchProvider for KubernetesProvider {
     }
 
     /// A healthy watch may be silent for ever: kube-rs renews its requests inside the stream.
-    /// Dead connections are caught per request instead: [`RequestPolicy`] bounds every answer's
+    /// Dead connections are caught per request instead: `RequestPolicy` bounds every answer's
     /// head, kube-rs ends a watch silent past `wait_ms` + 5 s, and lists get `timeout_ms`.
     fn answer_deadline(&self) -> Option<Duration> {
         None

@@ -1,22 +1,43 @@
 //! Checks on what operators write, beyond what the JSON types already guarantee. Each check
 //! names the field it refuses; accepted input comes back normalised (lower-case hosts,
-//! upper-case methods).
+//! upper-case methods). The admin API and the resources file both validate here, and each maps
+//! a [`ValidationError`] to its own answer once.
 
 use std::net::IpAddr;
 
 use http::uri::Authority;
 
-use super::error::ApiError;
 use crate::discovery;
 use crate::model::{
     CertificateSpec, DiscoverySourceSpec, HealthCheckKind, Protocol, RemovalGuard, RouteSpec,
-    ServiceSpec, StreamRouteSpec, TargetSpec, TokenSpec, MAX_WEIGHT,
+    ServiceSpec, StreamRouteSpec, TargetSpec, TokenSpec, MAX_ATTEMPTS, MAX_WEIGHT,
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
+mod json;
+
+pub use json::from_value;
+
+/// A field an operator wrote that cannot be accepted, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ValidationError {
+    /// The field's path in the document (`timeouts.connect_ms`, `targets[2].port`).
+    pub field: String,
+    pub message: String,
+}
+
+impl ValidationError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> ValidationError {
+        ValidationError {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
 const MAX_NAME_LEN: usize = 100;
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
-const MAX_ATTEMPTS: u32 = 10;
 const MAX_METADATA_BYTES: usize = 16 * 1024;
 const MAX_HOSTS: usize = 100;
 const MAX_METHODS: usize = 16;
@@ -25,16 +46,16 @@ const MAX_PATH_PREFIX_LEN: usize = 1024;
 const MAX_PEM_BYTES: usize = 1024 * 1024;
 const MAX_SNIS: usize = 100;
 
-fn tls_error(error: TlsError) -> ApiError {
-    ApiError::validation(error.field(), error.to_string())
+fn tls_error(error: TlsError) -> ValidationError {
+    ValidationError::new(error.field(), error.to_string())
 }
 
 /// A server name as clients send it in SNI, or a `*.suffix` wildcard; lower-cased.
-fn server_name(field: &str, value: &str) -> Result<String, ApiError> {
+fn server_name(field: &str, value: &str) -> Result<String, ValidationError> {
     let lowered = value.to_ascii_lowercase();
     let plain = lowered.strip_prefix("*.").unwrap_or(&lowered);
     if !is_host_name(plain) || plain.parse::<IpAddr>().is_ok() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             field,
             format!("{value:?} is not a DNS host name or a *.suffix wildcard"),
         ));
@@ -47,9 +68,9 @@ pub fn serves_http(protocol: Protocol) -> bool {
     matches!(protocol, Protocol::Http | Protocol::Https)
 }
 
-pub fn stream_route(mut spec: StreamRouteSpec) -> Result<StreamRouteSpec, ApiError> {
+pub fn stream_route(mut spec: StreamRouteSpec) -> Result<StreamRouteSpec, ValidationError> {
     if spec.listen.port() == 0 {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "listen",
             "listen needs a fixed port (not 0): clients must know where to connect",
         ));
@@ -64,10 +85,10 @@ pub fn stream_route(mut spec: StreamRouteSpec) -> Result<StreamRouteSpec, ApiErr
 /// each be covered by them.
 pub fn certificate(
     mut spec: CertificateSpec,
-) -> Result<(CertificateSpec, ParsedCertificate), ApiError> {
+) -> Result<(CertificateSpec, ParsedCertificate), ValidationError> {
     for (field, value) in [("cert_pem", &spec.cert_pem), ("key_pem", &spec.key_pem)] {
         if value.len() > MAX_PEM_BYTES {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 field,
                 format!("{field} must be at most {MAX_PEM_BYTES} bytes"),
             ));
@@ -94,13 +115,13 @@ pub fn certificate(
     snis.sort();
     snis.dedup();
     if snis.is_empty() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "snis",
             "the certificate names no DNS host (subjectAltName); give the names to serve it for in snis",
         ));
     }
     if snis.len() > MAX_SNIS {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "snis",
             format!("at most {MAX_SNIS} names"),
         ));
@@ -109,12 +130,12 @@ pub fn certificate(
     Ok((spec, parsed))
 }
 
-fn name(field: &str, value: &str) -> Result<(), ApiError> {
+fn name(field: &str, value: &str) -> Result<(), ValidationError> {
     let valid_chars = value
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if value.is_empty() || value.len() > MAX_NAME_LEN || !valid_chars {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             field,
             format!("{field} must be 1 to {MAX_NAME_LEN} characters of letters, digits, '-', '_' or '.'"),
         ));
@@ -135,11 +156,11 @@ fn is_host_name(value: &str) -> bool {
         })
 }
 
-pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
+pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
     name("name", &spec.name)?;
     if let Some(bundle) = &spec.tls_ca_pem {
         if bundle.len() > MAX_PEM_BYTES {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 "tls_ca_pem",
                 format!("tls_ca_pem must be at most {MAX_PEM_BYTES} bytes"),
             ));
@@ -155,7 +176,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
                     || parsed.host().starts_with('['))
         });
         if !valid {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 "upstream_authority",
                 "upstream_authority must be a host name or IP address with an optional :port",
             ));
@@ -164,7 +185,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
     }
     if let Some(sni) = &spec.tls_sni {
         if !is_host_name(sni) {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 "tls_sni",
                 "tls_sni must be a DNS host name",
             ));
@@ -179,7 +200,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
         ("timeouts.idle_ms", spec.timeouts.idle_ms),
     ] {
         if value == 0 || value > MAX_TIMEOUT_MS {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 field,
                 format!("{field} must be from 1 to {MAX_TIMEOUT_MS}"),
             ));
@@ -190,7 +211,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
     }
     ejection(&spec.ejection)?;
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "max_attempts",
             format!("max_attempts must be from 1 to {MAX_ATTEMPTS}"),
         ));
@@ -198,11 +219,11 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ApiError> {
     Ok(spec)
 }
 
-fn in_range(field: &str, value: u64, low: u64, high: u64) -> Result<(), ApiError> {
+fn in_range(field: &str, value: u64, low: u64, high: u64) -> Result<(), ValidationError> {
     if (low..=high).contains(&value) {
         return Ok(());
     }
-    Err(ApiError::validation(
+    Err(ValidationError::new(
         field,
         format!("{field} must be from {low} to {high}"),
     ))
@@ -215,9 +236,12 @@ fn status_range(text: &str) -> Option<(u16, u16)> {
     ((100..=599).contains(&low) && (low..=599).contains(&high)).then_some((low, high))
 }
 
-fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result<(), ApiError> {
+fn health_check(
+    check: &crate::model::HealthCheck,
+    protocol: Protocol,
+) -> Result<(), ValidationError> {
     if check.kind == HealthCheckKind::Tls && !protocol.targets_speak_tls() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "health_check.type",
             format!(
                 "a tls health check needs an https or tls service; this one is {}: use http or tcp",
@@ -231,7 +255,7 @@ fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result
             .chars()
             .any(|c| c.is_whitespace() || c.is_control())
     {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "health_check.path",
             "health_check.path must start with '/' and contain no spaces",
         ));
@@ -261,14 +285,14 @@ fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result
         100,
     )?;
     if check.expected_statuses.is_empty() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "health_check.expected_statuses",
             "health_check.expected_statuses needs at least one status or range",
         ));
     }
     for (index, range) in check.expected_statuses.iter().enumerate() {
         if status_range(range).is_none() {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 format!("health_check.expected_statuses[{index}]"),
                 format!("{range:?} is not a status (e.g. \"200\") or range (e.g. \"200-399\") within 100-599"),
             ));
@@ -278,7 +302,7 @@ fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result
         let valid = Authority::try_from(host.as_str())
             .is_ok_and(|authority| !authority.as_str().contains('@'));
         if !valid {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 "health_check.host",
                 "health_check.host must be a host name with an optional :port",
             ));
@@ -287,7 +311,7 @@ fn health_check(check: &crate::model::HealthCheck, protocol: Protocol) -> Result
     Ok(())
 }
 
-fn ejection(ejection: &crate::model::Ejection) -> Result<(), ApiError> {
+fn ejection(ejection: &crate::model::Ejection) -> Result<(), ValidationError> {
     in_range("ejection.failures", ejection.failures.into(), 1, 10_000)?;
     in_range(
         "ejection.window_ms",
@@ -324,30 +348,30 @@ fn ejection(ejection: &crate::model::Ejection) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub fn target(spec: TargetSpec) -> Result<TargetSpec, ApiError> {
+pub fn target(spec: TargetSpec) -> Result<TargetSpec, ValidationError> {
     if spec.host.parse::<IpAddr>().is_err() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "host",
             "host must be an IP address (the request path never resolves names); add a dns discovery source to follow a host name",
         ));
     }
     if spec.port == 0 {
-        return Err(ApiError::validation("port", "port must be from 1 to 65535"));
+        return Err(ValidationError::new("port", "port must be from 1 to 65535"));
     }
     if spec.weight > MAX_WEIGHT {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "weight",
             format!("weight must be from 0 to {MAX_WEIGHT}"),
         ));
     }
     if !spec.metadata.is_object() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "metadata",
             "metadata must be a JSON object",
         ));
     }
     if spec.metadata.to_string().len() > MAX_METADATA_BYTES {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "metadata",
             format!("metadata must serialise to at most {MAX_METADATA_BYTES} bytes"),
         ));
@@ -355,10 +379,10 @@ pub fn target(spec: TargetSpec) -> Result<TargetSpec, ApiError> {
     Ok(spec)
 }
 
-pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
+pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
     name("name", &spec.name)?;
     if spec.hosts.len() > MAX_HOSTS {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "hosts",
             format!("at most {MAX_HOSTS} hosts"),
         ));
@@ -367,7 +391,7 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
         *host = host.to_ascii_lowercase();
         let plain = host.strip_prefix("*.").unwrap_or(host);
         if !is_host_name(plain) && plain.parse::<IpAddr>().is_err() {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 format!("hosts[{index}]"),
                 format!("{host:?} is not a host name, an IP address or a *.suffix wildcard"),
             ));
@@ -382,13 +406,13 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
             .chars()
             .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '?' | '#'))
     {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "path_prefix",
             "path_prefix must start with '/' and contain no spaces, '?' or '#'",
         ));
     }
     if spec.methods.len() > MAX_METHODS {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "methods",
             format!("at most {MAX_METHODS} methods"),
         ));
@@ -396,7 +420,7 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ApiError> {
     for (index, method) in spec.methods.iter_mut().enumerate() {
         *method = method.to_ascii_uppercase();
         if method.is_empty() || !method.chars().all(|c| c.is_ascii_alphabetic()) {
-            return Err(ApiError::validation(
+            return Err(ValidationError::new(
                 format!("methods[{index}]"),
                 format!("{method:?} is not an HTTP method"),
             ));
@@ -413,24 +437,24 @@ const MIN_GUARD_CONFIRM_MS: u64 = 100;
 const MAX_GUARD_CONFIRM_MS: u64 = 24 * 3_600_000;
 
 /// Checks a source; its `config` comes back normalised with every provider default filled in.
-pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiError> {
+pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ValidationError> {
     name("name", &spec.name)?;
     if !spec.config.is_object() {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "config",
             "config must be a JSON object",
         ));
     }
     spec.config = discovery::validate(spec.provider, &spec.config)
-        .map_err(|error| ApiError::validation(format!("config.{}", error.field), error.message))?;
+        .map_err(|error| ValidationError::new(format!("config.{}", error.field), error.message))?;
     if !(100..=MAX_STALE_AFTER_MS).contains(&spec.stale_after_ms) {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "stale_after_ms",
             format!("stale_after_ms must be from 100 to {MAX_STALE_AFTER_MS}"),
         ));
     }
     if spec.removal_grace_ms > MAX_REMOVAL_GRACE_MS {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "removal_grace_ms",
             format!("removal_grace_ms must be from 0 to {MAX_REMOVAL_GRACE_MS}"),
         ));
@@ -441,15 +465,15 @@ pub fn source(mut spec: DiscoverySourceSpec) -> Result<DiscoverySourceSpec, ApiE
     Ok(spec)
 }
 
-fn removal_guard(guard: &RemovalGuard) -> Result<(), ApiError> {
+fn removal_guard(guard: &RemovalGuard) -> Result<(), ValidationError> {
     if guard.max_percent > 100 {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "removal_guard.max_percent",
             "max_percent must be from 0 to 100 (100 never holds; null turns the guard off)",
         ));
     }
     if !(MIN_GUARD_CONFIRM_MS..=MAX_GUARD_CONFIRM_MS).contains(&guard.confirm_ms) {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "removal_guard.confirm_ms",
             format!("confirm_ms must be from {MIN_GUARD_CONFIRM_MS} to {MAX_GUARD_CONFIRM_MS}"),
         ));
@@ -457,26 +481,15 @@ fn removal_guard(guard: &RemovalGuard) -> Result<(), ApiError> {
     Ok(())
 }
 
-pub fn token(spec: TokenSpec) -> Result<TokenSpec, ApiError> {
+pub fn token(spec: TokenSpec) -> Result<TokenSpec, ValidationError> {
     name("name", &spec.name)?;
     if spec.name.starts_with("configured-admin") {
-        return Err(ApiError::validation(
+        return Err(ValidationError::new(
             "name",
             "names starting with \"configured-admin\" are kept for the token set by admin.token",
         ));
     }
     Ok(spec)
-}
-
-/// Reads `T` from a JSON document with the admin API's field naming (for the resources file):
-/// the error is `(field, message)`.
-pub fn from_json<T: serde::de::DeserializeOwned>(
-    json: serde_json::Value,
-) -> Result<T, (String, String)> {
-    super::extract::from_value(json).map_err(|error| match error {
-        ApiError::Validation { field, message } => (field, message),
-        other => (String::new(), other.to_string()),
-    })
 }
 
 #[cfg(test)]
@@ -500,9 +513,9 @@ mod tests {
         }
     }
 
-    fn field_of(result: Result<impl std::fmt::Debug, ApiError>) -> String {
+    fn field_of(result: Result<impl std::fmt::Debug, ValidationError>) -> String {
         match result {
-            Err(ApiError::Validation { field, .. }) => field,
+            Err(error) => error.field,
             other => panic!("expected a validation error, got {other:?}"),
         }
     }

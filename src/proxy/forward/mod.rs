@@ -1,0 +1,215 @@
+//! One HTTP request: route, pick, forward, retry within bounds, answer. The request's way
+//! through, by file: this entry (route, answer, statistics), `rewrite` (what goes upstream),
+//! `retry` (attempts on picked targets and the timeouts that bound them), `upgrade`
+//! (switched protocols), `access_log`. Passive ejection is `accounting`'s, shared with L4.
+
+mod access_log;
+mod retry;
+mod rewrite;
+mod upgrade;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::uri::Authority;
+use http::{header, HeaderValue, Request, Response, StatusCode, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
+use tokio::time::Instant;
+
+use super::accounting::InFlight;
+use super::body::{UpstreamBody, UpstreamResponseBody};
+use super::error::ProxyError;
+use super::failure::Blame;
+use super::headers::{self, X_REQUEST_ID};
+use super::{ProxyState, ACCESS_LOG_TARGET};
+use crate::snapshot::RouteEntry;
+use rewrite::PendingBody;
+
+pub use upgrade::{tunnel, UpgradeHandoff};
+
+pub type ProxyBody = Either<UpstreamResponseBody, Full<Bytes>>;
+
+/// What one request did, for the access log and metrics.
+#[derive(Default)]
+pub(super) struct Exchange {
+    pub route: Option<Arc<RouteEntry>>,
+    /// The target of the last attempt.
+    pub target: Option<Authority>,
+    /// From the first attempt's start to the upstream's response headers (or the failure).
+    pub upstream_elapsed: Option<Duration>,
+}
+
+pub async fn handle(
+    state: &ProxyState,
+    request: Request<Incoming>,
+    downstream: &Downstream,
+) -> Response<ProxyBody> {
+    let started = Instant::now();
+    let request_id = headers::request_id(request.headers());
+    let http1 = request.version() <= Version::HTTP_11;
+    let request_line =
+        tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO).then(|| {
+            access_log::RequestLine {
+                method: request.method().clone(),
+                host: rewrite::request_host(&request).into_owned(),
+                path: request.uri().path().to_owned(),
+                version: request.version(),
+            }
+        });
+    let mut exchange = Exchange::default();
+    let mut response = match forward(state, request, downstream, &request_id, &mut exchange).await {
+        Ok(response) => response,
+        Err(error) => {
+            // Upstream and gateway failures are what an operator must see; a client's own
+            // mistakes (no route, a broken upload) only at debug level.
+            match error.blame() {
+                Blame::Client => {
+                    tracing::debug!(request_id = ?request_id, code = error.code(), %error, "request failed")
+                }
+                Blame::Upstream | Blame::Gateway | Blame::Discovery => {
+                    tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
+                }
+            }
+            error.to_response().map(Either::Right)
+        }
+    };
+    let elapsed = started.elapsed();
+    match &exchange.route {
+        Some(route) => route.stats.record(response.status().as_u16(), elapsed),
+        None => {
+            state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    if let Some(line) = request_line {
+        access_log::write(
+            &line,
+            &request_id,
+            downstream.client,
+            &exchange,
+            &response,
+            elapsed,
+        );
+    }
+    response
+        .headers_mut()
+        .insert(X_REQUEST_ID.clone(), request_id);
+    if http1 && state.draining() && response.status() != StatusCode::SWITCHING_PROTOCOLS {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+async fn forward(
+    state: &ProxyState,
+    mut request: Request<Incoming>,
+    downstream: &Downstream,
+    request_id: &HeaderValue,
+    exchange: &mut Exchange,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let route = {
+        let snapshot = state.snapshots.load();
+        let host = rewrite::request_host(&request);
+        let path = request.uri().path();
+        snapshot
+            .find_route(&host, path, request.method())
+            .cloned()
+            .ok_or_else(|| ProxyError::NoRoute {
+                host: host.into_owned(),
+                path: path.to_owned(),
+            })?
+    };
+    let service = route.service.clone();
+    exchange.route = Some(route.clone());
+
+    let upgrade = headers::is_upgrade_request(request.version(), request.headers()).then(|| {
+        let protocol = request.headers().get(header::UPGRADE).cloned();
+        (hyper::upgrade::on(&mut request), protocol)
+    });
+    let (parts, body) = request.into_parts();
+    let outgoing = rewrite::prepare(
+        &route,
+        &service,
+        parts,
+        PendingBody::of(body),
+        downstream,
+        request_id,
+        upgrade.as_ref().and_then(|(_, p)| p.clone()),
+    );
+    let (upstream, in_flight) =
+        retry::send_with_retries(state, &service, outgoing, exchange).await?;
+    Ok(respond(
+        upstream,
+        in_flight,
+        upgrade.map(|(on_upgrade, _)| on_upgrade),
+        downstream,
+    ))
+}
+
+/// The client connection a request came on, with what every request on it forwards about it,
+/// worked out once per connection.
+#[derive(Clone)]
+pub struct Downstream {
+    pub(super) client: SocketAddr,
+    /// The connection is TLS (the HTTPS listener).
+    pub(super) over_tls: bool,
+    /// The client's address as an `X-Forwarded-For` entry.
+    pub(super) forwarded_for: HeaderValue,
+    /// Where an upgraded exchange leaves its upstream side when the connection's own driver
+    /// runs the tunnel (see `h1server`); without it the tunnel runs on hyper's upgrade.
+    upgrade_handoff: Option<Arc<UpgradeHandoff>>,
+}
+
+impl Downstream {
+    pub fn new(client: SocketAddr, over_tls: bool) -> Downstream {
+        Downstream {
+            client,
+            over_tls,
+            forwarded_for: headers::forwarded_for(client.ip()),
+            upgrade_handoff: None,
+        }
+    }
+
+    pub fn with_upgrade_handoff(mut self, handoff: Arc<UpgradeHandoff>) -> Downstream {
+        self.upgrade_handoff = Some(handoff);
+        self
+    }
+}
+
+fn respond(
+    upstream: Response<UpstreamBody>,
+    in_flight: InFlight,
+    client_upgrade: Option<OnUpgrade>,
+    downstream: &Downstream,
+) -> Response<ProxyBody> {
+    if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client_upgrade) = client_upgrade {
+            return upgrade::switch_protocols(
+                upstream,
+                in_flight,
+                client_upgrade,
+                downstream.upgrade_handoff.as_ref(),
+            );
+        }
+    }
+    let (mut parts, body) = upstream.into_parts();
+    // A length beside a transfer coding is wrong, and the body was read by the coding; passed
+    // on, the client's side would cut the body at that length (RFC 9112 §6.3 says remove it).
+    if parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        parts.headers.remove(header::CONTENT_LENGTH);
+    }
+    headers::strip_hop_by_hop(&mut parts.headers);
+    headers::add_via(&mut parts.headers, parts.version);
+    // The client connection keeps its own protocol whatever the upstream spoke.
+    parts.version = Version::default();
+    Response::from_parts(
+        parts,
+        Either::Left(UpstreamResponseBody::new(body, in_flight)),
+    )
+}

@@ -1,0 +1,290 @@
+//! Attempts on picked targets: a failure may go to another target when its [`Retry`] allows
+//! (see `failure`), within the service's `max_attempts`; the response-header timeout and the
+//! stalled-upload rule bound each attempt.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http::Response;
+use hyper::body::Incoming;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::rewrite::{tls_request, Outgoing, PendingBody};
+use super::Exchange;
+use crate::balance::FailureCause;
+use crate::clock::unix_ms;
+use crate::model::{Id, MAX_ATTEMPTS};
+use crate::proxy::accounting::{record_outcome, InFlight};
+use crate::proxy::body::{StreamingBody, UpstreamBody, UpstreamRequestBody};
+use crate::proxy::client::{UpstreamClient, UpstreamError};
+use crate::proxy::connector::UpstreamTlsError;
+use crate::proxy::error::ProxyError;
+use crate::proxy::failure::{NoTarget, UpstreamFailure};
+use crate::proxy::h1client::RequestHead;
+use crate::proxy::ProxyState;
+use crate::snapshot::{ServiceRuntime, TargetRuntime};
+
+/// At most this many targets per request.
+const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
+
+/// Sends the request to picked targets until one answers or the failure's [`Retry`] rule
+/// ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
+/// failure before a response only for idempotent methods whose body can still be sent in full;
+/// a timeout never (the time was spent).
+///
+/// [`Retry`]: crate::proxy::failure::Retry
+pub(super) async fn send_with_retries(
+    state: &ProxyState,
+    service: &ServiceRuntime,
+    mut outgoing: Outgoing,
+    exchange: &mut Exchange,
+) -> Result<(Response<UpstreamBody>, InFlight), ProxyError> {
+    let started = Instant::now();
+    let counters = &service.counters;
+    let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
+    let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
+    let mut tried = Tried::default();
+    let mut last_failure = None;
+
+    for attempt in 1..=attempts {
+        // A retry goes only to an available target: falling back to an ejected or unhealthy
+        // one after a failure would add latency, not a chance of success.
+        let first_attempt = attempt == 1;
+        // Held to the end of the attempt, past its recorded outcome: a half-open trial must
+        // not pass to the next request before its verdict.
+        let Some(pick) = service.pick(|candidate| tried.contains(candidate.id), first_attempt)
+        else {
+            break;
+        };
+        let target = pick.target;
+        tried.push(target.id);
+        exchange.target = Some(target.authority.clone());
+        let may_retry_later = attempt < attempts;
+        let client = state
+            .clients
+            .for_target(service, target, outgoing.http1_only());
+        let (body, streaming) = take_body(&mut outgoing);
+        let in_flight = InFlight::start(&target.load);
+        let outcome = match &client {
+            UpstreamClient::Plain(pool) => {
+                // Written straight from the request kept for retries: no copy of its fields.
+                let head = RequestHead {
+                    method: &outgoing.method,
+                    path_and_query: outgoing.path_and_query.as_str(),
+                    headers: &outgoing.headers,
+                    host: outgoing.host_from_target.then_some(&target.host_header),
+                };
+                let sending = async {
+                    let response = pool.send(head, body).await?;
+                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
+                };
+                await_response(sending, streaming.as_ref(), response_timeout).await
+            }
+            UpstreamClient::Tls(tls) => {
+                let request = tls_request(&mut outgoing, body, target, may_retry_later);
+                let sending = async {
+                    let response = tls.request(request).await?;
+                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
+                };
+                await_response(sending, streaming.as_ref(), response_timeout).await
+            }
+        };
+        exchange.upstream_elapsed = Some(started.elapsed());
+        if matches!(
+            outcome,
+            Err(NoResponse::HeadersLate)
+                | Err(NoResponse::BodyStalled {
+                    client_stalled: false
+                })
+        ) {
+            counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        let failure = match outcome {
+            Ok(Ok(response)) => {
+                let status = response.status().as_u16();
+                let failure = service
+                    .service
+                    .ejection
+                    .failure_statuses
+                    .contains(&status)
+                    .then_some(FailureCause::Status(status));
+                record_outcome(service, target, failure);
+                return Ok((response, in_flight));
+            }
+            Ok(Err(error)) => {
+                let client_failed = streaming
+                    .as_ref()
+                    .is_some_and(|streaming| streaming.failed.load(Ordering::Relaxed));
+                if client_failed {
+                    // The client's upload broke, not the target: no ejection, no retry.
+                    return Err(ProxyError::ClientBody {
+                        reason: error_chain(&error),
+                    });
+                }
+                classify(service, target, &error)
+            }
+            Err(NoResponse::BodyStalled {
+                client_stalled: true,
+            }) => {
+                return Err(ProxyError::ClientBodyTimeout {
+                    timeout_ms: service.service.timeouts.response_header_ms,
+                });
+            }
+            Err(NoResponse::BodyStalled {
+                client_stalled: false,
+            }) => UpstreamFailure::send_timeout(service, target),
+            Err(NoResponse::HeadersLate) => UpstreamFailure::response_timeout(service, target),
+        };
+        record_outcome(service, target, Some(failure.ejection_cause()));
+        drop(in_flight);
+        if let Some(streaming) = streaming {
+            outgoing.body = reclaim(streaming.returned);
+        }
+        if failure.is_connect() {
+            counters.connect_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
+        tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
+        let retry_allowed = failure.retry().allows(&outgoing.method, body_repeatable);
+        last_failure = Some(failure);
+        if !retry_allowed {
+            break;
+        }
+    }
+    Err(match last_failure {
+        Some(failure) => ProxyError::Upstream(failure),
+        None => ProxyError::NoTarget(NoTarget::of(service)),
+    })
+}
+
+/// Why no response headers came in time.
+enum NoResponse {
+    /// Nothing moved for the whole timeout while the request body was streaming; true when the
+    /// upstream was waiting for the client's bytes.
+    BodyStalled { client_stalled: bool },
+    /// The body was sent (or there was none) and the headers did not follow in time.
+    HeadersLate,
+}
+
+/// Waits for the upstream's response headers. Their timeout starts once the request body has
+/// been sent in full: a slow upload is the client's pace, not a slow upstream. While the body
+/// streams, the same timeout bounds a pause in which no byte moves, so a hung upstream or a
+/// vanished client cannot hold the request forever. An upstream may still answer early (e.g.
+/// 413) while the body is streaming.
+async fn await_response<F: std::future::Future>(
+    response: F,
+    body: Option<&StreamingBody>,
+    timeout: Duration,
+) -> Result<F::Output, NoResponse> {
+    tokio::pin!(response);
+    if let Some(body) = body {
+        let limit_ms = timeout.as_millis() as u64;
+        loop {
+            let moved_ms = body.progress.last_moved_ms();
+            let idle_ms = unix_ms().saturating_sub(moved_ms);
+            let left = Duration::from_millis(limit_ms.saturating_sub(idle_ms));
+            tokio::select! {
+                biased;
+                result = &mut response => return Ok(result),
+                _ = body.sent.notified() => break,
+                _ = tokio::time::sleep(left) => {
+                    if body.progress.last_moved_ms() == moved_ms {
+                        return Err(NoResponse::BodyStalled {
+                            client_stalled: body.progress.waiting_on_client(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    tokio::time::timeout(timeout, response)
+        .await
+        .map_err(|_| NoResponse::HeadersLate)
+}
+
+/// Targets this request already tried, without allocating.
+#[derive(Default)]
+struct Tried {
+    ids: [Id; ATTEMPTS_LIMIT],
+    len: usize,
+}
+
+impl Tried {
+    fn contains(&self, id: Id) -> bool {
+        self.ids[..self.len].contains(&id)
+    }
+
+    fn push(&mut self, id: Id) {
+        if self.len < ATTEMPTS_LIMIT {
+            self.ids[self.len] = id;
+            self.len += 1;
+        }
+    }
+}
+
+/// The body for one attempt: a streaming body goes to it (and comes back if the attempt drops
+/// it unread); an empty one can be sent again.
+fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingBody>) {
+    match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
+        PendingBody::Empty => {
+            outgoing.body = PendingBody::Empty;
+            (UpstreamRequestBody::Empty, None)
+        }
+        PendingBody::Streaming(body) => {
+            let (body, streaming) = UpstreamRequestBody::streaming(body);
+            (body, Some(streaming))
+        }
+        PendingBody::Consumed => (UpstreamRequestBody::Empty, None),
+    }
+}
+
+fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
+    match returned.try_recv() {
+        Ok(body) => PendingBody::Streaming(body),
+        Err(_) => PendingBody::Consumed,
+    }
+}
+
+/// The failure one attempt's error means, made once, with its retry rule.
+fn classify(
+    service: &ServiceRuntime,
+    target: &TargetRuntime,
+    error: &UpstreamError,
+) -> UpstreamFailure {
+    if !error.is_connect() {
+        return UpstreamFailure::failed(service, target, error_chain(error));
+    }
+    if let Some(tls) = UpstreamTlsError::find_in(error) {
+        return UpstreamFailure::tls_failed(service, target, tls.detail());
+    }
+    let plain_timeout = matches!(error, UpstreamError::Plain(plain) if plain.is_connect_timeout());
+    if plain_timeout || is_timeout(error) {
+        return UpstreamFailure::connect_timeout(service, target);
+    }
+    UpstreamFailure::connect_failed(service, target, error_chain(error))
+}
+
+fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return true;
+            }
+        }
+        current = error.source();
+    }
+    false
+}
+
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut current = error.source();
+    while let Some(source) = current {
+        text.push_str(": ");
+        text.push_str(&source.to_string());
+        current = source.source();
+    }
+    text
+}

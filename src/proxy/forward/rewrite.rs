@@ -1,0 +1,433 @@
+//! What goes upstream: the request as the client sent it, rewritten by the route and service
+//! (forwarding fields, Host, path), and the per-attempt request for `https` targets.
+
+use std::borrow::Cow;
+
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Uri, Version};
+use hyper::body::Incoming;
+
+use super::Downstream;
+use crate::proxy::body::UpstreamRequestBody;
+use crate::proxy::headers::{self, X_REQUEST_ID};
+use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
+
+/// The host a request is for: lower case, without port.
+pub(super) fn request_host<B>(request: &Request<B>) -> Cow<'_, str> {
+    let raw = request
+        .uri()
+        .authority()
+        .map(|authority| authority.as_str())
+        .or_else(|| {
+            request
+                .headers()
+                .get(header::HOST)
+                .and_then(|value| value.to_str().ok())
+        })
+        .unwrap_or("");
+    let host = strip_port(raw);
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
+}
+
+fn strip_port(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        // IPv6 literal: keep the brackets off, as route hosts are written without them.
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.split(':').next().unwrap_or(authority)
+}
+
+/// What the client sent, kept so the request can be sent again to another target.
+pub(super) struct Outgoing {
+    pub method: Method,
+    pub path_and_query: PathAndQuery,
+    pub headers: HeaderMap,
+    /// No Host was chosen for the whole request: each attempt sends its target's authority in
+    /// place of the Host in `headers` (the client's, if it sent one).
+    pub host_from_target: bool,
+    /// The request switches protocols, so it must reach the upstream over HTTP/1.1.
+    pub upgrade: bool,
+    /// The Host is the client's (a route with `preserve_host`): unbounded values, so over TLS
+    /// the request goes over HTTP/1.1 on the target's own pool rather than a pool (and an
+    /// HTTP/2 connection for its `:authority`) per value a client chooses.
+    pub host_from_client: bool,
+    pub body: PendingBody,
+}
+
+impl Outgoing {
+    /// The request must not ride an HTTP/2 connection keyed by its Host.
+    pub fn http1_only(&self) -> bool {
+        self.upgrade || self.host_from_client
+    }
+}
+
+pub(super) enum PendingBody {
+    Empty,
+    Streaming(Incoming),
+    /// Sent (at least partly) to a target that then failed: the request cannot be repeated.
+    Consumed,
+}
+
+impl PendingBody {
+    pub fn of(body: Incoming) -> PendingBody {
+        if http_body::Body::is_end_stream(&body) {
+            PendingBody::Empty
+        } else {
+            PendingBody::Streaming(body)
+        }
+    }
+}
+
+/// What goes upstream for `parts`: hop-by-hop fields out, forwarding fields in, the Host the
+/// route and service choose, the path after `strip_prefix`.
+pub(super) fn prepare(
+    route: &RouteEntry,
+    service: &ServiceRuntime,
+    parts: http::request::Parts,
+    body: PendingBody,
+    downstream: &Downstream,
+    request_id: &HeaderValue,
+    upgrade_protocol: Option<HeaderValue>,
+) -> Outgoing {
+    let mut headers = parts.headers;
+    // hyper sized the map for the client's fields: make room once for the ones added below
+    // (X-Forwarded-*, Via, X-Request-Id, Host), rather than growing it field by field.
+    headers.reserve(6);
+    // The authority of an absolute-form or HTTP/2 request wins over a Host header (RFC 9112
+    // §3.2.2), as it did for routing.
+    let original_host = parts
+        .uri
+        .authority()
+        .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+        .or_else(|| headers.get(header::HOST).cloned());
+    if parts.version == Version::HTTP_2 {
+        join_cookies(&mut headers);
+    }
+    headers::strip_hop_by_hop(&mut headers);
+    headers::add_forwarding_headers(
+        &mut headers,
+        &downstream.forwarded_for,
+        downstream.over_tls,
+        original_host.as_ref(),
+        parts.version,
+    );
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+    let upgrade = upgrade_protocol.is_some();
+    if let Some(protocol) = upgrade_protocol {
+        headers.insert(header::UPGRADE, protocol);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    let (chosen_host, host_from_client) = match (route.route.preserve_host, &original_host) {
+        (true, Some(host)) => (Some(host.clone()), true),
+        _ => (service.upstream_host.clone(), false),
+    };
+    let host_from_target = chosen_host.is_none();
+    // Without a chosen Host the client's stays in the map: each attempt replaces it with its
+    // target's authority, so removing it here would only cost a hashed removal per request.
+    if let Some(host) = chosen_host {
+        headers.insert(header::HOST, host);
+    }
+    Outgoing {
+        method: parts.method,
+        path_and_query: upstream_path_and_query(route, &parts.uri),
+        headers,
+        host_from_target,
+        upgrade,
+        host_from_client,
+        body,
+    }
+}
+
+/// HTTP/2 clients split `cookie` into several fields; an HTTP/1.1 upstream expects one, joined
+/// with "; " (RFC 9113 §8.2.3).
+fn join_cookies(headers: &mut HeaderMap) {
+    if headers.get_all(header::COOKIE).iter().nth(1).is_none() {
+        return;
+    }
+    let joined = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .collect::<Vec<_>>()
+        .join("; ");
+    if let Ok(joined) = HeaderValue::from_str(&joined) {
+        headers.insert(header::COOKIE, joined);
+    }
+}
+
+fn upstream_path_and_query(route: &RouteEntry, uri: &Uri) -> PathAndQuery {
+    let original = uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    if !route.route.strip_prefix {
+        return original;
+    }
+    let path = route.upstream_path(original.path());
+    let rewritten = match original.query() {
+        Some(query) => format!("{path}?{query}"),
+        None => path.into_owned(),
+    };
+    PathAndQuery::try_from(rewritten).unwrap_or(original)
+}
+
+/// One attempt's request to an `https` target, for hyper-util's client. Headers are copied
+/// only while another attempt may follow. The URI says `https`; the connector dials the target
+/// whatever the URI names. The URI's authority keys the pool: when HTTP/2 may be used it is
+/// the request's Host (sent as `:authority`; one of the service's few values), otherwise the
+/// target's, and the upstream reads the Host header.
+pub(super) fn tls_request(
+    outgoing: &mut Outgoing,
+    body: UpstreamRequestBody,
+    target: &TargetRuntime,
+    may_retry_later: bool,
+) -> Request<UpstreamRequestBody> {
+    let headers = if may_retry_later {
+        outgoing.headers.clone()
+    } else {
+        std::mem::take(&mut outgoing.headers)
+    };
+    let mut request = Request::new(body);
+    *request.method_mut() = outgoing.method.clone();
+    *request.version_mut() = Version::HTTP_11;
+    *request.headers_mut() = headers;
+    if outgoing.host_from_target {
+        request
+            .headers_mut()
+            .insert(header::HOST, target.host_header.clone());
+    }
+    let host_authority = (!outgoing.http1_only())
+        .then(|| request.headers().get(header::HOST))
+        .flatten()
+        .and_then(|host| Authority::try_from(host.as_bytes()).ok());
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTPS);
+    uri.authority = Some(host_authority.unwrap_or_else(|| target.authority.clone()));
+    uri.path_and_query = Some(outgoing.path_and_query.clone());
+    *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
+    request
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::balance::Balancer;
+    use crate::model::{LbPolicy, Protocol, Route, Service, Timeouts};
+    use crate::snapshot::Snapshot;
+
+    struct RouteRule {
+        preserve_host: bool,
+        strip_prefix: bool,
+        upstream_host: Option<&'static str>,
+    }
+
+    const PLAIN: RouteRule = RouteRule {
+        preserve_host: false,
+        strip_prefix: false,
+        upstream_host: None,
+    };
+
+    /// The route `/api` of service `web` as the data path sees it.
+    fn route_entry(rule: RouteRule) -> Arc<RouteEntry> {
+        let service = ServiceRuntime {
+            service: Service {
+                id: 1,
+                name: "web".into(),
+                protocol: Protocol::Http,
+                upstream_authority: rule.upstream_host.map(String::from),
+                tls_sni: None,
+                tls_verify: true,
+                tls_ca_pem: None,
+                lb_policy: LbPolicy::RoundRobin,
+                timeouts: Timeouts::default(),
+                max_attempts: 3,
+                health_check: None,
+                ejection: Default::default(),
+                managed_by: None,
+                created_at: crate::clock::now(),
+                updated_at: crate::clock::now(),
+            },
+            upstream_host: rule.upstream_host.map(HeaderValue::from_static),
+            targets: Vec::new(),
+            balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
+            counters: Default::default(),
+            discovery_gap: None,
+        };
+        let route = Route {
+            id: 7,
+            name: "api".into(),
+            hosts: Vec::new(),
+            path_prefix: "/api".into(),
+            methods: Vec::new(),
+            service_id: 1,
+            preserve_host: rule.preserve_host,
+            strip_prefix: rule.strip_prefix,
+            priority: 0,
+            managed_by: None,
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
+        };
+        let snapshot = Snapshot::new(1, vec![service], vec![route]);
+        snapshot
+            .find_route("shop.example", "/api", &Method::GET)
+            .cloned()
+            .expect("the route matches")
+    }
+
+    fn rewrite(rule: RouteRule, request: Request<()>) -> Outgoing {
+        let route = route_entry(rule);
+        let downstream = Downstream::new("192.0.2.9:50000".parse().unwrap(), false);
+        let (parts, ()) = request.into_parts();
+        prepare(
+            &route,
+            &route.service,
+            parts,
+            PendingBody::Empty,
+            &downstream,
+            &HeaderValue::from_static("req-1"),
+            None,
+        )
+    }
+
+    fn get(uri: &str) -> http::request::Builder {
+        Request::builder().method(Method::GET).uri(uri)
+    }
+
+    #[test]
+    fn hop_by_hop_fields_go_and_forwarding_fields_come() {
+        let request = get("/api/items?page=2")
+            .header("host", "Shop.Example")
+            .header("connection", "keep-alive, x-private")
+            .header("x-private", "secret")
+            .header("keep-alive", "timeout=5")
+            .header("te", "trailers")
+            .header("x-forwarded-for", "198.51.100.1")
+            .header("x-kept", "1")
+            .body(())
+            .unwrap();
+        let outgoing = rewrite(PLAIN, request);
+        let headers = &outgoing.headers;
+        for gone in ["connection", "x-private", "keep-alive", "te"] {
+            assert!(!headers.contains_key(gone), "{gone} must not go upstream");
+        }
+        assert_eq!(headers["x-kept"], "1");
+        assert_eq!(headers["x-forwarded-for"], "198.51.100.1, 192.0.2.9");
+        assert_eq!(headers["x-forwarded-proto"], "http");
+        assert_eq!(headers["x-forwarded-host"], "Shop.Example");
+        assert_eq!(headers["x-request-id"], "req-1");
+        assert!(headers.contains_key("via"));
+        assert_eq!(outgoing.path_and_query.as_str(), "/api/items?page=2");
+        assert!(outgoing.host_from_target, "each attempt sends its target's");
+        assert!(!outgoing.http1_only());
+    }
+
+    #[test]
+    fn the_host_is_the_services_the_clients_or_the_targets() {
+        let with_host = || get("/api").header("host", "shop.example").body(()).unwrap();
+        let service_host = rewrite(
+            RouteRule {
+                upstream_host: Some("internal.web"),
+                ..PLAIN
+            },
+            with_host(),
+        );
+        assert_eq!(service_host.headers["host"], "internal.web");
+        assert!(!service_host.host_from_target);
+        let preserved = rewrite(
+            RouteRule {
+                preserve_host: true,
+                upstream_host: Some("internal.web"),
+                ..PLAIN
+            },
+            with_host(),
+        );
+        assert_eq!(preserved.headers["host"], "shop.example");
+        assert!(preserved.host_from_client);
+        assert!(
+            preserved.http1_only(),
+            "a client's Host must not key an HTTP/2 pool"
+        );
+        let targets = rewrite(PLAIN, with_host());
+        assert!(targets.host_from_target);
+    }
+
+    #[test]
+    fn an_absolute_form_authority_wins_over_the_host_field() {
+        let request = get("http://shop.example/api/x")
+            .header("host", "other.example")
+            .body(())
+            .unwrap();
+        let outgoing = rewrite(
+            RouteRule {
+                preserve_host: true,
+                ..PLAIN
+            },
+            request,
+        );
+        assert_eq!(outgoing.headers["host"], "shop.example");
+        assert_eq!(outgoing.headers["x-forwarded-host"], "shop.example");
+        assert_eq!(outgoing.path_and_query.as_str(), "/api/x");
+    }
+
+    #[test]
+    fn strip_prefix_removes_the_routes_prefix_and_keeps_the_query() {
+        let strip = || RouteRule {
+            strip_prefix: true,
+            ..PLAIN
+        };
+        let cases = [
+            ("/api/users?id=3", "/users?id=3"),
+            ("/api", "/"),
+            ("/api/", "/"),
+            ("/api?x=1", "/?x=1"),
+        ];
+        for (sent, upstream) in cases {
+            let outgoing = rewrite(strip(), get(sent).body(()).unwrap());
+            assert_eq!(outgoing.path_and_query.as_str(), upstream, "{sent}");
+        }
+    }
+
+    #[test]
+    fn http2_cookies_are_joined_for_http1_upstreams() {
+        let request = get("/api")
+            .version(Version::HTTP_2)
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .body(())
+            .unwrap();
+        let outgoing = rewrite(PLAIN, request);
+        let cookies: Vec<_> = outgoing.headers.get_all("cookie").iter().collect();
+        assert_eq!(cookies, ["a=1; b=2"]);
+    }
+
+    #[test]
+    fn an_upgrade_keeps_its_protocol_and_goes_over_http1() {
+        let route = route_entry(PLAIN);
+        let downstream = Downstream::new("192.0.2.9:50000".parse().unwrap(), true);
+        let (parts, ()) = get("/api/ws")
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let outgoing = prepare(
+            &route,
+            &route.service,
+            parts,
+            PendingBody::Empty,
+            &downstream,
+            &HeaderValue::from_static("req-2"),
+            Some(HeaderValue::from_static("websocket")),
+        );
+        assert_eq!(outgoing.headers["upgrade"], "websocket");
+        assert_eq!(outgoing.headers["connection"], "upgrade");
+        assert_eq!(outgoing.headers["x-forwarded-proto"], "https");
+        assert!(outgoing.upgrade && outgoing.http1_only());
+    }
+}

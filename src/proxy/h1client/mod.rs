@@ -1,0 +1,194 @@
+//! The HTTP/1.1 client side of a plain `http` target's connections, written for the proxy path.
+//!
+//! hyper's client connection runs as a task of its own, fed through channels: every request
+//! crossed two task hand-offs, and the response head and body came back through two more. Here
+//! the request's own task writes the request head, streams the body, parses the response head
+//! (httparse) and reads the body straight from the socket; the connection goes back to its
+//! [`ConnectionHome`] (its pool, which this codec never names) when the body has been read to
+//! its end.
+//!
+//! By file: `encode` (the request head), `parse` (the response head and its framing), `body`
+//! (reading a delimited or chunked body), `exchange` (one request and its response on a
+//! connection); this file holds the connection and the errors.
+//!
+//! Framing follows RFC 9112: a response to HEAD, a 1xx, 204 or 304 has no body; otherwise
+//! `Transfer-Encoding: chunked` (last) wins over `Content-Length`; without either the body runs
+//! to the end of the connection. A connection is reused only when the response said nothing
+//! against it (HTTP/1.1, no `Connection: close`), its body was delimited, the request body went
+//! up in full before the response head came, and no byte arrived beyond the response.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::BytesMut;
+use http::StatusCode;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+mod body;
+mod encode;
+mod exchange;
+mod parse;
+#[cfg(test)]
+mod tests;
+
+pub use body::ResponseBody;
+pub use encode::{encode_head, RequestHead};
+pub use exchange::finish_exchange;
+use parse::{parse_head, HeadScratch, ResponseHead};
+
+/// At most this many response header fields (hyper's default too).
+const MAX_HEADERS: usize = 100;
+/// A response head (status line, fields) larger than this is refused.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// A chunk-size line longer than this is refused.
+const MAX_CHUNK_LINE_BYTES: usize = 4 * 1024;
+/// Reads start at this size and grow, while they fill the buffer, up to the largest.
+const FIRST_READ_BYTES: usize = 8 * 1024;
+const LARGEST_READ_BYTES: usize = 64 * 1024;
+
+/// Why an exchange on a connection failed after its request head was written. The messages
+/// leave the target's address out: they reach clients inside error answers.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("writing the request to the target failed")]
+    Write(#[source] io::Error),
+    #[error("reading the response from the target failed")]
+    Read(#[source] io::Error),
+    #[error("the target closed the connection before answering")]
+    ClosedBeforeResponse,
+    #[error("the target closed the connection in the middle of the response head")]
+    ClosedInHead,
+    #[error("the response head is larger than {MAX_HEAD_BYTES} bytes")]
+    HeadTooLarge,
+    #[error("invalid response from the target: {0}")]
+    InvalidResponse(String),
+    #[error("reading the client's request body failed")]
+    RequestBody(#[source] hyper::Error),
+    #[error("the request body is longer than its Content-Length")]
+    RequestBodyTooLong,
+    #[error("the request body ended before its Content-Length")]
+    RequestBodyTooShort,
+}
+
+/// Why reading a response body failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("reading the response body from the target failed")]
+    Read(#[source] io::Error),
+    #[error("the target closed the connection before the end of the response body")]
+    ClosedEarly,
+    #[error("invalid chunked response body: {0}")]
+    InvalidChunk(&'static str),
+}
+
+/// Where a connection goes when its exchange ended cleanly and it may carry another: the codec
+/// hands it back without knowing who keeps it (a pool, in practice).
+pub trait ConnectionHome: Send + Sync + 'static {
+    fn take_back(&self, connection: Box<Connection>);
+}
+
+/// One keep-alive connection to a target.
+pub struct Connection {
+    read: OwnedReadHalf,
+    /// Gone when an early response left the request body still going up on its own task.
+    write: Option<OwnedWriteHalf>,
+    /// Bytes read from the target and not yet consumed.
+    buffer: BytesMut,
+    read_size: usize,
+    head_scratch: HeadScratch,
+}
+
+impl Connection {
+    pub fn new(stream: TcpStream) -> Box<Connection> {
+        let (read, write) = stream.into_split();
+        Box::new(Connection {
+            read,
+            write: Some(write),
+            buffer: BytesMut::new(),
+            read_size: FIRST_READ_BYTES,
+            head_scratch: HeadScratch::default(),
+        })
+    }
+
+    /// Whether the connection can carry another request: the target has neither closed it nor
+    /// sent anything unasked. Costs no system call unless the socket was reported readable.
+    pub fn is_reusable(&self) -> bool {
+        if self.write.is_none() || !self.buffer.is_empty() {
+            return false;
+        }
+        // `try_read` reads only when tokio saw the socket readable (else it answers WouldBlock
+        // at once), and uses neither the task's budget nor a waker. Readable means stale
+        // readiness from the last response (the read then blocks), or the target closed or
+        // wrote out of turn.
+        let mut probe = [0u8; 1];
+        matches!(self.read.try_read(&mut probe), Err(error) if error.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Before idling: a read buffer grown by a large body is given back, so an idle
+    /// connection holds at most a small one.
+    pub fn rest(&mut self) {
+        // `capacity()` shows only the unused tail of an allocation that bodies were split from,
+        // so growth is told by the read size, which grows only when reads fill the buffer.
+        if self.read_size > FIRST_READ_BYTES {
+            self.buffer = BytesMut::new();
+            self.read_size = FIRST_READ_BYTES;
+        }
+    }
+
+    /// Writes a request head made by [`encode_head`].
+    pub async fn write_head(&mut self, head: &[u8]) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        let write = self
+            .write
+            .as_mut()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))?;
+        write.write_all(head).await
+    }
+
+    /// Reads into the buffer; `Ok(0)` is the end of the connection.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buffer.capacity() - self.buffer.len() < self.read_size / 4 {
+            self.buffer.reserve(self.read_size);
+        }
+        let room = self.buffer.capacity() - self.buffer.len();
+        let read = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.read),
+            cx,
+            &mut self.buffer
+        ))?;
+        if read == room && self.read_size < LARGEST_READ_BYTES {
+            self.read_size *= 2;
+        }
+        Poll::Ready(Ok(read))
+    }
+
+    /// Reads until a final (non-1xx, or 101) response head has been parsed.
+    fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<ResponseHead, ExchangeError>> {
+        loop {
+            if !self.buffer.is_empty() {
+                if let Some(head) = parse_head(&mut self.buffer, &mut self.head_scratch)? {
+                    let informational = head.status.is_informational()
+                        && head.status != StatusCode::SWITCHING_PROTOCOLS;
+                    if !informational {
+                        return Poll::Ready(Ok(head));
+                    }
+                    // 100 Continue and its kind: the real answer follows.
+                    continue;
+                }
+                if self.buffer.len() >= MAX_HEAD_BYTES {
+                    return Poll::Ready(Err(ExchangeError::HeadTooLarge));
+                }
+            }
+            let had = self.buffer.len();
+            if ready!(self.poll_fill(cx)).map_err(ExchangeError::Read)? == 0 {
+                return Poll::Ready(Err(if had == 0 {
+                    ExchangeError::ClosedBeforeResponse
+                } else {
+                    ExchangeError::ClosedInHead
+                }));
+            }
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Services: what routes send to, with their timeouts, balancing, checks and ejection.
+
+use super::rows::ServiceRow;
+use super::{
+    convert_all, foreign_key, found, json_value, now_ms, unique_name_conflict, Page, Store,
+    StoreError,
+};
+use crate::model::{Id, Service, ServiceSpec};
+
+impl Store {
+    pub async fn list_services(&self, page: Page) -> Result<Vec<Service>, StoreError> {
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, ServiceRow>(
+            "SELECT * FROM services WHERE id > $1 ORDER BY id LIMIT $2",
+        )
+        .bind(page.after_id())
+        .bind(i64::from(page.limit))
+        .fetch_all(pool)
+        .await)?;
+        convert_all(rows)
+    }
+
+    pub async fn get_service(&self, id: Id) -> Result<Service, StoreError> {
+        on_pool!(self, |pool| sqlx::query_as::<_, ServiceRow>(
+            "SELECT * FROM services WHERE id = $1"
+        )
+        .bind(id)
+        .fetch_optional(pool)
+        .await)?
+        .ok_or(StoreError::NotFound {
+            kind: "service",
+            id,
+        })?
+        .try_into()
+    }
+
+    pub async fn create_service(&self, spec: &ServiceSpec) -> Result<Service, StoreError> {
+        let now = now_ms();
+        let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
+            "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
+                lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
+                max_attempts, health_check, ejection, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
+        )
+        .bind(&spec.name)
+        .bind(spec.protocol.as_str())
+        .bind(&spec.upstream_authority)
+        .bind(&spec.tls_sni)
+        .bind(spec.tls_verify)
+        .bind(&spec.tls_ca_pem)
+        .bind(spec.lb_policy.as_str())
+        .bind(spec.timeouts.connect_ms as i64)
+        .bind(spec.timeouts.response_header_ms as i64)
+        .bind(spec.timeouts.idle_ms as i64)
+        .bind(i64::from(spec.max_attempts))
+        .bind(spec.health_check.as_ref().map(json_value))
+        .bind(json_value(&spec.ejection))
+        .bind(now)
+        .bind(now)
+        .fetch_one(pool)
+        .await)
+        .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
+        self.get_service(id).await
+    }
+
+    pub async fn update_service(&self, id: Id, spec: &ServiceSpec) -> Result<Service, StoreError> {
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "UPDATE services SET name = $1, protocol = $2, upstream_authority = $3, tls_sni = $4,
+                tls_verify = $5, tls_ca_pem = $6, lb_policy = $7, connect_timeout_ms = $8, response_header_timeout_ms = $9,
+                idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13, updated_at = $14
+             WHERE id = $15",
+        )
+        .bind(&spec.name)
+        .bind(spec.protocol.as_str())
+        .bind(&spec.upstream_authority)
+        .bind(&spec.tls_sni)
+        .bind(spec.tls_verify)
+        .bind(&spec.tls_ca_pem)
+        .bind(spec.lb_policy.as_str())
+        .bind(spec.timeouts.connect_ms as i64)
+        .bind(spec.timeouts.response_header_ms as i64)
+        .bind(spec.timeouts.idle_ms as i64)
+        .bind(i64::from(spec.max_attempts))
+        .bind(spec.health_check.as_ref().map(json_value))
+        .bind(json_value(&spec.ejection))
+        .bind(now_ms())
+        .bind(id)
+        .execute(pool)
+        .await
+.map(|done| done.rows_affected()))
+        .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
+        found(affected, "service", id)?;
+        self.get_service(id).await
+    }
+
+    /// Deletes a service and its targets; refused while a route still sends traffic to it.
+    pub async fn delete_service(&self, id: Id) -> Result<(), StoreError> {
+        let route_names: Vec<(String,)> = on_pool!(self, |pool| sqlx::query_as(
+            "SELECT name FROM routes WHERE service_id = $1 ORDER BY id LIMIT 5"
+        )
+        .bind(id)
+        .fetch_all(pool)
+        .await)?;
+        if !route_names.is_empty() {
+            let names: Vec<String> = route_names.into_iter().map(|(name,)| name).collect();
+            return Err(StoreError::Conflict {
+                field: "id",
+                message: format!(
+                    "service {id} is used by route(s) {}; delete or move them first",
+                    names.join(", ")
+                ),
+            });
+        }
+        let stream_routes: Vec<(i64, String)> = on_pool!(self, |pool| sqlx::query_as(
+            "SELECT id, listen FROM stream_routes WHERE service_id = $1 ORDER BY id LIMIT 5",
+        )
+        .bind(id)
+        .fetch_all(pool)
+        .await)?;
+        if !stream_routes.is_empty() {
+            let routes: Vec<String> = stream_routes
+                .into_iter()
+                .map(|(route_id, listen)| format!("{route_id} ({listen})"))
+                .collect();
+            return Err(StoreError::Conflict {
+                field: "id",
+                message: format!(
+                    "service {id} is used by stream route(s) {}; delete or move them first",
+                    routes.join(", ")
+                ),
+            });
+        }
+        let affected = on_pool!(self, |pool| sqlx::query(
+            "DELETE FROM services WHERE id = $1"
+        )
+        .bind(id)
+        .execute(pool)
+        .await
+        .map(|done| done.rows_affected()))
+        .map_err(|error| {
+            // A route created between the check above and this delete.
+            foreign_key(error, "id", format!("service {id} is used by a route"))
+        })?;
+        found(affected, "service", id)?;
+        Ok(())
+    }
+}
