@@ -1299,3 +1299,6 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod proptests;
