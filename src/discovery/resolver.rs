@@ -716,3 +716,6 @@ mod tests {
         assert_eq!(rcode_name(ResponseCode::Unknown(3841)), "RCODE3841");
     }
 }
+
+#[cfg(test)]
+mod proptests;
