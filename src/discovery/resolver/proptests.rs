@@ -6,8 +6,12 @@
 //! The seed is fixed and failures are not persisted: see `config` in
 //! `proxy/h1client/proptests.rs`, whose reasons hold here too.
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA, CNAME, MX, SRV, TXT};
-use hickory_proto::rr::DNSClass;
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::Index;

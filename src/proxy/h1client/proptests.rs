@@ -4,11 +4,16 @@
 //! Everything is reached through `super::*`, so these tests do not depend on which file of the
 //! module an item lives in. The seed is fixed and failures are not persisted (see [`config`]).
 
+use bytes::BytesMut;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{StatusCode, Version};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::RngSeed;
 
+// The module's own items (private ones included), wherever its files put them. The outside
+// types above are named here so that these tests do not lean on the parent's imports.
 use super::*;
 
 /// The same cases on every run, so CI is deterministic and a failure reproduces with the same
