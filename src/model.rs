@@ -216,7 +216,7 @@ impl<'de> Deserialize<'de> for Ejection {
         struct EjectionVisitor;
         impl<'de> serde::de::Visitor<'de> for EjectionVisitor {
             type Value = Ejection;
-            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 formatter.write_str("an ejection object, or false to turn ejection off")
             }
             fn visit_bool<E: serde::de::Error>(self, enabled: bool) -> Result<Ejection, E> {

@@ -285,7 +285,7 @@ fn with(labels: &Labels, extra: (&'static str, String)) -> Labels {
 }
 
 fn counter(
-    encoder: &mut DescriptorEncoder,
+    encoder: &mut DescriptorEncoder<'_>,
     name: &str,
     help: &str,
     samples: impl IntoIterator<Item = (Labels, u64)>,
@@ -298,7 +298,7 @@ fn counter(
 }
 
 fn gauge(
-    encoder: &mut DescriptorEncoder,
+    encoder: &mut DescriptorEncoder<'_>,
     name: &str,
     help: &str,
     samples: impl IntoIterator<Item = (Labels, i64)>,
@@ -311,7 +311,7 @@ fn gauge(
 }
 
 impl Collector for Scrape {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         if let Some((labels, registered, failures)) = &self.registration {
             gauge(
                 &mut encoder,

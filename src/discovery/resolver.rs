@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query, ResponseCode};
-use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 use tokio::time::{timeout_at, Instant};
@@ -420,10 +420,23 @@ fn check_question(
     name: &Name,
     record_type: RecordType,
 ) -> Result<(), Failure> {
+    // RFC 5452 §9.1: an answer matches its question by name, type and class.
+    let asked = |query: &Query| {
+        query.name() == name
+            && query.query_type() == record_type
+            && query.query_class() == DNSClass::IN
+    };
     match response.query() {
-        Some(query) if query.name() == name && query.query_type() == record_type => Ok(()),
+        Some(query) if asked(query) => Ok(()),
         // Error responses (e.g. FORMERR) may omit the question; the code speaks for itself.
-        None if response.response_code() != ResponseCode::NoError => Ok(()),
+        // Not NXDOMAIN: it empties the source, so it must be an answer to this question.
+        None if !matches!(
+            response.response_code(),
+            ResponseCode::NoError | ResponseCode::NXDomain
+        ) =>
+        {
+            Ok(())
+        }
         _ => Err(Failure::Malformed {
             server,
             reason: format!("the answer is not for {name} {record_type}"),
@@ -716,3 +729,6 @@ mod tests {
         assert_eq!(rcode_name(ResponseCode::Unknown(3841)), "RCODE3841");
     }
 }
+
+#[cfg(test)]
+mod proptests;

@@ -615,3 +615,6 @@ mod tests {
         assert_eq!(parse_client_hello(&bytes), sni("real.example.org"));
     }
 }
+
+#[cfg(test)]
+mod proptests;

@@ -31,6 +31,8 @@ mod encode;
 mod exchange;
 mod parse;
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;
 
 pub use body::ResponseBody;

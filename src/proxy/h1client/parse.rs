@@ -228,13 +228,7 @@ pub(super) fn response_framing(
         return Ok((Framing::Length(0), keep_alive));
     }
     if head.transfer_encoding {
-        let chunked_last = headers
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .next_back()
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.rsplit(',').next())
-            .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
+        let chunked_last = chunked_is_final_coding(headers);
         // With both fields present the message is suspect: read it by Transfer-Encoding, then
         // close (§6.3 rule 3).
         let keep_alive = keep_alive && !head.content_length;
@@ -269,4 +263,25 @@ pub(super) fn response_framing(
         Some(length) => (Framing::Length(length), keep_alive),
         None => (Framing::UntilClose, false),
     })
+}
+
+/// Whether `chunked` is the final transfer coding across every Transfer-Encoding field. Empty
+/// list elements ("chunked,", an empty field after a "chunked" one) are not codings (RFC 9110
+/// §5.6.1); a field that is not text makes the whole list unreadable, so not chunked.
+fn chunked_is_final_coding(headers: &HeaderMap) -> bool {
+    let mut last = None;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let Ok(text) = value.to_str() else {
+            return false;
+        };
+        if let Some(coding) = text
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .last()
+        {
+            last = Some(coding);
+        }
+    }
+    last.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"))
 }
