@@ -64,6 +64,7 @@ fn shared_server_url() -> &'static str {
             let cluster = Cluster::start();
             let url = cluster.url();
             // Lives as long as the test process; the watchdog stops it afterwards.
+            #[allow(clippy::mem_forget)]
             std::mem::forget(cluster);
             url
         }

@@ -277,8 +277,7 @@ fn chunked_is_final_coding(headers: &HeaderMap) -> bool {
         if let Some(coding) = text
             .split(',')
             .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .last()
+            .rfind(|coding| !coding.is_empty())
         {
             last = Some(coding);
         }
