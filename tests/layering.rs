@@ -242,8 +242,8 @@ fn without_test_modules(code: &str) -> String {
     while let Some(at) = rest.find("#[cfg(test)]") {
         kept.push_str(&rest[..at]);
         let after = &rest[at + "#[cfg(test)]".len()..];
-        let item = after.trim_start();
-        let is_inline_mod = (item.starts_with("mod ") || item.starts_with("pub(crate) mod "))
+        let item = without_visibility(after.trim_start());
+        let is_inline_mod = item.starts_with("mod ")
             && item
                 .find(['{', ';'])
                 .is_some_and(|end| item.as_bytes()[end] == b'{');
@@ -274,6 +274,18 @@ fn without_test_modules(code: &str) -> String {
     kept
 }
 
+/// `item` without a leading `pub`, `pub(crate)`, `pub(super)` or `pub(in …)`.
+fn without_visibility(item: &str) -> &str {
+    let Some(rest) = item.strip_prefix("pub") else {
+        return item;
+    };
+    let rest = match rest.strip_prefix('(') {
+        Some(inside) => inside.split_once(')').map_or(rest, |(_, after)| after),
+        None => rest,
+    };
+    rest.trim_start()
+}
+
 /// The names of the modules a file declares for tests only (`#[cfg(test)] mod tests;`): their
 /// files are skipped like inline test modules.
 fn test_module_files(code: &str) -> Vec<String> {
@@ -281,8 +293,7 @@ fn test_module_files(code: &str) -> Vec<String> {
     let mut rest = code;
     while let Some(at) = rest.find("#[cfg(test)]") {
         rest = &rest[at + "#[cfg(test)]".len()..];
-        let item = rest.trim_start();
-        let item = item.strip_prefix("pub(crate) ").unwrap_or(item);
+        let item = without_visibility(rest.trim_start());
         if let Some(declared) = item.strip_prefix("mod ") {
             let name: String = declared
                 .chars()
@@ -576,7 +587,7 @@ fn a_broken_arrow_is_found() {
 
 #[test]
 fn test_only_code_is_not_part_of_the_architecture() {
-    let source = "use crate::model::Id;\n#[cfg(test)]\nmod tests {\n    use crate::store::Store;\n    fn f() { if true { } }\n}\n#[cfg(test)]\nmod proptests;\nuse crate::snapshot::X;";
+    let source = "use crate::model::Id;\n#[cfg(test)]\npub(super) mod tests {\n    use crate::store::Store;\n    fn f() { if true { } }\n}\n#[cfg(test)]\nmod proptests;\nuse crate::snapshot::X;";
     let module = module_path(Path::new("proxy/pool.rs"));
     let references = references_in("proxy/pool.rs", &module, source);
     let targets: Vec<String> = references

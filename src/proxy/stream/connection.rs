@@ -341,8 +341,8 @@ async fn connect_upstream(
 mod tests {
     use super::*;
     use crate::proxy::failure::UpstreamFailureKind;
+    use crate::proxy::stream::tests::socket_pair;
     use tokio::io::AsyncWriteExt;
-    use tokio::net::TcpListener;
 
     #[test]
     fn client_mistakes_are_unmatched_and_upstream_failures_name_their_code() {
@@ -368,14 +368,6 @@ mod tests {
         });
         assert_eq!(no_target.blame(), Blame::Discovery);
         assert_eq!(no_target.code(), "discovery_unavailable");
-    }
-
-    /// A connected loopback pair: (the side the test drives, the side the code under test uses).
-    async fn socket_pair() -> (TcpStream, TcpStream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (outer, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        (outer.unwrap(), accepted.unwrap().0)
     }
 
     #[tokio::test]

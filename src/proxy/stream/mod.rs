@@ -356,8 +356,16 @@ async fn accept_loop(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+
+    /// A connected loopback pair: (the side the test drives, the side the code under test uses).
+    pub(in crate::proxy::stream) async fn socket_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (outer, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        (outer.unwrap(), accepted.unwrap().0)
+    }
 
     fn assert_send_sync<T: Send + Sync>() {}
 

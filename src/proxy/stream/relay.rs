@@ -183,7 +183,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::net::TcpListener;
+    use crate::proxy::stream::tests::socket_pair;
 
     #[tokio::test(start_paused = true)]
     async fn idle_waits_for_silence_since_the_last_byte() {
@@ -199,14 +199,6 @@ mod tests {
         let started = Instant::now();
         watcher.await;
         assert!(started.elapsed() >= Duration::from_secs(5));
-    }
-
-    /// A connected loopback pair: (the side the test drives, the side the code under test uses).
-    async fn socket_pair() -> (TcpStream, TcpStream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (outer, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        (outer.unwrap(), accepted.unwrap().0)
     }
 
     #[tokio::test]
