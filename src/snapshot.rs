@@ -17,7 +17,7 @@ use crate::clock::unix_ms;
 use crate::model::{Id, Route, Service, StreamRoute};
 
 mod stream;
-pub use stream::*;
+pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
 
 /// One target that may take new traffic, as the data path needs it.
 #[derive(Debug)]

@@ -73,12 +73,25 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// Items that `lib.rs` itself defines (not modules), which any module may name.
+const ROOT_ITEMS: &[&str] = &[];
+
 /// Inside a layer, a lower piece never names a higher one: (module, what it must not name).
 const FORBIDDEN_INSIDE: &[(&str, &str)] = &[
     // The HTTP/1.1 codec does not know its pool; the pool knows no protocol.
     ("proxy::h1client", "proxy::pool"),
     ("proxy::pool", "proxy::h1client"),
     ("proxy::pool", "proxy::forward"),
+    ("proxy::pool", "proxy::plain_target"),
+    ("proxy::h1client", "proxy::plain_target"),
+    // The pieces HTTP and L4 share stay below both.
+    ("proxy::failure", "proxy::forward"),
+    ("proxy::failure", "proxy::stream"),
+    ("proxy::failure", "proxy::error"),
+    ("proxy::accounting", "proxy::forward"),
+    ("proxy::accounting", "proxy::stream"),
+    ("proxy::accounting", "proxy::error"),
+    ("proxy::stream", "proxy::error"),
     ("proxy::h1client", "proxy::forward"),
     ("proxy::h1client", "proxy::client"),
     // L4 does not borrow from HTTP, nor HTTP from L4.
@@ -309,7 +322,7 @@ fn test_module_files(code: &str) -> Vec<String> {
 
 /// Every path that follows `anchor` (`crate`, `super`, `self`) as `anchor::…`, with `use`
 /// groups expanded: `crate::{a, b::{c, d}}` names `a`, `b::c` and `b::d`.
-fn paths_after(code: &str, anchor: &str) -> Vec<Vec<String>> {
+fn paths_after(code: &str, anchor: &str) -> Vec<Parsed> {
     let mut found = Vec::new();
     let pattern = format!("{anchor}::");
     let mut search = 0;
@@ -327,8 +340,17 @@ fn paths_after(code: &str, anchor: &str) -> Vec<Vec<String>> {
     found
 }
 
-/// Parses a path or `use` tree at the start of `rest` (after an `::`), prefixed by `prefix`.
-fn parse_tree(rest: &mut &str, prefix: Vec<String>) -> Vec<Vec<String>> {
+/// A path as written, and the name a `use` binds it to when it says `as name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Parsed {
+    path: Vec<String>,
+    alias: Option<String>,
+}
+
+/// Parses a path or `use` tree at the start of `rest` (after an `::`), prefixed by `prefix`. A
+/// glob ends its path with `*`.
+fn parse_tree(rest: &mut &str, prefix: Vec<String>) -> Vec<Parsed> {
+    let plain = |path: Vec<String>| Parsed { path, alias: None };
     *rest = rest.trim_start();
     if let Some(inside) = rest.strip_prefix('{') {
         *rest = inside;
@@ -353,14 +375,16 @@ fn parse_tree(rest: &mut &str, prefix: Vec<String>) -> Vec<Vec<String>> {
     }
     if let Some(after) = rest.strip_prefix('*') {
         *rest = after;
-        return vec![prefix];
+        let mut glob = prefix;
+        glob.push("*".to_owned());
+        return vec![plain(glob)];
     }
     let length = rest.bytes().take_while(|byte| is_ident_byte(*byte)).count();
     if length == 0 {
         return if prefix.is_empty() {
             Vec::new()
         } else {
-            vec![prefix]
+            vec![plain(prefix)]
         };
     }
     let mut path = prefix;
@@ -373,39 +397,149 @@ fn parse_tree(rest: &mut &str, prefix: Vec<String>) -> Vec<Vec<String>> {
             return parse_tree(rest, path);
         }
     }
-    vec![path]
+    if let Some(after) = trimmed.strip_prefix("as ") {
+        let after = after.trim_start();
+        let length = after
+            .bytes()
+            .take_while(|byte| is_ident_byte(*byte))
+            .count();
+        *rest = &after[length..];
+        return vec![Parsed {
+            path,
+            alias: Some(after[..length].to_owned()),
+        }];
+    }
+    vec![plain(path)]
+}
+
+/// (module, name) → the crate path a `use` in that module binds the name to.
+type Bindings = std::collections::HashMap<(Vec<String>, String), Vec<String>>;
+
+/// What one file names, resolved to crate-root paths, and what its `use` items bind.
+#[derive(Default)]
+struct FileScan {
+    references: Vec<Reference>,
+    /// (module, name) → the crate path it stands for, for every `use` of a crate path: a
+    /// re-export cannot launder a forbidden arrow.
+    bindings: Vec<((Vec<String>, String), Vec<String>)>,
+    /// Ways of naming crate items that the check could not follow.
+    unfollowable: Vec<String>,
+}
+
+/// The child modules a file declares (`mod x;` or `mod x { … }`, outside test code).
+fn declared_children(code: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = code;
+    while let Some(at) = rest.find("mod ") {
+        let before = &rest[..at];
+        rest = &rest[at + "mod ".len()..];
+        let starts_item =
+            before.trim_end().chars().last().is_none_or(|c| {
+                matches!(c, ';' | '}' | '{' | ']' | ')') || before.ends_with("pub ")
+            });
+        if !starts_item || before.ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            names.push(name);
+        }
+    }
+    names
 }
 
 /// The references one file makes, resolved to crate-root paths.
 fn references_in(file: &str, module: &[String], source: &str) -> Vec<Reference> {
+    scan_file(file, module, source).references
+}
+
+fn scan_file(file: &str, module: &[String], source: &str) -> FileScan {
     let code = without_test_modules(&code_only(source));
-    let mut references = Vec::new();
-    let mut add = |to: Vec<String>| {
-        if !to.is_empty() {
-            references.push(Reference {
-                file: file.to_owned(),
-                from: module.to_vec(),
-                to,
-            });
+    let mut scan = FileScan::default();
+    for alias in ["crate as ", "self as ", "extern crate self"] {
+        if code.contains(alias) {
+            scan.unfollowable.push(format!(
+                "{file}: `{alias}…` renames the crate, which the layering check cannot follow"
+            ));
         }
-    };
-    for path in paths_after(&code, "crate") {
-        add(path);
     }
-    // `super::` from module a::b::c names a::b::…; a file's own inline `mod tests` is one
-    // level deeper, which this cannot tell, so `super::` resolves from the file's module:
-    // at worst it names the file's own module, which is always allowed.
-    for path in paths_after(&code, "super") {
-        let mut resolved = module[..module.len().saturating_sub(1)].to_vec();
-        let mut path = path.into_iter().peekable();
-        while path.peek().is_some_and(|segment| segment == "super") {
-            path.next();
-            resolved.pop();
+    let mut resolved: Vec<(Parsed, Vec<String>)> = Vec::new();
+    for parsed in paths_after(&code, "crate") {
+        let path = parsed.path.clone();
+        resolved.push((parsed, path));
+    }
+    // `super::` resolves from the file's module (a file's own inline test modules are removed
+    // above, and other inline modules are refused below).
+    for parsed in paths_after(&code, "super") {
+        let mut path = module[..module.len().saturating_sub(1)].to_vec();
+        let mut segments = parsed.path.iter().peekable();
+        while segments.peek().is_some_and(|segment| *segment == "super") {
+            segments.next();
+            path.pop();
         }
-        resolved.extend(path);
-        add(resolved);
+        path.extend(segments.cloned());
+        resolved.push((parsed, path));
     }
-    references
+    // A path through a module this file declares (`pool::TargetPool` in `proxy/mod.rs`).
+    for child in declared_children(&code) {
+        for mut parsed in paths_after(&code, &child) {
+            let mut path = module.to_vec();
+            path.push(child.clone());
+            path.append(&mut parsed.path);
+            resolved.push((parsed, path));
+        }
+    }
+    for (parsed, path) in resolved {
+        if path.is_empty() {
+            continue;
+        }
+        if path.last().is_some_and(|segment| segment == "*") {
+            scan.unfollowable.push(format!(
+                "{file}: a glob import of crate::{} hides what it names; name the items",
+                path[..path.len() - 1].join("::")
+            ));
+            continue;
+        }
+        let name = parsed
+            .alias
+            .clone()
+            .or_else(|| path.last().cloned())
+            .unwrap_or_default();
+        if name != "self" {
+            scan.bindings.push(((module.to_vec(), name), path.clone()));
+        }
+        scan.references.push(Reference {
+            file: file.to_owned(),
+            from: module.to_vec(),
+            to: path,
+        });
+    }
+    scan
+}
+
+/// `path` with every prefix that a `use` bound to another path replaced by it, so a re-export
+/// (`pub(crate) use pool::TargetPool` in `proxy`) names its origin.
+fn through_bindings(path: &[String], bindings: &Bindings) -> Vec<String> {
+    let mut current = path.to_vec();
+    for _ in 0..16 {
+        let replaced = (1..current.len()).find_map(|split| {
+            let key = (current[..split].to_vec(), current[split].clone());
+            let target = bindings.get(&key)?;
+            (target.as_slice() != &current[..=split]).then(|| {
+                let mut next = target.clone();
+                next.extend_from_slice(&current[split + 1..]);
+                next
+            })
+        });
+        match replaced {
+            Some(next) => current = next,
+            None => break,
+        }
+    }
+    current
 }
 
 fn allowed_tops(top: &str) -> Option<&'static [&'static str]> {
@@ -430,6 +564,11 @@ fn violation(reference: &Reference, known_tops: &BTreeSet<String>) -> Option<Str
         reference.file,
         reference.to.join("::")
     );
+    if !known_tops.contains(to_top) && !ROOT_ITEMS.contains(&to_top.as_str()) {
+        return Some(format!(
+            "{shown}: no module `{to_top}` at the crate root; the check cannot follow it"
+        ));
+    }
     if from_top != to_top && to_top != "clock" && known_tops.contains(to_top) {
         let Some(allowed) = allowed_tops(from_top) else {
             return Some(format!(
@@ -467,8 +606,16 @@ fn source_files(dir: &Path, files: &mut Vec<PathBuf>) {
     }
 }
 
-/// Every reference in `src/`, and the set of top-level modules.
-fn crate_references() -> (Vec<Reference>, BTreeSet<String>) {
+/// What the scan of `src/` found.
+struct CrateScan {
+    references: Vec<Reference>,
+    tops: BTreeSet<String>,
+    bindings: Bindings,
+    unfollowable: Vec<String>,
+}
+
+/// Every reference in `src/` outside test code, the top-level modules, and the `use` bindings.
+fn crate_references() -> CrateScan {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     source_files(&src, &mut files);
@@ -485,49 +632,60 @@ fn crate_references() -> (Vec<Reference>, BTreeSet<String>) {
         }
         parsed.push((relative, module, source));
     }
-    let mut references = Vec::new();
-    let mut tops = BTreeSet::new();
+    let mut scan = CrateScan {
+        references: Vec::new(),
+        tops: BTreeSet::new(),
+        bindings: Default::default(),
+        unfollowable: Vec::new(),
+    };
     for (relative, module, source) in parsed {
         let Some(top) = module.first() else { continue };
         if top == "main" || top == "lib" {
             continue;
         }
-        tops.insert(top.clone());
+        scan.tops.insert(top.clone());
         let in_test_module = (1..=module.len()).any(|len| test_only.contains(&module[..len]));
         if in_test_module {
             continue;
         }
-        references.extend(references_in(
-            &relative.display().to_string(),
-            &module,
-            &source,
-        ));
+        let file = scan_file(&relative.display().to_string(), &module, &source);
+        scan.references.extend(file.references);
+        scan.bindings.extend(file.bindings);
+        scan.unfollowable.extend(file.unfollowable);
     }
-    (references, tops)
+    scan
 }
 
 #[test]
 fn every_import_follows_the_arrows_of_design_section_3() {
-    let (references, tops) = crate_references();
+    let scan = crate_references();
     assert!(
-        references.len() > 200,
+        scan.references.len() > 200,
         "the scan found only {} references: it is broken",
-        references.len()
+        scan.references.len()
     );
-    for top in &tops {
+    for top in &scan.tops {
         assert!(
             allowed_tops(top).is_some(),
             "module `{top}` is not in the layering table: add its row (and to DESIGN §3)"
         );
     }
-    let violations: BTreeSet<String> = references
-        .iter()
-        .filter_map(|reference| violation(reference, &tops))
-        .collect();
+    let mut problems: BTreeSet<String> = scan.unfollowable.iter().cloned().collect();
+    for reference in &scan.references {
+        let origin = Reference {
+            to: through_bindings(&reference.to, &scan.bindings),
+            ..reference.clone()
+        };
+        for checked in [reference, &origin] {
+            if let Some(problem) = violation(checked, &scan.tops) {
+                problems.insert(problem);
+            }
+        }
+    }
     assert!(
-        violations.is_empty(),
+        problems.is_empty(),
         "imports against DESIGN §3:\n{}",
-        violations.into_iter().collect::<Vec<_>>().join("\n")
+        problems.into_iter().collect::<Vec<_>>().join("\n")
     );
 }
 
@@ -616,4 +774,49 @@ fn super_paths_resolve_from_the_files_module() {
         module_path(Path::new("proxy/forward/mod.rs")),
         ["proxy", "forward"]
     );
+}
+
+#[test]
+fn a_re_export_glob_or_alias_cannot_launder_an_arrow() {
+    let tops: BTreeSet<String> = ["proxy"].into_iter().map(String::from).collect();
+    let module = |path: &str| module_path(Path::new(path));
+    let parent = scan_file(
+        "proxy/mod.rs",
+        &module("proxy/mod.rs"),
+        "mod h1client;\nmod pool;\npub(crate) use pool::TargetPool as Kept;",
+    );
+    let codec = scan_file(
+        "proxy/h1client.rs",
+        &module("proxy/h1client.rs"),
+        "use super::Kept;\nfn f() { let _ = crate::proxy::Kept::new(); }",
+    );
+    let bindings = parent.bindings.into_iter().chain(codec.bindings).collect();
+    let laundered: Vec<String> = codec
+        .references
+        .iter()
+        .map(|reference| through_bindings(&reference.to, &bindings).join("::"))
+        .collect();
+    assert_eq!(
+        laundered,
+        ["proxy::pool::TargetPool::new", "proxy::pool::TargetPool"]
+    );
+    let caught = codec.references.iter().any(|reference| {
+        let origin = Reference {
+            to: through_bindings(&reference.to, &bindings),
+            ..reference.clone()
+        };
+        violation(&origin, &tops).is_some_and(|problem| problem.contains("must not name"))
+    });
+    assert!(caught, "the re-export hid the codec's use of its pool");
+
+    let glob = scan_file("proxy/x.rs", &module("proxy/x.rs"), "use super::super::*;");
+    assert_eq!(glob.unfollowable.len(), 1, "{:?}", glob.unfollowable);
+    let alias = scan_file("proxy/x.rs", &module("proxy/x.rs"), "use crate as root;");
+    assert_eq!(alias.unfollowable.len(), 1, "{:?}", alias.unfollowable);
+    let unknown = Reference {
+        file: "proxy/x.rs".into(),
+        from: module("proxy/x.rs"),
+        to: vec!["pool".into(), "TargetPool".into()],
+    };
+    assert!(violation(&unknown, &tops).is_some_and(|problem| problem.contains("no module")));
 }

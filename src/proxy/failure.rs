@@ -85,24 +85,14 @@ pub struct UpstreamFailure {
     pub service: String,
     pub target: String,
     pub kind: UpstreamFailureKind,
-    retry: Retry,
 }
 
 impl UpstreamFailure {
     pub fn new(service: String, target: String, kind: UpstreamFailureKind) -> Self {
-        let retry = match kind {
-            UpstreamFailureKind::ConnectFailed { .. }
-            | UpstreamFailureKind::ConnectTimeout { .. }
-            | UpstreamFailureKind::TlsFailed { .. } => Retry::Any,
-            UpstreamFailureKind::Failed { .. } => Retry::IfIdempotent,
-            UpstreamFailureKind::ResponseTimeout { .. }
-            | UpstreamFailureKind::SendTimeout { .. } => Retry::Never,
-        };
         UpstreamFailure {
             service,
             target,
             kind,
-            retry,
         }
     }
 
@@ -161,8 +151,17 @@ impl UpstreamFailure {
         Self::at(service, target, UpstreamFailureKind::Failed { reason })
     }
 
+    /// Whether another target may be tried: fixed by what happened, so it is known from the
+    /// moment the failure is made.
     pub fn retry(&self) -> Retry {
-        self.retry
+        match self.kind {
+            UpstreamFailureKind::ConnectFailed { .. }
+            | UpstreamFailureKind::ConnectTimeout { .. }
+            | UpstreamFailureKind::TlsFailed { .. } => Retry::Any,
+            UpstreamFailureKind::Failed { .. } => Retry::IfIdempotent,
+            UpstreamFailureKind::ResponseTimeout { .. }
+            | UpstreamFailureKind::SendTimeout { .. } => Retry::Never,
+        }
     }
 
     /// Nothing reached the target (a connect, timeout or TLS failure).

@@ -166,8 +166,8 @@ mod tests {
         (address.to_string().parse().unwrap(), accepted)
     }
 
-    /// A pool with a 1 s connect timeout.
-    fn pool_to(target: Authority, idle_timeout: Duration) -> Arc<PlainTarget> {
+    /// A plain target with a 1 s connect timeout.
+    fn target_at(target: Authority, idle_timeout: Duration) -> Arc<PlainTarget> {
         Arc::new(PlainTarget::new(
             target,
             Duration::from_secs(1),
@@ -176,20 +176,20 @@ mod tests {
     }
 
     /// `GET /` with the target as Host.
-    async fn get(pool: &Arc<PlainTarget>) -> Result<Response<ResponseBody>, PlainTargetError> {
-        let host = http::HeaderValue::from_str(pool.target().as_str()).unwrap();
+    async fn get(target: &Arc<PlainTarget>) -> Result<Response<ResponseBody>, PlainTargetError> {
+        let host = http::HeaderValue::from_str(target.target().as_str()).unwrap();
         let head = RequestHead {
             method: &Method::GET,
             path_and_query: "/",
             headers: &http::HeaderMap::new(),
             host: Some(&host),
         };
-        pool.send(head, UpstreamRequestBody::Empty).await
+        target.send(head, UpstreamRequestBody::Empty).await
     }
 
-    async fn exchange(pool: &Arc<PlainTarget>) {
+    async fn exchange(target: &Arc<PlainTarget>) {
         use http_body_util::BodyExt;
-        let response = get(pool).await.unwrap();
+        let response = get(target).await.unwrap();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, "ok");
     }
@@ -197,9 +197,9 @@ mod tests {
     #[tokio::test]
     async fn a_finished_exchange_gives_its_connection_back_for_the_next() {
         let (target, accepted) = origin().await;
-        let pool = pool_to(target, Duration::from_secs(60));
+        let target = target_at(target, Duration::from_secs(60));
         for _ in 0..3 {
-            exchange(&pool).await;
+            exchange(&target).await;
             tokio::task::yield_now().await;
         }
         assert_eq!(
@@ -207,29 +207,29 @@ mod tests {
             1,
             "one connection served all"
         );
-        assert_eq!(pool.pool.idle_count(), 1);
+        assert_eq!(target.pool.idle_count(), 1);
     }
 
     #[tokio::test]
     async fn a_response_cut_short_closes_its_connection() {
         let (target, accepted) = origin().await;
-        let pool = pool_to(target, Duration::from_secs(60));
-        let response = get(&pool).await.unwrap();
+        let target = target_at(target, Duration::from_secs(60));
+        let response = get(&target).await.unwrap();
         drop(response);
-        assert_eq!(pool.pool.idle_count(), 0);
-        exchange(&pool).await;
+        assert_eq!(target.pool.idle_count(), 0);
+        exchange(&target).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
     async fn idle_connections_close_after_the_idle_timeout() {
         let (target, _) = origin().await;
-        let pool = pool_to(target, Duration::from_millis(100));
-        exchange(&pool).await;
+        let target = target_at(target, Duration::from_millis(100));
+        exchange(&target).await;
         tokio::task::yield_now().await;
-        assert_eq!(pool.pool.idle_count(), 1);
+        assert_eq!(target.pool.idle_count(), 1);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while pool.pool.idle_count() > 0 {
+        while target.pool.idle_count() > 0 {
             assert!(
                 Instant::now() < deadline,
                 "the idle connection was not closed"
@@ -239,7 +239,7 @@ mod tests {
     }
 
     /// A target that closes each connection right after answering on it, without saying so in
-    /// the response: the closed connection never goes back to the pool, and every request
+    /// the response: the closed connection never goes back to the target, and every request
     /// succeeds on a new one.
     #[tokio::test]
     async fn a_connection_the_target_closed_costs_no_request() {
@@ -265,13 +265,13 @@ mod tests {
                 });
             }
         });
-        let pool = pool_to(target, Duration::from_secs(60));
+        let target = target_at(target, Duration::from_secs(60));
         for _ in 0..20 {
-            exchange(&pool).await;
+            exchange(&target).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 20);
         assert_eq!(
-            pool.pool.idle_count(),
+            target.pool.idle_count(),
             0,
             "no closed connection waits in the pool"
         );
@@ -282,8 +282,8 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
         drop(listener);
-        let pool = pool_to(target.clone(), Duration::from_secs(60));
-        let error = get(&pool).await.err().expect("refused");
+        let target = target_at(target.clone(), Duration::from_secs(60));
+        let error = get(&target).await.err().expect("refused");
         assert!(error.is_connect(), "{error}");
         assert!(!error.is_connect_timeout());
     }

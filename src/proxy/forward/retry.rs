@@ -31,7 +31,7 @@ const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 /// Sends the request to picked targets until one answers or the failure's [`Retry`] rule
 /// ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
 /// failure before a response only for idempotent methods whose body can still be sent in full;
-/// a timeout never (the time was spent).
+/// a response or send timeout never (the time was spent).
 ///
 /// [`Retry`]: crate::proxy::failure::Retry
 pub(super) async fn send_with_retries(
@@ -67,7 +67,7 @@ pub(super) async fn send_with_retries(
         let (body, streaming) = take_body(&mut outgoing);
         let in_flight = InFlight::start(&target.load);
         let outcome = match &client {
-            UpstreamClient::Plain(pool) => {
+            UpstreamClient::Plain(plain) => {
                 // Written straight from the request kept for retries: no copy of its fields.
                 let head = RequestHead {
                     method: &outgoing.method,
@@ -76,7 +76,7 @@ pub(super) async fn send_with_retries(
                     host: outgoing.host_from_target.then_some(&target.host_header),
                 };
                 let sending = async {
-                    let response = pool.send(head, body).await?;
+                    let response = plain.send(head, body).await?;
                     Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
                 };
                 await_response(sending, streaming.as_ref(), response_timeout).await
