@@ -412,8 +412,10 @@ fn parse_tree(rest: &mut &str, prefix: Vec<String>) -> Vec<Parsed> {
     vec![plain(path)]
 }
 
+/// A name bound in a module: (the module, the name).
+type BoundName = (Vec<String>, String);
 /// (module, name) → the crate path a `use` in that module binds the name to.
-type Bindings = std::collections::HashMap<(Vec<String>, String), Vec<String>>;
+type Bindings = std::collections::HashMap<BoundName, Vec<String>>;
 
 /// What one file names, resolved to crate-root paths, and what its `use` items bind.
 #[derive(Default)]
@@ -421,7 +423,7 @@ struct FileScan {
     references: Vec<Reference>,
     /// (module, name) → the crate path it stands for, for every `use` of a crate path: a
     /// re-export cannot launder a forbidden arrow.
-    bindings: Vec<((Vec<String>, String), Vec<String>)>,
+    bindings: Vec<(BoundName, Vec<String>)>,
     /// Ways of naming crate items that the check could not follow.
     unfollowable: Vec<String>,
 }
