@@ -7,6 +7,7 @@ pub mod consul;
 pub mod fake_server;
 pub mod knot;
 pub mod kubernetes;
+pub mod postgres;
 pub mod process;
 pub mod registry;
 

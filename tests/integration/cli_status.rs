@@ -2,7 +2,7 @@
 //! state and health, discovery sources with their lifecycle; JSON output; pagination; and the
 //! one-line errors for a wrong token, a viewer token and an unreachable admin API.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;

@@ -1,7 +1,7 @@
 //! HTTPS termination (certificates by SNI from the API and the config file, TLS versions, ALPN)
 //! and upstream TLS for `https` services (SNI, Host, verification, CA bundles, HTTP/2).
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -6,9 +6,8 @@
 //! connections and refused tokens are handled; with two gateways on PostgreSQL only the lease
 //! holder watches.
 
-mod common;
-#[path = "common/postgres.rs"]
-mod postgres;
+use crate::common;
+use crate::common::postgres;
 
 use common::consul::{ConsulFake, Instance};
 use common::*;

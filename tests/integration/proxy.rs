@@ -1,7 +1,7 @@
 //! The data path through real sockets: balancing, tiers, live changes, header rewriting, routing,
 //! failures, HTTP/2, streaming with flat memory, and protocol upgrades (DESIGN.md §5 and §6).
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::collections::HashMap;

@@ -8,7 +8,7 @@
 //! The pods are real upstream servers on one port at several loopback addresses (127.0.1.x, and
 //! ::1 for IPv6), as pods of one Service share a container port.
 
-mod common;
+use crate::common;
 
 use common::kubernetes::{Ep, KubeFake, Slice};
 use common::*;

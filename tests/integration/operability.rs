@@ -1,6 +1,6 @@
 //! What an operator reads: `/metrics` and the access log.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 use common::*;
 
 // DNS discovery (DESIGN.md §4) against a real authoritative server (Knot DNS) through real

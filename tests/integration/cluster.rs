@@ -5,9 +5,8 @@
 //! periods; when PostgreSQL restarts under load, every instance keeps serving its last snapshot
 //! and picks up changes made after the database is back.
 
-mod common;
-#[path = "common/postgres.rs"]
-mod postgres;
+use crate::common;
+use crate::common::postgres;
 
 use common::registry::Registry;
 use common::*;

@@ -2,7 +2,7 @@
 //! ids, resume, filter, a stuck client cut off while another keeps receiving, streams ending at
 //! shutdown), target histories with their reasons, and `/session`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! one service and health kept across a flap. A real HTTP registry (`common::registry`) feeds
 //! endpoints that point at real upstream servers.
 
-mod common;
+use crate::common;
 use common::registry::Registry;
 use common::*;
 

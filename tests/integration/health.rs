@@ -2,7 +2,7 @@
 //! "Available = active ∧ enabled ∧ health ≠ unhealthy ∧ not ejected ∧ weight > 0"), the panic
 //! fallback, and validation of the `health_check` and `ejection` settings.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;

@@ -6,7 +6,7 @@
 //! - Honest 503s (DESIGN §5): a service whose only sources are pending, failing or stale answers
 //!   `discovery_unavailable`, distinct from `no_available_target`.
 
-mod common;
+use crate::common;
 use common::consul::{ConsulFake, Instance};
 use common::knot::{Knot, ZoneOp};
 use common::registry::Registry;

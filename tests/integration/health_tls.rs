@@ -2,7 +2,7 @@
 //! TLS with the server name, verification and CA its traffic uses; `tls` handshake checks for
 //! `https` and `tls` services; and where a `tls` check is refused. Real sockets throughout.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;

@@ -3,7 +3,7 @@
 //! retired at runtime, bind conflicts, connect failover, draining targets, shutdown drain, and
 //! a gigabyte with flat memory.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::io;

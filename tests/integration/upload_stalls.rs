@@ -1,7 +1,7 @@
 //! A request body that stops moving: the gateway answers instead of holding the request (and an
 //! upstream connection) forever, and says who stalled.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

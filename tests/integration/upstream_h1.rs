@@ -3,7 +3,7 @@
 //! controls the wire: framing, fragmentation, informational answers, early answers, upgrades and
 //! broken responses, and whether the upstream connection is reused afterwards.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;

@@ -7,7 +7,7 @@
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
 //! them the browser tests fail saying so.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! Admin API checks for the TLS and L4 objects: what a certificate, a stream route or a protocol
 //! change is refused for, and that nothing is stored or bound when it is.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 

@@ -6,7 +6,7 @@
 //! rolling restart behind a client that resolves the gateways through Consul loses no request;
 //! and a second gateway with a `consul` source routes to the first one's registration.
 
-mod common;
+use crate::common;
 
 use common::consul::{ConsulFake, Instance};
 use common::process::RaahiProcess;

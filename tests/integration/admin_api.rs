@@ -2,7 +2,7 @@
 //! CRUD round trips with defaults and merge patches, pagination, persistence across a restart,
 //! the OpenAPI document and the health endpoints.
 
-mod common;
+use crate::common;
 use common::*;
 
 use hyper::StatusCode;
