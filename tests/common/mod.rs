@@ -641,6 +641,68 @@ pub async fn raw_http(addr: SocketAddr, request: &str) -> String {
     String::from_utf8_lossy(&response).into_owned()
 }
 
+/// A loopback address nothing listens on right now: bound once, read, released.
+pub fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A service of `protocol` (`tcp` or `tls` for stream routes) with a 2 s connect timeout and the
+/// given targets.
+pub async fn stream_service(
+    gateway: &TestGateway,
+    name: &str,
+    protocol: &str,
+    targets: &[Value],
+) -> i64 {
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": name, "protocol": protocol, "timeouts": {"connect_ms": 2000}}),
+        )
+        .await;
+    for target in targets {
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                target.clone(),
+            )
+            .await;
+    }
+    service
+}
+
+/// A stream route listening on `listen` (for TLS, matching `sni`) to `service`.
+pub async fn stream_route(
+    gateway: &TestGateway,
+    listen: SocketAddr,
+    sni: Option<&str>,
+    service: i64,
+) -> i64 {
+    let mut body = json!({"listen": listen.to_string(), "service_id": service});
+    if let Some(sni) = sni {
+        body["sni"] = json!(sni);
+    }
+    gateway.create("/api/v1/stream-routes", body).await
+}
+
+/// One exchange on a fresh connection: sends `payload`, ends the writes (half-close), reads
+/// everything until the gateway closes.
+pub async fn exchange(addr: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let work = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.write_all(payload).await?;
+        stream.shutdown().await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok(answer)
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "exchange timed out"))?
+}
+
 /// Resident memory of this process in KiB (Linux).
 pub fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")

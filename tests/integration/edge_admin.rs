@@ -3,8 +3,6 @@
 
 use crate::common;
 
-use std::net::SocketAddr;
-
 use common::TestGateway;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -13,11 +11,6 @@ fn self_signed(names: &[&str]) -> (String, String) {
     let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
     let generated = rcgen::generate_simple_self_signed(names).expect("rcgen");
     (generated.cert.pem(), generated.signing_key.serialize_pem())
-}
-
-fn free_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr")
 }
 
 async fn service(gateway: &TestGateway, name: &str, protocol: &str) -> i64 {
@@ -156,7 +149,7 @@ async fn stream_route_fits_its_service_and_listen_address() {
     let tcp = service(&gateway, "db", "tcp").await;
     let tls_a = service(&gateway, "tls-a", "tls").await;
     let tls_b = service(&gateway, "tls-b", "tls").await;
-    let listen = free_port();
+    let listen = common::free_addr();
 
     let refused = [
         (

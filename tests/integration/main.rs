@@ -1,6 +1,10 @@
 //! Raahi's integration suite as one test binary (one link of the crate and its dependencies
 //! instead of one per file). Each former `tests/X.rs` is the module `X`, so a test is named
 //! `X::test_name`; run one file's tests with `cargo test --test integration X::`.
+//!
+//! The tests that measure this process's resident memory are not here: other tests running in
+//! the same process would pollute the measurement. They are the `memory` test binary
+//! (`tests/memory/`), which `scripts/test.sh` runs on its own, one test at a time.
 
 #[path = "../common/mod.rs"]
 mod common;
