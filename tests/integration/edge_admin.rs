@@ -3,7 +3,7 @@
 
 use crate::common;
 
-use common::TestGateway;
+use common::{ApiError, TestGateway};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
@@ -22,8 +22,8 @@ async fn service(gateway: &TestGateway, name: &str, protocol: &str) -> i64 {
         .await
 }
 
-fn error_field(body: &Value) -> &str {
-    body["error"]["field"].as_str().unwrap_or("")
+fn error_field(body: &Value) -> String {
+    ApiError::read(body).field.unwrap_or_default()
 }
 
 #[tokio::test]
@@ -313,10 +313,7 @@ async fn taken_listen_address_is_a_conflict_naming_it_and_nothing_is_stored() {
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(error_field(&body), "listen", "{body}");
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains(&taken.to_string()),
+        ApiError::read(&body).message.contains(&taken.to_string()),
         "the message names the address: {body}"
     );
     let (_, listed) = gateway.api("GET", "/api/v1/stream-routes", None).await;

@@ -120,9 +120,7 @@ async fn error_answer(response: reqwest::Response) -> (u16, String, String) {
         .to_owned();
     let text = response.text().await.unwrap();
     let error = json_error(status, &content_type, &text);
-    let code = error["code"].as_str().unwrap_or_default().to_owned();
-    let message = error["message"].as_str().unwrap_or_default().to_owned();
-    (status, code, message)
+    (status, error.code, error.message)
 }
 
 fn count(counts: &HashMap<String, usize>, name: &str) -> usize {
@@ -1427,7 +1425,7 @@ async fn a_request_head_dribbled_past_the_header_timeout_gets_408() {
         assert!(head.starts_with("HTTP/1.1 408"), "{name}: {head}");
         assert_eq!(head_values(head, "connection"), ["close"], "{name}: {head}");
         let error = json_error(408, &head_values(head, "content-type")[0], body);
-        assert_eq!(error["code"], "client_header_timeout", "{name}: {body}");
+        assert_eq!(error.code, "client_header_timeout", "{name}: {body}");
         assert!(
             started.elapsed() >= Duration::from_millis(400),
             "{name}: answered before the header timeout, after {:?}",

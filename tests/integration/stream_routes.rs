@@ -186,17 +186,14 @@ impl Drop for TlsUpstream {
 
 /// Waits until an exchange through `addr` reaches an upstream; returns its name.
 async fn wait_for_echo(addr: SocketAddr) -> String {
-    let name = std::sync::Mutex::new(None);
     wait_until("the stream route answers", DEADLINE, || async {
-        let answer = exchange(addr, b"hi").await.ok();
-        let found = answer.and_then(|answer| upstream_name(&answer, b"hi"));
-        let reached = found.is_some();
-        *name.lock().unwrap() = found;
-        reached
+        match exchange(addr, b"hi").await {
+            Ok(answer) => upstream_name(&answer, b"hi")
+                .ok_or_else(|| format!("{:?}", String::from_utf8_lossy(&answer))),
+            Err(error) => Err(error.to_string()),
+        }
     })
-    .await;
-    let found = name.lock().unwrap().take();
-    found.expect("an upstream answered")
+    .await
 }
 
 /// The upstream's name from an echo answer to `payload`, if the answer is complete.
@@ -361,7 +358,7 @@ async fn tls_passthrough_picks_the_upstream_by_sni() {
     // Closed by the gateway as unmatched, not sent to an upstream that refused the name.
     wait_until("c.test is counted as unmatched", DEADLINE, || async {
         metric(
-            &scrape(&gateway).await,
+            &gateway.metrics_text().await,
             "raahi_stream_unmatched_connections_total",
             &[],
         )
@@ -449,8 +446,12 @@ async fn bind_failure_is_a_conflict_naming_the_address() {
         )
         .await;
     assert_eq!(status, 409, "{body}");
-    assert_eq!(body["error"]["field"], "listen", "{body}");
-    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("listen"),
+        "{body}"
+    );
+    let message = ApiError::read(&body).message;
     assert!(message.contains(&listen.to_string()), "{body}");
 
     // Nothing was kept: the list is empty and, once the address is free, the route can be made.
@@ -655,17 +656,6 @@ fn metric(metrics: &str, name: &str, labels: &[&str]) -> Option<f64> {
         .and_then(|number| number.parse().ok())
 }
 
-async fn scrape(gateway: &TestGateway) -> String {
-    let response = gateway
-        .http
-        .get(gateway.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.text().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_stream_connections_bytes_and_unmatched() {
     let gateway = TestGateway::start().await;
@@ -687,13 +677,13 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
     // Wait for the warm-up connection's close to be counted before taking the baseline.
     wait_until("no stream connection is open", DEADLINE, || async {
         series(
-            &scrape(&gateway).await,
+            &gateway.metrics_text().await,
             "raahi_stream_active_connections",
             None,
         ) == 0.0
     })
     .await;
-    let before = scrape(&gateway).await;
+    let before = gateway.metrics_text().await;
     for _ in 0..3 {
         let answer = exchange(listen, b"abc").await.expect("exchange");
         assert_eq!(upstream_name(&answer, b"abc").as_deref(), Some("m"));
@@ -713,7 +703,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         ),
     ];
     wait_until("the three connections are counted", DEADLINE, || async {
-        let now = scrape(&gateway).await;
+        let now = gateway.metrics_text().await;
         expected.iter().all(|(name, direction, delta)| {
             series(&now, name, *direction) - series(&before, name, *direction) == *delta
         })
@@ -727,7 +717,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
     })
     .await;
     let unmatched_before = metric(
-        &scrape(&gateway).await,
+        &gateway.metrics_text().await,
         "raahi_stream_unmatched_connections_total",
         &[],
     )
@@ -738,7 +728,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         || async {
             let _ = exchange(passthrough, b"not tls at all").await;
             metric(
-                &scrape(&gateway).await,
+                &gateway.metrics_text().await,
                 "raahi_stream_unmatched_connections_total",
                 &[],
             )
@@ -750,7 +740,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
 
     // A connection that stays open shows its bytes while it lasts, not only when it closes.
     let counted = series(
-        &scrape(&gateway).await,
+        &gateway.metrics_text().await,
         "raahi_stream_sent_bytes_total",
         Some("client_to_upstream"),
     );
@@ -760,7 +750,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         "an open connection's bytes are counted",
         DEADLINE,
         || async {
-            let now = scrape(&gateway).await;
+            let now = gateway.metrics_text().await;
             series(&now, "raahi_stream_active_connections", None) == 1.0
                 && series(
                     &now,
