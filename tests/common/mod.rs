@@ -722,8 +722,9 @@ impl TestGateway {
     }
 }
 
-/// How often [`wait_until`] and [`holds_for`] probe.
-const POLL_EVERY: Duration = Duration::from_millis(10);
+/// How often [`wait_until`] and [`holds_for`] probe. (Tests that assert on the data path right
+/// after a status wait rely on this not being much shorter than the snapshot lags the store.)
+const POLL_EVERY: Duration = Duration::from_millis(20);
 
 /// What a probe of [`wait_until`] or [`holds_for`] answers: whether the condition holds and, when
 /// it does not, what the probe saw (for the failure message).
