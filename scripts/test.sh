@@ -80,4 +80,21 @@ fi
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked
-cargo test --all-targets --locked --no-fail-fast
+
+# Every test target but `memory` (what `--all-targets` selects: unit tests of the library and
+# the binary, the benches in test mode, and each test target cargo finds in tests/ the way cargo
+# finds them); then the memory tests, which measure this process's resident memory, alone in
+# their own process, one at a time. Both run whatever fails; the script fails if either did.
+test_targets=()
+for file in tests/*.rs tests/*/main.rs; do
+  [ -e "$file" ] || continue
+  name=$(basename "${file%/main.rs}" .rs)
+  [ "$name" = memory ] || test_targets+=(--test "$name")
+done
+# One process runs every integration test: let it open as many files as the hard limit allows.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+status=0
+cargo test --lib --bins --benches --examples "${test_targets[@]}" --locked --no-fail-fast ||
+  status=$?
+cargo test --test memory --locked --no-fail-fast -- --test-threads=1 || status=$?
+exit "$status"

@@ -10,14 +10,18 @@
 //! kills the group, and a watchdog kills it too if the test process dies first.
 
 use std::net::{Ipv4Addr, TcpListener};
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
+use futures_util::FutureExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{json, Value};
 use tokio::time::Instant;
+
+use super::wait_until;
 
 /// Where the tests' screenshots go: `<target dir>/dashboard-artifacts/`.
 pub fn artifacts_dir() -> PathBuf {
@@ -171,33 +175,32 @@ impl Browser {
         self.eval_with(script, Vec::new()).await
     }
 
-    /// Waits until `script` returns a truthy value (polling every 50 ms) and returns that value;
-    /// panics with `what` and what the page shows after `deadline`.
+    /// Waits until `script` returns a truthy value (with [`wait_until`]) and returns that value;
+    /// after `deadline` panics with `what`, and prints what the page shows.
     pub async fn wait_for(&self, what: &str, deadline: Duration, script: &str) -> Value {
-        let end = Instant::now() + deadline;
-        loop {
+        let waited = AssertUnwindSafe(wait_until(what, deadline, || async {
             let value = self.eval(script).await;
-            let truthy = match &value {
-                Value::Null => false,
-                Value::Bool(b) => *b,
-                Value::Number(n) => n.as_f64().is_some_and(|n| n != 0.0),
-                Value::String(s) => !s.is_empty(),
-                Value::Array(_) | Value::Object(_) => true,
-            };
-            if truthy {
-                return value;
+            if truthy(&value) {
+                Ok(value)
+            } else {
+                Err(value)
             }
-            if Instant::now() > end {
+        }))
+        .catch_unwind()
+        .await;
+        match waited {
+            Ok(value) => value,
+            Err(panic) => {
                 let page = self
                     .eval("return document.body ? document.body.innerText : '';")
                     .await;
                 let page = page.as_str().unwrap_or_default();
-                panic!(
-                    "timed out after {deadline:?} waiting for: {what}\nthe page shows:\n{}",
+                eprintln!(
+                    "{what}: the page shows:\n{}",
                     page.chars().take(3000).collect::<String>()
                 );
+                std::panic::resume_unwind(panic)
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -243,6 +246,17 @@ impl Browser {
 impl Drop for Browser {
     fn drop(&mut self) {
         kill_group(&mut self.driver);
+    }
+}
+
+/// JavaScript's truthiness of a script's result.
+fn truthy(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|n| n != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(_) | Value::Object(_) => true,
     }
 }
 

@@ -2,11 +2,13 @@
 //! upstream HTTP servers, and condition waits with deadlines.
 #![allow(dead_code)]
 
+pub mod api;
 pub mod browser;
 pub mod consul;
 pub mod fake_server;
 pub mod knot;
 pub mod kubernetes;
+pub mod postgres;
 pub mod process;
 pub mod registry;
 
@@ -29,6 +31,10 @@ use raahi::gateway::Gateway;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+
+// Not every test binary uses every view.
+#[allow(unused_imports)]
+pub use api::{assert_error, ApiError, EndpointCounts, ProxyError, SourceStatus, Target};
 
 pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
 
@@ -211,6 +217,36 @@ impl TestGateway {
             .await
             .expect("proxy answers")
     }
+}
+
+/// An object of the admin API with an id: its JSON, or a typed view.
+pub trait HasId {
+    fn id(&self) -> i64;
+}
+
+impl HasId for Value {
+    fn id(&self) -> i64 {
+        self["id"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no id: {self}"))
+    }
+}
+
+impl HasId for Target {
+    fn id(&self) -> i64 {
+        self.id
+    }
+}
+
+impl<T: HasId + ?Sized> HasId for &T {
+    fn id(&self) -> i64 {
+        (**self).id()
+    }
+}
+
+/// The `id` of an object in an answer.
+pub fn id_of(object: &impl HasId) -> i64 {
+    object.id()
 }
 
 /// A target body for an upstream.
@@ -518,13 +554,22 @@ pub async fn spread(
     total
 }
 
+/// How long the harness's waits for the gateway to act (a refresh, a reconcile, a check) give it
+/// by default.
+pub const WAIT_FOR_GATEWAY: Duration = Duration::from_secs(15);
+
 impl TestGateway {
-    /// `GET /api/v1/discovery-sources/{source}/status`, which must answer 200.
-    pub async fn source_status(&self, source: i64) -> Value {
-        let path = format!("/api/v1/discovery-sources/{source}/status");
-        let (status, body) = self.api("GET", &path, None).await;
+    /// `GET path` on the admin API, which must answer 200; its JSON body.
+    pub async fn get_ok(&self, path: &str) -> Value {
+        let (status, body) = self.api("GET", path, None).await;
         assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
         body
+    }
+
+    /// `GET /api/v1/discovery-sources/{source}/status`, which must answer 200.
+    pub async fn source_status(&self, source: i64) -> SourceStatus {
+        let path = format!("/api/v1/discovery-sources/{source}/status");
+        SourceStatus::read(self.get_ok(&path).await)
     }
 
     /// Polls the source's status until `done` holds, for at most `within`; returns that status.
@@ -533,20 +578,84 @@ impl TestGateway {
         source: i64,
         what: &str,
         within: Duration,
-        done: impl Fn(&Value) -> bool,
-    ) -> Value {
-        let end = tokio::time::Instant::now() + within;
-        loop {
+        done: impl Fn(&SourceStatus) -> bool,
+    ) -> SourceStatus {
+        let done = &done;
+        wait_until(&format!("source {source}: {what}"), within, || async move {
             let status = self.source_status(source).await;
             if done(&status) {
-                return status;
+                Ok(status)
+            } else {
+                Err(status)
             }
-            assert!(
-                tokio::time::Instant::now() < end,
-                "timed out after {within:?} waiting for source {source}: {what}; last status {status}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        })
+        .await
+    }
+
+    /// `GET /api/v1/targets/{id}`, which must answer 200.
+    pub async fn target(&self, id: i64) -> Target {
+        Target::read(self.get_ok(&format!("/api/v1/targets/{id}")).await)
+    }
+
+    /// Every target of `service` (one page of up to 1000).
+    pub async fn targets(&self, service: i64) -> Vec<Target> {
+        let path = format!("/api/v1/services/{service}/targets?limit=1000");
+        let list = self.get_ok(&path).await;
+        let items = list["items"]
+            .as_array()
+            .unwrap_or_else(|| panic!("GET {path}: no items: {list}"));
+        items.iter().cloned().map(Target::read).collect()
+    }
+}
+
+/// Polls the source's status until `done` holds (for at most [`WAIT_FOR_GATEWAY`]); returns that
+/// status.
+pub async fn wait_status(
+    gateway: &TestGateway,
+    source: i64,
+    what: &str,
+    done: impl Fn(&SourceStatus) -> bool,
+) -> SourceStatus {
+    gateway
+        .wait_source_status(source, what, WAIT_FOR_GATEWAY, done)
+        .await
+}
+
+/// Polls `GET /api/v1/targets/{target}` (which must answer 200) until `done` holds (for at most
+/// [`WAIT_FOR_GATEWAY`]); returns that target.
+pub async fn wait_target(
+    gateway: &TestGateway,
+    target: i64,
+    what: &str,
+    done: impl Fn(&Target) -> bool,
+) -> Target {
+    let done = &done;
+    let what = format!("target {target}: {what}");
+    wait_until(&what, WAIT_FOR_GATEWAY, || async move {
+        let view = gateway.target(target).await;
+        if done(&view) {
+            Ok(view)
+        } else {
+            Err(view)
         }
+    })
+    .await
+}
+
+/// Polls the source's status until its state is `state`; returns that status.
+pub async fn wait_state(gateway: &TestGateway, source: i64, state: &str) -> SourceStatus {
+    wait_status(gateway, source, &format!("state {state}"), |s| {
+        s.state == state
+    })
+    .await
+}
+
+/// Active, draining and stale targets, to compare with a status's `endpoints`.
+pub fn counts(active: u64, draining: u64, stale: u64) -> EndpointCounts {
+    EndpointCounts {
+        active,
+        draining,
+        stale,
     }
 }
 
@@ -587,8 +696,8 @@ impl TestGateway {
         }
     }
 
-    /// `GET /readyz` (no token): its status code and JSON body.
-    pub async fn readyz(&self) -> (u16, Value) {
+    /// `GET /readyz` (no token): its status code and body.
+    pub async fn readyz(&self) -> (u16, api::Readiness) {
         let response = self
             .http
             .get(self.admin_url("/readyz"))
@@ -596,37 +705,113 @@ impl TestGateway {
             .await
             .expect("the admin listener answers");
         let status = response.status().as_u16();
-        (status, response.json().await.expect("a JSON body"))
+        let body = response.json().await.expect("a JSON body");
+        (status, api::Readiness::read(body))
     }
 
-    /// `GET /metrics` on the admin listener, as text.
+    /// `GET /metrics` on the admin listener, which must answer 200, as text.
     pub async fn metrics_text(&self) -> String {
-        self.http
+        let response = self
+            .http
             .get(self.admin_url("/metrics"))
             .send()
             .await
-            .expect("the admin listener answers")
-            .text()
-            .await
-            .expect("a text body")
+            .expect("the admin listener answers");
+        assert_eq!(response.status(), 200, "GET /metrics");
+        response.text().await.expect("a text body")
     }
 }
 
-/// Polls `condition` until it holds or `deadline` passes; panics with `what` on timeout.
-pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut condition: F)
+/// How often [`wait_until`] and [`holds_for`] probe. (Tests that assert on the data path right
+/// after a status wait rely on this not being much shorter than the snapshot lags the store.)
+const POLL_EVERY: Duration = Duration::from_millis(20);
+
+/// What a probe of [`wait_until`] or [`holds_for`] answers: whether the condition holds and, when
+/// it does not, what the probe saw (for the failure message).
+///
+/// - `bool`: holds or not; nothing to report.
+/// - `Option<T>`: `Some(value)` holds and yields `value`.
+/// - `Result<T, E>`: `Ok(value)` holds and yields `value`; `Err(state)` describes what was seen.
+pub trait Probe {
+    type Value;
+    /// `Ok(value)` when the condition holds; otherwise the state seen, if the probe described it.
+    fn outcome(self) -> Result<Self::Value, Option<String>>;
+}
+
+impl Probe for bool {
+    type Value = ();
+    fn outcome(self) -> Result<(), Option<String>> {
+        if self {
+            Ok(())
+        } else {
+            Err(None)
+        }
+    }
+}
+
+impl<T> Probe for Option<T> {
+    type Value = T;
+    fn outcome(self) -> Result<T, Option<String>> {
+        self.ok_or(None)
+    }
+}
+
+impl<T, E: std::fmt::Display> Probe for Result<T, E> {
+    type Value = T;
+    fn outcome(self) -> Result<T, Option<String>> {
+        self.map_err(|state| Some(state.to_string()))
+    }
+}
+
+/// The suite's one wait: polls `probe` until it holds (see [`Probe`]) and returns what it
+/// yielded; after `deadline` panics naming `what` and the last state the probe described.
+pub async fn wait_until<P, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> P::Value
 where
+    P: Probe,
     F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
+    Fut: Future<Output = P>,
 {
     let end = tokio::time::Instant::now() + deadline;
     loop {
-        if condition().await {
+        let last = match probe().await.outcome() {
+            Ok(value) => return value,
+            Err(last) => last,
+        };
+        if tokio::time::Instant::now() > end {
+            match last {
+                Some(state) => {
+                    panic!("timed out after {deadline:?} waiting for: {what}\nlast seen: {state}")
+                }
+                None => panic!("timed out after {deadline:?} waiting for: {what}"),
+            }
+        }
+        tokio::time::sleep(POLL_EVERY).await;
+    }
+}
+
+/// The suite's one "nothing happens" check: asserts that `check` holds (see [`Probe`]) on every
+/// poll for all of `window`, for claims that need an observation period rather than a condition
+/// to wait for; panics naming `what` and what was seen at the first poll where it did not.
+pub async fn holds_for<P, F, Fut>(what: &str, window: Duration, mut check: F)
+where
+    P: Probe,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = P>,
+{
+    let start = tokio::time::Instant::now();
+    let end = start + window;
+    loop {
+        if let Err(state) = check().await.outcome() {
+            let state = state.unwrap_or_else(|| "it did not hold".to_owned());
+            panic!(
+                "expected {what} for {window:?}, but after {:?}: {state}",
+                start.elapsed()
+            );
+        }
+        if tokio::time::Instant::now() >= end {
             return;
         }
-        if tokio::time::Instant::now() > end {
-            panic!("timed out after {deadline:?} waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(POLL_EVERY).await;
     }
 }
 
@@ -638,6 +823,68 @@ pub async fn raw_http(addr: SocketAddr, request: &str) -> String {
     let mut response = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response)).await;
     String::from_utf8_lossy(&response).into_owned()
+}
+
+/// A loopback address nothing listens on right now: bound once, read, released.
+pub fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A service of `protocol` (`tcp` or `tls` for stream routes) with a 2 s connect timeout and the
+/// given targets.
+pub async fn stream_service(
+    gateway: &TestGateway,
+    name: &str,
+    protocol: &str,
+    targets: &[Value],
+) -> i64 {
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": name, "protocol": protocol, "timeouts": {"connect_ms": 2000}}),
+        )
+        .await;
+    for target in targets {
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                target.clone(),
+            )
+            .await;
+    }
+    service
+}
+
+/// A stream route listening on `listen` (for TLS, matching `sni`) to `service`.
+pub async fn stream_route(
+    gateway: &TestGateway,
+    listen: SocketAddr,
+    sni: Option<&str>,
+    service: i64,
+) -> i64 {
+    let mut body = json!({"listen": listen.to_string(), "service_id": service});
+    if let Some(sni) = sni {
+        body["sni"] = json!(sni);
+    }
+    gateway.create("/api/v1/stream-routes", body).await
+}
+
+/// One exchange on a fresh connection: sends `payload`, ends the writes (half-close), reads
+/// everything until the gateway closes.
+pub async fn exchange(addr: SocketAddr, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let work = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.write_all(payload).await?;
+        stream.shutdown().await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok(answer)
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "exchange timed out"))?
 }
 
 /// Resident memory of this process in KiB (Linux).
@@ -707,12 +954,13 @@ pub fn head_values(head: &str, name: &str) -> Vec<String> {
         .collect()
 }
 
-/// The `error` object of a named JSON error answer, checking that it is one.
-pub fn json_error(status: u16, content_type: &str, body: &str) -> Value {
+/// The `error` of the proxy's named JSON error answer, checking that it is one.
+pub fn json_error(status: u16, content_type: &str, body: &str) -> ProxyError {
     assert!(
         content_type.starts_with("application/json"),
         "error answer {status} is not JSON ({content_type:?}): {body}"
     );
-    let mut value: Value = serde_json::from_str(body).expect("error body is JSON");
-    value["error"].take()
+    let value: Value = serde_json::from_str(body)
+        .unwrap_or_else(|error| panic!("error answer {status} is not JSON ({error}): {body}"));
+    ProxyError::read(&value)
 }

@@ -1,6 +1,6 @@
 //! What an operator reads: `/metrics` and the access log.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
@@ -85,17 +85,11 @@ async fn metrics_count_requests_latency_targets_and_sources() {
                    "config": {"url": registry.url("/endpoints"), "interval_ms": 200}}),
         )
         .await;
-    wait_until("the source is healthy", Duration::from_secs(10), || async {
-        let (_, status) = gateway
-            .api(
-                "GET",
-                &format!("/api/v1/discovery-sources/{source}/status"),
-                None,
-            )
-            .await;
-        status["state"] == "healthy"
-    })
-    .await;
+    gateway
+        .wait_source_status(source, "healthy", Duration::from_secs(10), |status| {
+            status.state == "healthy"
+        })
+        .await;
 
     let metrics = scrape(&gateway).await;
     let route = r#"service="web",route="all""#;

@@ -8,7 +8,7 @@
 //! The pods are real upstream servers on one port at several loopback addresses (127.0.1.x, and
 //! ::1 for IPv6), as pods of one Service share a container port.
 
-mod common;
+use crate::common;
 
 use common::kubernetes::{Ep, KubeFake, Slice};
 use common::*;
@@ -180,15 +180,6 @@ async fn web_service(gateway: &TestGateway, source: Value) -> (i64, i64) {
     (service, source)
 }
 
-async fn wait_status(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    gateway.wait_source_status(source, what, WAIT, done).await
-}
-
 async fn fetch(gateway: &TestGateway) -> (u16, String) {
     gateway.fetch_status("/").await
 }
@@ -202,40 +193,33 @@ async fn wait_serving_only(
     within: Duration,
 ) -> Duration {
     let started = Instant::now();
-    let mut in_a_row = 0;
-    let mut streak_began = Duration::ZERO;
-    loop {
-        let asked = started.elapsed();
-        let (status, got) = fetch(gateway).await;
-        if status == 200 && bodies.contains(&got.as_str()) {
-            if in_a_row == 0 {
-                streak_began = asked;
+    let what = format!("the proxy to serve only {bodies:?}, {times} times in a row");
+    wait_until(&what, within, || async {
+        // One burst of back-to-back requests; the first other answer ends it.
+        let streak_began = started.elapsed();
+        for _ in 0..times {
+            let (status, got) = fetch(gateway).await;
+            if status != 200 || !bodies.contains(&got.as_str()) {
+                return Err(format!("it answers {status}: {got}"));
             }
-            in_a_row += 1;
-            if in_a_row == times {
-                return streak_began;
-            }
-            continue;
         }
-        in_a_row = 0;
-        assert!(
-            started.elapsed() < within,
-            "the proxy did not serve only {bodies:?} within {within:?}; it answers {status}: {got}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+        Ok(streak_began)
+    })
+    .await
 }
 
 /// Fetches until `body` answers; returns how long that took.
 async fn wait_served(gateway: &TestGateway, body: &str, within: Duration) -> Duration {
     let started = Instant::now();
-    while fetch(gateway).await.1 != body {
-        assert!(
-            started.elapsed() < within,
-            "{body} not served within {within:?}"
-        );
-    }
-    started.elapsed()
+    wait_until(&format!("{body} served"), within, || async {
+        let (status, got) = fetch(gateway).await;
+        if got == body {
+            Ok(started.elapsed())
+        } else {
+            Err(format!("the proxy answers {status}: {got}"))
+        }
+    })
+    .await
 }
 
 /// Outcomes the control task received for `source` (each set reported is one reconcile).
@@ -257,11 +241,7 @@ fn applied(gateway: &TestGateway, source: i64) -> (u64, u64) {
 /// change as soon as it comes (two reads of one watch are at least a second apart).
 async fn wait_watch_idle(gateway: &TestGateway, source: i64) {
     let status = gateway.source_status(source).await;
-    let last: chrono::DateTime<chrono::Utc> = status["last_refresh_at"]
-        .as_str()
-        .expect("a refresh happened")
-        .parse()
-        .unwrap();
+    let last = status.last_refresh_at.expect("a refresh happened");
     wait_until("a second since the last answer", WAIT, || async {
         chrono::Utc::now() - last > chrono::TimeDelta::milliseconds(1_100)
     })
@@ -269,28 +249,12 @@ async fn wait_watch_idle(gateway: &TestGateway, source: i64) {
 }
 
 /// The targets a source owns, by provider key.
-async fn source_targets(gateway: &TestGateway, service: i64) -> HashMap<String, Value> {
-    let (code, list) = gateway
-        .api(
-            "GET",
-            &format!("/api/v1/services/{service}/targets?limit=1000"),
-            None,
-        )
-        .await;
-    assert_eq!(code, StatusCode::OK, "{list}");
-    list["items"]
-        .as_array()
-        .expect("items")
-        .iter()
-        .map(|target| {
-            (
-                target["provider_key"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                target.clone(),
-            )
-        })
+async fn source_targets(gateway: &TestGateway, service: i64) -> HashMap<String, Target> {
+    gateway
+        .targets(service)
+        .await
+        .into_iter()
+        .map(|target| (target.provider_key.clone().unwrap_or_default(), target))
         .collect()
 }
 
@@ -309,16 +273,16 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
     let (service, source) = web_service(&gateway, cluster.source(json!({}))).await;
     wait_serving_only(&gateway, &["a"], 1, WAIT).await;
     let status = wait_status(&gateway, source, "watch connected", |s| {
-        s["watch"]["connected"] == true
+        s.watch_connected() == Some(true)
     })
     .await;
-    assert_eq!(status["state"], "healthy", "{status}");
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
-    assert_eq!(status["next_refresh_at"], Value::Null, "{status}");
-    assert_eq!(status["last_error"], Value::Null, "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    assert_eq!(status.next_refresh_at, None, "{status}");
+    assert_eq!(status.last_error, None, "{status}");
     assert_eq!(
-        status["watch"]["index"],
-        json!(cluster.fake.resource_version().to_string()),
+        status.watch().index,
+        Some(cluster.fake.resource_version().to_string()),
         "{status}"
     );
     let metrics = gateway.metrics_text().await;
@@ -332,7 +296,7 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
     let targets = source_targets(&gateway, service).await;
     let target = &targets[&pods.key("a")];
     assert_eq!(
-        target["metadata"],
+        target.metadata,
         json!({"pod": "a", "node": "node-a", "zone": "zone-a"}),
         "{target}"
     );
@@ -375,24 +339,33 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
         "the removed pod still got requests {only_b_from:?} after the change"
     );
     let status = wait_status(&gateway, source, "one active, one draining", |s| {
-        s["endpoints"]["active"] == 1 && s["endpoints"]["draining"] == 1
+        s.endpoints.active == 1 && s.endpoints.draining == 1
     })
     .await;
-    assert_eq!(status["state"], "healthy", "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
     // The removal grace ends: the pod's target is gone.
     wait_status(&gateway, source, "the drained target removed", |s| {
-        s["endpoints"]["draining"] == 0
+        s.endpoints.draining == 0
     })
     .await;
 
     // The slice is deleted (the Service scaled to zero): an empty set, nothing served.
     cluster.fake.delete(NAMESPACE, "web-x1");
     wait_status(&gateway, source, "no active endpoint", |s| {
-        s["endpoints"]["active"] == 0
+        s.endpoints.active == 0
     })
     .await;
-    let (code, _) = fetch(&gateway).await;
-    assert_eq!(code, 503);
+    // The store (and so the status) shows the empty set a moment before the data path does: the
+    // snapshot is built after the targets are written. Within a second nothing is served.
+    wait_until("nothing served", PROPAGATION, || async {
+        let (code, body) = fetch(&gateway).await;
+        if code == 503 {
+            Ok(())
+        } else {
+            Err(format!("{code} {body}"))
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -423,10 +396,10 @@ async fn a_terminating_pod_drains_and_its_request_in_flight_completes() {
     ));
     wait_serving_only(&gateway, &["new"], 20, WAIT).await;
     let status = wait_status(&gateway, source, "old draining", |s| {
-        s["endpoints"]["active"] == 1 && s["endpoints"]["draining"] == 1
+        s.endpoints.active == 1 && s.endpoints.draining == 1
     })
     .await;
-    assert_eq!(status["state"], "healthy", "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
     let (code, body) = in_flight.await.unwrap();
     assert_eq!(
         (code, body.as_str()),
@@ -446,10 +419,7 @@ async fn when_every_pod_terminates_the_serving_ones_keep_the_service_up() {
         vec![pods.ready("a"), pods.ready("b")],
     ));
     let (service, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "two active", |s| {
-        s["endpoints"]["active"] == 2
-    })
-    .await;
+    wait_status(&gateway, source, "two active", |s| s.endpoints.active == 2).await;
 
     // Every pod terminates (a node drain, a Deployment deleted): they still serve, so they take
     // the traffic rather than the Service answering 503 (KEP-1669).
@@ -459,14 +429,14 @@ async fn when_every_pod_terminates_the_serving_ones_keep_the_service_up() {
         vec![pods.terminating("a"), pods.terminating("b")],
     ));
     wait_status(&gateway, source, "both terminating, still active", |s| {
-        s["revision"].is_string() && s["endpoints"]["active"] == 2
+        s.revision.is_some() && s.endpoints.active == 2
     })
     .await;
     wait_until("the targets say they are terminating", WAIT, || async {
         source_targets(&gateway, service)
             .await
             .values()
-            .all(|target| target["metadata"]["terminating"] == true)
+            .all(|target| target.metadata["terminating"] == true)
     })
     .await;
     wait_serving_only(&gateway, &["a", "b"], 20, WAIT).await;
@@ -488,10 +458,10 @@ async fn when_every_pod_terminates_the_serving_ones_keep_the_service_up() {
     ));
     wait_serving_only(&gateway, &["c"], 20, WAIT).await;
     let status = wait_status(&gateway, source, "c active, b draining", |s| {
-        s["endpoints"]["active"] == 1 && s["endpoints"]["draining"].as_u64() >= Some(1)
+        s.endpoints.active == 1 && s.endpoints.draining >= 1
     })
     .await;
-    assert_eq!(status["state"], "healthy", "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -536,11 +506,8 @@ async fn a_named_port_is_found_in_each_slice_and_shared_addresses_count_once() {
     missing["name"] = json!("missing");
     let missing = gateway.create(&path, missing).await;
 
-    let status = wait_status(&gateway, named, "three active", |s| {
-        s["endpoints"]["active"] == 3
-    })
-    .await;
-    assert_eq!(status["state"], "healthy", "{status}");
+    let status = wait_status(&gateway, named, "three active", |s| s.endpoints.active == 3).await;
+    assert_eq!(status.state, "healthy", "{status}");
     let targets = source_targets(&gateway, service).await;
     for pod in ["a", "b", "v6"] {
         assert!(targets.contains_key(&pods.key(pod)), "{:?}", targets.keys());
@@ -556,16 +523,16 @@ async fn a_named_port_is_found_in_each_slice_and_shared_addresses_count_once() {
         seen.insert(body);
     }
 
-    let status = wait_status(&gateway, unchosen, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, unchosen, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains("several TCP ports")
             && error.contains("\"http\"")
             && error.contains("\"metrics\""),
         "{status}"
     );
-    let status = wait_status(&gateway, missing, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, missing, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains("no port named \"grpc\"") && error.contains("http="),
         "{status}"
@@ -594,10 +561,9 @@ async fn a_restarted_api_server_with_new_history_is_relisted_and_loses_nothing()
         vec![pods.ready("a"), pods.ready("b")],
     ));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "two active", |s| {
-        s["endpoints"]["active"] == 2
-    })
-    .await;
+    wait_status(&gateway, source, "two active", |s| s.endpoints.active == 2).await;
+    // The status shows the stored targets a moment before the data path serves them.
+    wait_serving_only(&gateway, &["a", "b"], 1, WAIT).await;
     wait_until("a watch is open", WAIT, || async {
         cluster.fake.open_watches() == 1
     })
@@ -628,10 +594,10 @@ async fn a_restarted_api_server_with_new_history_is_relisted_and_loses_nothing()
     }
     assert!(cluster.fake.lists() > lists, "a relist after 410");
     let status = wait_status(&gateway, source, "three active", |s| {
-        s["endpoints"]["active"] == 3 && s["watch"]["connected"] == true
+        s.endpoints.active == 3 && s.watch_connected() == Some(true)
     })
     .await;
-    assert_eq!(status["endpoints"]["draining"], 0, "{status}");
+    assert_eq!(status.endpoints.draining, 0, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -643,7 +609,7 @@ async fn an_expired_watch_relists_without_a_failure() {
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("a watch is open", WAIT, || async {
         cluster.fake.open_watches() == 1
     })
@@ -667,8 +633,8 @@ async fn an_expired_watch_relists_without_a_failure() {
     wait_served(&gateway, "b", WAIT).await;
     assert!(cluster.fake.lists() > lists, "relisted");
     let status = gateway.source_status(source).await;
-    assert_eq!(status["state"], "healthy", "{status}");
-    assert_eq!(status["last_error"], Value::Null, "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
+    assert_eq!(status.last_error, None, "{status}");
     assert_eq!(applied(&gateway, source).1, failures, "no failed refresh");
 }
 
@@ -681,7 +647,7 @@ async fn a_token_file_replaced_on_disk_is_used_for_the_next_request() {
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("a watch is open", WAIT, || async {
         cluster.fake.open_watches() == 1
     })
@@ -707,7 +673,7 @@ async fn a_token_file_replaced_on_disk_is_used_for_the_next_request() {
     ));
     wait_served(&gateway, "b", WAIT).await;
     let status = gateway.source_status(source).await;
-    assert_eq!(status["last_error"], Value::Null, "{status}");
+    assert_eq!(status.last_error, None, "{status}");
     assert_eq!(
         applied(&gateway, source).1,
         failures,
@@ -724,7 +690,7 @@ async fn an_idle_watch_costs_no_request_and_no_reconcile_and_a_burst_is_one_set(
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    let settled = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    let settled = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("a watch is open", WAIT, || async {
         cluster.fake.open_watches() == 1
     })
@@ -755,7 +721,7 @@ async fn an_idle_watch_costs_no_request_and_no_reconcile_and_a_burst_is_one_set(
     );
     assert_eq!(applied(&gateway, source).0, reconciles, "no reconcile");
     let now = gateway.source_status(source).await;
-    assert_eq!(now["last_refresh_at"], settled["last_refresh_at"], "{now}");
+    assert_eq!(now.last_refresh_at, settled.last_refresh_at, "{now}");
 
     // Three slices change at once: read as one set (a second read at most).
     cluster.fake.set_bookmark_interval(None);
@@ -770,10 +736,7 @@ async fn an_idle_watch_costs_no_request_and_no_reconcile_and_a_burst_is_one_set(
     cluster
         .fake
         .apply(slice(&pods, "web-x3", vec![pods.ready("d")]));
-    wait_status(&gateway, source, "four active", |s| {
-        s["endpoints"]["active"] == 4
-    })
-    .await;
+    wait_status(&gateway, source, "four active", |s| s.endpoints.active == 4).await;
     let reconciled = applied(&gateway, source).0 - reconciles;
     assert!(reconciled <= 2, "{reconciled} reconciles for a burst of 3");
     assert_eq!(
@@ -801,8 +764,8 @@ async fn an_api_server_outage_is_failing_then_stale_then_back() {
     wait_serving_only(&gateway, &["a"], 1, WAIT).await;
 
     cluster.fake.stop();
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&format!(
             "{}/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices?labelSelector=kubernetes.io/service-name=web",
@@ -810,17 +773,17 @@ async fn an_api_server_outage_is_failing_then_stale_then_back() {
         )),
         "{status}"
     );
-    assert_eq!(status["watch"]["connected"], false, "{status}");
+    assert_eq!(status.watch_connected(), Some(false), "{status}");
     // Failing: the last known good set keeps serving.
     wait_serving_only(&gateway, &["a"], 3, WAIT).await;
-    let status = wait_status(&gateway, source, "stale", |s| s["state"] == "stale").await;
-    assert_eq!(status["endpoints"]["stale"], 1, "{status}");
+    let status = wait_status(&gateway, source, "stale", |s| s.state == "stale").await;
+    assert_eq!(status.endpoints.stale, 1, "{status}");
 
     cluster.fake.restart().await;
     let status = gateway
-        .wait_source_status(source, "healthy", 2 * WAIT, |s| s["state"] == "healthy")
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
         .await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
     wait_serving_only(&gateway, &["a"], 3, WAIT).await;
 }
 
@@ -840,7 +803,7 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     let mut watching = cluster.source(json!({"wait_ms": 1_000, "timeout_ms": 500}));
     watching["name"] = json!("watching");
     let watching = gateway.create(&path, watching).await;
-    wait_status(&gateway, watching, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, watching, "healthy", |s| s.state == "healthy").await;
     wait_until("a watch is open", WAIT, || async {
         cluster.fake.open_watches() == 1
     })
@@ -853,8 +816,8 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     let mut listing = cluster.source(json!({"timeout_ms": 500}));
     listing["name"] = json!("listing");
     let listing = gateway.create(&path, listing).await;
-    let status = wait_status(&gateway, listing, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, listing, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&format!("{}/apis/discovery.k8s.io", cluster.fake.url()))
             && error.contains("the list did not complete within 500 ms (timeout_ms)"),
@@ -863,12 +826,12 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     // The open watch goes silent: within wait_ms + 5 s (kube-rs's margin) + timeout_ms and a
     // second's spacing, it is failing too, and the last set keeps serving.
     let status = gateway
-        .wait_source_status(watching, "failing", 2 * WAIT, |s| s["state"] == "failing")
+        .wait_source_status(watching, "failing", 2 * WAIT, |s| s.state == "failing")
         .await;
     assert!(hung.elapsed() < Duration::from_millis(1_000 + 5_000 + 500 + 1_000 + 1_500));
-    assert_eq!(status["watch"]["connected"], false, "{status}");
+    assert_eq!(status.watch_connected(), Some(false), "{status}");
     assert!(
-        status["last_error"].as_str().unwrap_or_default().contains(
+        status.last_error.as_deref().unwrap_or_default().contains(
             "(watch) could not be fetched: the watch request got no answer within 500 ms"
         ),
         "{status}"
@@ -878,7 +841,7 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     cluster.fake.hang(false);
     for source in [watching, listing] {
         gateway
-            .wait_source_status(source, "healthy", 2 * WAIT, |s| s["state"] == "healthy")
+            .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
             .await;
     }
 }
@@ -896,7 +859,7 @@ async fn watches_cut_at_once_are_asked_again_at_most_once_a_second() {
         .fake
         .set_max_watch_timeout(Some(Duration::from_millis(1)));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     let watches = cluster.fake.watches();
     let lists = cluster.fake.lists();
     // A counting window: the rate of requests is what is measured.
@@ -913,7 +876,7 @@ async fn watches_cut_at_once_are_asked_again_at_most_once_a_second() {
     assert!((2..=4).contains(&made), "{made} watch requests in 3 s");
     assert_eq!(cluster.fake.lists(), lists, "each resumes without a list");
     let status = gateway.source_status(source).await;
-    assert_eq!(status["state"], "healthy", "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -925,7 +888,7 @@ async fn rbac_and_token_refusals_are_failed_refreshes_that_keep_the_last_set() {
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
 
     // The Role binding is removed: a full read (an operator's refresh) is forbidden.
     cluster.fake.forbid(Some(NAMESPACE));
@@ -937,8 +900,8 @@ async fn rbac_and_token_refusals_are_failed_refreshes_that_keep_the_last_set() {
         )
         .await;
     assert_eq!(code, StatusCode::ACCEPTED, "{body}");
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains("answered HTTP 403: endpointslices.discovery.k8s.io is forbidden")
             && error.contains("cannot list resource \"endpointslices\""),
@@ -946,16 +909,13 @@ async fn rbac_and_token_refusals_are_failed_refreshes_that_keep_the_last_set() {
     );
     wait_serving_only(&gateway, &["a"], 3, WAIT).await;
     cluster.fake.forbid(None);
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
 
     // The token is refused.
     cluster.fake.require_token(Some("another"));
     cluster.fake.close_watches();
-    let status = wait_status(&gateway, source, "failing on 401", |s| {
-        s["state"] == "failing"
-    })
-    .await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing on 401", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(
             "answered HTTP 401: Unauthorized (the API server did not accept the bearer token)"
@@ -996,18 +956,18 @@ async fn the_api_server_over_https_is_verified_against_ca_file() {
         body["name"] = json!(name);
         sources.push(gateway.create(&path, body).await);
     }
-    let trusted = wait_status(&gateway, sources[0], "healthy", |s| s["state"] == "healthy").await;
-    assert_eq!(trusted["watch"]["connected"], true, "{trusted}");
-    let untrusted = wait_status(&gateway, sources[1], "failing", |s| s["state"] == "failing").await;
-    let error = untrusted["last_error"].as_str().unwrap_or_default();
+    let trusted = wait_status(&gateway, sources[0], "healthy", |s| s.state == "healthy").await;
+    assert_eq!(trusted.watch_connected(), Some(true), "{trusted}");
+    let untrusted = wait_status(&gateway, sources[1], "failing", |s| s.state == "failing").await;
+    let error = untrusted.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&cluster.fake.url()) && error.to_lowercase().contains("certificate"),
         "{untrusted}"
     );
-    wait_status(&gateway, sources[2], "healthy", |s| s["state"] == "healthy").await;
-    let no_ca = wait_status(&gateway, sources[3], "failing", |s| s["state"] == "failing").await;
+    wait_status(&gateway, sources[2], "healthy", |s| s.state == "healthy").await;
+    let no_ca = wait_status(&gateway, sources[3], "failing", |s| s.state == "failing").await;
     assert_eq!(
-        no_ca["last_error"],
+        no_ca.error(),
         "cannot use the CA file /nonexistent/ca.crt: No such file or directory (os error 2)",
         "{no_ca}"
     );
@@ -1047,7 +1007,11 @@ async fn bad_kubernetes_configs_are_refused_by_field() {
             )
             .await;
         assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY, "{config}: {body}");
-        assert_eq!(body["error"]["field"], field, "{config}: {body}");
+        assert_eq!(
+            ApiError::read(&body).field.as_deref(),
+            Some(field),
+            "{config}: {body}"
+        );
     }
     let (code, providers) = gateway
         .api("GET", "/api/v1/discovery/providers", None)
@@ -1087,7 +1051,7 @@ async fn slice_changes_reach_the_data_path_fast() {
         .fake
         .apply(slice(&pods, "web-x1", vec![pods.ready("p0")]));
     let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     let mut delays = Vec::new();
     for count in 2..=names.len() {
         wait_watch_idle(&gateway, source).await;
@@ -1137,8 +1101,8 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
     });
     let (_, source) = web_service(&gateway, source).await;
     wait_serving_only(&gateway, &["a"], 1, WAIT).await;
-    let status = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
+    let status = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(status.endpoints.active, 1, "{status}");
     assert_eq!(cluster.fake.last_token().as_deref(), Some(TOKEN));
 
     // A server named by hand without token_file gets no token (not even a pod's own).
@@ -1157,7 +1121,7 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
             by_hand,
         )
         .await;
-    wait_status(&gateway, by_hand, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, by_hand, "healthy", |s| s.state == "healthy").await;
     assert!(bare.requests() >= 1);
     assert_eq!(bare.last_authorization(), None);
 
@@ -1170,8 +1134,8 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
         )
         .await;
     assert_eq!(code, StatusCode::OK, "{body}");
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.starts_with("cannot use the kubeconfig /nonexistent/kubeconfig:"),
         "{status}"

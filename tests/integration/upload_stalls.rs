@@ -1,7 +1,7 @@
 //! A request body that stops moving: the gateway answers instead of holding the request (and an
 //! upstream connection) forever, and says who stalled.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -99,7 +99,11 @@ async fn an_upstream_that_stops_reading_the_body_gets_504() {
         .unwrap()
         .to_bytes();
     let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(body["error"]["code"], "upstream_send_timeout", "{body}");
+    assert_eq!(
+        common::ProxyError::read(&body).code,
+        "upstream_send_timeout",
+        "{body}"
+    );
     assert!(started.elapsed() < Duration::from_secs(15));
     assert!(
         stalled_rx.try_recv().is_ok(),

@@ -2,7 +2,7 @@
 //! state and health, discovery sources with their lifecycle; JSON output; pagination; and the
 //! one-line errors for a wrong token, a viewer token and an unreachable admin API.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;
@@ -93,17 +93,11 @@ async fn world() -> World {
         )
         .await;
 
-    wait_until("the source is healthy with one endpoint", WAIT, || async {
-        let (_, status) = gateway
-            .api(
-                "GET",
-                &format!("/api/v1/discovery-sources/{source}/status"),
-                None,
-            )
-            .await;
-        status["state"] == "healthy" && status["endpoints"]["active"] == 1
-    })
-    .await;
+    gateway
+        .wait_source_status(source, "healthy with one endpoint", WAIT, |status| {
+            status.state == "healthy" && status.endpoints.active == 1
+        })
+        .await;
     wait_until("both targets are healthy", WAIT, || async {
         let (_, targets) = gateway
             .api("GET", &format!("/api/v1/services/{service}/targets"), None)

@@ -2,13 +2,12 @@
 //! TLS with the server name, verification and CA its traffic uses; `tls` handshake checks for
 //! `https` and `tls` services; and where a `tls` check is refused. Real sockets throughout.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -23,7 +22,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_rustls::TlsAcceptor;
 
-const WAIT: Duration = Duration::from_secs(10);
 const H2_AND_H1: &[&[u8]] = &[b"h2", b"http/1.1"];
 
 /// A self-signed certificate for `names`; its PEM is also the CA a service trusts for it.
@@ -247,56 +245,32 @@ async fn patch_service(gateway: &TestGateway, service: i64, patch: Value) {
     assert_eq!(status, 200, "PATCH service {service}: {body}");
 }
 
-/// The target as `GET /api/v1/targets/{id}` shows it (`health`, `last_check`).
-async fn target_view(gateway: &TestGateway, target: i64) -> Value {
-    let (status, body) = gateway
-        .api("GET", &format!("/api/v1/targets/{target}"), None)
-        .await;
-    assert_eq!(status, 200, "GET target {target}: {body}");
-    body
+fn health(view: &Target) -> &str {
+    view.health.as_str()
 }
 
-/// Polls the target until `done` holds (within [`WAIT`]); returns that view.
-async fn wait_target(
-    gateway: &TestGateway,
-    target: i64,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    let end = tokio::time::Instant::now() + WAIT;
-    loop {
-        let view = target_view(gateway, target).await;
-        if done(&view) {
-            return view;
-        }
-        assert!(
-            tokio::time::Instant::now() < end,
-            "timed out after {WAIT:?} waiting for target {target}: {what}; last view {view}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn health(view: &Value) -> &str {
-    view["health"].as_str().unwrap_or("")
+/// Whether the target's last check passed; `None` before its first check.
+fn passed(view: &Target) -> Option<bool> {
+    view.last_check.as_ref().map(|check| check.passed)
 }
 
 /// `health` is `wanted` and the stored `last_check` agrees with it. (Health is live, set as each
 /// check ends; `last_check` is stored when the round ends, so for a moment it lags behind.)
-fn settled(view: &Value, wanted: &str) -> bool {
-    health(view) == wanted && view["last_check"]["passed"] == (wanted == "healthy")
+fn settled(view: &Target, wanted: &str) -> bool {
+    health(view) == wanted && passed(view) == Some(wanted == "healthy")
 }
 
-fn detail(view: &Value) -> &str {
-    view["last_check"]["detail"].as_str().unwrap_or("")
+fn detail(view: &Target) -> &str {
+    view.last_check
+        .as_ref()
+        .map_or("", |check| check.detail.as_str())
 }
 
-/// The view's last check was made after `after` (RFC 3339 times compare as instants).
-fn checked_after(view: &Value, after: chrono::DateTime<chrono::Utc>) -> bool {
-    view["last_check"]["at"]
-        .as_str()
-        .and_then(|at| chrono::DateTime::parse_from_rfc3339(at).ok())
-        .is_some_and(|at| at > after)
+/// The view's last check was made after `after`.
+fn checked_after(view: &Target, after: chrono::DateTime<chrono::Utc>) -> bool {
+    view.last_check
+        .as_ref()
+        .is_some_and(|check| check.at > after)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -333,19 +307,19 @@ async fn an_https_service_checks_its_tls_only_target_over_tls_and_traffic_stays_
             (status, body.as_str()),
             (200, "primary"),
             "traffic must stay in tier 0; primary {}, backup {}",
-            target_view(&gateway, primary_id).await,
-            target_view(&gateway, backup_id).await
+            gateway.target(primary_id).await,
+            gateway.target(backup_id).await
         );
     }
     assert!(backup.traffic().is_empty(), "{:?}", backup.traffic());
     let traffic_version = primary.traffic()[0].version;
     assert_eq!(traffic_version, hyper::Version::HTTP_2, "ALPN chose h2");
 
-    let view = target_view(&gateway, primary_id).await;
+    let view = gateway.target(primary_id).await;
     assert_eq!(health(&view), "healthy", "{view}");
-    assert_eq!(view["last_check"]["passed"], true, "{view}");
+    assert_eq!(passed(&view), Some(true), "{view}");
     assert_eq!(detail(&view), "HTTP 200", "{view}");
-    let backup_view = target_view(&gateway, backup_id).await;
+    let backup_view = gateway.target(backup_id).await;
     assert_eq!(health(&backup_view), "healthy", "{backup_view}");
 
     // Both were checked the way traffic reaches them: over TLS, with the service's SNI.
@@ -520,7 +494,7 @@ async fn a_tls_check_passes_a_tls_listener_and_fails_one_that_does_not_speak_tls
         settled(view, "unhealthy")
     })
     .await;
-    assert_eq!(view["last_check"]["passed"], false, "{view}");
+    assert_eq!(passed(&view), Some(false), "{view}");
     assert!(
         detail(&view).starts_with("TLS handshake: ")
             && detail(&view).ends_with("(server name \"db.test\")"),
@@ -561,7 +535,11 @@ async fn a_tls_check_is_refused_where_targets_do_not_speak_tls() {
             )
             .await;
         assert_eq!(status, 422, "{protocol}: {body}");
-        assert_eq!(body["error"]["field"], "health_check.type", "{body}");
+        assert_eq!(
+            ApiError::read(&body).field.as_deref(),
+            Some("health_check.type"),
+            "{body}"
+        );
     }
     let mut created = Vec::new();
     for protocol in ["https", "tls"] {
@@ -585,7 +563,11 @@ async fn a_tls_check_is_refused_where_targets_do_not_speak_tls() {
         )
         .await;
     assert_eq!(status, 422, "{body}");
-    assert_eq!(body["error"]["field"], "health_check.type", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("health_check.type"),
+        "{body}"
+    );
 
     let (status, document) = gateway.api("GET", "/api/v1/openapi.json", None).await;
     assert_eq!(status, 200);

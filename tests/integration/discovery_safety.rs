@@ -6,7 +6,7 @@
 //! - Honest 503s (DESIGN §5): a service whose only sources are pending, failing or stale answers
 //!   `discovery_unavailable`, distinct from `no_available_target`.
 
-mod common;
+use crate::common;
 use common::consul::{ConsulFake, Instance};
 use common::knot::{Knot, ZoneOp};
 use common::registry::Registry;
@@ -73,16 +73,14 @@ fn http_source(registry: &Registry, guard: Value) -> Value {
     )
 }
 
-fn counts(status: &Value) -> (u64, u64) {
-    let endpoints = &status["endpoints"];
-    (
-        endpoints["active"].as_u64().unwrap_or(u64::MAX),
-        endpoints["draining"].as_u64().unwrap_or(u64::MAX),
-    )
+/// Active and draining targets.
+fn counts(status: &SourceStatus) -> (u64, u64) {
+    (status.endpoints.active, status.endpoints.draining)
 }
 
-fn holding(status: &Value) -> Option<u64> {
-    status["guard"]["holding"].as_u64()
+/// How many targets the removal guard holds; `None` while it holds nothing.
+fn holding(status: &SourceStatus) -> Option<u64> {
+    status.guard.as_ref().map(|guard| guard.holding)
 }
 
 fn time(value: &Value) -> DateTime<Utc> {
@@ -90,15 +88,6 @@ fn time(value: &Value) -> DateTime<Utc> {
         .as_str()
         .and_then(|text| text.parse().ok())
         .unwrap_or_else(|| panic!("a timestamp: {value}"))
-}
-
-async fn wait_status(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    gateway.wait_source_status(source, what, WAIT, done).await
 }
 
 /// The upstream names that answer `requests` requests through the proxy (each must succeed).
@@ -192,19 +181,14 @@ async fn a_zone_emptied_to_nxdomain_keeps_serving_until_confirmed() {
     })
     .await;
     assert_eq!(
-        held["state"], "healthy",
+        held.state, "healthy",
         "NXDOMAIN is a successful refresh: {held}"
     );
     assert_eq!(counts(&held), (3, 0), "nothing drains while held: {held}");
-    let guard = &held["guard"];
-    assert_eq!(guard["held"].as_array().map(Vec::len), Some(3), "{guard}");
-    assert!(
-        guard["reason"]
-            .as_str()
-            .is_some_and(|reason| reason.contains("remove 3 of 3")),
-        "{guard}"
-    );
-    let since = time(&guard["since"]);
+    let guard = held.guard();
+    assert_eq!(guard.held.len(), 3, "{held}");
+    assert!(guard.reason.contains("remove 3 of 3"), "{held}");
+    let since = guard.since;
 
     // Held targets keep serving; operators see the hold.
     assert_eq!(serving(&gateway, 12).await, names(&["a", "b", "c"]));
@@ -218,17 +202,18 @@ async fn a_zone_emptied_to_nxdomain_keeps_serving_until_confirmed() {
         "{metrics}"
     );
     let (_, readiness) = gateway.readyz().await;
-    assert_eq!(readiness["degraded"], true, "{readiness}");
+    assert!(readiness.degraded, "{readiness}");
     assert!(
-        readiness["degraded_because"]
-            .to_string()
-            .contains("removal guard"),
+        readiness
+            .degraded_because
+            .iter()
+            .any(|because| because.contains("removal guard")),
         "{readiness}"
     );
 
     // The same empty answer, seen for confirm_ms across 3 refreshes: the removals apply.
     wait_status(&gateway, source, "the hold confirmed", |s| {
-        s["guard"].is_null() && counts(s) == (0, 3)
+        s.guard.is_none() && counts(s) == (0, 3)
     })
     .await;
     let drained = gateway
@@ -288,7 +273,9 @@ async fn most_srv_records_removed_at_once_are_held_until_an_admin_accepts() {
     assert_eq!(counts(&held), (5, 0), "{held}");
     // Refreshes go on and count confirmations of the same smaller set.
     wait_status(&gateway, source, "a second confirmation", |s| {
-        s["guard"]["confirmations"].as_u64() >= Some(2)
+        s.guard
+            .as_ref()
+            .is_some_and(|guard| guard.confirmations >= 2)
     })
     .await;
     assert_eq!(
@@ -301,7 +288,8 @@ async fn most_srv_records_removed_at_once_are_held_until_an_admin_accepts() {
     assert_eq!(code, 200, "{accepted}");
     assert_eq!(accepted["released"], 3, "{accepted}");
     assert!(accepted["status"]["guard"].is_null(), "{accepted}");
-    assert_eq!(counts(&accepted["status"]), (2, 3), "{accepted}");
+    let status = SourceStatus::read(accepted["status"].clone());
+    assert_eq!(counts(&status), (2, 3), "{accepted}");
     assert_eq!(serving(&gateway, 10).await, names(&["s1", "s2"]));
 
     // Nothing is held any more: accepting again releases nothing.
@@ -339,7 +327,7 @@ async fn an_empty_list_after_a_good_one_is_held_and_the_recovered_list_ends_the_
     })
     .await;
     assert_ne!(
-        held["revision"], before["revision"],
+        held.revision, before.revision,
         "the empty list was applied: {held}"
     );
     assert_eq!(serving(&gateway, 9).await, names(&["r1", "r2", "r3"]));
@@ -347,7 +335,7 @@ async fn an_empty_list_after_a_good_one_is_held_and_the_recovered_list_ends_the_
     // The registry recovers: the hold ends without anything having drained.
     registry.set_json(full);
     let recovered = wait_status(&gateway, source, "the hold ended", |s| {
-        s["guard"].is_null() && s["revision"] == before["revision"]
+        s.guard.is_none() && s.revision == before.revision
     })
     .await;
     assert_eq!(counts(&recovered), (3, 0), "{recovered}");
@@ -400,7 +388,7 @@ async fn a_gradual_scale_down_one_endpoint_at_a_time_passes_unheld() {
         )
         .await;
         assert!(
-            status["guard"].is_null(),
+            status.guard.is_none(),
             "one at a time is never held: {status}"
         );
     }
@@ -440,12 +428,7 @@ async fn a_held_target_that_fails_its_health_checks_is_released_alone() {
     })
     .await;
     assert_eq!(counts(&released), (2, 1), "the dead one drains: {released}");
-    let held: BTreeSet<String> = released["guard"]["held"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|key| key.as_str().unwrap().to_owned())
-        .collect();
+    let held: BTreeSet<String> = released.guard().held.iter().cloned().collect();
     assert_eq!(held, names(&["h1", "h2"]));
     assert_eq!(serving(&gateway, 8).await, names(&["h1", "h2"]));
 }
@@ -473,7 +456,7 @@ async fn without_a_guard_an_empty_answer_drains_at_once() {
     wait_status(&gateway, source, "3 active", |s| counts(s) == (3, 0)).await;
     registry.set_json(json!([]));
     let drained = wait_status(&gateway, source, "all draining", |s| counts(s) == (0, 3)).await;
-    assert!(drained["guard"].is_null(), "{drained}");
+    assert!(drained.guard.is_none(), "{drained}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,7 +493,7 @@ async fn entries_the_registry_marks_critical_are_never_held() {
     }
     let status = wait_status(&gateway, source, "two draining", |s| counts(s) == (1, 2)).await;
     assert!(
-        status["guard"].is_null(),
+        status.guard.is_none(),
         "explicit departures are not held: {status}"
     );
 
@@ -533,10 +516,10 @@ async fn entries_the_registry_marks_critical_are_never_held() {
     // re-reads (every confirm_ms / 2) confirm the removals.
     let reads_before = fake.requests();
     let confirmed = wait_status(&gateway, source, "the removals confirmed", |s| {
-        s["guard"].is_null() && counts(s) == (1, 2)
+        s.guard.is_none() && counts(s) == (1, 2)
     })
     .await;
-    assert!(confirmed["guard"].is_null(), "{confirmed}");
+    assert!(confirmed.guard.is_none(), "{confirmed}");
     assert!(
         fake.requests() >= reads_before + 2,
         "the guard re-read the catalog: {} requests",
@@ -604,8 +587,8 @@ async fn the_guard_settings_default_validate_and_turn_off() {
             .await;
         assert_eq!(code, 422, "{guard}: {error}");
         assert!(
-            error["error"]["field"]
-                .as_str()
+            ApiError::read(&error)
+                .field
                 .is_some_and(|named| named.starts_with(field)),
             "{guard}: {error}"
         );
@@ -627,13 +610,14 @@ async fn refresh(gateway: &TestGateway, source: i64) {
     assert_eq!(code, 202, "{body}");
 }
 
-async fn proxy_error(gateway: &TestGateway) -> (u16, Value) {
+/// A GET through the proxy: its status and, when the answer is one, the proxy's named error.
+async fn proxy_error(gateway: &TestGateway) -> (u16, Option<ProxyError>) {
     let response = reqwest::get(gateway.proxy_url("/"))
         .await
         .expect("proxy answers");
     let status = response.status().as_u16();
     let body = response.json().await.unwrap_or(Value::Null);
-    (status, body)
+    (status, body.get("error").map(|_| ProxyError::read(&body)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -647,11 +631,12 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
     body["config"]["timeout_ms"] = json!(5_000);
     body["config"]["interval_ms"] = json!(60_000);
     let source = add_source(&gateway, service, body).await;
-    assert_eq!(gateway.source_status(source).await["state"], "pending");
+    assert_eq!(gateway.source_status(source).await.state, "pending");
     let (status, error) = proxy_error(&gateway).await;
-    assert_eq!(status, 503, "{error}");
-    assert_eq!(error["error"]["code"], "discovery_unavailable", "{error}");
-    let message = error["error"]["message"].as_str().unwrap_or_default();
+    let error = error.unwrap_or_else(|| panic!("{status} is not a named error"));
+    assert_eq!(status, 503, "{error:?}");
+    assert_eq!(error.code, "discovery_unavailable", "{error:?}");
+    let message = error.message;
     assert!(
         message.contains("web") && message.contains("registry (pending)"),
         "names the service and the source's state: {message}"
@@ -661,27 +646,27 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
     registry.set_delay(Duration::ZERO);
     registry.set_raw(500, "text/plain", "registry broken");
     refresh(&gateway, source).await;
-    wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
+    wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
     wait_until("the 503 names the failing source", WAIT, || async {
         let (status, error) = proxy_error(&gateway).await;
         status == 503
-            && error["error"]["code"] == "discovery_unavailable"
-            && error["error"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("registry (failing)"))
+            && error.is_some_and(|error| {
+                error.code == "discovery_unavailable"
+                    && error.message.contains("registry (failing)")
+            })
     })
     .await;
 
     // Healthy but empty: the registry answered, so the targets (none) are the reason.
     registry.set_json(json!([]));
     refresh(&gateway, source).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until(
         "no_available_target once the source is healthy",
         WAIT,
         || async {
             let (status, error) = proxy_error(&gateway).await;
-            status == 503 && error["error"]["code"] == "no_available_target"
+            status == 503 && error.is_some_and(|error| error.code == "no_available_target")
         },
     )
     .await;
@@ -701,11 +686,14 @@ async fn an_operator_target_keeps_the_answer_no_available_target() {
         .create(&format!("/api/v1/services/{service}/targets"), disabled)
         .await;
     let source = add_source(&gateway, service, http_source(&registry, Value::Null)).await;
-    wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
+    wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
     wait_until(
         "discovery_unavailable beside a disabled operator target",
         WAIT,
-        || async { proxy_error(&gateway).await.1["error"]["code"] == "discovery_unavailable" },
+        || async {
+            let (_, error) = proxy_error(&gateway).await;
+            error.is_some_and(|error| error.code == "discovery_unavailable")
+        },
     )
     .await;
     // An enabled operator target that is down: the targets are the reason now.
@@ -715,6 +703,6 @@ async fn an_operator_target_keeps_the_answer_no_available_target() {
         .create(&format!("/api/v1/services/{service}/targets"), enabled)
         .await;
     let (status, error) = proxy_error(&gateway).await;
-    assert_eq!(status, 502, "the operator target is tried: {error}");
+    assert_eq!(status, 502, "the operator target is tried: {error:?}");
     upstream.stop();
 }

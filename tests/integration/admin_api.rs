@@ -2,49 +2,11 @@
 //! CRUD round trips with defaults and merge patches, pagination, persistence across a restart,
 //! the OpenAPI document and the health endpoints.
 
-mod common;
+use crate::common;
 use common::*;
 
 use hyper::StatusCode;
 use serde_json::{json, Value};
-
-/// Asserts an error answer: the status, and a body `{"error": {"code", "message", "field"}}`
-/// whose `field` names `field` (or, for `None`, is present and may be null).
-#[track_caller]
-fn assert_error(
-    what: &str,
-    (status, body): &(StatusCode, Value),
-    want_status: u16,
-    want_code: &str,
-    field: Option<&str>,
-) {
-    assert_eq!(status.as_u16(), want_status, "{what}: status; body {body}");
-    let error = body
-        .get("error")
-        .and_then(Value::as_object)
-        .unwrap_or_else(|| panic!("{what}: body is not {{\"error\": {{...}}}}: {body}"));
-    assert_eq!(
-        error.get("code").and_then(Value::as_str),
-        Some(want_code),
-        "{what}: error code; body {body}"
-    );
-    let message = error.get("message").and_then(Value::as_str).unwrap_or("");
-    assert!(
-        !message.is_empty(),
-        "{what}: error message is empty: {body}"
-    );
-    assert!(
-        error.contains_key("field"),
-        "{what}: no `field` key: {body}"
-    );
-    if let Some(field) = field {
-        assert_eq!(
-            error.get("field").and_then(Value::as_str),
-            Some(field),
-            "{what}: error field; body {body}"
-        );
-    }
-}
 
 /// A 422 `validation_failed` naming `field`.
 #[track_caller]
@@ -61,18 +23,6 @@ async fn items(gateway: &TestGateway, path: &str) -> Vec<Value> {
         .as_array()
         .unwrap_or_else(|| panic!("GET {path} has items: {body}"))
         .clone()
-}
-
-async fn get_ok(gateway: &TestGateway, path: &str) -> Value {
-    let (status, body) = gateway.api("GET", path, None).await;
-    assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
-    body
-}
-
-fn id_of(value: &Value) -> i64 {
-    value["id"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("no id: {value}"))
 }
 
 // ----- 1. bad input -----
@@ -159,7 +109,7 @@ async fn bad_service_input_is_refused_naming_the_field_and_stores_nothing() {
         .create("/api/v1/services", json!({"name": "other"}))
         .await;
     let path = format!("/api/v1/services/{other}");
-    let stored = get_ok(&gateway, &path).await;
+    let stored = gateway.get_ok(&path).await;
     let renamed = gateway
         .api("PUT", &path, Some(json!({"name": "existing"})))
         .await;
@@ -210,9 +160,11 @@ async fn bad_service_input_is_refused_naming_the_field_and_stores_nothing() {
         "malformed_request",
         None,
     );
-    assert_eq!(get_ok(&gateway, &path).await, stored);
+    assert_eq!(gateway.get_ok(&path).await, stored);
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/services/{existing}")).await,
+        gateway
+            .get_ok(&format!("/api/v1/services/{existing}"))
+            .await,
         before[0]
     );
 }
@@ -334,11 +286,7 @@ async fn bad_target_input_is_refused_naming_the_field_and_stores_nothing() {
     ] {
         let answer = gateway.api(method, &path, Some(body)).await;
         assert_invalid(what, &answer, field);
-        assert_eq!(
-            get_ok(&gateway, &path).await,
-            before[0],
-            "{what}: unchanged"
-        );
+        assert_eq!(gateway.get_ok(&path).await, before[0], "{what}: unchanged");
     }
 }
 
@@ -461,11 +409,7 @@ async fn bad_route_input_is_refused_naming_the_field_and_stores_nothing() {
     ] {
         let answer = gateway.api(method, &path, Some(body)).await;
         assert_invalid(what, &answer, field);
-        assert_eq!(
-            get_ok(&gateway, &path).await,
-            before[0],
-            "{what}: unchanged"
-        );
+        assert_eq!(gateway.get_ok(&path).await, before[0], "{what}: unchanged");
     }
 }
 
@@ -840,7 +784,7 @@ async fn a_viewer_reads_but_cannot_write_and_a_deleted_token_is_revoked() {
         assert_eq!(status, StatusCode::OK, "viewer GET {path}: {body}");
         assert_eq!(
             body,
-            get_ok(&gateway, path).await,
+            gateway.get_ok(path).await,
             "viewer sees what admin sees"
         );
     }
@@ -1057,7 +1001,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert!(created["updated_at"].is_string(), "{created}");
 
     let path = format!("/api/v1/services/{id}");
-    assert_eq!(get_ok(&gateway, &path).await, created);
+    assert_eq!(gateway.get_ok(&path).await, created);
     assert_eq!(
         items(&gateway, "/api/v1/services").await,
         vec![created.clone()]
@@ -1086,7 +1030,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(patched["upstream_authority"], "shop.example:8443");
     assert_eq!(patched["max_attempts"], 3);
     assert_eq!(patched["created_at"], created["created_at"]);
-    assert_eq!(get_ok(&gateway, &path).await, patched);
+    assert_eq!(gateway.get_ok(&path).await, patched);
 
     // PATCH null resets a field to its default.
     let (status, reset) = gateway
@@ -1103,7 +1047,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
         reset["timeouts"],
         json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000})
     );
-    assert_eq!(get_ok(&gateway, &path).await, reset);
+    assert_eq!(gateway.get_ok(&path).await, reset);
 
     // An empty patch changes nothing.
     let (status, same) = gateway.api("PATCH", &path, Some(json!({}))).await;
@@ -1145,7 +1089,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
         json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000})
     );
     assert_eq!(replaced["created_at"], created["created_at"]);
-    assert_eq!(get_ok(&gateway, &path).await, replaced);
+    assert_eq!(gateway.get_ok(&path).await, replaced);
 
     // The old name is free again after the rename.
     gateway
@@ -1174,7 +1118,7 @@ async fn a_nested_null_patched_onto_a_missing_object_removes_the_member() {
         .create("/api/v1/services", json!({"name": "web"}))
         .await;
     let path = format!("/api/v1/services/{id}");
-    assert!(get_ok(&gateway, &path).await["health_check"].is_null());
+    assert!(gateway.get_ok(&path).await["health_check"].is_null());
 
     let (status, patched) = gateway
         .api(
@@ -1186,7 +1130,7 @@ async fn a_nested_null_patched_onto_a_missing_object_removes_the_member() {
     assert_eq!(status, StatusCode::OK, "{patched}");
     assert_eq!(patched["health_check"]["type"], "http", "{patched}");
     assert_eq!(patched["health_check"]["path"], "/", "{patched}");
-    assert_eq!(get_ok(&gateway, &path).await, patched);
+    assert_eq!(gateway.get_ok(&path).await, patched);
 
     // On an existing check a nested null resets just that member.
     gateway
@@ -1241,7 +1185,7 @@ async fn targets_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(created["metadata"], json!({}));
 
     let path = format!("/api/v1/targets/{id}");
-    assert_eq!(get_ok(&gateway, &path).await, created);
+    assert_eq!(gateway.get_ok(&path).await, created);
     assert_eq!(items(&gateway, &targets).await, vec![created.clone()]);
 
     let (status, patched) = gateway
@@ -1259,7 +1203,7 @@ async fn targets_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(patched["port"], 8080);
     assert_eq!(patched["priority"], 0);
     assert_eq!(patched["service_id"], service);
-    assert_eq!(get_ok(&gateway, &path).await, patched);
+    assert_eq!(gateway.get_ok(&path).await, patched);
 
     let (status, reset) = gateway
         .api(
@@ -1289,7 +1233,7 @@ async fn targets_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(replaced["enabled"], true);
     assert_eq!(replaced["metadata"], json!({}));
     assert!(replaced["source_id"].is_null(), "{replaced}");
-    assert_eq!(get_ok(&gateway, &path).await, replaced);
+    assert_eq!(gateway.get_ok(&path).await, replaced);
 
     let (status, body) = gateway.api("DELETE", &path, None).await;
     assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
@@ -1351,7 +1295,9 @@ async fn deleting_a_service_removes_its_targets_but_not_others() {
         "not_found",
         None,
     );
-    get_ok(&gateway, &format!("/api/v1/targets/{kept_target}")).await;
+    gateway
+        .get_ok(&format!("/api/v1/targets/{kept_target}"))
+        .await;
     assert_eq!(
         items(&gateway, &format!("/api/v1/services/{kept}/targets"))
             .await
@@ -1390,7 +1336,7 @@ async fn routes_round_trip_and_block_deleting_their_service() {
     assert!(created["created_at"].is_string(), "{created}");
 
     let path = format!("/api/v1/routes/{id}");
-    assert_eq!(get_ok(&gateway, &path).await, created);
+    assert_eq!(gateway.get_ok(&path).await, created);
     assert_eq!(
         items(&gateway, "/api/v1/routes").await,
         vec![created.clone()]
@@ -1437,7 +1383,7 @@ async fn routes_round_trip_and_block_deleting_their_service() {
     assert_eq!(patched["name"], "catch-all");
     assert_eq!(patched["service_id"], service);
     assert_eq!(patched["preserve_host"], false);
-    assert_eq!(get_ok(&gateway, &path).await, patched);
+    assert_eq!(gateway.get_ok(&path).await, patched);
     let (status, reset) = gateway
         .api(
             "PATCH",
@@ -1467,12 +1413,12 @@ async fn routes_round_trip_and_block_deleting_their_service() {
     assert_eq!(replaced["path_prefix"], "/");
     assert_eq!(replaced["hosts"], json!([]));
     assert_eq!(replaced["created_at"], created["created_at"]);
-    assert_eq!(get_ok(&gateway, &path).await, replaced);
+    assert_eq!(gateway.get_ok(&path).await, replaced);
 
     // A service a route uses cannot be deleted; the refusal names the route.
     for (service_id, route_name) in [(service, "api"), (other, "moved")] {
         let service_path = format!("/api/v1/services/{service_id}");
-        let before = get_ok(&gateway, &service_path).await;
+        let before = gateway.get_ok(&service_path).await;
         let answer = gateway.api("DELETE", &service_path, None).await;
         assert_error("delete a routed service", &answer, 409, "conflict", None);
         let message = answer.1["error"]["message"].as_str().unwrap();
@@ -1480,7 +1426,7 @@ async fn routes_round_trip_and_block_deleting_their_service() {
             message.contains(route_name),
             "names route {route_name}: {message}"
         );
-        assert_eq!(get_ok(&gateway, &service_path).await, before);
+        assert_eq!(gateway.get_ok(&service_path).await, before);
     }
 
     // DELETE the routes, then the services can go.
@@ -1676,10 +1622,10 @@ async fn configuration_survives_a_restart_and_still_routes() {
         targets
     );
     assert_eq!(items(&gateway, "/api/v1/routes").await, routes);
-    let standby_target = get_ok(&gateway, &format!("/api/v1/targets/{standby}")).await;
+    let standby_target = gateway.get_ok(&format!("/api/v1/targets/{standby}")).await;
     assert_eq!(standby_target["metadata"], json!({"zone": "b"}));
     assert_eq!(standby_target["enabled"], false);
-    let stored = get_ok(&gateway, &format!("/api/v1/services/{service}")).await;
+    let stored = gateway.get_ok(&format!("/api/v1/services/{service}")).await;
     assert_eq!(stored["timeouts"]["idle_ms"], 1234);
     assert_eq!(stored["max_attempts"], 2);
 

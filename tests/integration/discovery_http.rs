@@ -4,12 +4,11 @@
 //! one service and health kept across a flap. A real HTTP registry (`common::registry`) feeds
 //! endpoints that point at real upstream servers.
 
-mod common;
+use crate::common;
 use common::registry::Registry;
 use common::*;
 
 use std::collections::{BTreeSet, HashMap};
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -96,77 +95,18 @@ async fn add_source(gateway: &TestGateway, service: i64, body: Value) -> i64 {
         .await
 }
 
-async fn get_ok(gateway: &TestGateway, path: &str) -> Value {
-    let (status, body) = gateway.api("GET", path, None).await;
-    assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
-    body
-}
-
-async fn source_status(gateway: &TestGateway, source: i64) -> Value {
-    gateway.source_status(source).await
-}
-
-/// Polls the source's status until `done` holds; returns that status.
-async fn wait_status(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    gateway.wait_source_status(source, what, WAIT, done).await
-}
-
-async fn wait_state(gateway: &TestGateway, source: i64, state: &str) -> Value {
-    wait_status(gateway, source, &format!("state {state}"), |s| {
-        s["state"] == state
-    })
-    .await
-}
-
-/// Polls `probe` until it returns Some; panics after `deadline` with `what`.
-async fn wait_for<T, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let end = Instant::now() + deadline;
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {deadline:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// The targets a source owns in a service, by provider key.
 async fn source_targets(
     gateway: &TestGateway,
     service: i64,
     source: i64,
-) -> HashMap<String, Value> {
-    let list = get_ok(
-        gateway,
-        &format!("/api/v1/services/{service}/targets?limit=1000"),
-    )
-    .await;
-    list["items"]
-        .as_array()
-        .expect("items")
-        .iter()
-        .filter(|t| t["source_id"] == source)
-        .map(|t| {
-            (
-                t["provider_key"]
-                    .as_str()
-                    .expect("a discovered target has a provider_key")
-                    .to_owned(),
-                t.clone(),
-            )
-        })
+) -> HashMap<String, Target> {
+    gateway
+        .targets(service)
+        .await
+        .into_iter()
+        .filter(|target| target.source_id == Some(source))
+        .map(|target| (target.key().to_owned(), target))
         .collect()
 }
 
@@ -176,22 +116,12 @@ async fn target_status(gateway: &TestGateway, id: i64) -> (StatusCode, Value) {
         .await
 }
 
-fn id_of(value: &Value) -> i64 {
-    value["id"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("no id: {value}"))
-}
-
 fn time_of(value: &Value) -> DateTime<Utc> {
     value
         .as_str()
         .unwrap_or_else(|| panic!("not a timestamp: {value}"))
         .parse()
         .unwrap_or_else(|e| panic!("not a timestamp: {value}: {e}"))
-}
-
-fn counts(active: u64, draining: u64, stale: u64) -> Value {
-    json!({ "active": active, "draining": draining, "stale": stale })
 }
 
 /// One GET through the proxy: status and body.
@@ -203,18 +133,16 @@ async fn fetch(gateway: &TestGateway) -> (StatusCode, String) {
 
 /// Waits until the proxy answers with `status`.
 async fn wait_proxy(gateway: &TestGateway, status: StatusCode) {
-    let end = Instant::now() + WAIT;
-    loop {
+    let what = format!("the proxy to answer {status}");
+    wait_until(&what, WAIT, || async {
         let (got, body) = fetch(gateway).await;
         if got == status {
-            return;
+            Ok(())
+        } else {
+            Err(format!("it answers {got}: {body}"))
         }
-        assert!(
-            Instant::now() < end,
-            "timed out after {WAIT:?} waiting for the proxy to answer {status}; it answers {got}: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 fn hits(counts: &HashMap<String, usize>, name: &str) -> usize {
@@ -228,47 +156,14 @@ async fn proxy_error(gateway: &TestGateway) -> (StatusCode, String, String) {
     let text = response.text().await.unwrap();
     let body: Value = serde_json::from_str(&text)
         .unwrap_or_else(|_| panic!("error answer {status} is not JSON: {text}"));
-    (
-        status,
-        body["error"]["code"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-        body["error"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned(),
-    )
-}
-
-/// Asserts an admin error answer: status, `error.code`, `error.field`.
-fn assert_error(
-    what: &str,
-    (status, body): &(StatusCode, Value),
-    want_status: StatusCode,
-    code: &str,
-    field: Option<&str>,
-) {
-    assert_eq!(*status, want_status, "{what}: {body}");
-    assert_eq!(body["error"]["code"], code, "{what}: {body}");
-    assert!(
-        !body["error"]["message"]
-            .as_str()
-            .unwrap_or_default()
-            .is_empty(),
-        "{what}: the error has a message: {body}"
-    );
-    if let Some(field) = field {
-        assert_eq!(body["error"]["field"], field, "{what}: {body}");
-    }
+    let error = ProxyError::read(&body);
+    (status, error.code, error.message)
 }
 
 async fn list_sources(gateway: &TestGateway, service: i64) -> Vec<Value> {
-    let list = get_ok(
-        gateway,
-        &format!("/api/v1/services/{service}/discovery-sources"),
-    )
-    .await;
+    let list = gateway
+        .get_ok(&format!("/api/v1/services/{service}/discovery-sources"))
+        .await;
     assert!(list["next"].is_null(), "{list}");
     list["items"].as_array().expect("items").clone()
 }
@@ -319,7 +214,9 @@ async fn source_crud_fills_defaults_merges_patches_and_pages() {
     time_of(&created["created_at"]);
     time_of(&created["updated_at"]);
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/discovery-sources/{id}")).await,
+        gateway
+            .get_ok(&format!("/api/v1/discovery-sources/{id}"))
+            .await,
         created
     );
 
@@ -353,7 +250,9 @@ async fn source_crud_fills_defaults_merges_patches_and_pages() {
     );
     assert_eq!(patched["created_at"], created["created_at"]);
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/discovery-sources/{id}")).await,
+        gateway
+            .get_ok(&format!("/api/v1/discovery-sources/{id}"))
+            .await,
         patched
     );
 
@@ -388,7 +287,9 @@ async fn source_crud_fills_defaults_merges_patches_and_pages() {
         })
     );
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/discovery-sources/{id}")).await,
+        gateway
+            .get_ok(&format!("/api/v1/discovery-sources/{id}"))
+            .await,
         replaced
     );
 
@@ -405,7 +306,7 @@ async fn source_crud_fills_defaults_merges_patches_and_pages() {
         json!({"name": "c", "provider": "http", "config": {"url": url}}),
     )
     .await;
-    let page = get_ok(&gateway, &format!("{base}?limit=2")).await;
+    let page = gateway.get_ok(&format!("{base}?limit=2")).await;
     let ids: Vec<i64> = page["items"]
         .as_array()
         .unwrap()
@@ -414,7 +315,9 @@ async fn source_crud_fills_defaults_merges_patches_and_pages() {
         .collect();
     assert_eq!(ids, [id, second], "{page}");
     assert_eq!(page["next"], second, "{page}");
-    let rest = get_ok(&gateway, &format!("{base}?limit=2&after={second}")).await;
+    let rest = gateway
+        .get_ok(&format!("{base}?limit=2&after={second}"))
+        .await;
     let ids: Vec<i64> = rest["items"]
         .as_array()
         .unwrap()
@@ -493,7 +396,9 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
     let body =
         json!({"name": "registry", "provider": "http", "config": {"url": registry.url("/")}});
     let source = add_source(&gateway, service, body.clone()).await;
-    let before = get_ok(&gateway, &format!("/api/v1/discovery-sources/{source}")).await;
+    let before = gateway
+        .get_ok(&format!("/api/v1/discovery-sources/{source}"))
+        .await;
 
     let (status, token) = gateway
         .api(
@@ -565,7 +470,9 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
     }
     // Nothing changed.
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/discovery-sources/{source}")).await,
+        gateway
+            .get_ok(&format!("/api/v1/discovery-sources/{source}"))
+            .await,
         before
     );
     assert_eq!(list_sources(&gateway, service).await.len(), 1);
@@ -576,7 +483,7 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
         .await;
     assert_eq!(status, StatusCode::OK, "{providers}");
     assert_eq!(
-        get_ok(&gateway, "/api/v1/discovery/providers").await,
+        gateway.get_ok("/api/v1/discovery/providers").await,
         providers,
         "viewer and admin see the same descriptor"
     );
@@ -815,7 +722,9 @@ async fn invalid_sources_are_refused_naming_the_field_and_nothing_is_stored() {
         json!({"name": "second", "provider": "http", "config": {"url": url}}),
     )
     .await;
-    let stored = get_ok(&gateway, &format!("/api/v1/discovery-sources/{source}")).await;
+    let stored = gateway
+        .get_ok(&format!("/api/v1/discovery-sources/{source}"))
+        .await;
     let path = format!("/api/v1/discovery-sources/{source}");
     for (what, method, body, status, code, field) in [
         (
@@ -863,7 +772,7 @@ async fn invalid_sources_are_refused_naming_the_field_and_nothing_is_stored() {
         assert_error(what, &answer, status, code, Some(field));
     }
     assert_eq!(
-        get_ok(&gateway, &path).await,
+        gateway.get_ok(&path).await,
         stored,
         "refused updates change nothing"
     );
@@ -907,18 +816,18 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
     )
     .await;
 
-    let pending = source_status(&gateway, source).await;
-    assert_eq!(pending["source_id"], source, "{pending}");
-    assert_eq!(pending["state"], "pending", "{pending}");
-    assert!(pending["revision"].is_null(), "{pending}");
-    assert!(pending["last_success_at"].is_null(), "{pending}");
-    assert!(pending["last_refresh_at"].is_null(), "{pending}");
-    assert!(pending["last_error"].is_null(), "{pending}");
+    let pending = gateway.source_status(source).await;
+    assert_eq!(pending.source_id, source, "{pending}");
+    assert_eq!(pending.state, "pending", "{pending}");
+    assert!(pending.revision.is_none(), "{pending}");
+    assert!(pending.last_success_at.is_none(), "{pending}");
+    assert!(pending.last_refresh_at.is_none(), "{pending}");
+    assert!(pending.last_error.is_none(), "{pending}");
     assert!(
-        !pending["next_refresh_at"].is_null(),
+        pending.next_refresh_at.is_some(),
         "an enabled source has a next refresh: {pending}"
     );
-    assert_eq!(pending["endpoints"], counts(0, 0, 0), "{pending}");
+    assert_eq!(pending.endpoints, counts(0, 0, 0), "{pending}");
     let (status, code, message) = proxy_error(&gateway).await;
     assert_eq!(
         (status, code.as_str()),
@@ -930,32 +839,38 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
     let healthy = wait_state(&gateway, source, "healthy").await;
     registry.set_delay(Duration::ZERO);
     assert!(
-        healthy["revision"].as_str().is_some_and(|r| !r.is_empty()),
+        healthy.revision.as_deref().is_some_and(|r| !r.is_empty()),
         "{healthy}"
     );
-    assert!(healthy["last_error"].is_null(), "{healthy}");
-    let success = time_of(&healthy["last_success_at"]);
-    assert!(time_of(&healthy["last_refresh_at"]) >= success, "{healthy}");
-    assert!(time_of(&healthy["next_refresh_at"]) > success, "{healthy}");
-    assert_eq!(healthy["endpoints"], counts(3, 0, 0), "{healthy}");
+    assert!(healthy.last_error.is_none(), "{healthy}");
+    let success = healthy.last_success_at.expect("last_success_at");
+    assert!(
+        healthy.last_refresh_at.expect("last_refresh_at") >= success,
+        "{healthy}"
+    );
+    assert!(
+        healthy.next_refresh_at.expect("next_refresh_at") > success,
+        "{healthy}"
+    );
+    assert_eq!(healthy.endpoints, counts(3, 0, 0), "{healthy}");
 
     let targets = source_targets(&gateway, service, source).await;
     assert_eq!(targets.len(), 3, "{targets:?}");
     for (key, upstream, weight, priority) in [("a", &a, 1, 0), ("b", &b, 3, 0), ("c", &c, 1, 1)] {
         let target = &targets[key];
-        assert_eq!(target["service_id"], service, "{target}");
-        assert_eq!(target["source_id"], source, "{target}");
-        assert_eq!(target["host"], "127.0.0.1", "{target}");
-        assert_eq!(target["port"], upstream.addr.port(), "{target}");
-        assert_eq!(target["weight"], weight, "{target}");
-        assert_eq!(target["priority"], priority, "{target}");
-        assert_eq!(target["enabled"], true, "{target}");
-        assert_eq!(target["state"], "active", "{target}");
-        assert_eq!(target["health"], "unknown", "{target}");
-        assert!(target["remove_at"].is_null(), "{target}");
+        assert_eq!(target.service_id, service, "{target}");
+        assert_eq!(target.source_id, Some(source), "{target}");
+        assert_eq!(target.host, "127.0.0.1", "{target}");
+        assert_eq!(target.port, upstream.addr.port(), "{target}");
+        assert_eq!(target.weight, weight, "{target}");
+        assert_eq!(target.priority, priority, "{target}");
+        assert!(target.enabled, "{target}");
+        assert_eq!(target.state, "active", "{target}");
+        assert_eq!(target.health, "unknown", "{target}");
+        assert!(target.remove_at.is_none(), "{target}");
     }
-    assert_eq!(targets["a"]["metadata"], json!({"zone": "z1"}));
-    assert_eq!(targets["b"]["metadata"], json!({}));
+    assert_eq!(targets["a"].metadata, json!({"zone": "z1"}));
+    assert_eq!(targets["b"].metadata, json!({}));
 
     // Weights 1:3 within tier 0; tier 1 gets nothing while tier 0 is available.
     wait_proxy(&gateway, StatusCode::OK).await;
@@ -983,15 +898,18 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
         endpoint("c", &c, 1, 1),
     ]));
     let (ida, idb) = (id_of(&targets["a"]), id_of(&targets["b"]));
-    wait_for("tier 0 disabled", WAIT, || async {
-        let a = target_status(&gateway, ida).await.1;
-        let b = target_status(&gateway, idb).await.1;
-        (a["enabled"] == false && b["enabled"] == false).then_some(())
+    wait_until("tier 0 disabled", WAIT, || async {
+        let (a, b) = (gateway.target(ida).await, gateway.target(idb).await);
+        if !a.enabled && !b.enabled {
+            Ok(())
+        } else {
+            Err(format!("{a}\n{b}"))
+        }
     })
     .await;
-    let status = source_status(&gateway, source).await;
+    let status = gateway.source_status(source).await;
     assert_eq!(
-        status["endpoints"],
+        status.endpoints,
         counts(3, 0, 0),
         "disabled endpoints stay active targets: {status}"
     );
@@ -1004,10 +922,13 @@ async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weigh
         endpoint("b", &b, 3, 0),
         endpoint("c", &c, 1, 1),
     ]));
-    wait_for("tier 0 enabled", WAIT, || async {
-        let a = target_status(&gateway, ida).await.1;
-        let b = target_status(&gateway, idb).await.1;
-        (a["enabled"] == true && b["enabled"] == true).then_some(())
+    wait_until("tier 0 enabled", WAIT, || async {
+        let (a, b) = (gateway.target(ida).await, gateway.target(idb).await);
+        if a.enabled && b.enabled {
+            Ok(())
+        } else {
+            Err(format!("{a}\n{b}"))
+        }
     })
     .await;
     let counts_seen = spread(&gateway, "/", 100, 2).await;
@@ -1039,7 +960,7 @@ async fn bad_registry_answers_make_the_source_failing_while_last_known_good_targ
     )
     .await;
     let healthy = wait_state(&gateway, source, "healthy").await;
-    let revision = healthy["revision"].clone();
+    let revision = healthy.revision.clone();
     let target = id_of(&source_targets(&gateway, service, source).await["a"]);
     wait_proxy(&gateway, StatusCode::OK).await;
     let url = registry.url("/v1/endpoints");
@@ -1108,10 +1029,7 @@ async fn bad_registry_answers_make_the_source_failing_while_last_known_good_targ
     for (what, setup, needles) in &cases {
         setup(&registry);
         let failing = wait_state(&gateway, source, "failing").await;
-        let error = failing["last_error"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
+        let error = failing.last_error.as_deref().unwrap_or_default().to_owned();
         for needle in needles.iter().chain([&url]) {
             if !error.contains(needle.as_str()) {
                 problems.push(format!(
@@ -1119,13 +1037,15 @@ async fn bad_registry_answers_make_the_source_failing_while_last_known_good_targ
                 ));
             }
         }
-        assert_eq!(failing["revision"], revision, "{what}: {failing}");
+        assert_eq!(failing.revision, revision, "{what}: {failing}");
         assert!(
-            time_of(&failing["last_success_at"]) >= time_of(&last_good["last_success_at"])
-                && time_of(&failing["last_success_at"]) < time_of(&failing["last_refresh_at"]),
+            failing.last_success_at.expect("last_success_at")
+                >= last_good.last_success_at.expect("last_success_at")
+                && failing.last_success_at.expect("last_success_at")
+                    < failing.last_refresh_at.expect("last_refresh_at"),
             "{what}: last_success_at is the last good refresh: {failing}"
         );
-        assert_eq!(failing["endpoints"], counts(1, 0, 0), "{what}: {failing}");
+        assert_eq!(failing.endpoints, counts(1, 0, 0), "{what}: {failing}");
         // The last known good target keeps serving.
         for _ in 0..5 {
             assert_eq!(
@@ -1134,16 +1054,16 @@ async fn bad_registry_answers_make_the_source_failing_while_last_known_good_targ
                 "{what}"
             );
         }
-        let (_, kept) = target_status(&gateway, target).await;
-        assert_eq!(kept["state"], "active", "{what}: {kept}");
+        let kept = gateway.target(target).await;
+        assert_eq!(kept.state, "active", "{what}: {kept}");
 
         // A good answer heals it.
         registry.set_delay(Duration::ZERO);
         registry.set_json(good.clone());
         let healed = wait_state(&gateway, source, "healthy").await;
-        assert!(healed["last_error"].is_null(), "{what}: {healed}");
+        assert!(healed.last_error.is_none(), "{what}: {healed}");
         assert_eq!(
-            healed["revision"], revision,
+            healed.revision, revision,
             "{what}: same document, same revision"
         );
         last_good = healed;
@@ -1191,10 +1111,11 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
     let broke_at = Instant::now();
     let failing = wait_state(&gateway, source, "failing").await;
     assert!(
-        time_of(&failing["failing_since"]) <= time_of(&failing["last_refresh_at"]),
+        failing.failing_since.expect("failing_since")
+            <= failing.last_refresh_at.expect("last_refresh_at"),
         "{failing}"
     );
-    assert_eq!(failing["endpoints"], counts(2, 0, 0), "{failing}");
+    assert_eq!(failing.endpoints, counts(2, 0, 0), "{failing}");
     assert_eq!(
         fetch(&gateway).await.0,
         StatusCode::OK,
@@ -1208,19 +1129,20 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
         "stale only after stale_after_ms of failures, got stale after {after:?}"
     );
     assert!(
-        stale["last_error"]
-            .as_str()
+        stale
+            .last_error
+            .as_deref()
             .unwrap_or_default()
             .contains("503"),
         "{stale}"
     );
     let stale = wait_status(&gateway, source, "targets stale", |s| {
-        s["endpoints"] == counts(0, 0, 2)
+        s.endpoints == counts(0, 0, 2)
     })
     .await;
-    assert_eq!(stale["state"], "stale");
+    assert_eq!(stale.state, "stale");
     for target in source_targets(&gateway, service, source).await.values() {
-        assert_eq!(target["state"], "stale", "{target}");
+        assert_eq!(target.state, "stale", "{target}");
     }
     wait_proxy(&gateway, StatusCode::SERVICE_UNAVAILABLE).await;
     let (status, code, message) = proxy_error(&gateway).await;
@@ -1232,17 +1154,24 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
     );
 
     // Still stale while the failures go on (only a success brings it back).
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(source_status(&gateway, source).await["state"], "stale");
+    holds_for("the source stale", Duration::from_millis(500), || async {
+        let status = gateway.source_status(source).await;
+        if status.state == "stale" {
+            Ok(())
+        } else {
+            Err(status)
+        }
+    })
+    .await;
 
     registry.set_json(document);
     let healthy = wait_state(&gateway, source, "healthy").await;
-    assert!(healthy["last_error"].is_null(), "{healthy}");
+    assert!(healthy.last_error.is_none(), "{healthy}");
     let healthy = wait_status(&gateway, source, "targets active", |s| {
-        s["endpoints"] == counts(2, 0, 0)
+        s.endpoints == counts(2, 0, 0)
     })
     .await;
-    assert_eq!(healthy["state"], "healthy");
+    assert_eq!(healthy.state, "healthy");
     let after = source_targets(&gateway, service, source).await;
     for key in ["a", "b"] {
         assert_eq!(
@@ -1250,7 +1179,7 @@ async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_sa
             id_of(&before[key]),
             "{key} keeps its id"
         );
-        assert_eq!(after[key]["state"], "active", "{}", after[key]);
+        assert_eq!(after[key].state, "active", "{}", after[key]);
     }
     wait_proxy(&gateway, StatusCode::OK).await;
     let seen = spread(&gateway, "/", 40, 2).await;
@@ -1291,7 +1220,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
     )
     .await;
     let first = wait_state(&gateway, source, "healthy").await;
-    let r1 = first["revision"].as_str().unwrap().to_owned();
+    let r1 = first.revision.as_deref().unwrap().to_owned();
     let targets = source_targets(&gateway, service, source).await;
     let (ida, idb, idc) = (
         id_of(&targets["a"]),
@@ -1301,18 +1230,18 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
 
     // The same document again: refreshes happen, nothing changes, the revision stays.
     let asked = registry.requests();
-    wait_for("three more refreshes", WAIT, || async {
+    wait_until("three more refreshes", WAIT, || async {
         (registry.requests() >= asked + 3).then_some(())
     })
     .await;
     let again = wait_status(&gateway, source, "a later refresh recorded", |s| {
-        s["last_refresh_at"] != first["last_refresh_at"]
+        s.last_refresh_at != first.last_refresh_at
     })
     .await;
-    assert_eq!(again["state"], "healthy", "{again}");
+    assert_eq!(again.state, "healthy", "{again}");
     assert_eq!(
-        again["revision"],
-        r1.as_str(),
+        again.revision.as_deref(),
+        Some(r1.as_str()),
         "a no-op refresh keeps the revision: {again}"
     );
     assert_eq!(
@@ -1327,15 +1256,19 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("a", &a, 100, 0),
     ]));
     let asked = registry.requests();
-    wait_for("two more refreshes", WAIT, || async {
+    wait_until("two more refreshes", WAIT, || async {
         (registry.requests() >= asked + 2).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        source_status(&gateway, source).await["revision"],
-        r1.as_str()
-    );
+    holds_for("revision r1", Duration::from_millis(100), || async {
+        let status = gateway.source_status(source).await;
+        if status.revision.as_deref() == Some(r1.as_str()) {
+            Ok(())
+        } else {
+            Err(status)
+        }
+    })
+    .await;
 
     // A changed field: same id, new weight, new revision.
     registry.set_json(json!([
@@ -1343,24 +1276,16 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("b", &b, 100, 0),
         endpoint("c", &c, 100, 0),
     ]));
-    let changed = wait_for("a's weight is 300", WAIT, || async {
-        let (_, target) = target_status(&gateway, ida).await;
-        (target["weight"] == 300).then_some(target)
-    })
-    .await;
+    let changed = wait_target(&gateway, ida, "weight 300", |target| target.weight == 300).await;
     assert_eq!(id_of(&changed), ida);
-    assert_eq!(changed["state"], "active", "{changed}");
-    assert_eq!(
-        changed["created_at"], targets["a"]["created_at"],
-        "{changed}"
-    );
+    assert_eq!(changed.state, "active", "{changed}");
+    assert_eq!(changed.created_at, targets["a"].created_at, "{changed}");
     let r2 = wait_status(&gateway, source, "a new revision", |s| {
-        s["revision"] != r1.as_str()
+        s.revision.as_deref() != Some(r1.as_str())
     })
-    .await["revision"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    .await
+    .revision
+    .expect("a revision");
 
     // An endpoint removed: draining with a deadline, no new traffic, requests in flight finish.
     wait_proxy(&gateway, StatusCode::OK).await;
@@ -1374,7 +1299,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
             })
         })
         .collect();
-    wait_for("a slow request reached b", WAIT, || async {
+    wait_until("a slow request reached b", WAIT, || async {
         b.seen
             .lock()
             .unwrap()
@@ -1387,13 +1312,12 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("a", &a, 300, 0),
         endpoint("c", &c, 100, 0)
     ]));
-    let draining = wait_for("b draining", WAIT, || async {
-        let (_, target) = target_status(&gateway, idb).await;
-        (target["state"] == "draining").then_some(target)
+    let draining = wait_target(&gateway, idb, "draining", |target| {
+        target.state == "draining"
     })
     .await;
-    let remove_at = time_of(&draining["remove_at"]);
-    let marked = time_of(&draining["updated_at"]);
+    let remove_at = draining.remove_at.expect("remove_at");
+    let marked = draining.updated_at;
     let left = (remove_at - marked).num_milliseconds();
     assert!(
         (grace - 700..=grace + 100).contains(&left),
@@ -1401,10 +1325,10 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
     );
     // Targets are written before the progress, so wait for both.
     wait_status(&gateway, source, "one draining, a new revision", |s| {
-        s["endpoints"] == counts(2, 1, 0) && s["revision"] != r2.as_str()
+        s.endpoints == counts(2, 1, 0) && s.revision.as_deref() != Some(r2.as_str())
     })
     .await;
-    wait_for("b gets no new traffic", WAIT, || async {
+    wait_until("b gets no new traffic", WAIT, || async {
         let before = b.hits();
         let seen = spread(&gateway, "/", 20, 1).await;
         (hits(&seen, "b") == 0 && b.hits() == before).then_some(())
@@ -1427,23 +1351,18 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("b", &b, 100, 0),
         endpoint("c", &c, 100, 0),
     ]));
-    let back = wait_for("b active again", WAIT, || async {
-        let (status, target) = target_status(&gateway, idb).await;
-        assert_eq!(
-            status,
-            StatusCode::OK,
-            "b was deleted within its grace: {target}"
-        );
-        (target["state"] == "active").then_some(target)
+    // The target must stay (answer 200) within its grace: `wait_target` fails on a 404.
+    let back = wait_target(&gateway, idb, "active again", |target| {
+        target.state == "active"
     })
     .await;
-    assert!(back["remove_at"].is_null(), "{back}");
+    assert!(back.remove_at.is_none(), "{back}");
     // The same endpoint set as before has the same revision again.
     wait_status(&gateway, source, "revision r2 again", |s| {
-        s["revision"] == r2.as_str() && s["endpoints"] == counts(3, 0, 0)
+        s.revision.as_deref() == Some(r2.as_str()) && s.endpoints == counts(3, 0, 0)
     })
     .await;
-    wait_for("b gets traffic again", WAIT, || async {
+    wait_until("b gets traffic again", WAIT, || async {
         (hits(&spread(&gateway, "/", 20, 1).await, "b") > 0).then_some(())
     })
     .await;
@@ -1454,11 +1373,11 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("b", &b, 100, 0)
     ]));
     let removed_at = Instant::now();
-    wait_for("c draining", WAIT, || async {
-        (target_status(&gateway, idc).await.1["state"] == "draining").then_some(())
+    wait_target(&gateway, idc, "draining", |target| {
+        target.state == "draining"
     })
     .await;
-    wait_for("c deleted", WAIT, || async {
+    wait_until("c deleted", WAIT, || async {
         (target_status(&gateway, idc).await.0 == StatusCode::NOT_FOUND).then_some(())
     })
     .await;
@@ -1468,7 +1387,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         "deleted only when removal_grace_ms ends: after {lasted:?}"
     );
     wait_status(&gateway, source, "c gone", |s| {
-        s["endpoints"] == counts(2, 0, 0)
+        s.endpoints == counts(2, 0, 0)
     })
     .await;
 
@@ -1478,7 +1397,7 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         endpoint("b", &b, 100, 0),
         endpoint("c", &c, 100, 0),
     ]));
-    let returned = wait_for("c back", WAIT, || async {
+    let returned = wait_until("c back", WAIT, || async {
         source_targets(&gateway, service, source).await.remove("c")
     })
     .await;
@@ -1487,17 +1406,17 @@ async fn reconcile_by_key_keeps_ids_drains_removed_endpoints_and_tracks_the_revi
         idc,
         "a deleted target does not come back: {returned}"
     );
-    assert_eq!(returned["state"], "active", "{returned}");
-    assert_eq!(returned["health"], "unknown", "{returned}");
+    assert_eq!(returned.state, "active", "{returned}");
+    assert_eq!(returned.health, "unknown", "{returned}");
 
     // An empty list is a successful refresh: everything drains, nothing takes new traffic.
     registry.set_json(json!([]));
     let empty = wait_status(&gateway, source, "all draining", |s| {
-        s["endpoints"] == counts(0, 3, 0)
+        s.endpoints == counts(0, 3, 0)
     })
     .await;
-    assert_eq!(empty["state"], "healthy", "{empty}");
-    assert!(empty["last_error"].is_null(), "{empty}");
+    assert_eq!(empty.state, "healthy", "{empty}");
+    assert!(empty.last_error.is_none(), "{empty}");
     wait_proxy(&gateway, StatusCode::SERVICE_UNAVAILABLE).await;
     assert_eq!(proxy_error(&gateway).await.1, "no_available_target");
 }
@@ -1526,7 +1445,8 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
     .await;
     let first = wait_state(&gateway, source, "healthy").await;
     assert_eq!(registry.requests(), 1, "one refresh at start");
-    let interval = time_of(&first["next_refresh_at"]) - time_of(&first["last_refresh_at"]);
+    let interval = first.next_refresh_at.expect("next_refresh_at")
+        - first.last_refresh_at.expect("last_refresh_at");
     assert!(
         (54_000..=60_000).contains(&interval.num_milliseconds()),
         "next refresh is interval_ms less up to 10 % jitter later: {first}"
@@ -1537,12 +1457,20 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
         endpoint("a", &a, 100, 0),
         endpoint("b", &b, 100, 0)
     ]));
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(registry.requests(), 1);
-    assert_eq!(
-        source_status(&gateway, source).await["endpoints"],
-        counts(1, 0, 0)
-    );
+    holds_for(
+        "no refresh before the interval",
+        Duration::from_millis(700),
+        || async {
+            let status = gateway.source_status(source).await;
+            let requests = registry.requests();
+            if requests == 1 && status.endpoints == counts(1, 0, 0) {
+                Ok(())
+            } else {
+                Err(format!("{requests} registry requests; {status}"))
+            }
+        },
+    )
+    .await;
 
     // ...unless a refresh is forced. It answers 202 at once, with the status as it is.
     // The registry answers slowly (timeout_ms is 2000), so a refresh that waited would show.
@@ -1556,17 +1484,18 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
         took < Duration::from_millis(700),
         "refresh does not wait: took {took:?}"
     );
-    assert_eq!(answer["source_id"], source, "{answer}");
-    assert_eq!(answer["state"], "healthy", "{answer}");
+    let answer = SourceStatus::read(answer);
+    assert_eq!(answer.source_id, source, "{answer}");
+    assert_eq!(answer.state, "healthy", "{answer}");
     assert_eq!(
-        answer["endpoints"],
+        answer.endpoints,
         counts(1, 0, 0),
         "the current status: {answer}"
     );
-    assert_eq!(answer["revision"], first["revision"], "{answer}");
+    assert_eq!(answer.revision, first.revision, "{answer}");
 
     // More refresh calls while that one is in flight join it.
-    wait_for("the forced refresh reached the registry", WAIT, || async {
+    wait_until("the forced refresh reached the registry", WAIT, || async {
         (registry.requests() == 2).then_some(())
     })
     .await;
@@ -1576,15 +1505,22 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
     }
     // Targets are written before the progress, so wait for both.
     wait_status(&gateway, source, "both endpoints, a new revision", |s| {
-        s["endpoints"] == counts(2, 0, 0) && s["revision"] != first["revision"]
+        s.endpoints == counts(2, 0, 0) && s.revision != first.revision
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(
-        registry.requests(),
-        2,
-        "refresh calls during a running refresh are coalesced into it"
-    );
+    holds_for(
+        "refresh calls during a running refresh coalesced into it",
+        Duration::from_millis(800),
+        || async {
+            let requests = registry.requests();
+            if requests == 2 {
+                Ok(())
+            } else {
+                Err(format!("{requests} registry requests"))
+            }
+        },
+    )
+    .await;
     wait_proxy(&gateway, StatusCode::OK).await;
     let seen = spread(&gateway, "/", 20, 1).await;
     assert_eq!((hits(&seen, "a"), hits(&seen, "b")), (10, 10), "{seen:?}");
@@ -1593,7 +1529,7 @@ async fn refresh_answers_at_once_picks_up_changes_before_the_interval_and_coales
     registry.set_delay(Duration::ZERO);
     let (status, _) = gateway.api("POST", &refresh, None).await;
     assert_eq!(status, StatusCode::ACCEPTED);
-    wait_for("another refresh", WAIT, || async {
+    wait_until("another refresh", WAIT, || async {
         (registry.requests() == 3).then_some(())
     })
     .await;
@@ -1656,11 +1592,11 @@ async fn configured_headers_reach_the_registry_and_endpoints_path_finds_the_arra
     let keys: BTreeSet<&str> = targets.keys().map(String::as_str).collect();
     assert_eq!(keys, BTreeSet::from(["a", b_key.as_str()]), "{targets:?}");
     let ta = &targets["a"];
-    assert_eq!(ta["port"], a.addr.port(), "config port: {ta}");
-    assert_eq!(ta["weight"], 7, "config weight: {ta}");
-    assert_eq!(ta["priority"], 0, "{ta}");
-    assert_eq!(ta["metadata"], json!({"zone": "z"}), "{ta}");
-    assert_eq!(targets[&b_key]["weight"], 42, "{}", targets[&b_key]);
+    assert_eq!(ta.port, a.addr.port(), "config port: {ta}");
+    assert_eq!(ta.weight, 7, "config weight: {ta}");
+    assert_eq!(ta.priority, 0, "{ta}");
+    assert_eq!(ta.metadata, json!({"zone": "z"}), "{ta}");
+    assert_eq!(targets[&b_key].weight, 42, "{}", targets[&b_key]);
     wait_proxy(&gateway, StatusCode::OK).await;
     let seen = spread(&gateway, "/", 49, 1).await;
     assert!(
@@ -1679,18 +1615,18 @@ async fn configured_headers_reach_the_registry_and_endpoints_path_finds_the_arra
     ] {
         registry.set_json(document.clone());
         let failing = wait_state(&gateway, source, "failing").await;
-        let error = failing["last_error"].as_str().unwrap_or_default();
+        let error = failing.last_error.as_deref().unwrap_or_default();
         for needle in needles {
             assert!(
                 error.contains(needle),
                 "{document}: {error:?} names {needle:?}"
             );
         }
-        assert_eq!(failing["endpoints"], counts(2, 0, 0), "{failing}");
+        assert_eq!(failing.endpoints, counts(2, 0, 0), "{failing}");
         assert_eq!(fetch(&gateway).await.0, StatusCode::OK);
         registry.set_json(good.clone());
         let healed = wait_state(&gateway, source, "healthy").await;
-        assert!(healed["last_error"].is_null(), "{healed}");
+        assert!(healed.last_error.is_none(), "{healed}");
     }
 }
 
@@ -1725,7 +1661,7 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
     )
     .await;
     wait_status(&gateway, source, "three endpoints", |s| {
-        s["state"] == "healthy" && s["endpoints"] == counts(3, 0, 0)
+        s.state == "healthy" && s.endpoints == counts(3, 0, 0)
     })
     .await;
     let idc = id_of(&source_targets(&gateway, service, source).await["c"]);
@@ -1734,9 +1670,8 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
         endpoint("a", &a, 100, 0),
         endpoint("b", &b, 100, 0)
     ]));
-    let draining = wait_for("c draining", WAIT, || async {
-        let target = target_status(&gateway, idc).await.1;
-        (target["state"] == "draining").then_some(target)
+    let draining = wait_target(&gateway, idc, "draining", |target| {
+        target.state == "draining"
     })
     .await;
     wait_proxy(&gateway, StatusCode::OK).await;
@@ -1744,7 +1679,7 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
     // The registry goes down; wait until no refresh can succeed any more.
     registry.set_raw(500, "text/plain", &b"down"[..]);
     let before = wait_state(&gateway, source, "failing").await;
-    assert!(!before["revision"].is_null(), "{before}");
+    assert!(before.revision.is_some(), "{before}");
     let targets_before = source_targets(&gateway, service, source).await;
 
     let gateway = gateway.restart().await;
@@ -1756,24 +1691,25 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
         "first request after restart: {body}"
     );
     assert!(body == "a" || body == "b", "{body}");
-    let after = source_status(&gateway, source).await;
+    let after = gateway.source_status(source).await;
     assert_eq!(
-        after["revision"], before["revision"],
+        after.revision, before.revision,
         "persisted revision: {after}"
     );
     assert_eq!(
-        after["last_success_at"], before["last_success_at"],
+        after.last_success_at, before.last_success_at,
         "persisted last_success_at: {after}"
     );
-    assert_ne!(after["state"], "pending", "{after}");
+    assert_ne!(after.state, "pending", "{after}");
     let failing = wait_status(&gateway, source, "a failed refresh after restart", |s| {
-        s["state"] == "failing" && s["last_refresh_at"] != before["last_refresh_at"]
+        s.state == "failing" && s.last_refresh_at != before.last_refresh_at
     })
     .await;
-    assert_eq!(failing["revision"], before["revision"], "{failing}");
+    assert_eq!(failing.revision, before.revision, "{failing}");
     assert!(
-        failing["last_error"]
-            .as_str()
+        failing
+            .last_error
+            .as_deref()
             .unwrap_or_default()
             .contains("500"),
         "{failing}"
@@ -1785,14 +1721,13 @@ async fn after_a_restart_the_last_known_good_targets_serve_at_once_and_deadlines
     let targets_after = source_targets(&gateway, service, source).await;
     for (key, target) in &targets_before {
         assert_eq!(id_of(&targets_after[key]), id_of(target), "{key}");
-        assert_eq!(targets_after[key]["state"], target["state"], "{key}");
+        assert_eq!(targets_after[key].state, target.state, "{key}");
     }
-    let (status, kept) = target_status(&gateway, idc).await;
-    assert_eq!(status, StatusCode::OK, "{kept}");
-    assert_eq!(kept["state"], "draining", "{kept}");
-    assert_eq!(kept["remove_at"], draining["remove_at"], "{kept}");
-    let deadline = time_of(&draining["remove_at"]);
-    wait_for("c deleted at its deadline", WAIT, || async {
+    let kept = gateway.target(idc).await;
+    assert_eq!(kept.state, "draining", "{kept}");
+    assert_eq!(kept.remove_at, draining.remove_at, "{kept}");
+    let deadline = draining.remove_at.expect("remove_at");
+    wait_until("c deleted at its deadline", WAIT, || async {
         (target_status(&gateway, idc).await.0 == StatusCode::NOT_FOUND).then_some(())
     })
     .await;
@@ -1834,9 +1769,9 @@ async fn readyz_waits_for_the_first_refresh_of_an_enabled_source() {
         ),
     )
     .await;
-    let status = source_status(&gateway, disabled).await;
-    assert_eq!(status["state"], "disabled", "{status}");
-    assert!(status["next_refresh_at"].is_null(), "{status}");
+    let status = gateway.source_status(disabled).await;
+    assert_eq!(status.state, "disabled", "{status}");
+    assert!(status.next_refresh_at.is_none(), "{status}");
     assert_eq!(
         readyz().await.0,
         StatusCode::OK,
@@ -1859,9 +1794,9 @@ async fn readyz_waits_for_the_first_refresh_of_an_enabled_source() {
         body.contains("registry"),
         "names the pending source: {body}"
     );
-    assert_eq!(source_status(&gateway, source).await["state"], "pending");
+    assert_eq!(gateway.source_status(source).await.state, "pending");
 
-    wait_for("ready", WAIT, || async {
+    wait_until("ready", WAIT, || async {
         (readyz().await.0 == StatusCode::OK).then_some(())
     })
     .await;
@@ -1870,9 +1805,9 @@ async fn readyz_waits_for_the_first_refresh_of_an_enabled_source() {
         0,
         "a disabled source never asks its registry"
     );
-    let status = source_status(&gateway, source).await;
+    let status = gateway.source_status(source).await;
     assert_eq!(
-        status["state"], "healthy",
+        status.state, "healthy",
         "ready only after the first refresh: {status}"
     );
 }
@@ -1912,13 +1847,13 @@ async fn disabling_drains_and_stops_refreshes_and_deleting_removes_targets_at_on
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["enabled"], false);
-    let disabled = source_status(&gateway, source).await;
-    assert_eq!(disabled["state"], "disabled", "{disabled}");
-    assert!(disabled["next_refresh_at"].is_null(), "{disabled}");
-    assert_eq!(disabled["endpoints"], counts(0, 2, 0), "{disabled}");
+    let disabled = gateway.source_status(source).await;
+    assert_eq!(disabled.state, "disabled", "{disabled}");
+    assert!(disabled.next_refresh_at.is_none(), "{disabled}");
+    assert_eq!(disabled.endpoints, counts(0, 2, 0), "{disabled}");
     for target in source_targets(&gateway, service, source).await.values() {
-        assert_eq!(target["state"], "draining", "{target}");
-        assert!(!target["remove_at"].is_null(), "{target}");
+        assert_eq!(target.state, "draining", "{target}");
+        assert!(target.remove_at.is_some(), "{target}");
     }
     let (status, code, _) = proxy_error(&gateway).await;
     assert_eq!(
@@ -1937,16 +1872,23 @@ async fn disabling_drains_and_stops_refreshes_and_deleting_removes_targets_at_on
     tokio::time::sleep(Duration::from_millis(100)).await;
     let asked = registry.requests();
     wait_status(&gateway, source, "drained targets deleted", |s| {
-        s["endpoints"] == counts(0, 0, 0)
+        s.endpoints == counts(0, 0, 0)
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        registry.requests(),
-        asked,
-        "a disabled source does not refresh"
-    );
-    assert_eq!(source_status(&gateway, source).await["state"], "disabled");
+    holds_for(
+        "a disabled source not refreshing",
+        Duration::from_millis(500),
+        || async {
+            let requests = registry.requests();
+            if requests == asked {
+                Ok(())
+            } else {
+                Err(format!("{requests} registry requests, {asked} before"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(gateway.source_status(source).await.state, "disabled");
 
     // Enabled again: pending until its first refresh, then new targets.
     let (status, body) = gateway
@@ -1954,10 +1896,10 @@ async fn disabling_drains_and_stops_refreshes_and_deleting_removes_targets_at_on
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let healthy = wait_status(&gateway, source, "healthy with targets", |s| {
-        s["state"] == "healthy" && s["endpoints"] == counts(2, 0, 0)
+        s.state == "healthy" && s.endpoints == counts(2, 0, 0)
     })
     .await;
-    assert!(!healthy["next_refresh_at"].is_null(), "{healthy}");
+    assert!(healthy.next_refresh_at.is_some(), "{healthy}");
     let second = source_targets(&gateway, service, source).await;
     for key in ["a", "b"] {
         assert_ne!(
@@ -2006,14 +1948,14 @@ async fn discovered_targets_are_read_only_and_share_a_service_with_operator_targ
     .await;
     let status = wait_state(&gateway, source, "healthy").await;
     assert_eq!(
-        status["endpoints"],
+        status.endpoints,
         counts(1, 0, 0),
         "only the source's own targets: {status}"
     );
     let found = source_targets(&gateway, service, source).await["d"].clone();
     let id = id_of(&found);
 
-    wait_for("both targets serve", WAIT, || async {
+    wait_until("both targets serve", WAIT, || async {
         let seen = spread(&gateway, "/", 10, 1).await;
         (hits(&seen, "op") == 5 && hits(&seen, "d") == 5).then_some(())
     })
@@ -2033,18 +1975,25 @@ async fn discovered_targets_are_read_only_and_share_a_service_with_operator_targ
             "conflict",
             None,
         );
-        let message = answer.1["error"]["message"].as_str().unwrap_or_default();
+        let message = ApiError::read(&answer.1).message;
         assert!(
             message.contains(&format!("discovery source {source}")),
             "names the owning source: {message}"
         );
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_, unchanged) = target_status(&gateway, id).await;
-    assert_eq!(
-        unchanged, found,
-        "refused writes change nothing (and refreshes neither)"
-    );
+    holds_for(
+        "refused writes changing nothing (and refreshes neither)",
+        Duration::from_millis(300),
+        || async {
+            let unchanged = gateway.target(id).await;
+            if unchanged == found {
+                Ok(())
+            } else {
+                Err(format!("{unchanged}, was {found}"))
+            }
+        },
+    )
+    .await;
 
     // The operator target is still the operator's, untouched by refreshes.
     let (status, patched) = gateway
@@ -2056,9 +2005,19 @@ async fn discovered_targets_are_read_only_and_share_a_service_with_operator_targ
         .await;
     assert_eq!(status, StatusCode::OK, "{patched}");
     assert!(patched["source_id"].is_null(), "{patched}");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (_, manual_now) = target_status(&gateway, manual).await;
-    assert_eq!(manual_now["weight"], 300, "{manual_now}");
+    holds_for(
+        "the operator target keeping its weight",
+        Duration::from_millis(500),
+        || async {
+            let manual_now = gateway.target(manual).await;
+            if manual_now.weight == 300 {
+                Ok(())
+            } else {
+                Err(manual_now)
+            }
+        },
+    )
+    .await;
     let seen = spread(&gateway, "/", 40, 1).await;
     assert!(
         (27..=33).contains(&hits(&seen, "op")),
@@ -2083,12 +2042,13 @@ async fn tls_verify_refuses_an_untrusted_registry_certificate_unless_turned_off(
     )
     .await;
     assert_eq!(
-        get_ok(&gateway, &format!("/api/v1/discovery-sources/{source}")).await["config"]
-            ["tls_verify"],
+        gateway
+            .get_ok(&format!("/api/v1/discovery-sources/{source}"))
+            .await["config"]["tls_verify"],
         true
     );
     let failing = wait_state(&gateway, source, "failing").await;
-    let error = failing["last_error"].as_str().unwrap_or_default();
+    let error = failing.last_error.as_deref().unwrap_or_default();
     assert!(error.contains(&url), "{error}");
     assert!(
         error.to_lowercase().contains("certificate"),
@@ -2099,7 +2059,7 @@ async fn tls_verify_refuses_an_untrusted_registry_certificate_unless_turned_off(
         0,
         "no request without a trusted certificate"
     );
-    assert_eq!(failing["endpoints"], counts(0, 0, 0), "{failing}");
+    assert_eq!(failing.endpoints, counts(0, 0, 0), "{failing}");
 
     let (status, body) = gateway
         .api(
@@ -2111,7 +2071,7 @@ async fn tls_verify_refuses_an_untrusted_registry_certificate_unless_turned_off(
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["config"]["url"], url.as_str(), "{body}");
     let healthy = wait_state(&gateway, source, "healthy").await;
-    assert_eq!(healthy["endpoints"], counts(1, 0, 0), "{healthy}");
+    assert_eq!(healthy.endpoints, counts(1, 0, 0), "{healthy}");
     assert!(registry.requests() >= 1);
     wait_proxy(&gateway, StatusCode::OK).await;
     assert_eq!(fetch(&gateway).await, (StatusCode::OK, "a".to_owned()));
@@ -2122,7 +2082,7 @@ async fn tls_verify_refuses_an_untrusted_registry_certificate_unless_turned_off(
 // ---------------------------------------------------------------------------------------------
 
 /// The target ids of `targets`, by provider key.
-fn ids_by_key(targets: &HashMap<String, Value>) -> HashMap<String, i64> {
+fn ids_by_key(targets: &HashMap<String, Target>) -> HashMap<String, i64> {
     targets
         .iter()
         .map(|(key, target)| (key.clone(), id_of(target)))
@@ -2162,29 +2122,29 @@ async fn two_sources_feed_one_service_and_each_changes_only_its_own_targets() {
     )
     .await;
     wait_status(&gateway, first, "first healthy with 2", |s| {
-        s["state"] == "healthy" && s["endpoints"] == counts(2, 0, 0)
+        s.state == "healthy" && s.endpoints == counts(2, 0, 0)
     })
     .await;
     wait_status(&gateway, second, "second healthy with 1", |s| {
-        s["state"] == "healthy" && s["endpoints"] == counts(1, 0, 0)
+        s.state == "healthy" && s.endpoints == counts(1, 0, 0)
     })
     .await;
     let first_targets = source_targets(&gateway, service, first).await;
     let second_targets = source_targets(&gateway, service, second).await;
     assert_eq!(
-        first_targets["one"]["port"],
+        first_targets["one"].port,
         a1.addr.port(),
         "{first_targets:?}"
     );
     assert_eq!(
-        second_targets["one"]["port"],
+        second_targets["one"].port,
         b1.addr.port(),
         "{second_targets:?}"
     );
     assert_ne!(id_of(&first_targets["one"]), id_of(&second_targets["one"]));
 
     // Traffic reaches every endpoint of both sources.
-    wait_for("traffic on a1, a2 and b1", WAIT, || async {
+    wait_until("traffic on a1, a2 and b1", WAIT, || async {
         let seen = spread(&gateway, "/", 30, 3).await;
         ["a1", "a2", "b1"]
             .iter()
@@ -2196,12 +2156,12 @@ async fn two_sources_feed_one_service_and_each_changes_only_its_own_targets() {
     // The first source loses "two": only its target drains; the second's is left as it was.
     first_registry.set_json(json!([endpoint("one", &a1, 100, 0)]));
     wait_status(&gateway, first, "first: one active, one draining", |s| {
-        s["endpoints"] == counts(1, 1, 0)
+        s.endpoints == counts(1, 1, 0)
     })
     .await;
     let first_now = source_targets(&gateway, service, first).await;
-    assert_eq!(first_now["two"]["state"], "draining", "{first_now:?}");
-    assert_eq!(first_now["one"]["state"], "active", "{first_now:?}");
+    assert_eq!(first_now["two"].state, "draining", "{first_now:?}");
+    assert_eq!(first_now["one"].state, "active", "{first_now:?}");
     assert_eq!(ids_by_key(&first_now), ids_by_key(&first_targets));
     assert_eq!(
         source_targets(&gateway, service, second).await,
@@ -2209,10 +2169,10 @@ async fn two_sources_feed_one_service_and_each_changes_only_its_own_targets() {
         "the other source's target is untouched"
     );
     assert_eq!(
-        source_status(&gateway, second).await["endpoints"],
+        gateway.source_status(second).await.endpoints,
         counts(1, 0, 0)
     );
-    wait_for("traffic on a1 and b1 only", WAIT, || async {
+    wait_until("traffic on a1 and b1 only", WAIT, || async {
         let seen = spread(&gateway, "/", 30, 3).await;
         (hits(&seen, "a1") > 0 && hits(&seen, "b1") > 0 && hits(&seen, "a2") == 0).then_some(())
     })
@@ -2235,9 +2195,9 @@ async fn two_sources_feed_one_service_and_each_changes_only_its_own_targets() {
     );
     let after = source_targets(&gateway, service, first).await;
     assert_eq!(ids_by_key(&after), ids_by_key(&first_targets));
-    assert_eq!(after["one"]["state"], "active", "{after:?}");
+    assert_eq!(after["one"].state, "active", "{after:?}");
     assert_eq!(
-        after["two"]["state"], "draining",
+        after["two"].state, "draining",
         "still draining, within its grace: {after:?}"
     );
     let seen = spread(&gateway, "/", 20, 2).await;
@@ -2282,39 +2242,36 @@ async fn an_endpoint_back_within_its_grace_keeps_its_id_and_health() {
     .await;
     wait_state(&gateway, source, "healthy").await;
     let idb = id_of(&source_targets(&gateway, service, source).await["b"]);
-    wait_for("b healthy", WAIT, || async {
-        let (_, target) = target_status(&gateway, idb).await;
-        (target["health"] == "healthy").then_some(())
+    wait_target(&gateway, idb, "healthy", |target| {
+        target.health == "healthy"
     })
     .await;
 
     registry.set_json(json!([endpoint("a", &a, 100, 0)]));
-    let draining = wait_for("b draining", WAIT, || async {
-        let (_, target) = target_status(&gateway, idb).await;
-        (target["state"] == "draining").then_some(target)
+    let draining = wait_target(&gateway, idb, "draining", |target| {
+        target.state == "draining"
     })
     .await;
-    assert_eq!(draining["health"], "healthy", "{draining}");
+    assert_eq!(draining.health, "healthy", "{draining}");
 
     registry.set_json(json!([
         endpoint("a", &a, 100, 0),
         endpoint("b", &b, 100, 0)
     ]));
-    let back = wait_for("b active again", WAIT, || async {
-        let (status, target) = target_status(&gateway, idb).await;
-        assert_eq!(status, StatusCode::OK, "b was deleted within its grace");
-        (target["state"] == "active").then_some(target)
+    // The target must stay (answer 200) within its grace: `wait_target` fails on a 404.
+    let back = wait_target(&gateway, idb, "active again", |target| {
+        target.state == "active"
     })
     .await;
     assert_eq!(id_of(&back), idb);
     assert_eq!(
-        back["health"], "healthy",
+        back.health, "healthy",
         "health kept across the flap: {back}"
     );
-    assert!(back["remove_at"].is_null(), "{back}");
+    assert!(back.remove_at.is_none(), "{back}");
     let listed = source_targets(&gateway, service, source).await;
-    assert_eq!(listed["b"]["health"], "healthy", "{listed:?}");
-    wait_for("b gets traffic again", WAIT, || async {
+    assert_eq!(listed["b"].health, "healthy", "{listed:?}");
+    wait_until("b gets traffic again", WAIT, || async {
         (hits(&spread(&gateway, "/", 20, 1).await, "b") > 0).then_some(())
     })
     .await;

@@ -6,7 +6,8 @@
 //! rolling restart behind a client that resolves the gateways through Consul loses no request;
 //! and a second gateway with a `consul` source routes to the first one's registration.
 
-mod common;
+use crate::common;
+use common::api::Readiness;
 
 use common::consul::{ConsulFake, Instance};
 use common::process::RaahiProcess;
@@ -128,9 +129,9 @@ async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_
 
     let (status, body) = gateway.readyz().await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["registration"]["state"], "registered", "{body}");
-    assert_eq!(body["registration"]["service_id"], "gw-1", "{body}");
-    assert_eq!(body["degraded"], false, "{body}");
+    assert_eq!(body.registration().state, "registered", "{body}");
+    assert_eq!(body.registration().service_id, "gw-1", "{body}");
+    assert!(!body.degraded, "{body}");
     let metrics = gateway.metrics_text().await;
     assert!(
         metrics
@@ -161,7 +162,8 @@ async fn the_registration_survives_an_agent_restart_without_its_data() {
     wait_check(&fake, "gw-1", "passing").await;
     fake.stop();
     wait_until_readyz(&gateway, "the agent is unreachable", |body| {
-        body["registration"]["state"] == "unreachable"
+        body.registration_state()
+            .is_some_and(|state| state == "unreachable")
     })
     .await;
     fake.agent_forget_all();
@@ -169,13 +171,11 @@ async fn the_registration_survives_an_agent_restart_without_its_data() {
     wait_check(&fake, "gw-1", "passing").await;
     assert_eq!(fake.agent_registrations(), 2, "registered again once back");
     let body = wait_until_readyz(&gateway, "registered", |body| {
-        body["registration"]["state"] == "registered"
+        body.registration_state()
+            .is_some_and(|state| state == "registered")
     })
     .await;
-    assert!(
-        body["registration"]["failures"].as_u64().unwrap() >= 1,
-        "{body}"
-    );
+    assert!(body.registration().failures >= 1, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,16 +190,16 @@ async fn an_agent_down_at_start_never_stops_the_proxy_and_is_registered_with_whe
     gateway.route_all_to(service).await;
     assert_eq!(gateway.fetch_status("/").await.1, "served");
     let body = wait_until_readyz(&gateway, "the registration is unreachable", |body| {
-        body["registration"]["state"] == "unreachable"
+        body.registration_state()
+            .is_some_and(|state| state == "unreachable")
     })
     .await;
-    assert_eq!(
-        body["status"], "ready",
-        "serving: ready, but degraded: {body}"
-    );
-    assert_eq!(body["degraded"], true, "{body}");
-    let error = body["registration"]["last_error"]
-        .as_str()
+    assert_eq!(body.status, "ready", "serving: ready, but degraded: {body}");
+    assert!(body.degraded, "{body}");
+    let error = body
+        .registration()
+        .last_error
+        .as_deref()
         .unwrap_or_default();
     assert!(
         error.contains(&fake.url()) && error.contains("could not be reached"),
@@ -210,27 +210,29 @@ async fn an_agent_down_at_start_never_stops_the_proxy_and_is_registered_with_whe
     // Retries back off from 1 s doubling; within a few seconds it is registered.
     wait_check(&fake, "gw-1", "passing").await;
     let body = wait_until_readyz(&gateway, "registered", |body| {
-        body["registration"]["state"] == "registered"
+        body.registration_state()
+            .is_some_and(|state| state == "registered")
     })
     .await;
-    assert_eq!(body["registration"]["last_error"], Value::Null, "{body}");
-    assert_eq!(body["degraded"], false, "{body}");
+    assert_eq!(body.registration().last_error, None, "{body}");
+    assert!(!body.degraded, "{body}");
 }
 
 async fn wait_until_readyz(
     gateway: &TestGateway,
     what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    let end = Instant::now() + WAIT;
-    loop {
+    done: impl Fn(&Readiness) -> bool,
+) -> Readiness {
+    let done = &done;
+    wait_until(what, WAIT, || async move {
         let (_, body) = gateway.readyz().await;
         if done(&body) {
-            return body;
+            Ok(body)
+        } else {
+            Err(body)
         }
-        assert!(Instant::now() < end, "timed out waiting for {what}: {body}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,10 +259,11 @@ async fn draining_fails_the_check_keeps_serving_for_the_delay_then_deregisters()
     }));
     // At once: readiness is gone and the check is failed, with why.
     let body = wait_until_readyz(&gateway, "draining and withdrawn", |body| {
-        body["registration"]["state"] == "withdrawn"
+        body.registration_state()
+            .is_some_and(|state| state == "withdrawn")
     })
     .await;
-    assert_eq!(body["status"], "draining", "{body}");
+    assert_eq!(body.status, "draining", "{body}");
     assert_eq!(gateway.readyz().await.0, 503);
     wait_check(&fake, "gw-1", "critical").await;
     assert_eq!(fake.agent_check_output("gw-1").as_deref(), Some("draining"));
@@ -588,7 +591,7 @@ async fn a_second_gateway_routes_to_the_first_through_its_registration() {
     })
     .await;
     let status = front.source_status(source).await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
 
     // deregister → drain: the edge withdraws; until the front stops choosing it, requests still
     // pass through it, and none fails on the way.
@@ -612,7 +615,7 @@ async fn a_second_gateway_routes_to_the_first_through_its_registration() {
         "the front let go of the edge within its drain delay"
     );
     let status = front.source_status(source).await;
-    assert_eq!(status["endpoints"]["active"], 0, "{status}");
+    assert_eq!(status.endpoints.active, 0, "{status}");
     drained.await.unwrap();
     assert!(fake.agent_service("edge-1").is_none());
 }

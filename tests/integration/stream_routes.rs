@@ -1,9 +1,9 @@
 //! L4 stream routes through real sockets (DESIGN.md §6): plain TCP with half-close, balancing
 //! across connections, TLS passthrough chosen by SNI without terminating TLS, listeners bound and
-//! retired at runtime, bind conflicts, connect failover, draining targets, shutdown drain, and
-//! a gigabyte with flat memory.
+//! retired at runtime, bind conflicts, connect failover, draining targets, and shutdown drain. A
+//! gigabyte with flat memory is measured in `tests/memory/stream_routes.rs`, in its own process.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::io;
@@ -184,72 +184,16 @@ impl Drop for TlsUpstream {
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-/// A loopback address nothing listens on right now: bound once, read, released.
-fn free_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
-async fn service(gateway: &TestGateway, name: &str, protocol: &str, targets: &[Value]) -> i64 {
-    let service = gateway
-        .create(
-            "/api/v1/services",
-            json!({"name": name, "protocol": protocol, "timeouts": {"connect_ms": 2000}}),
-        )
-        .await;
-    for target in targets {
-        gateway
-            .create(
-                &format!("/api/v1/services/{service}/targets"),
-                target.clone(),
-            )
-            .await;
-    }
-    service
-}
-
-async fn stream_route(
-    gateway: &TestGateway,
-    listen: SocketAddr,
-    sni: Option<&str>,
-    service: i64,
-) -> i64 {
-    let mut body = json!({"listen": listen.to_string(), "service_id": service});
-    if let Some(sni) = sni {
-        body["sni"] = json!(sni);
-    }
-    gateway.create("/api/v1/stream-routes", body).await
-}
-
-/// One exchange on a fresh connection: sends `payload`, ends the writes (half-close), reads
-/// everything until the gateway closes.
-async fn exchange(addr: SocketAddr, payload: &[u8]) -> io::Result<Vec<u8>> {
-    let work = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        stream.write_all(payload).await?;
-        stream.shutdown().await?;
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).await?;
-        Ok(answer)
-    };
-    tokio::time::timeout(IO_TIMEOUT, work)
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "exchange timed out"))?
-}
-
 /// Waits until an exchange through `addr` reaches an upstream; returns its name.
 async fn wait_for_echo(addr: SocketAddr) -> String {
-    let name = std::sync::Mutex::new(None);
     wait_until("the stream route answers", DEADLINE, || async {
-        let answer = exchange(addr, b"hi").await.ok();
-        let found = answer.and_then(|answer| upstream_name(&answer, b"hi"));
-        let reached = found.is_some();
-        *name.lock().unwrap() = found;
-        reached
+        match exchange(addr, b"hi").await {
+            Ok(answer) => upstream_name(&answer, b"hi")
+                .ok_or_else(|| format!("{:?}", String::from_utf8_lossy(&answer))),
+            Err(error) => Err(error.to_string()),
+        }
     })
-    .await;
-    let found = name.lock().unwrap().take();
-    found.expect("an upstream answered")
+    .await
 }
 
 /// The upstream's name from an echo answer to `payload`, if the answer is complete.
@@ -338,7 +282,7 @@ async fn tls_hello(
 async fn tcp_echo_with_half_close() {
     let gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("alpha").await;
-    let service = service(&gateway, "echo", "tcp", &[upstream.target()]).await;
+    let service = stream_service(&gateway, "echo", "tcp", &[upstream.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, None, service).await;
     wait_for_echo(listen).await;
@@ -362,7 +306,7 @@ async fn round_robin_over_two_tcp_upstreams_across_connections() {
     let gateway = TestGateway::start().await;
     let a = EchoUpstream::start("a").await;
     let b = EchoUpstream::start("b").await;
-    let service = service(&gateway, "pair", "tcp", &[a.target(), b.target()]).await;
+    let service = stream_service(&gateway, "pair", "tcp", &[a.target(), b.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, None, service).await;
     wait_for_echo(listen).await;
@@ -383,8 +327,8 @@ async fn tls_passthrough_picks_the_upstream_by_sni() {
     let ca = TestCa::new();
     let a = TlsUpstream::start(&ca, "a.test").await;
     let b = TlsUpstream::start(&ca, "b.test").await;
-    let service_a = service(&gateway, "tls-a", "tls", &[a.target()]).await;
-    let service_b = service(&gateway, "tls-b", "tls", &[b.target()]).await;
+    let service_a = stream_service(&gateway, "tls-a", "tls", &[a.target()]).await;
+    let service_b = stream_service(&gateway, "tls-b", "tls", &[b.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, Some("a.test"), service_a).await;
     stream_route(&gateway, listen, Some("b.test"), service_b).await;
@@ -414,7 +358,7 @@ async fn tls_passthrough_picks_the_upstream_by_sni() {
     // Closed by the gateway as unmatched, not sent to an upstream that refused the name.
     wait_until("c.test is counted as unmatched", DEADLINE, || async {
         metric(
-            &scrape(&gateway).await,
+            &gateway.metrics_text().await,
             "raahi_stream_unmatched_connections_total",
             &[],
         )
@@ -439,8 +383,8 @@ async fn route_without_sni_takes_the_other_tls_names() {
     let ca = TestCa::new();
     let named = TlsUpstream::start(&ca, "a.test").await;
     let rest = TlsUpstream::start(&ca, "other.test").await;
-    let service_named = service(&gateway, "named", "tls", &[named.target()]).await;
-    let service_rest = service(&gateway, "rest", "tls", &[rest.target()]).await;
+    let service_named = stream_service(&gateway, "named", "tls", &[named.target()]).await;
+    let service_rest = stream_service(&gateway, "rest", "tls", &[rest.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, Some("a.test"), service_named).await;
     stream_route(&gateway, listen, None, service_rest).await;
@@ -461,7 +405,7 @@ async fn route_without_sni_takes_the_other_tls_names() {
 async fn creating_binds_and_deleting_stops_accepting_while_open_connections_continue() {
     let gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("live").await;
-    let service = service(&gateway, "live", "tcp", &[upstream.target()]).await;
+    let service = stream_service(&gateway, "live", "tcp", &[upstream.target()]).await;
     let listen = free_addr();
     assert!(refused(listen).await, "nothing listens before the route");
 
@@ -490,7 +434,7 @@ async fn creating_binds_and_deleting_stops_accepting_while_open_connections_cont
 async fn bind_failure_is_a_conflict_naming_the_address() {
     let gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("x").await;
-    let service = service(&gateway, "x", "tcp", &[upstream.target()]).await;
+    let service = stream_service(&gateway, "x", "tcp", &[upstream.target()]).await;
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let listen = held.local_addr().unwrap();
 
@@ -502,8 +446,12 @@ async fn bind_failure_is_a_conflict_naming_the_address() {
         )
         .await;
     assert_eq!(status, 409, "{body}");
-    assert_eq!(body["error"]["field"], "listen", "{body}");
-    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("listen"),
+        "{body}"
+    );
+    let message = ApiError::read(&body).message;
     assert!(message.contains(&listen.to_string()), "{body}");
 
     // Nothing was kept: the list is empty and, once the address is free, the route can be made.
@@ -520,7 +468,7 @@ async fn connect_failure_falls_over_to_another_target() {
     let gateway = TestGateway::start().await;
     let live = EchoUpstream::start("live").await;
     let dead = free_addr();
-    let service = service(&gateway, "failover", "tcp", &[]).await;
+    let service = stream_service(&gateway, "failover", "tcp", &[]).await;
     let targets = format!("/api/v1/services/{service}/targets");
     // The dead target is heavier, so most first picks go to it and must fail over.
     let dead_target = gateway
@@ -642,7 +590,7 @@ async fn a_trial_connection_that_connects_restores_an_ejected_target() {
 async fn draining_target_keeps_its_open_connection() {
     let gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("old").await;
-    let service = service(&gateway, "drain", "tcp", &[upstream.target()]).await;
+    let service = stream_service(&gateway, "drain", "tcp", &[upstream.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, None, service).await;
     wait_for_echo(listen).await;
@@ -675,7 +623,7 @@ async fn draining_target_keeps_its_open_connection() {
 async fn shutdown_stops_accepting_and_waits_for_open_connections() {
     let mut gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("up").await;
-    let service = service(&gateway, "up", "tcp", &[upstream.target()]).await;
+    let service = stream_service(&gateway, "up", "tcp", &[upstream.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, None, service).await;
     wait_for_echo(listen).await;
@@ -698,82 +646,6 @@ async fn shutdown_stops_accepting_and_waits_for_open_connections() {
         .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gigabyte_through_a_stream_route_with_flat_memory() {
-    const TOTAL: u64 = 1 << 30;
-    const CHUNK: usize = 256 * 1024;
-    let gateway = TestGateway::start().await;
-
-    // A sink: counts what it reads and answers the count when the client ends its writes.
-    let sink = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let sink_addr = sink.local_addr().unwrap();
-    let sink_task = tokio::spawn(async move {
-        loop {
-            let Ok((mut stream, _)) = sink.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buffer = vec![0u8; 64 * 1024];
-                let mut received: u64 = 0;
-                loop {
-                    match stream.read(&mut buffer).await {
-                        Ok(0) => break,
-                        Ok(n) => received += n as u64,
-                        Err(_) => return,
-                    }
-                }
-                let _ = stream.write_all(received.to_string().as_bytes()).await;
-                let _ = stream.shutdown().await;
-            });
-        }
-    });
-    let service = service(
-        &gateway,
-        "sink",
-        "tcp",
-        &[json!({"host": "127.0.0.1", "port": sink_addr.port()})],
-    )
-    .await;
-    let listen = free_addr();
-    stream_route(&gateway, listen, None, service).await;
-    wait_until("the sink answers", DEADLINE, || async {
-        matches!(exchange(listen, b"1234").await, Ok(answer) if answer == b"4")
-    })
-    .await;
-
-    let before = rss_kib();
-    let mut peak = before;
-    let mut stream = TcpStream::connect(listen).await.unwrap();
-    let chunk = vec![b'z'; CHUNK];
-    let mut sent: u64 = 0;
-    let transfer = async {
-        while sent < TOTAL {
-            let take = (TOTAL - sent).min(CHUNK as u64) as usize;
-            stream.write_all(&chunk[..take]).await?;
-            sent += take as u64;
-            if sent.is_multiple_of(64 << 20) {
-                peak = peak.max(rss_kib());
-            }
-        }
-        stream.shutdown().await?;
-        let mut answer = Vec::new();
-        stream.read_to_end(&mut answer).await?;
-        io::Result::Ok(answer)
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(300), transfer)
-        .await
-        .expect("1 GiB in time")
-        .expect("1 GiB transfer");
-    peak = peak.max(rss_kib());
-    sink_task.abort();
-    assert_eq!(String::from_utf8_lossy(&answer), TOTAL.to_string());
-    let growth_mib = peak.saturating_sub(before) / 1024;
-    assert!(
-        growth_mib < 64,
-        "resident memory grew by {growth_mib} MiB moving 1 GiB"
-    );
-}
-
 /// The value of the first series named `name` whose labels include every one of `labels`.
 fn metric(metrics: &str, name: &str, labels: &[&str]) -> Option<f64> {
     metrics
@@ -784,22 +656,11 @@ fn metric(metrics: &str, name: &str, labels: &[&str]) -> Option<f64> {
         .and_then(|number| number.parse().ok())
 }
 
-async fn scrape(gateway: &TestGateway) -> String {
-    let response = gateway
-        .http
-        .get(gateway.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    response.text().await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_stream_connections_bytes_and_unmatched() {
     let gateway = TestGateway::start().await;
     let upstream = EchoUpstream::start("m").await;
-    let service_id = service(&gateway, "metered", "tcp", &[upstream.target()]).await;
+    let service_id = stream_service(&gateway, "metered", "tcp", &[upstream.target()]).await;
     let listen = free_addr();
     stream_route(&gateway, listen, None, service_id).await;
     wait_for_echo(listen).await;
@@ -816,13 +677,13 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
     // Wait for the warm-up connection's close to be counted before taking the baseline.
     wait_until("no stream connection is open", DEADLINE, || async {
         series(
-            &scrape(&gateway).await,
+            &gateway.metrics_text().await,
             "raahi_stream_active_connections",
             None,
         ) == 0.0
     })
     .await;
-    let before = scrape(&gateway).await;
+    let before = gateway.metrics_text().await;
     for _ in 0..3 {
         let answer = exchange(listen, b"abc").await.expect("exchange");
         assert_eq!(upstream_name(&answer, b"abc").as_deref(), Some("m"));
@@ -842,7 +703,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         ),
     ];
     wait_until("the three connections are counted", DEADLINE, || async {
-        let now = scrape(&gateway).await;
+        let now = gateway.metrics_text().await;
         expected.iter().all(|(name, direction, delta)| {
             series(&now, name, *direction) - series(&before, name, *direction) == *delta
         })
@@ -852,11 +713,11 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
     // A passthrough listener closes a client that sends no ClientHello, and counts it.
     let passthrough = free_addr();
     stream_route(&gateway, passthrough, Some("only.test"), {
-        service(&gateway, "tls-only", "tls", &[upstream.target()]).await
+        stream_service(&gateway, "tls-only", "tls", &[upstream.target()]).await
     })
     .await;
     let unmatched_before = metric(
-        &scrape(&gateway).await,
+        &gateway.metrics_text().await,
         "raahi_stream_unmatched_connections_total",
         &[],
     )
@@ -867,7 +728,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         || async {
             let _ = exchange(passthrough, b"not tls at all").await;
             metric(
-                &scrape(&gateway).await,
+                &gateway.metrics_text().await,
                 "raahi_stream_unmatched_connections_total",
                 &[],
             )
@@ -879,7 +740,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
 
     // A connection that stays open shows its bytes while it lasts, not only when it closes.
     let counted = series(
-        &scrape(&gateway).await,
+        &gateway.metrics_text().await,
         "raahi_stream_sent_bytes_total",
         Some("client_to_upstream"),
     );
@@ -889,7 +750,7 @@ async fn metrics_count_stream_connections_bytes_and_unmatched() {
         "an open connection's bytes are counted",
         DEADLINE,
         || async {
-            let now = scrape(&gateway).await;
+            let now = gateway.metrics_text().await;
             series(&now, "raahi_stream_active_connections", None) == 1.0
                 && series(
                     &now,
@@ -1018,7 +879,7 @@ async fn a_target_drained_by_discovery_keeps_its_open_connection() {
     let registry = common::registry::Registry::start().await;
     let endpoint = |upstream: &EchoUpstream, key: &str| json!({"host": upstream.addr.ip().to_string(), "port": upstream.addr.port(), "key": key});
     registry.set_json(json!([endpoint(&old, "old")]));
-    let service = service(&gateway, "discovered", "tcp", &[]).await;
+    let service = stream_service(&gateway, "discovered", "tcp", &[]).await;
     let source = gateway
         .create(
             &format!("/api/v1/services/{service}/discovery-sources"),

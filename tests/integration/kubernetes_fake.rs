@@ -2,7 +2,7 @@
 //! behaviour, with raw HTTP for the wire format and with kube-rs itself (the client the
 //! `kubernetes` provider uses), so the provider's integration tests can trust it.
 
-mod common;
+use crate::common;
 
 use std::pin::Pin;
 use std::time::Duration;

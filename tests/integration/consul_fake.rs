@@ -1,7 +1,7 @@
 //! Checks the Consul fake (`common::consul`) against Consul's documented behaviour, so the
 //! provider's integration tests can trust it.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

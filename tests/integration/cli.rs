@@ -1,6 +1,6 @@
 //! The `raahi` binary itself: configuration errors, check-config, token creation, serve.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;

@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 use common::*;
 
 // DNS discovery (DESIGN.md §4) against a real authoritative server (Knot DNS) through real
@@ -11,7 +11,6 @@ use common::*;
 // share one port, SRV records at distinct ports on 127.0.0.1.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -29,42 +28,6 @@ const TIMEOUT_MS: u64 = 300;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// Polls `probe` until it answers `Ok`; on timeout panics with the last state it described.
-async fn eventually<T, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, String>>,
-{
-    let end = tokio::time::Instant::now() + deadline;
-    loop {
-        match probe().await {
-            Ok(value) => return value,
-            Err(state) => {
-                if tokio::time::Instant::now() > end {
-                    panic!("timed out after {deadline:?} waiting for: {what}\nlast seen: {state}");
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// Asserts that `check` holds on every poll for `window` (for "nothing happens" claims, which
-/// need an observation period rather than a condition to wait for).
-async fn holds_for<F, Fut>(what: &str, window: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let end = tokio::time::Instant::now() + window;
-    while tokio::time::Instant::now() < end {
-        if let Err(state) = check().await {
-            panic!("expected {what} for {window:?}, but: {state}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// A service with a route for `path_prefix` (any host).
 async fn service_at(gateway: &TestGateway, name: &str, path_prefix: &str) -> i64 {
@@ -116,117 +79,51 @@ async fn add_source(gateway: &TestGateway, service: i64, body: Value) -> i64 {
         .await
 }
 
-async fn status(gateway: &TestGateway, source: i64) -> Value {
-    let (code, body) = gateway
-        .api(
-            "GET",
-            &format!("/api/v1/discovery-sources/{source}/status"),
-            None,
-        )
-        .await;
-    assert_eq!(code, 200, "GET status of source {source}: {body}");
-    body
-}
-
-async fn wait_status(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    predicate: impl Fn(&Value) -> bool,
-) -> Value {
-    let predicate = &predicate;
-    eventually(what, WAIT, move || async move {
-        let status = status(gateway, source).await;
-        if predicate(&status) {
-            Ok(status)
-        } else {
-            Err(status.to_string())
-        }
-    })
-    .await
-}
-
 /// Waits for a refresh that finished after the current `last_refresh_at`. The control task
 /// publishes a refresh's snapshot before it applies the next outcome, so after this the data
 /// path reflects every target change observed before the call.
-async fn next_refresh(gateway: &TestGateway, source: i64) -> Value {
-    let before = status(gateway, source).await["last_refresh_at"].clone();
+async fn next_refresh(gateway: &TestGateway, source: i64) -> SourceStatus {
+    let before = gateway.source_status(source).await.last_refresh_at;
     wait_status(gateway, source, "a later refresh", move |status| {
-        status["last_refresh_at"] != before
+        status.last_refresh_at != before
     })
     .await
-}
-
-fn is_state(status: &Value, state: &str) -> bool {
-    status["state"] == state
-}
-
-fn counts(status: &Value) -> (u64, u64, u64) {
-    let endpoints = &status["endpoints"];
-    (
-        endpoints["active"].as_u64().expect("endpoints.active"),
-        endpoints["draining"].as_u64().expect("endpoints.draining"),
-        endpoints["stale"].as_u64().expect("endpoints.stale"),
-    )
-}
-
-async fn targets(gateway: &TestGateway, service: i64) -> Vec<Value> {
-    let (code, body) = gateway
-        .api(
-            "GET",
-            &format!("/api/v1/services/{service}/targets?limit=1000"),
-            None,
-        )
-        .await;
-    assert_eq!(code, 200, "GET targets of service {service}: {body}");
-    body["items"].as_array().expect("items").clone()
 }
 
 async fn wait_targets(
     gateway: &TestGateway,
     service: i64,
     what: &str,
-    predicate: impl Fn(&[Value]) -> bool,
-) -> Vec<Value> {
+    predicate: impl Fn(&[Target]) -> bool,
+) -> Vec<Target> {
     let predicate = &predicate;
-    eventually(what, WAIT, move || async move {
-        let targets = targets(gateway, service).await;
+    wait_until(what, WAIT, move || async move {
+        let targets = gateway.targets(service).await;
         if predicate(&targets) {
             Ok(targets)
         } else {
-            Err(Value::Array(targets).to_string())
+            Err(common::api::Targets(&targets).to_string())
         }
     })
     .await
 }
 
 /// The target with this provider key.
-fn find<'a>(targets: &'a [Value], key: &str) -> Option<&'a Value> {
-    targets.iter().find(|target| target["provider_key"] == key)
-}
-
-fn in_state(targets: &[Value], key: &str, state: &str) -> bool {
-    find(targets, key).is_some_and(|target| target["state"] == state)
-}
-
-fn count_in(targets: &[Value], state: &str) -> usize {
+fn find<'a>(targets: &'a [Target], key: &str) -> Option<&'a Target> {
     targets
         .iter()
-        .filter(|target| target["state"] == state)
+        .find(|target| target.provider_key.as_deref() == Some(key))
+}
+
+fn in_state(targets: &[Target], key: &str, state: &str) -> bool {
+    find(targets, key).is_some_and(|target| target.state == state)
+}
+
+fn count_in(targets: &[Target], state: &str) -> usize {
+    targets
+        .iter()
+        .filter(|target| target.state == state)
         .count()
-}
-
-fn id_of(target: &Value) -> i64 {
-    target["id"].as_i64().expect("target id")
-}
-
-fn time(value: &Value) -> DateTime<Utc> {
-    let text = value
-        .as_str()
-        .unwrap_or_else(|| panic!("expected a timestamp, got {value}"));
-    DateTime::parse_from_rfc3339(text)
-        .unwrap_or_else(|err| panic!("{text:?} is not RFC 3339: {err}"))
-        .with_timezone(&Utc)
 }
 
 fn ms(duration: chrono::TimeDelta) -> i64 {
@@ -249,11 +146,9 @@ async fn assert_503(gateway: &TestGateway, path: &str, code: &str) -> String {
     let body = response.text().await.unwrap();
     assert_eq!(status, 503, "GET {path}: {body}");
     let value: Value = serde_json::from_str(&body).expect("the 503 body is JSON");
-    assert_eq!(value["error"]["code"], code, "GET {path}: {body}");
-    value["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned()
+    let error = ProxyError::read(&value);
+    assert_eq!(error.code, code, "GET {path}: {body}");
+    error.message
 }
 
 /// The upstream name answering a GET (which must be 200).
@@ -325,40 +220,43 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
 
     // The first refresh: both addresses become active targets.
     let first = wait_status(&gateway, source, "healthy with 2 active", |s| {
-        is_state(s, "healthy") && counts(s) == (2, 0, 0)
+        s.state == "healthy" && s.counts() == (2, 0, 0)
     })
     .await;
-    assert_eq!(first["source_id"], source);
-    assert!(first["last_error"].is_null(), "{first}");
-    assert!(first["failing_since"].is_null(), "{first}");
+    assert_eq!(first.source_id, source);
+    assert!(first.last_error.is_none(), "{first}");
+    assert!(first.failing_since.is_none(), "{first}");
     assert!(
-        first["revision"].as_str().is_some_and(|r| !r.is_empty()),
+        first.revision.as_deref().is_some_and(|r| !r.is_empty()),
         "revision is set after a success: {first}"
     );
-    let last_success = time(&first["last_success_at"]);
-    assert_eq!(time(&first["last_refresh_at"]), last_success);
-    let next = time(&first["next_refresh_at"]);
+    let last_success = first.last_success_at.expect("last_success_at");
+    assert_eq!(
+        first.last_refresh_at.expect("last_refresh_at"),
+        last_success
+    );
+    let next = first.next_refresh_at.expect("next_refresh_at");
     let delay = ms(next - last_success);
     assert!(
         (INTERVAL_MS as i64 * 9 / 10..=INTERVAL_MS as i64).contains(&delay),
         "next refresh {delay} ms after the last one (interval {INTERVAL_MS} less ≤10 % jitter): {first}"
     );
 
-    let found = targets(&gateway, service).await;
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 2, "{found:?}");
     for ip in ["127.0.0.2", "127.0.0.3"] {
         let target =
             find(&found, &key(ip, port)).unwrap_or_else(|| panic!("a target for {ip}: {found:?}"));
-        assert_eq!(target["host"], ip);
-        assert_eq!(target["port"], port);
-        assert_eq!(target["source_id"], source);
-        assert_eq!(target["service_id"], service);
-        assert_eq!(target["state"], "active");
-        assert_eq!(target["health"], "unknown");
-        assert_eq!(target["weight"], 100, "the dns provider's default weight");
-        assert_eq!(target["priority"], 0);
-        assert_eq!(target["enabled"], true);
-        assert!(target["remove_at"].is_null(), "{target}");
+        assert_eq!(target.host, ip);
+        assert_eq!(target.port, port);
+        assert_eq!(target.source_id, Some(source));
+        assert_eq!(target.service_id, service);
+        assert_eq!(target.state, "active");
+        assert_eq!(target.health, "unknown");
+        assert_eq!(target.weight, 100, "the dns provider's default weight");
+        assert_eq!(target.priority, 0);
+        assert!(target.enabled);
+        assert!(target.remove_at.is_none(), "{target}");
     }
     let id2 = id_of(find(&found, &key("127.0.0.2", port)).unwrap());
     let id3 = id_of(find(&found, &key("127.0.0.3", port)).unwrap());
@@ -384,8 +282,8 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
         fetch(&gateway, "/").await == u4.name
     })
     .await;
-    let s = status(&gateway, source).await;
-    assert_eq!(counts(&s), (3, 0, 0), "{s}");
+    let s = gateway.source_status(source).await;
+    assert_eq!(s.counts(), (3, 0, 0), "{s}");
 
     // A record removed: its target drains until now + removal grace and takes no new traffic.
     knot.unset("api", "A", "127.0.0.2");
@@ -396,15 +294,15 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
     let seen_at = Utc::now();
     let draining = find(&found, &key("127.0.0.2", port)).unwrap();
     assert_eq!(id_of(draining), id2, "the same target drains");
-    let remove_at = time(&draining["remove_at"]);
+    let remove_at = draining.remove_at.expect("remove_at");
     let ahead = ms(remove_at - seen_at);
     assert!(
         (grace_ms - 600..=grace_ms + 100).contains(&ahead),
         "remove_at is {ahead} ms ahead, expected ≈ removal_grace_ms {grace_ms}: {draining}"
     );
     let s = next_refresh(&gateway, source).await;
-    assert_eq!(counts(&s), (2, 1, 0), "{s}");
-    assert!(is_state(&s, "healthy"), "{s}");
+    assert_eq!(s.counts(), (2, 1, 0), "{s}");
+    assert!(s.state == "healthy", "{s}");
     let before = u2.hits();
     let answers = spread(&gateway, "/", 30, 3).await;
     assert_eq!(
@@ -427,7 +325,7 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
     .await;
     let back = find(&found, &key("127.0.0.3", port)).unwrap();
     assert_eq!(id_of(back), id3, "reactivation keeps the target id: {back}");
-    assert!(back["remove_at"].is_null(), "{back}");
+    assert!(back.remove_at.is_none(), "{back}");
     let before = u3.hits();
     wait_until("traffic reaches 127.0.0.3 again", WAIT, || async {
         fetch(&gateway, "/").await;
@@ -436,8 +334,8 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
     .await;
 
     // The removed target is deleted when its grace ends, not before.
-    eventually("127.0.0.2 deleted", WAIT, || async {
-        let found = targets(&gateway, service).await;
+    wait_until("127.0.0.2 deleted", WAIT, || async {
+        let found = gateway.targets(service).await;
         match find(&found, &key("127.0.0.2", port)) {
             None => Ok(()),
             Some(target) => Err(target.to_string()),
@@ -446,9 +344,9 @@ async fn dns_a_records_become_targets_and_follow_runtime_changes() {
     .await;
     let early = ms(remove_at - Utc::now());
     assert!(early <= 50, "deleted {early} ms before its remove_at");
-    let s = status(&gateway, source).await;
-    assert_eq!(counts(&s), (2, 0, 0), "{s}");
-    let found = targets(&gateway, service).await;
+    let s = gateway.source_status(source).await;
+    assert_eq!(s.counts(), (2, 0, 0), "{s}");
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 2, "{found:?}");
 }
 
@@ -471,7 +369,7 @@ async fn draining_target_finishes_its_in_flight_request() {
     )
     .await;
     wait_status(&gateway, source, "healthy with 2 active", |s| {
-        is_state(s, "healthy") && counts(s) == (2, 0, 0)
+        s.state == "healthy" && s.counts() == (2, 0, 0)
     })
     .await;
 
@@ -484,7 +382,7 @@ async fn draining_target_finishes_its_in_flight_request() {
         let status = response.status().as_u16();
         (status, response.text().await.unwrap())
     });
-    let busy = eventually("an upstream receives the slow request", WAIT, || async {
+    let busy = wait_until("an upstream receives the slow request", WAIT, || async {
         upstreams
             .iter()
             .position(|u| {
@@ -547,15 +445,12 @@ async fn nxdomain_and_nodata_are_successful_empty_refreshes() {
         ),
     )
     .await;
-    let s = wait_status(&gateway, source, "healthy", |s| is_state(s, "healthy")).await;
-    assert_eq!(counts(&s), (0, 0, 0), "{s}");
-    assert!(s["last_error"].is_null(), "{s}");
-    assert!(
-        s["revision"].is_string(),
-        "an empty success has a revision: {s}"
-    );
-    assert!(s["last_success_at"].is_string(), "{s}");
-    assert!(targets(&gateway, missing).await.is_empty());
+    let s = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(s.counts(), (0, 0, 0), "{s}");
+    assert!(s.last_error.is_none(), "{s}");
+    assert!(s.revision.is_some(), "an empty success has a revision: {s}");
+    assert!(s.last_success_at.is_some(), "{s}");
+    assert!(gateway.targets(missing).await.is_empty());
     assert_no_available_target(&gateway, "/missing").await;
 
     // NODATA (the name exists, with no A or AAAA): the same.
@@ -572,10 +467,10 @@ async fn nxdomain_and_nodata_are_successful_empty_refreshes() {
         ),
     )
     .await;
-    let s = wait_status(&gateway, source, "healthy", |s| is_state(s, "healthy")).await;
-    assert_eq!(counts(&s), (0, 0, 0), "{s}");
-    assert!(s["last_error"].is_null(), "{s}");
-    assert!(targets(&gateway, nodata).await.is_empty());
+    let s = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(s.counts(), (0, 0, 0), "{s}");
+    assert!(s.last_error.is_none(), "{s}");
+    assert!(gateway.targets(nodata).await.is_empty());
 
     // A name whose records all go away: its targets drain and are deleted, the source stays
     // healthy, and the service answers 503 once they are out of rotation.
@@ -593,10 +488,10 @@ async fn nxdomain_and_nodata_are_successful_empty_refreshes() {
     )
     .await;
     let s = wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
-    let full_revision = s["revision"].clone();
+    let full_revision = s.revision.clone();
     next_refresh(&gateway, source).await;
     assert_eq!(fetch(&gateway, "/gone").await, "gone");
     knot.unset("gone", "A", "127.0.0.2");
@@ -606,18 +501,18 @@ async fn nxdomain_and_nodata_are_successful_empty_refreshes() {
     })
     .await;
     let s = next_refresh(&gateway, source).await;
-    assert!(is_state(&s, "healthy"), "no such name is a success: {s}");
-    assert!(s["last_error"].is_null(), "{s}");
+    assert!(s.state == "healthy", "no such name is a success: {s}");
+    assert!(s.last_error.is_none(), "{s}");
     assert_ne!(
-        s["revision"], full_revision,
+        s.revision, full_revision,
         "the empty set has its own revision"
     );
-    assert_eq!(counts(&s), (0, 1, 0), "{s}");
+    assert_eq!(s.counts(), (0, 1, 0), "{s}");
     assert_no_available_target(&gateway, "/gone").await;
     wait_targets(&gateway, gone, "the target deleted", |t| t.is_empty()).await;
-    let s = status(&gateway, source).await;
-    assert_eq!(counts(&s), (0, 0, 0), "{s}");
-    assert!(is_state(&s, "healthy"), "{s}");
+    let s = gateway.source_status(source).await;
+    assert_eq!(s.counts(), (0, 0, 0), "{s}");
+    assert!(s.state == "healthy", "{s}");
     assert_no_available_target(&gateway, "/gone").await;
 }
 
@@ -652,15 +547,15 @@ async fn aaaa_records_become_bracketed_targets() {
     )
     .await;
     let s = wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
-    assert!(s["last_error"].is_null(), "{s}");
-    let found = targets(&gateway, service).await;
+    assert!(s.last_error.is_none(), "{s}");
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 1, "{found:?}");
-    assert_eq!(found[0]["host"], "::1");
-    assert_eq!(found[0]["port"], port);
-    assert_eq!(found[0]["provider_key"], format!("[::1]:{port}"));
+    assert_eq!(found[0].host, "::1");
+    assert_eq!(found[0].port, port);
+    assert_eq!(found[0].key(), format!("[::1]:{port}"));
     if let Some(v6) = &v6 {
         wait_until("a request reaches [::1]", WAIT, || async {
             fetch(&gateway, "/v6").await == "v6"
@@ -740,24 +635,24 @@ async fn dns_srv_tiers_and_weights_with_failover() {
     let service = service_at(&gateway, "api", "/").await;
     let source = add_source(&gateway, service, srv_source(&knot, json!({}))).await;
     let s = wait_status(&gateway, source, "healthy with 3 active", |s| {
-        is_state(s, "healthy") && counts(s) == (3, 0, 0)
+        s.state == "healthy" && s.counts() == (3, 0, 0)
     })
     .await;
-    assert!(s["revision"].is_string(), "{s}");
+    assert!(s.revision.is_some(), "{s}");
 
     // Port, priority and weight come from the records (RFC 2782 weight w → balancer weight
     // w×100 while the answer's largest weight is at most 655, as the provider maps them).
-    let found = targets(&gateway, service).await;
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 3, "{found:?}");
     for (port, weight, priority) in [(pa, 100, 10), (pb, 300, 10), (pc, 100, 20)] {
         let target = find(&found, &key("127.0.0.1", port))
             .unwrap_or_else(|| panic!("a target for port {port}: {found:?}"));
-        assert_eq!(target["host"], "127.0.0.1");
-        assert_eq!(target["port"], port);
-        assert_eq!(target["weight"], weight, "{target}");
-        assert_eq!(target["priority"], priority, "{target}");
-        assert_eq!(target["state"], "active");
-        assert_eq!(target["metadata"]["srv_target"], "h.svc.test", "{target}");
+        assert_eq!(target.host, "127.0.0.1");
+        assert_eq!(target.port, port);
+        assert_eq!(target.weight, weight, "{target}");
+        assert_eq!(target.priority, priority, "{target}");
+        assert_eq!(target.state, "active");
+        assert_eq!(target.metadata["srv_target"], "h.svc.test", "{target}");
     }
 
     // Only the priority-10 tier takes traffic, 1:3 by weight (±5 points).
@@ -785,7 +680,7 @@ async fn dns_srv_tiers_and_weights_with_failover() {
     })
     .await;
     let s = next_refresh(&gateway, source).await;
-    assert_eq!(counts(&s), (1, 2, 0), "{s}");
+    assert_eq!(s.counts(), (1, 2, 0), "{s}");
     let answers = spread(&gateway, "/", 50, 2).await;
     assert_eq!(hits(&answers, &c), 50, "{answers:?}");
     wait_targets(&gateway, service, "the drained targets deleted", |t| {
@@ -821,10 +716,10 @@ async fn dns_srv_record_priority_and_weight_can_be_ignored() {
     for (port, weight) in [(pa, 100), (pb, 300), (pc, 400)] {
         let target = find(&found, &key("127.0.0.1", port)).unwrap();
         assert_eq!(
-            target["priority"], 0,
+            target.priority, 0,
             "one tier (the config's priority): {target}"
         );
-        assert_eq!(target["weight"], weight, "{target}");
+        assert_eq!(target.weight, weight, "{target}");
     }
     // One tier: all three share traffic 1:3:4 (±5 points).
     next_refresh(&gateway, source).await;
@@ -844,7 +739,7 @@ async fn dns_srv_record_priority_and_weight_can_be_ignored() {
         .await;
     assert_eq!(code, 200, "{body}");
     let found = wait_targets(&gateway, service, "weights 50, priority 5", |t| {
-        t.len() == 3 && t.iter().all(|x| x["weight"] == 50 && x["priority"] == 5)
+        t.len() == 3 && t.iter().all(|x| x.weight == 50 && x.priority == 5)
     })
     .await;
     let mut after: Vec<i64> = found.iter().map(id_of).collect();
@@ -878,19 +773,20 @@ async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
     )
     .await;
     let healthy = wait_status(&gateway, source, "healthy with 3 active", |s| {
-        is_state(s, "healthy") && counts(s) == (3, 0, 0)
+        s.state == "healthy" && s.counts() == (3, 0, 0)
     })
     .await;
-    let found = targets(&gateway, service).await;
+    let found = gateway.targets(service).await;
     let id_at = |ip: &str| id_of(find(&found, &key(ip, port)).unwrap());
     let ids = [id_at("127.0.0.2"), id_at("127.0.0.3"), id_at("127.0.0.4")];
 
     // The server stops answering: failing, with a precise error; the last known good targets
     // keep serving.
     knot.stop();
-    let failing = wait_status(&gateway, source, "failing", |s| is_state(s, "failing")).await;
-    let error = failing["last_error"]
-        .as_str()
+    let failing = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = failing
+        .last_error
+        .as_deref()
         .expect("last_error")
         .to_owned();
     assert!(
@@ -901,14 +797,14 @@ async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
         error.contains("timed out") || (error.contains("no response") && error.contains(" ms")),
         "the error says the server did not answer in time: {error}"
     );
-    assert_eq!(failing["last_success_at"], healthy["last_success_at"]);
+    assert_eq!(failing.last_success_at, healthy.last_success_at);
     assert_eq!(
-        failing["revision"], healthy["revision"],
+        failing.revision, healthy.revision,
         "the last good revision stays"
     );
-    assert!(failing["failing_since"].is_string(), "{failing}");
-    assert!(failing["next_refresh_at"].is_string(), "{failing}");
-    assert_eq!(counts(&failing), (3, 0, 0), "{failing}");
+    assert!(failing.failing_since.is_some(), "{failing}");
+    assert!(failing.next_refresh_at.is_some(), "{failing}");
+    assert_eq!(failing.counts(), (3, 0, 0), "{failing}");
     let answers = spread(&gateway, "/", 30, 3).await;
     assert!(
         upstreams.iter().all(|u| hits(&answers, u) > 0),
@@ -916,16 +812,16 @@ async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
     );
 
     // Failing for longer than stale_after_ms: stale; its targets are stale and take no traffic.
-    let stale = wait_status(&gateway, source, "stale", |s| is_state(s, "stale")).await;
-    let failing_since = time(&stale["failing_since"]);
+    let stale = wait_status(&gateway, source, "stale", |s| s.state == "stale").await;
+    let failing_since = stale.failing_since.expect("failing_since");
     let early = ms(failing_since + chrono::TimeDelta::milliseconds(stale_after_ms) - Utc::now());
     assert!(
         early <= 50,
         "stale {early} ms before stale_after_ms ran out"
     );
-    assert_eq!(counts(&stale), (0, 0, 3), "{stale}");
-    assert!(stale["last_error"].is_string(), "{stale}");
-    let found = targets(&gateway, service).await;
+    assert_eq!(stale.counts(), (0, 0, 3), "{stale}");
+    assert!(stale.last_error.is_some(), "{stale}");
+    let found = gateway.targets(service).await;
     assert_eq!(count_in(&found, "stale"), 3, "{found:?}");
     next_refresh(&gateway, source).await;
     // Only a stale source feeds the service: discovery, not the targets, is why.
@@ -937,12 +833,12 @@ async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
     knot.transaction_while_stopped(&[ZoneOp::unset("api", "A", "127.0.0.4")]);
     knot.restart();
     let recovered = wait_status(&gateway, source, "healthy with 2 active, 1 draining", |s| {
-        is_state(s, "healthy") && counts(s) == (2, 1, 0)
+        s.state == "healthy" && s.counts() == (2, 1, 0)
     })
     .await;
-    assert!(recovered["last_error"].is_null(), "{recovered}");
-    assert!(recovered["failing_since"].is_null(), "{recovered}");
-    let found = targets(&gateway, service).await;
+    assert!(recovered.last_error.is_none(), "{recovered}");
+    assert!(recovered.failing_since.is_none(), "{recovered}");
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 3, "{found:?}");
     for (ip, id, state) in [
         ("127.0.0.2", ids[0], "active"),
@@ -951,7 +847,7 @@ async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
     ] {
         let target = find(&found, &key(ip, port)).unwrap();
         assert_eq!(id_of(target), id, "{target}");
-        assert_eq!(target["state"], state, "{target}");
+        assert_eq!(target.state, state, "{target}");
     }
     next_refresh(&gateway, source).await;
     let answers = spread(&gateway, "/", 20, 2).await;
@@ -978,19 +874,16 @@ async fn error_answers_and_unreachable_servers_are_failed_refreshes() {
         ),
     )
     .await;
-    let s = wait_status(&gateway, source, "failing", |s| is_state(s, "failing")).await;
-    let error = s["last_error"].as_str().expect("last_error");
+    let s = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = s.last_error.as_deref().expect("last_error");
     assert!(
         error.contains("REFUSED") && error.contains("api.elsewhere.test"),
         "{error}"
     );
-    assert!(
-        s["revision"].is_null(),
-        "no success yet, so no revision: {s}"
-    );
-    assert!(s["last_success_at"].is_null(), "{s}");
-    assert!(s["last_refresh_at"].is_string(), "{s}");
-    assert_eq!(counts(&s), (0, 0, 0), "{s}");
+    assert!(s.revision.is_none(), "no success yet, so no revision: {s}");
+    assert!(s.last_success_at.is_none(), "{s}");
+    assert!(s.last_refresh_at.is_some(), "{s}");
+    assert_eq!(s.counts(), (0, 0, 0), "{s}");
 
     // A name in a zone Knot failed to load: it answers SERVFAIL.
     let source = add_source(
@@ -1005,12 +898,13 @@ async fn error_answers_and_unreachable_servers_are_failed_refreshes() {
         ),
     )
     .await;
-    let s = wait_status(&gateway, source, "failing", |s| is_state(s, "failing")).await;
+    let s = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
     assert_eq!(
-        s["last_error"], "DNS server answered SERVFAIL for api.broken.test A",
+        s.error(),
+        "DNS server answered SERVFAIL for api.broken.test A",
         "{s}"
     );
-    assert!(s["revision"].is_null(), "{s}");
+    assert!(s.revision.is_none(), "{s}");
 
     // A resolver port nobody listens on: the kernel refuses at once.
     let closed = std::net::UdpSocket::bind("127.0.0.1:0")
@@ -1029,14 +923,14 @@ async fn error_answers_and_unreachable_servers_are_failed_refreshes() {
         ),
     )
     .await;
-    let s = wait_status(&gateway, source, "failing", |s| is_state(s, "failing")).await;
-    let error = s["last_error"].as_str().expect("last_error");
+    let s = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = s.last_error.as_deref().expect("last_error");
     assert!(
         error.contains(&closed.to_string()) && error.to_lowercase().contains("refused"),
         "{error}"
     );
-    assert!(s["revision"].is_null(), "{s}");
-    assert!(targets(&gateway, service).await.is_empty());
+    assert!(s.revision.is_none(), "{s}");
+    assert!(gateway.targets(service).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1059,10 +953,11 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
     )
     .await;
     let first = wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
-    let delay = ms(time(&first["next_refresh_at"]) - time(&first["last_success_at"]));
+    let delay = ms(first.next_refresh_at.expect("next_refresh_at")
+        - first.last_success_at.expect("last_success_at"));
     assert!(
         (54_000..=60_000).contains(&delay),
         "next refresh {delay} ms later; expected the 60 s interval less ≤10 % jitter"
@@ -1071,17 +966,16 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
     // Knot serves a new record, but nothing refreshes until asked.
     knot.set("api", 3600, "A", "127.0.0.3");
     assert_eq!(knot.query("api", "A").len(), 2);
-    let refreshed_at = first["last_refresh_at"].clone();
+    let refreshed_at = first.last_refresh_at;
     holds_for(
         "no refresh before it is asked for",
         Duration::from_millis(700),
         || {
-            let refreshed_at = refreshed_at.clone();
             let gateway = &gateway;
             async move {
-                let s = status(gateway, source).await;
-                let found = targets(gateway, service).await;
-                if s["last_refresh_at"] == refreshed_at && found.len() == 1 {
+                let s = gateway.source_status(source).await;
+                let found = gateway.targets(service).await;
+                if s.last_refresh_at == refreshed_at && found.len() == 1 {
                     Ok(())
                 } else {
                     Err(format!("{s} / {found:?}"))
@@ -1101,18 +995,19 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
         )
         .await;
     assert_eq!(code, 202, "{answer}");
-    assert_eq!(answer["source_id"], source, "{answer}");
-    assert_eq!(answer["state"], "healthy", "the current status: {answer}");
-    assert!(
-        answer["endpoints"].is_object() && answer.get("revision").is_some(),
-        "{answer}"
-    );
+    // The answer is the current status (every field read, so all are there).
+    let answer = SourceStatus::read(answer);
+    assert_eq!(answer.source_id, source, "{answer}");
+    assert_eq!(answer.state, "healthy", "the current status: {answer}");
     let s = wait_status(&gateway, source, "2 active after the forced refresh", |s| {
-        counts(s) == (2, 0, 0) && s["revision"] != first["revision"]
+        s.counts() == (2, 0, 0) && s.revision != first.revision
     })
     .await;
-    assert!(time(&s["last_refresh_at"]) >= asked_at, "{s}");
-    let found = targets(&gateway, service).await;
+    assert!(
+        s.last_refresh_at.expect("last_refresh_at") >= asked_at,
+        "{s}"
+    );
+    let found = gateway.targets(service).await;
     assert!(
         in_state(&found, &key("127.0.0.3", port), "active"),
         "{found:?}"
@@ -1128,7 +1023,7 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
     let refresh = format!("/api/v1/discovery-sources/{source}/refresh");
     let (code, answer) = gateway.api("POST", &refresh, None).await;
     assert_eq!(code, 202, "{answer}");
-    eventually("the forced refresh queries the server", WAIT, || async {
+    wait_until("the forced refresh queries the server", WAIT, || async {
         match knot.swallowed_queries() {
             0 => Err("no query yet".to_owned()),
             _ => Ok(()),
@@ -1137,24 +1032,24 @@ async fn forced_refresh_picks_up_a_change_before_the_interval() {
     .await;
     let (code, answer) = gateway.api("POST", &refresh, None).await;
     assert_eq!(code, 202, "{answer}");
+    let answer = SourceStatus::read(answer);
     assert_eq!(
-        answer["state"], "healthy",
+        answer.state, "healthy",
         "the refresh has not finished: {answer}"
     );
     let failed = wait_status(&gateway, source, "the refresh failed", |s| {
-        is_state(s, "failing")
+        s.state == "failing"
     })
     .await;
-    let refreshed_at = failed["last_refresh_at"].clone();
+    let refreshed_at = failed.last_refresh_at;
     holds_for(
         "no second refresh after the joined one",
         Duration::from_millis(3 * TIMEOUT_MS),
         || {
-            let refreshed_at = refreshed_at.clone();
             let gateway = &gateway;
             async move {
-                let s = status(gateway, source).await;
-                if s["last_refresh_at"] == refreshed_at {
+                let s = gateway.source_status(source).await;
+                if s.last_refresh_at == refreshed_at {
                     Ok(())
                 } else {
                     Err(s.to_string())
@@ -1191,7 +1086,7 @@ async fn disable_drains_enable_rediscovers_delete_removes_at_once() {
     )
     .await;
     wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
     next_refresh(&gateway, source).await;
@@ -1206,14 +1101,14 @@ async fn disable_drains_enable_rediscovers_delete_removes_at_once() {
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["enabled"], false);
     let disabled_at = Utc::now();
-    let s = status(&gateway, source).await;
-    assert!(is_state(&s, "disabled"), "{s}");
-    assert!(s["next_refresh_at"].is_null(), "{s}");
-    assert_eq!(counts(&s), (0, 1, 0), "{s}");
-    let found = targets(&gateway, service).await;
+    let s = gateway.source_status(source).await;
+    assert!(s.state == "disabled", "{s}");
+    assert!(s.next_refresh_at.is_none(), "{s}");
+    assert_eq!(s.counts(), (0, 1, 0), "{s}");
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 1, "{found:?}");
-    assert_eq!(found[0]["state"], "draining");
-    let ahead = ms(time(&found[0]["remove_at"]) - disabled_at);
+    assert_eq!(found[0].state, "draining");
+    let ahead = ms(found[0].remove_at.expect("remove_at") - disabled_at);
     assert!(
         (grace_ms - 500..=grace_ms + 100).contains(&ahead),
         "remove_at {ahead} ms ahead, expected ≈ {grace_ms}"
@@ -1221,15 +1116,15 @@ async fn disable_drains_enable_rediscovers_delete_removes_at_once() {
     assert_no_available_target(&gateway, "/").await;
     let (code, body) = gateway.api("POST", &format!("{path}/refresh"), None).await;
     assert_eq!(code, 409, "a disabled source does not refresh: {body}");
-    let last_refresh = s["last_refresh_at"].clone();
+    let last_refresh = s.last_refresh_at;
     wait_targets(&gateway, service, "the target deleted", |t| t.is_empty()).await;
-    let s = status(&gateway, source).await;
-    assert!(is_state(&s, "disabled"), "{s}");
+    let s = gateway.source_status(source).await;
+    assert!(s.state == "disabled", "{s}");
     assert_eq!(
-        s["last_refresh_at"], last_refresh,
+        s.last_refresh_at, last_refresh,
         "no refresh while disabled: {s}"
     );
-    assert_eq!(counts(&s), (0, 0, 0), "{s}");
+    assert_eq!(s.counts(), (0, 0, 0), "{s}");
 
     // Enabled again: pending until its first refresh finishes, then healthy with the target
     // back. (Knot is stopped meanwhile so that the first refresh cannot finish at once and
@@ -1239,16 +1134,16 @@ async fn disable_drains_enable_rediscovers_delete_removes_at_once() {
         .api("PATCH", &path, Some(json!({"enabled": true})))
         .await;
     assert_eq!(code, 200, "{body}");
-    let s = status(&gateway, source).await;
-    assert!(is_state(&s, "pending"), "{s}");
-    assert!(s["next_refresh_at"].is_string(), "{s}");
+    let s = gateway.source_status(source).await;
+    assert!(s.state == "pending", "{s}");
+    assert!(s.next_refresh_at.is_some(), "{s}");
     knot.restart();
     let s = wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
-    assert!(s["next_refresh_at"].is_string(), "{s}");
-    let found = targets(&gateway, service).await;
+    assert!(s.next_refresh_at.is_some(), "{s}");
+    let found = gateway.targets(service).await;
     assert!(
         in_state(&found, &key("127.0.0.2", port), "active"),
         "{found:?}"
@@ -1259,7 +1154,7 @@ async fn disable_drains_enable_rediscovers_delete_removes_at_once() {
     // Deleted: its targets go at once.
     let (code, body) = gateway.api("DELETE", &path, None).await;
     assert_eq!(code, 204, "{body}");
-    assert!(targets(&gateway, service).await.is_empty());
+    assert!(gateway.targets(service).await.is_empty());
     assert_no_available_target(&gateway, "/").await;
     let (code, _) = gateway.api("GET", &format!("{path}/status"), None).await;
     assert_eq!(code, 404);
@@ -1284,10 +1179,12 @@ async fn short_ttl_refreshes_before_the_interval_with_a_floor() {
     )
     .await;
     let s = wait_status(&gateway, source, "healthy with 1 active", |s| {
-        is_state(s, "healthy") && counts(s) == (1, 0, 0)
+        s.state == "healthy" && s.counts() == (1, 0, 0)
     })
     .await;
-    let delay = ms(time(&s["next_refresh_at"]) - time(&s["last_success_at"]));
+    let delay =
+        ms(s.next_refresh_at.expect("next_refresh_at")
+            - s.last_success_at.expect("last_success_at"));
     assert!(
         (900..=1_000).contains(&delay),
         "TTL 1 s: next refresh {delay} ms later, expected 1 s less ≤10 % jitter"
@@ -1295,15 +1192,15 @@ async fn short_ttl_refreshes_before_the_interval_with_a_floor() {
 
     // A change is picked up within a few seconds, without a forced refresh.
     knot.set("api", 1, "A", "127.0.0.3");
-    let found = eventually(
+    let found = wait_until(
         "127.0.0.3 discovered by the TTL",
         Duration::from_secs(4),
         || async {
-            let found = targets(&gateway, service).await;
+            let found = gateway.targets(service).await;
             if in_state(&found, &key("127.0.0.3", port), "active") {
                 Ok(found)
             } else {
-                Err(Value::Array(found).to_string())
+                Err(common::api::Targets(&found).to_string())
             }
         },
     )
@@ -1328,14 +1225,16 @@ async fn short_ttl_refreshes_before_the_interval_with_a_floor() {
         ),
     )
     .await;
-    let first = wait_status(&gateway, source, "healthy", |s| is_state(s, "healthy")).await;
-    let delay = ms(time(&first["next_refresh_at"]) - time(&first["last_success_at"]));
+    let first = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    let delay = ms(first.next_refresh_at.expect("next_refresh_at")
+        - first.last_success_at.expect("last_success_at"));
     assert!(
         (900..=1_000).contains(&delay),
         "TTL 0: next refresh {delay} ms later, expected the 1 s floor less ≤10 % jitter"
     );
     let second = next_refresh(&gateway, source).await;
-    let gap = ms(time(&second["last_refresh_at"]) - time(&first["last_refresh_at"]));
+    let gap = ms(second.last_refresh_at.expect("last_refresh_at")
+        - first.last_refresh_at.expect("last_refresh_at"));
     assert!(gap >= 850, "refreshes {gap} ms apart with TTL 0");
 }
 
@@ -1358,7 +1257,7 @@ async fn restart_serves_the_last_known_good_targets_and_keeps_drain_deadlines() 
     )
     .await;
     wait_status(&gateway, source, "healthy with 2 active", |s| {
-        is_state(s, "healthy") && counts(s) == (2, 0, 0)
+        s.state == "healthy" && s.counts() == (2, 0, 0)
     })
     .await;
     knot.unset("api", "A", "127.0.0.3");
@@ -1381,27 +1280,24 @@ async fn restart_serves_the_last_known_good_targets_and_keeps_drain_deadlines() 
     let answers = spread(&gateway, "/", 10, 2).await;
     assert_eq!(hits(&answers, &upstreams[0]), 10, "{answers:?}");
 
-    let found = targets(&gateway, service).await;
+    let found = gateway.targets(service).await;
     let still_draining = find(&found, &key("127.0.0.3", port)).expect("the draining target");
-    assert_eq!(still_draining["state"], "draining");
+    assert_eq!(still_draining.state, "draining");
     assert_eq!(id_of(still_draining), id_of(&draining));
     assert_eq!(
-        time(&still_draining["remove_at"]),
-        time(&draining["remove_at"]),
+        still_draining.remove_at.expect("remove_at"),
+        draining.remove_at.expect("remove_at"),
         "the drain deadline survives the restart"
     );
     let still_active = find(&found, &key("127.0.0.2", port)).expect("the active target");
-    assert_eq!(still_active["state"], "active");
+    assert_eq!(still_active.state, "active");
     assert_eq!(id_of(still_active), id_of(&active));
-    let after = status(&gateway, source).await;
-    assert_eq!(after["revision"], before["revision"], "{after}");
-    assert_eq!(
-        after["last_success_at"], before["last_success_at"],
-        "{after}"
-    );
+    let after = gateway.source_status(source).await;
+    assert_eq!(after.revision, before.revision, "{after}");
+    assert_eq!(after.last_success_at, before.last_success_at, "{after}");
 
     // The restored deadline is kept: the target is deleted when it comes, not before.
-    let remove_at = time(&draining["remove_at"]);
+    let remove_at = draining.remove_at.expect("remove_at");
     assert!(
         remove_at > Utc::now(),
         "the restart took longer than the removal grace; the test needs a longer grace"
@@ -1450,7 +1346,7 @@ async fn operator_and_discovered_targets_coexist_and_discovered_ones_are_read_on
     assert_eq!(found.len(), 2, "{found:?}");
     let operator = found.iter().find(|t| id_of(t) == operator_id).unwrap();
     assert!(
-        operator["source_id"].is_null() && operator["provider_key"].is_null(),
+        operator.source_id.is_none() && operator.provider_key.is_none(),
         "{operator}"
     );
     let discovered = find(&found, &key("127.0.0.2", port)).unwrap().clone();
@@ -1470,8 +1366,9 @@ async fn operator_and_discovered_targets_coexist_and_discovered_ones_are_read_on
     ] {
         let (code, answer) = gateway.api(method, &path, body).await;
         assert_eq!(code, 409, "{method} {path}: {answer}");
-        assert_eq!(answer["error"]["code"], "conflict", "{answer}");
-        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        let error = ApiError::read(&answer);
+        assert_eq!(error.code, "conflict", "{answer}");
+        let message = error.message;
         assert!(
             message.contains(&format!("discovery source {source}")),
             "{method}: the message names the owning source: {message}"
@@ -1479,7 +1376,7 @@ async fn operator_and_discovered_targets_coexist_and_discovered_ones_are_read_on
     }
     let (code, unchanged) = gateway.api("GET", &path, None).await;
     assert_eq!(code, 200);
-    assert_eq!(unchanged["weight"], discovered["weight"]);
+    assert_eq!(unchanged["weight"], discovered.weight);
     assert_eq!(unchanged["host"], "127.0.0.2");
 
     // The operator's own target stays writable.
@@ -1498,9 +1395,9 @@ async fn operator_and_discovered_targets_coexist_and_discovered_ones_are_read_on
         t.len() == 1 && id_of(&t[0]) == operator_id
     })
     .await;
-    let found = targets(&gateway, service).await;
-    assert_eq!(found[0]["state"], "active", "{found:?}");
-    assert_eq!(found[0]["weight"], 300, "{found:?}");
+    let found = gateway.targets(service).await;
+    assert_eq!(found[0].state, "active", "{found:?}");
+    assert_eq!(found[0].weight, 300, "{found:?}");
     let answers = spread(&gateway, "/", 10, 1).await;
     assert_eq!(hits(&answers, &operator_upstream), 10, "{answers:?}");
 
@@ -1515,7 +1412,7 @@ async fn operator_and_discovered_targets_coexist_and_discovered_ones_are_read_on
         )
         .await;
     assert_eq!(code, 204);
-    let found = targets(&gateway, service).await;
+    let found = gateway.targets(service).await;
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(id_of(&found[0]), operator_id);
     let answers = spread(&gateway, "/", 10, 1).await;
@@ -1594,7 +1491,11 @@ async fn dns_providers_describe_their_schema_and_defaults() {
             )
             .await;
         assert_eq!(code, 422, "{config}: {answer}");
-        assert_eq!(answer["error"]["field"], field, "{answer}");
+        assert_eq!(
+            ApiError::read(&answer).field.as_deref(),
+            Some(field),
+            "{answer}"
+        );
     }
 
     // A created source shows its config with every default filled in, and the source defaults.

@@ -2,12 +2,12 @@
 //! ids, resume, filter, a stuck client cut off while another keeps receiving, streams ending at
 //! shutdown), target histories with their reasons, and `/session`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
 use common::registry::Registry;
-use common::{TestGateway, Upstream, ADMIN_TOKEN};
+use common::{ApiError, TestGateway, Upstream, ADMIN_TOKEN};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -299,7 +299,7 @@ async fn a_service_filter_passes_only_that_service() {
         .api("GET", "/api/v1/events?service_id=abc", None)
         .await;
     assert_eq!(status, 422, "{body}");
-    assert_eq!(body["error"]["field"], "service_id");
+    assert_eq!(ApiError::read(&body).field.as_deref(), Some("service_id"));
     let (status, _) = gateway
         .api("GET", "/api/v1/events?service_id=424242", None)
         .await;

@@ -6,9 +6,8 @@
 //! connections and refused tokens are handled; with two gateways on PostgreSQL only the lease
 //! holder watches.
 
-mod common;
-#[path = "common/postgres.rs"]
-mod postgres;
+use crate::common;
+use crate::common::postgres;
 
 use common::consul::{ConsulFake, Instance};
 use common::*;
@@ -73,19 +72,6 @@ fn instance_of(upstream: &Upstream, node: &str) -> Instance {
     instance
 }
 
-async fn status_of(gateway: &TestGateway, source: i64) -> Value {
-    gateway.source_status(source).await
-}
-
-async fn wait_status(
-    gateway: &TestGateway,
-    source: i64,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    gateway.wait_source_status(source, what, WAIT, done).await
-}
-
 /// Status and body of a GET through the proxy (status 0 when it does not answer).
 async fn fetch(gateway: &TestGateway) -> (u16, String) {
     gateway.fetch_status("/").await
@@ -99,23 +85,18 @@ async fn wait_serving(
     within: Duration,
 ) -> Duration {
     let started = Instant::now();
-    let mut in_a_row = 0;
-    loop {
-        let (status, got) = fetch(gateway).await;
-        if status == 200 && got == body {
-            in_a_row += 1;
-            if in_a_row == times {
-                return started.elapsed();
+    let what = format!("the proxy to serve {body:?} {times} times in a row");
+    wait_until(&what, within, || async {
+        // One burst of back-to-back requests; the first other answer ends it.
+        for _ in 0..times {
+            let (status, got) = fetch(gateway).await;
+            if status != 200 || got != body {
+                return Err(format!("it answers {status}: {got}"));
             }
-            continue;
         }
-        in_a_row = 0;
-        assert!(
-            started.elapsed() < within,
-            "the proxy did not serve {body:?} within {within:?}; it answers {status}: {got}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+        Ok(started.elapsed())
+    })
+    .await
 }
 
 /// Waits until the watch blocks at the catalog's current index, so the next change wakes it at
@@ -169,17 +150,17 @@ async fn registrations_and_deregistrations_reach_the_data_path_within_a_second()
     .await;
     wait_serving(&gateway, "first", 1, WAIT).await;
     let status = wait_status(&gateway, source, "watch connected", |s| {
-        s["watch"]["connected"] == true
+        s.watch_connected() == Some(true)
     })
     .await;
-    assert_eq!(status["state"], "healthy", "{status}");
-    assert_eq!(status["next_refresh_at"], Value::Null, "{status}");
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
-    assert_eq!(status["last_error"], Value::Null, "{status}");
-    assert!(status["watch"]["since"].is_string(), "{status}");
+    assert_eq!(status.state, "healthy", "{status}");
+    assert_eq!(status.next_refresh_at, None, "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    assert_eq!(status.last_error, None, "{status}");
+    assert!(status.watch().since <= chrono::Utc::now(), "{status}");
     assert_eq!(
-        status["watch"]["index"],
-        json!(fake.index().to_string()),
+        status.watch().index,
+        Some(fake.index().to_string()),
         "{status}"
     );
     let metrics = gateway.metrics_text().await;
@@ -231,10 +212,10 @@ async fn registrations_and_deregistrations_reach_the_data_path_within_a_second()
     wait_serving(&gateway, "second", 20, PROPAGATION).await;
     assert!(deregistered.elapsed() < PROPAGATION);
     let status = wait_status(&gateway, source, "one draining", |s| {
-        s["endpoints"]["draining"] == 1 || s["endpoints"]["active"] == 1
+        s.endpoints.draining == 1 || s.endpoints.active == 1
     })
     .await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,27 +230,20 @@ async fn a_critical_check_drains_the_instance_and_a_passing_one_brings_it_back()
     let mut body = consul_source(&fake, json!({}));
     body["removal_grace_ms"] = json!(60_000);
     let (service, source) = consul_service_with(&gateway, body).await;
-    wait_status(&gateway, source, "two active", |s| {
-        s["endpoints"]["active"] == 2
-    })
-    .await;
+    wait_status(&gateway, source, "two active", |s| s.endpoints.active == 2).await;
     let second_id = format!("web-{}", second.addr.port());
 
     wait_watching(&fake).await;
     fake.set_check("node-b", &second_id, "critical");
     wait_serving(&gateway, "first", 20, PROPAGATION).await;
-    let targets = gateway
-        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+    let key = format!("node-b/{second_id}");
+    let drained = gateway
+        .targets(service)
         .await
-        .1;
-    let drained = targets["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["provider_key"] == format!("node-b/{second_id}"))
-        .cloned()
+        .into_iter()
+        .find(|target| target.provider_key.as_deref() == Some(key.as_str()))
         .expect("the critical instance is still listed while it drains");
-    assert_eq!(drained["state"], "draining", "{drained}");
+    assert_eq!(drained.state, "draining", "{drained}");
 
     // Passing again: back in rotation, as the same target.
     fake.set_check("node-b", &second_id, "passing");
@@ -298,31 +272,20 @@ async fn warning_instances_take_their_warning_weight_unless_passing_only() {
     )
     .await;
     wait_serving(&gateway, "first", 1, WAIT).await;
-    let targets = gateway
-        .api("GET", &format!("/api/v1/services/{service}/targets"), None)
-        .await
-        .1;
-    let target = &targets["items"][0];
-    assert_eq!(target["source_id"], source);
+    let targets = gateway.targets(service).await;
+    let target = &targets[0];
+    assert_eq!(target.source_id, Some(source));
     assert_eq!(
-        target["weight"], 200,
+        target.weight, 200,
         "Weights.Warning 2, scaled ×100: {target}"
     );
-    assert_eq!(target["priority"], 3, "{target}");
-    assert_eq!(target["host"], "127.0.0.1", "{target}");
-    assert_eq!(target["metadata"]["status"], "warning", "{target}");
-    assert_eq!(target["metadata"]["node"], "node-a", "{target}");
-    assert_eq!(target["metadata"]["datacenter"], "dc1", "{target}");
-    assert_eq!(
-        target["metadata"]["tags"],
-        json!(["blue", "v2"]),
-        "{target}"
-    );
-    assert_eq!(
-        target["metadata"]["meta"],
-        json!({"version": "2"}),
-        "{target}"
-    );
+    assert_eq!(target.priority, 3, "{target}");
+    assert_eq!(target.host, "127.0.0.1", "{target}");
+    assert_eq!(target.metadata["status"], "warning", "{target}");
+    assert_eq!(target.metadata["node"], "node-a", "{target}");
+    assert_eq!(target.metadata["datacenter"], "dc1", "{target}");
+    assert_eq!(target.metadata["tags"], json!(["blue", "v2"]), "{target}");
+    assert_eq!(target.metadata["meta"], json!({"version": "2"}), "{target}");
     let queries = fake.queries();
     assert!(
         queries[0].contains("tag=blue") && queries[0].contains("tag=v2"),
@@ -345,9 +308,9 @@ async fn a_host_name_address_is_refused_by_name_not_dropped_silently() {
     named.address = "web.internal".to_owned();
     fake.register(named);
     let (_, source) = consul_service(&gateway, &fake, json!({})).await;
-    let status = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains("left out 1 of 2 instances: node-z/web-8443")
             && error.contains("\"web.internal\" is not an IP address"),
@@ -368,7 +331,7 @@ async fn an_unchanging_catalog_costs_one_request_per_wait_and_no_reconcile() {
     fake.register(instance_of(&first, "node-a"));
     let wait_ms = 2_000;
     let (_, source) = consul_service(&gateway, &fake, json!({"wait_ms": wait_ms})).await;
-    let settled = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    let settled = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     let started = Instant::now();
     let before = fake.requests();
 
@@ -387,9 +350,9 @@ async fn an_unchanging_catalog_costs_one_request_per_wait_and_no_reconcile() {
         "{made} requests in {elapsed:?} (bound {bound})"
     );
     assert!(made >= 2, "the watch kept asking: {made}");
-    let now = status_of(&gateway, source).await;
+    let now = gateway.source_status(source).await;
     assert_eq!(
-        now["last_refresh_at"], settled["last_refresh_at"],
+        now.last_refresh_at, settled.last_refresh_at,
         "an identical set is not reconciled again: {now}"
     );
 
@@ -410,8 +373,8 @@ async fn an_unchanging_catalog_costs_one_request_per_wait_and_no_reconcile() {
         "{made} requests in 3.5 s against a non-blocking server"
     );
     assert!(made >= 2, "{made}");
-    let now = status_of(&gateway, source).await;
-    assert_eq!(now["last_refresh_at"], settled["last_refresh_at"], "{now}");
+    let now = gateway.source_status(source).await;
+    assert_eq!(now.last_refresh_at, settled.last_refresh_at, "{now}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,7 +390,7 @@ async fn a_burst_of_changes_is_read_as_one_set() {
     ];
     fake.register(instance_of(&upstreams[0], "node-0"));
     let (_, source) = consul_service(&gateway, &fake, json!({})).await;
-    let first = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    let first = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     let refreshes_before = fake.requests();
     let applied_before = applied(&gateway, source);
     // Let the watch block, then register four instances in one burst.
@@ -440,7 +403,7 @@ async fn a_burst_of_changes_is_read_as_one_set() {
     }
     // The status reads progress and counts one after the other: wait for both.
     wait_status(&gateway, source, "five active", |s| {
-        s["endpoints"]["active"] == 5 && s["revision"] != first["revision"]
+        s.endpoints.active == 5 && s.revision != first.revision
     })
     .await;
     // The first change wakes the blocked query; the rest wait for the next request a second
@@ -466,7 +429,7 @@ async fn an_index_that_goes_backwards_starts_over_with_a_plain_read() {
     }
     let high = fake.index();
     let (_, source) = consul_service(&gateway, &fake, json!({})).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("a blocking query at the high index", WAIT, || async {
         fake.in_flight() == 1 && fake.queries().last().and_then(|q| index_in(q)) == Some(high)
     })
@@ -499,10 +462,10 @@ async fn an_index_that_goes_backwards_starts_over_with_a_plain_read() {
     // It keeps following the catalog from the new index.
     fake.register(instance_of(&second, "node-b"));
     wait_serving(&gateway, "second", 1, WAIT).await;
-    let status = status_of(&gateway, source).await;
+    let status = gateway.source_status(source).await;
     assert_eq!(
-        status["watch"]["index"],
-        json!(fake.index().to_string()),
+        status.watch().index,
+        Some(fake.index().to_string()),
         "{status}"
     );
 }
@@ -515,7 +478,7 @@ async fn an_index_of_zero_is_sent_back_as_one() {
     fake.register(instance_of(&first, "node-a"));
     fake.reset_index(0);
     let (_, source) = consul_service(&gateway, &fake, json!({"wait_ms": 1_000})).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("two blocking queries", WAIT, || async {
         fake.blocking_requests() >= 2
     })
@@ -543,12 +506,12 @@ async fn a_watch_silent_past_its_wait_is_detected_and_reconnected() {
     )
     .await;
     wait_status(&gateway, source, "connected", |s| {
-        s["watch"]["connected"] == true
+        s.watch_connected() == Some(true)
     })
     .await;
     fake.hang(true);
     let hung = Instant::now();
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
     // The request under way when the fake went silent is given wait + wait/16 + timeout_ms
     // (1362 ms) from its start; one started after may wait up to a second (the spacing) first.
     // Twice that is a bound a dead connection's detection cannot reach without the deadline.
@@ -559,15 +522,15 @@ async fn a_watch_silent_past_its_wait_is_detected_and_reconnected() {
         "detected after {:?}",
         hung.elapsed()
     );
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&format!("{}/v1/health/service/web", fake.url()))
             && error.contains("no answer within"),
         "{status}"
     );
-    assert_eq!(status["watch"]["connected"], false, "{status}");
+    assert_eq!(status.watch_connected(), Some(false), "{status}");
     assert!(
-        status["next_refresh_at"].is_string(),
+        status.next_refresh_at.is_some(),
         "a retry is scheduled: {status}"
     );
     // The last known good set keeps serving while failing.
@@ -575,10 +538,10 @@ async fn a_watch_silent_past_its_wait_is_detected_and_reconnected() {
 
     fake.hang(false);
     let status = wait_status(&gateway, source, "healthy and connected again", |s| {
-        s["state"] == "healthy" && s["watch"]["connected"] == true
+        s.state == "healthy" && s.watch_connected() == Some(true)
     })
     .await;
-    assert_eq!(status["last_error"], Value::Null, "{status}");
+    assert_eq!(status.last_error, None, "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -588,7 +551,7 @@ async fn a_requested_refresh_restarts_the_watch_from_a_full_read() {
     let first = Upstream::start("first").await;
     fake.register(instance_of(&first, "node-a"));
     let (_, source) = consul_service(&gateway, &fake, json!({})).await;
-    let before = wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    let before = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     wait_until("a blocking query is open", WAIT, || async {
         fake.in_flight() == 1 && fake.blocking_requests() >= 1
     })
@@ -603,10 +566,10 @@ async fn a_requested_refresh_restarts_the_watch_from_a_full_read() {
         .await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let after = wait_status(&gateway, source, "refreshed", |s| {
-        s["last_refresh_at"] != before["last_refresh_at"]
+        s.last_refresh_at != before.last_refresh_at
     })
     .await;
-    assert_eq!(after["state"], "healthy");
+    assert_eq!(after.state, "healthy");
     let queries = fake.queries();
     assert_eq!(index_in(&queries[asked]), None, "a full read: {queries:?}");
     wait_until("the abandoned blocking query is closed", WAIT, || async {
@@ -631,34 +594,35 @@ async fn consul_down_is_failing_then_stale_then_back() {
     wait_serving(&gateway, "first", 1, WAIT).await;
 
     fake.stop();
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&format!("{}/v1/health/service/web", fake.url())),
         "{status}"
     );
-    assert_eq!(status["watch"]["connected"], false, "{status}");
+    assert_eq!(status.watch_connected(), Some(false), "{status}");
     // Failing: the last known good set keeps serving.
     wait_serving(&gateway, "first", 3, WAIT).await;
 
-    let status = wait_status(&gateway, source, "stale", |s| s["state"] == "stale").await;
-    assert_eq!(status["endpoints"]["stale"], 1, "{status}");
-    let end = Instant::now() + WAIT;
-    while fetch(&gateway).await.0 != 503 {
-        assert!(
-            Instant::now() < end,
-            "a stale source's targets take no traffic"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let status = wait_status(&gateway, source, "stale", |s| s.state == "stale").await;
+    assert_eq!(status.endpoints.stale, 1, "{status}");
+    wait_until("a stale source's targets take no traffic", WAIT, || async {
+        let (status, body) = fetch(&gateway).await;
+        if status == 503 {
+            Ok(())
+        } else {
+            Err(format!("the proxy answers {status}: {body}"))
+        }
+    })
+    .await;
 
     // Back at the next retry: the backoff has doubled a few times by now (1, 2, 4, 8 s).
     fake.restart().await;
     let status = gateway
-        .wait_source_status(source, "healthy", 2 * WAIT, |s| s["state"] == "healthy")
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
         .await;
-    assert_eq!(status["endpoints"]["active"], 1, "{status}");
-    assert_eq!(status["watch"]["connected"], true, "{status}");
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    assert_eq!(status.watch_connected(), Some(true), "{status}");
     wait_serving(&gateway, "first", 3, WAIT).await;
 }
 
@@ -674,8 +638,8 @@ async fn a_refused_token_and_a_server_error_are_failed_refreshes_that_keep_the_l
     // The token is revoked: the next answer is 403.
     fake.require_token(Some("new-token"));
     fake.touch();
-    let status = wait_status(&gateway, source, "failing", |s| s["state"] == "failing").await;
-    let error = status["last_error"].as_str().unwrap_or_default();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains("answered HTTP 403: ACL not found"),
         "{status}"
@@ -692,23 +656,21 @@ async fn a_refused_token_and_a_server_error_are_failed_refreshes_that_keep_the_l
         )
         .await;
     assert_eq!(code, StatusCode::OK, "{body}");
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
 
     fake.fail_with(Some((500, "rpc error: No cluster leader".to_owned())));
-    let status = wait_status(&gateway, source, "failing on 500", |s| {
-        s["state"] == "failing"
-    })
-    .await;
+    let status = wait_status(&gateway, source, "failing on 500", |s| s.state == "failing").await;
     assert!(
-        status["last_error"]
-            .as_str()
+        status
+            .last_error
+            .as_deref()
             .unwrap_or_default()
             .contains("answered HTTP 500: rpc error: No cluster leader"),
         "{status}"
     );
     wait_serving(&gateway, "first", 3, WAIT).await;
     fake.fail_with(None);
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -733,15 +695,15 @@ async fn consul_over_https_is_verified_against_ca_pem() {
         body["name"] = json!(name);
         sources.push(gateway.create(&path, body).await);
     }
-    let trusted = wait_status(&gateway, sources[0], "healthy", |s| s["state"] == "healthy").await;
-    assert_eq!(trusted["watch"]["connected"], true, "{trusted}");
-    let untrusted = wait_status(&gateway, sources[1], "failing", |s| s["state"] == "failing").await;
-    let error = untrusted["last_error"].as_str().unwrap_or_default();
+    let trusted = wait_status(&gateway, sources[0], "healthy", |s| s.state == "healthy").await;
+    assert_eq!(trusted.watch_connected(), Some(true), "{trusted}");
+    let untrusted = wait_status(&gateway, sources[1], "failing", |s| s.state == "failing").await;
+    let error = untrusted.last_error.as_deref().unwrap_or_default();
     assert!(
         error.contains(&fake.url()) && error.to_lowercase().contains("certificate"),
         "{untrusted}"
     );
-    wait_status(&gateway, sources[2], "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, sources[2], "healthy", |s| s.state == "healthy").await;
     wait_serving(&gateway, "first", 3, WAIT).await;
 }
 
@@ -777,7 +739,11 @@ async fn bad_consul_configs_are_refused_by_field() {
             )
             .await;
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{config}: {body}");
-        assert_eq!(body["error"]["field"], field, "{config}: {body}");
+        assert_eq!(
+            ApiError::read(&body).field.as_deref(),
+            Some(field),
+            "{config}: {body}"
+        );
     }
     let created = gateway
         .create(
@@ -819,26 +785,38 @@ async fn only_the_lease_holder_watches_and_a_survivor_takes_the_watch_over() {
     wait_serving(&a, "first", 1, WAIT).await;
     wait_serving(&b, "first", 1, WAIT).await;
     let status = wait_status(&b, source, "connected, seen from the other instance", |s| {
-        s["watch"]["connected"] == true && s["refreshed_by"].is_string()
+        s.watch_connected() == Some(true) && s.refreshed_by.is_some()
     })
     .await;
     // Several lease rounds pass (a window in which the other instance would start a watch of
     // its own if it did): never more than one watch open.
-    tokio::time::sleep(Duration::from_millis(2 * LEASE_MS)).await;
+    holds_for(
+        "only the lease holder watching",
+        Duration::from_millis(2 * LEASE_MS),
+        || async {
+            let most = fake.max_in_flight();
+            if most <= 1 {
+                Ok(())
+            } else {
+                Err(format!("{most} watches were open at once"))
+            }
+        },
+    )
+    .await;
     assert_eq!(fake.max_in_flight(), 1, "only the lease holder watches");
     wait_until("the holder's watch is open", WAIT, || async {
         fake.in_flight() == 1
     })
     .await;
 
-    let (mut holder, survivor, survivor_id) = if status["refreshed_by"] == "gw-a" {
+    let (mut holder, survivor, survivor_id) = if status.refreshed_by.as_deref() == Some("gw-a") {
         (a, b, "gw-b")
     } else {
         (b, a, "gw-a")
     };
     holder.gateway.take().expect("running").abort();
     wait_until("the survivor holds the source", WAIT, || async {
-        status_of(&survivor, source).await["refreshed_by"] == json!(survivor_id)
+        survivor.source_status(source).await.refreshed_by.as_deref() == Some(survivor_id)
     })
     .await;
     fake.register(instance_of(&second, "node-b"));
@@ -850,10 +828,14 @@ async fn only_the_lease_holder_watches_and_a_survivor_takes_the_watch_over() {
     .await;
     // The takeover recorded the dead holder's watch as down; connected again is the survivor's.
     let status = wait_status(&survivor, source, "the survivor's watch connected", |s| {
-        s["watch"]["connected"] == true
+        s.watch_connected() == Some(true)
     })
     .await;
-    assert_eq!(status["refreshed_by"], survivor_id, "{status}");
+    assert_eq!(
+        status.refreshed_by.as_deref(),
+        Some(survivor_id),
+        "{status}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -873,7 +855,7 @@ async fn catalog_changes_reach_the_data_path_fast() {
     }
     fake.register(instance_of(&upstreams[0], "node-0"));
     let (_, source) = consul_service(&gateway, &fake, json!({})).await;
-    wait_status(&gateway, source, "healthy", |s| s["state"] == "healthy").await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
     let mut delays = Vec::new();
     for (index, upstream) in upstreams.iter().enumerate().skip(1) {
         wait_watching(&fake).await;

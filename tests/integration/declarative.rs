@@ -1,7 +1,7 @@
 //! Declarative configuration: a resources file applied at start and on SIGHUP, idempotently,
 //! reporting what it did and marking what it manages.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! HTTPS termination (certificates by SNI from the API and the config file, TLS versions, ALPN)
 //! and upstream TLS for `https` services (SNI, Host, verification, CA bundles, HTTP/2).
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{test_config, wait_until, TestGateway, Upstream};
+use common::{test_config, wait_until, ApiError, ProxyError, TestGateway, Upstream};
 use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
@@ -337,7 +337,11 @@ async fn bad_certificates_are_refused_and_keys_never_returned() {
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert_eq!(body["error"]["field"], "cert_pem", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("cert_pem"),
+        "{body}"
+    );
 
     let (status, body) = gateway
         .api(
@@ -347,7 +351,11 @@ async fn bad_certificates_are_refused_and_keys_never_returned() {
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("key_pem"),
+        "{body}"
+    );
 
     let (status, body) = gateway
         .api(
@@ -357,7 +365,11 @@ async fn bad_certificates_are_refused_and_keys_never_returned() {
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("key_pem"),
+        "{body}"
+    );
 
     let (status, created) = gateway
         .api(
@@ -631,20 +643,18 @@ async fn https_service(
 
 /// GETs `path` through the plain listener until it answers `status`; returns the body.
 async fn get_until(gateway: &TestGateway, path: &str, status: u16) -> Value {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
+    wait_until(&format!("GET {path} to answer {status}"), WAIT, || async {
         let response = gateway.get(path).await;
         let got = response.status().as_u16();
         let text = response.text().await.unwrap_or_default();
         let last = serde_json::from_str(&text).unwrap_or(Value::String(text));
         if got == status {
-            return last;
+            Ok(last)
+        } else {
+            Err(format!("{got}: {last}"))
         }
-        if tokio::time::Instant::now() > deadline {
-            panic!("GET {path}: wanted {status}, last answer {got}: {last}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test]
@@ -726,8 +736,9 @@ async fn untrusted_upstream_certificate_is_a_named_502_until_its_ca_is_trusted()
     .await;
 
     let body = get_until(&gateway, "/verified", 502).await;
-    assert_eq!(body["error"]["code"], "upstream_tls_failed", "{body}");
-    let message = body["error"]["message"].as_str().unwrap_or_default();
+    let error = ProxyError::read(&body);
+    assert_eq!(error.code, "upstream_tls_failed", "{body}");
+    let message = error.message;
     assert!(message.contains("UnknownIssuer"), "{message}");
     assert!(
         upstream.seen.lock().unwrap().is_empty(),
@@ -763,8 +774,9 @@ async fn untrusted_upstream_certificate_is_a_named_502_until_its_ca_is_trusted()
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let body = get_until(&gateway, "/verified", 502).await;
-    assert_eq!(body["error"]["code"], "upstream_tls_failed", "{body}");
-    let message = body["error"]["message"].as_str().unwrap_or_default();
+    let error = ProxyError::read(&body);
+    assert_eq!(error.code, "upstream_tls_failed", "{body}");
+    let message = error.message;
     assert!(message.contains("not valid for name"), "{message}");
 }
 
@@ -905,7 +917,11 @@ async fn a_tls_handshake_that_never_finishes_is_a_connect_timeout() {
         .await;
     let started = std::time::Instant::now();
     let body = get_until(&gateway, "/", 504).await;
-    assert_eq!(body["error"]["code"], "upstream_connect_timeout", "{body}");
+    assert_eq!(
+        ProxyError::read(&body).code,
+        "upstream_connect_timeout",
+        "{body}"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -957,7 +973,11 @@ async fn a_certificate_is_renewed_in_place_and_an_api_certificate_beats_the_file
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert_eq!(body["error"]["field"], "key_pem", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("key_pem"),
+        "{body}"
+    );
     assert_eq!(
         served_cert(tls_addr, Some("renew.test")).await,
         Some(renewed.der.clone())
@@ -991,7 +1011,11 @@ async fn a_private_key_pasted_into_cert_pem_is_refused_not_stored() {
         )
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
-    assert_eq!(body["error"]["field"], "cert_pem", "{body}");
+    assert_eq!(
+        ApiError::read(&body).field.as_deref(),
+        Some("cert_pem"),
+        "{body}"
+    );
     let (_, listed) = gateway.api("GET", "/api/v1/certificates", None).await;
     assert_eq!(listed["items"], json!([]));
     assert!(!listed.to_string().contains("PRIVATE KEY"));

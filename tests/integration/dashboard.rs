@@ -7,7 +7,7 @@
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
 //! them the browser tests fail saying so.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -19,7 +19,7 @@ use bytes::Bytes;
 use common::browser::Browser;
 use common::fake_server::Listening;
 use common::registry::Registry;
-use common::{TestGateway, ADMIN_TOKEN};
+use common::{wait_until, TestGateway, ADMIN_TOKEN};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
@@ -595,18 +595,15 @@ async fn an_admin_watches_targets_change_live() {
 
 /// Waits until the API shows all six targets of `web` healthy.
 async fn wait_all_targets(fixture: &Fixture) {
-    let end = Instant::now() + WAIT;
-    loop {
+    wait_until("web's six targets all healthy", WAIT, || async {
         let targets = fixture.web_targets().await;
         if targets.len() == 6 && targets.iter().all(|t| t["health"] == "healthy") {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{targets:?}"))
         }
-        assert!(
-            Instant::now() < end,
-            "web's targets did not all turn healthy: {targets:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -952,24 +949,17 @@ async fn a_discovery_change_and_an_ejection_show_live_with_their_reasons() {
 
     // The registry starts answering b as well: its row appears without a reload.
     registry.set_json(json!([endpoint("a", &a), endpoint("b", &b)]));
-    let target_b = {
-        let path = format!("/api/v1/services/{shop}/targets");
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let (_, body) = gateway.api("GET", &path, None).await;
-            let found = body["items"].as_array().and_then(|items| {
-                items
-                    .iter()
-                    .find(|t| t["provider_key"] == "b")
-                    .and_then(|t| t["id"].as_i64())
-            });
-            if let Some(id) = found {
-                break id;
-            }
-            assert!(Instant::now() < deadline, "b was never discovered");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
+    let path = format!("/api/v1/services/{shop}/targets");
+    let target_b = wait_until("b discovered", WAIT, || async {
+        let (_, body) = gateway.api("GET", &path, None).await;
+        body["items"].as_array().and_then(|items| {
+            items
+                .iter()
+                .find(|t| t["provider_key"] == "b")
+                .and_then(|t| t["id"].as_i64())
+        })
+    })
+    .await;
     browser
         .wait_for(
             "b's row",

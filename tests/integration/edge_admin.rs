@@ -1,11 +1,9 @@
 //! Admin API checks for the TLS and L4 objects: what a certificate, a stream route or a protocol
 //! change is refused for, and that nothing is stored or bound when it is.
 
-mod common;
+use crate::common;
 
-use std::net::SocketAddr;
-
-use common::TestGateway;
+use common::{ApiError, TestGateway};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
@@ -13,11 +11,6 @@ fn self_signed(names: &[&str]) -> (String, String) {
     let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
     let generated = rcgen::generate_simple_self_signed(names).expect("rcgen");
     (generated.cert.pem(), generated.signing_key.serialize_pem())
-}
-
-fn free_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr")
 }
 
 async fn service(gateway: &TestGateway, name: &str, protocol: &str) -> i64 {
@@ -29,8 +22,8 @@ async fn service(gateway: &TestGateway, name: &str, protocol: &str) -> i64 {
         .await
 }
 
-fn error_field(body: &Value) -> &str {
-    body["error"]["field"].as_str().unwrap_or("")
+fn error_field(body: &Value) -> String {
+    ApiError::read(body).field.unwrap_or_default()
 }
 
 #[tokio::test]
@@ -156,7 +149,7 @@ async fn stream_route_fits_its_service_and_listen_address() {
     let tcp = service(&gateway, "db", "tcp").await;
     let tls_a = service(&gateway, "tls-a", "tls").await;
     let tls_b = service(&gateway, "tls-b", "tls").await;
-    let listen = free_port();
+    let listen = common::free_addr();
 
     let refused = [
         (
@@ -320,10 +313,7 @@ async fn taken_listen_address_is_a_conflict_naming_it_and_nothing_is_stored() {
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(error_field(&body), "listen", "{body}");
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains(&taken.to_string()),
+        ApiError::read(&body).message.contains(&taken.to_string()),
         "the message names the address: {body}"
     );
     let (_, listed) = gateway.api("GET", "/api/v1/stream-routes", None).await;

@@ -5,9 +5,8 @@
 //! periods; when PostgreSQL restarts under load, every instance keeps serving its last snapshot
 //! and picks up changes made after the database is back.
 
-mod common;
-#[path = "common/postgres.rs"]
-mod postgres;
+use crate::common;
+use crate::common::postgres;
 
 use common::registry::Registry;
 use common::*;
@@ -47,13 +46,6 @@ async fn fetch(gateway: &TestGateway, path: &str) -> (u16, String) {
 
 async fn serves(gateway: &TestGateway, path: &str, body: &str) -> bool {
     fetch(gateway, path).await == (200, body.to_owned())
-}
-
-async fn status_of(gateway: &TestGateway, source: i64) -> Value {
-    let path = format!("/api/v1/discovery-sources/{source}/status");
-    let (status, body) = gateway.api("GET", &path, None).await;
-    assert_eq!(status, StatusCode::OK, "GET {path}: {body}");
-    body
 }
 
 /// Refreshes this instance ran for `source` (its own counters, not the store's).
@@ -208,9 +200,9 @@ async fn each_source_is_refreshed_by_one_instance_whose_status_names_it() {
 
     // Both instances' status names the refreshing instance.
     for instance in [&a, &b] {
-        let status = status_of(instance, source).await;
-        assert_eq!(status["refreshed_by"], json!(holder_id), "{status}");
-        assert_eq!(status["state"], "healthy", "{status}");
+        let status = instance.source_status(source).await;
+        assert_eq!(status.refreshed_by.as_deref(), Some(holder_id), "{status}");
+        assert_eq!(status.state, "healthy", "{status}");
     }
 
     // The result is written once and every instance serves it: a registry change reaches the
@@ -243,14 +235,10 @@ async fn another_instance_takes_a_source_over_within_two_lease_periods() {
     registry.set_json(json!([registry_endpoint("one", &first)]));
 
     let source = discovered_service(&a, &registry, 200).await;
-    wait_until("a source holder is named", WAIT, || async {
-        status_of(&a, source).await["refreshed_by"].is_string()
+    let holder_id = wait_until("a source holder is named", WAIT, || async {
+        a.source_status(source).await.refreshed_by
     })
     .await;
-    let holder_id = status_of(&a, source).await["refreshed_by"]
-        .as_str()
-        .expect("a holder")
-        .to_owned();
     let (mut holder, survivor, survivor_id) = if holder_id == "gw-a" {
         (a, b, "gw-b")
     } else {
@@ -269,7 +257,9 @@ async fn another_instance_takes_a_source_over_within_two_lease_periods() {
     wait_until(
         "the survivor takes the source over",
         takeover.saturating_sub(stopped.elapsed()),
-        || async { status_of(&survivor, source).await["refreshed_by"] == json!(survivor_id) },
+        || async {
+            survivor.source_status(source).await.refreshed_by.as_deref() == Some(survivor_id)
+        },
     )
     .await;
     wait_until("the survivor refreshes the source", WAIT, || async {
@@ -283,7 +273,7 @@ async fn another_instance_takes_a_source_over_within_two_lease_periods() {
         serves(&survivor, "/", "second")
     })
     .await;
-    assert_eq!(status_of(&survivor, source).await["state"], "healthy");
+    assert_eq!(survivor.source_status(source).await.state, "healthy");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,14 +284,10 @@ async fn a_gracefully_stopped_instance_hands_its_sources_over_at_once() {
     let registry = Registry::start().await;
     registry.set_json(json!([registry_endpoint("one", &first)]));
     let source = discovered_service(&a, &registry, 200).await;
-    wait_until("a source holder is named", WAIT, || async {
-        status_of(&a, source).await["refreshed_by"].is_string()
+    let holder_id = wait_until("a source holder is named", WAIT, || async {
+        a.source_status(source).await.refreshed_by
     })
     .await;
-    let holder_id = status_of(&a, source).await["refreshed_by"]
-        .as_str()
-        .expect("a holder")
-        .to_owned();
     let (mut holder, survivor, survivor_id) = if holder_id == "gw-a" {
         (a, b, "gw-b")
     } else {
@@ -314,7 +300,9 @@ async fn a_gracefully_stopped_instance_hands_its_sources_over_at_once() {
     wait_until(
         "the survivor takes the released source over",
         Duration::from_millis(LEASE_MS * 2 / 3),
-        || async { status_of(&survivor, source).await["refreshed_by"] == json!(survivor_id) },
+        || async {
+            survivor.source_status(source).await.refreshed_by.as_deref() == Some(survivor_id)
+        },
     )
     .await;
     assert!(stopping.elapsed() < Duration::from_millis(LEASE_MS));
@@ -334,13 +322,14 @@ async fn a_refresh_asked_of_the_other_instance_is_run_by_the_holder() {
     // A long interval: only the first refresh and the one asked for reach the registry.
     let source = discovered_service(&a, &registry, 600_000).await;
     wait_until("the first refresh", WAIT, || async {
-        registry.requests() == 1 && status_of(&a, source).await["state"] == "healthy"
+        registry.requests() == 1 && a.source_status(source).await.state == "healthy"
     })
     .await;
-    let holder_id = status_of(&a, source).await["refreshed_by"]
-        .as_str()
-        .expect("a holder")
-        .to_owned();
+    let holder_id = a
+        .source_status(source)
+        .await
+        .refreshed_by
+        .expect("a holder");
     let (holder, other) = if holder_id == "gw-a" {
         (&a, &b)
     } else {
@@ -542,21 +531,16 @@ async fn instances_serve_their_last_snapshot_while_postgres_restarts_and_recover
 
 /// Creates an object, retrying while the admin API cannot reach the database yet.
 async fn wait_for_create(gateway: &TestGateway, path: &str, body: Value) -> i64 {
-    let mut created = None;
-    let end = Instant::now() + Duration::from_secs(30);
-    while created.is_none() {
+    let what = format!("POST {path} to succeed");
+    wait_until(&what, Duration::from_secs(30), || async {
         let (status, answer) = gateway.api("POST", path, Some(body.clone())).await;
         if status == StatusCode::CREATED {
-            created = answer["id"].as_i64();
-        } else {
-            assert!(
-                status.is_server_error() && Instant::now() < end,
-                "POST {path}: {status} {answer}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(answer["id"].as_i64().expect("created"));
         }
-    }
-    created.expect("created")
+        assert!(status.is_server_error(), "POST {path}: {status} {answer}");
+        Err(format!("{status} {answer}"))
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -588,10 +572,10 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
     registry.set_json(json!([]));
     let held = a
         .wait_source_status(source, "the guard holding 3", WAIT, |s| {
-            s["guard"]["holding"] == 3
+            s.guard.as_ref().is_some_and(|guard| guard.holding == 3)
         })
         .await;
-    let holder = held["refreshed_by"].as_str().expect("a holder").to_owned();
+    let holder = held.refreshed_by.expect("a holder");
     let other = if holder == "gw-a" { &b } else { &a };
     let (status, answer) = other
         .api(
@@ -611,8 +595,8 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
             source,
             "the held removals applied by the holder",
             WAIT,
-            |s| s["guard"].is_null() && s["endpoints"]["active"] == 0,
+            |s| s.guard.is_none() && s.endpoints.active == 0,
         )
         .await;
-    assert_eq!(accepted["refreshed_by"], holder.as_str(), "{accepted}");
+    assert_eq!(accepted.refreshed_by, Some(holder), "{accepted}");
 }

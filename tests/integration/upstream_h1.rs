@@ -3,7 +3,7 @@
 //! controls the wire: framing, fragmentation, informational answers, early answers, upgrades and
 //! broken responses, and whether the upstream connection is reused afterwards.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;
@@ -357,8 +357,7 @@ async fn error_answer(gateway: &TestGateway, path: &str) -> (u16, String, String
         .get("content-type")
         .and_then(|value| value.to_str().ok())
         .unwrap_or("");
-    let error = json_error(status, content_type, &body);
-    let code = error["code"].as_str().unwrap_or_default().to_owned();
+    let code = json_error(status, content_type, &body).code;
     (status, code, body)
 }
 

@@ -2,7 +2,7 @@
 //! "Available = active ∧ enabled ∧ health ≠ unhealthy ∧ not ejected ∧ weight > 0"), the panic
 //! fallback, and validation of the `health_check` and `ejection` settings.
 
-mod common;
+use crate::common;
 use common::*;
 
 use std::convert::Infallible;
@@ -246,24 +246,6 @@ async fn health_of(gateway: &TestGateway, service: i64, target: i64) -> String {
         .to_owned()
 }
 
-/// Polls `probe` until it yields a value or `deadline` passes; panics with `what` on timeout.
-async fn poll<T, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let end = tokio::time::Instant::now() + deadline;
-    loop {
-        if let Some(value) = probe().await {
-            return value;
-        }
-        if tokio::time::Instant::now() > end {
-            panic!("timed out after {deadline:?} waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// Whether nothing listens on `addr` (a stopped upstream has released it).
 fn free(addr: SocketAddr) -> bool {
     std::net::TcpListener::bind(addr).is_ok()
@@ -362,7 +344,7 @@ async fn killing_an_upstream_under_load_ejects_it_without_failing_requests_and_i
     );
     c.stop();
 
-    let until = poll(
+    let until = wait_until(
         "the killed upstream shows as ejected",
         Duration::from_secs(5),
         || ejection_of(&gateway, service, c_id),
@@ -377,7 +359,7 @@ async fn killing_an_upstream_under_load_ejects_it_without_failing_requests_and_i
 
     // While it is ejected, the proxy must not even try it: a listener on its address that
     // counts (and closes) connections sees none until shortly before the ejection ends.
-    let counting = poll(
+    let counting = wait_until(
         "the killed upstream's address is free",
         Duration::from_secs(5),
         || async { TcpListener::bind(c_addr).await.ok() },
@@ -400,13 +382,23 @@ async fn killing_an_upstream_under_load_ejects_it_without_failing_requests_and_i
         wait > 2_000,
         "too little of the ejection left to watch: {wait} ms"
     );
-    tokio::time::sleep(Duration::from_millis(wait as u64)).await;
+    holds_for(
+        "no connection to the ejected target",
+        Duration::from_millis(wait as u64),
+        || async {
+            let got = connections.load(Ordering::SeqCst);
+            let watched = done.load(Ordering::SeqCst) - done_at_watch_start;
+            if got == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{got} connections while {watched} requests were served"
+                ))
+            }
+        },
+    )
+    .await;
     let watched = done.load(Ordering::SeqCst) - done_at_watch_start;
-    assert_eq!(
-        connections.load(Ordering::SeqCst),
-        0,
-        "an ejected target got connections while {watched} requests were served"
-    );
     assert!(
         watched >= 200,
         "the load kept going while the target was ejected ({watched} requests)"
@@ -420,7 +412,7 @@ async fn killing_an_upstream_under_load_ejects_it_without_failing_requests_and_i
 
     // A real upstream comes back on the address: after the ejection ends, trial traffic reaches
     // it and it is back in rotation.
-    poll(
+    wait_until(
         "the address is free again",
         Duration::from_secs(5),
         || async { free(c_addr).then_some(()) },
@@ -937,7 +929,7 @@ async fn http_checks_move_health_by_thresholds_and_steer_traffic() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["health_check"]["path"], "/health", "{body}");
     assert_eq!(body["health_check"]["interval_ms"], 150, "{body}");
-    let first_new = poll(
+    let first_new = wait_until(
         "a check with the configured Host",
         Duration::from_secs(5),
         || async {
@@ -1013,7 +1005,7 @@ async fn tcp_checks_mark_a_stopped_upstream_unhealthy() {
     }
 
     drop(upstream);
-    poll("the address is free", Duration::from_secs(5), || async {
+    wait_until("the address is free", Duration::from_secs(5), || async {
         free(addr).then_some(())
     })
     .await;
@@ -1222,7 +1214,11 @@ async fn disabled_targets_are_not_a_panic_reason() {
         let (status, body) = send(&gateway, "/").await;
         assert_eq!(status, 503, "{body}");
         let body: Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(body["error"]["code"], "no_available_target", "{body}");
+        assert_eq!(
+            ProxyError::read(&body).code,
+            "no_available_target",
+            "{body}"
+        );
     }
     assert_eq!(upstream.hits(), 0);
     let view = runtime(&gateway, service).await;
@@ -1257,7 +1253,11 @@ async fn health_check_and_ejection_settings_are_validated_and_round_trip() {
             .api("POST", "/api/v1/services", Some(body.clone()))
             .await;
         assert_eq!(status, 422, "{body} → {answer}");
-        assert_eq!(answer["error"]["field"], field, "{body} → {answer}");
+        assert_eq!(
+            ApiError::read(&answer).field.as_deref(),
+            Some(field),
+            "{body} → {answer}"
+        );
     }
     let (_, list) = gateway.api("GET", "/api/v1/services", None).await;
     assert_eq!(list["items"], json!([]), "nothing invalid was stored");
@@ -1356,7 +1356,11 @@ async fn health_check_and_ejection_settings_are_validated_and_round_trip() {
         )
         .await;
     assert_eq!(status, 422, "{answer}");
-    assert_eq!(answer["error"]["field"], "ejection.nope", "{answer}");
+    assert_eq!(
+        ApiError::read(&answer).field.as_deref(),
+        Some("ejection.nope"),
+        "{answer}"
+    );
     let (_, read) = gateway
         .api("GET", &format!("/api/v1/services/{id}"), None)
         .await;
@@ -1433,23 +1437,28 @@ async fn turning_health_checks_off_clears_an_old_unhealthy_verdict() {
 
     // Over several former check intervals: no check brings the verdict back, and every request
     // is answered by the target as an available one, not as a panic pick.
-    let end = tokio::time::Instant::now() + Duration::from_millis(600);
-    let mut requests = 0;
-    while tokio::time::Instant::now() < end {
-        assert_eq!(send(&gateway, "/work").await, (200, "once-sick".to_owned()));
-        requests += 1;
-        let view = runtime(&gateway, service).await;
-        let entry = runtime_target(&view, sick_id);
-        assert_eq!(
-            entry["health"], "unknown",
-            "after {requests} requests: {view}"
-        );
-        assert_eq!(
-            entry["available"], true,
-            "after {requests} requests: {view}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let requests = std::cell::Cell::new(0);
+    holds_for(
+        "the target answering as an available one, its health unknown",
+        Duration::from_millis(600),
+        || async {
+            let answer = send(&gateway, "/work").await;
+            requests.set(requests.get() + 1);
+            let requests = requests.get();
+            if answer != (200, "once-sick".to_owned()) {
+                return Err(format!("request {requests} answered {answer:?}"));
+            }
+            let view = runtime(&gateway, service).await;
+            let entry = runtime_target(&view, sick_id);
+            if entry["health"] == "unknown" && entry["available"] == true {
+                Ok(())
+            } else {
+                Err(format!("after {requests} requests: {view}"))
+            }
+        },
+    )
+    .await;
+    let requests = requests.get();
     assert!(requests >= 5, "only {requests} requests in 600 ms");
     assert_eq!(
         panic_picks(&runtime(&gateway, service).await),

@@ -1,0 +1,42 @@
+//! Raahi's integration suite as one test binary (one link of the crate and its dependencies
+//! instead of one per file). Each former `tests/X.rs` is the module `X`, so a test is named
+//! `X::test_name`; run one file's tests with `cargo test --test integration X::`.
+//!
+//! The tests that measure this process's resident memory are not here: other tests running in
+//! the same process would pollute the measurement. They are the `memory` test binary
+//! (`tests/memory/`), which `scripts/test.sh` runs on its own, one test at a time.
+
+// The suite runs the gateway against real sockets and processes, on real time: the clock rule
+// in clippy.toml (tokio's pausable clock, wall time through `raahi::clock`) is for `src/`.
+#![allow(clippy::disallowed_methods)]
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod admin_api;
+mod cli;
+mod cli_status;
+mod cluster;
+mod consul_fake;
+mod dashboard;
+mod declarative;
+mod discovery_consul;
+mod discovery_dns;
+mod discovery_http;
+mod discovery_kubernetes;
+mod discovery_safety;
+mod edge_admin;
+mod events;
+mod health;
+mod health_tls;
+mod kubernetes_fake;
+mod layering;
+mod operability;
+mod proxy;
+mod registration;
+mod smoke;
+mod stream_routes;
+mod tls;
+mod toolchain;
+mod upload_stalls;
+mod upstream_h1;
