@@ -1,7 +1,9 @@
 //! The immutable routing table the data path reads, and its publish/load wrapper.
 //!
-//! The control task builds a whole new [`Snapshot`] for every change and publishes it with one
-//! atomic pointer swap; a request does one lock-free load and never sees a half-applied change.
+//! The control task builds a new [`Snapshot`] for every change and publishes it with one atomic
+//! pointer swap; a request does one lock-free load and never sees a half-applied change. A new
+//! generation shares every service, route index and stream table the change did not touch with
+//! the one before ([`Snapshot::next`]).
 
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
@@ -229,6 +231,16 @@ pub struct RouteEntry {
 }
 
 impl RouteEntry {
+    /// The same route and statistics, sending to `service` (a newer build of its service).
+    fn with_service(&self, service: Arc<ServiceRuntime>) -> RouteEntry {
+        RouteEntry {
+            route: self.route.clone(),
+            service,
+            stats: self.stats.clone(),
+            methods: self.methods.clone(),
+        }
+    }
+
     fn accepts(&self, method: &Method) -> bool {
         self.methods.is_empty() || self.methods.contains(method)
     }
@@ -264,32 +276,37 @@ pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
 /// however many routes there are.
 #[derive(Default)]
 struct PrefixIndex {
-    /// Each list ordered by route priority (highest first), then id.
+    /// Positions in the snapshot's route entries; each list ordered by route priority (highest
+    /// first), then id.
     // foldhash, not SipHash: every request hashes its host and each prefix of its path. The
     // keys are the operator's; a client only chooses what is looked up.
-    by_prefix: HashMap<String, Vec<Arc<RouteEntry>>>,
+    by_prefix: HashMap<String, Vec<u32>>,
 }
 
 impl PrefixIndex {
-    fn insert(&mut self, entry: Arc<RouteEntry>) {
+    fn insert(&mut self, position: u32, route: &Route) {
         self.by_prefix
-            .entry(entry.route.path_prefix.clone())
+            .entry(route.path_prefix.clone())
             .or_default()
-            .push(entry);
+            .push(position);
     }
 
-    fn sort(&mut self) {
+    fn sort(&mut self, entries: &[Arc<RouteEntry>]) {
+        let key = |position: &u32| {
+            let route = &entries[*position as usize].route;
+            (std::cmp::Reverse(route.priority), route.id)
+        };
         for list in self.by_prefix.values_mut() {
-            list.sort_by(|a, b| {
-                b.route
-                    .priority
-                    .cmp(&a.route.priority)
-                    .then_with(|| a.route.id.cmp(&b.route.id))
-            });
+            list.sort_by_key(key);
         }
     }
 
-    fn find(&self, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
+    fn find<'a>(
+        &self,
+        entries: &'a [Arc<RouteEntry>],
+        path: &str,
+        method: &Method,
+    ) -> Option<&'a Arc<RouteEntry>> {
         if self.by_prefix.is_empty() {
             return None;
         }
@@ -297,6 +314,7 @@ impl PrefixIndex {
             self.by_prefix
                 .get(prefix)?
                 .iter()
+                .filter_map(|position| entries.get(*position as usize))
                 .find(|entry| entry.accepts(method))
         })
     }
@@ -318,31 +336,42 @@ fn prefix_candidates(path: &str) -> impl Iterator<Item = &str> {
     }))
 }
 
-/// Routes indexed by host: exact names, `*.suffix` wildcards, and routes for any host.
+/// Routes indexed by host: exact names, `*.suffix` wildcards, and routes for any host. It holds
+/// positions, not entries, so a generation whose routes did not change shares it with the one
+/// before and only swaps the entries of the services that changed.
 #[derive(Default)]
 struct RouteTable {
     exact: HashMap<String, PrefixIndex>,
     /// Keyed by the suffix with its dot: `*.example.com` → `.example.com`.
     wildcard: HashMap<String, PrefixIndex>,
     any_host: PrefixIndex,
+    /// The positions of each service's routes, to re-resolve them when the service changes.
+    by_service: HashMap<Id, Vec<u32>>,
 }
 
 impl RouteTable {
-    fn build(entries: Vec<Arc<RouteEntry>>) -> RouteTable {
+    fn build(entries: &[Arc<RouteEntry>]) -> RouteTable {
         let mut table = RouteTable::default();
-        for entry in entries {
-            if entry.route.hosts.is_empty() {
-                table.any_host.insert(entry.clone());
+        for (position, entry) in entries.iter().enumerate() {
+            let position = u32::try_from(position).expect("fewer than 2^32 routes");
+            let route = &entry.route;
+            table
+                .by_service
+                .entry(route.service_id)
+                .or_default()
+                .push(position);
+            if route.hosts.is_empty() {
+                table.any_host.insert(position, route);
             }
-            for host in &entry.route.hosts {
+            for host in &route.hosts {
                 let host = host.to_ascii_lowercase();
                 match host.strip_prefix('*') {
                     Some(suffix) => table
                         .wildcard
                         .entry(suffix.to_owned())
                         .or_default()
-                        .insert(entry.clone()),
-                    None => table.exact.entry(host).or_default().insert(entry.clone()),
+                        .insert(position, route),
+                    None => table.exact.entry(host).or_default().insert(position, route),
                 }
             }
         }
@@ -352,17 +381,23 @@ impl RouteTable {
             .chain(table.wildcard.values_mut())
             .chain(std::iter::once(&mut table.any_host))
         {
-            index.sort();
+            index.sort(entries);
         }
         table
     }
 
     /// Exact host first, then the longest matching wildcard, then routes for any host.
-    fn find(&self, host: &str, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
+    fn find<'a>(
+        &self,
+        entries: &'a [Arc<RouteEntry>],
+        host: &str,
+        path: &str,
+        method: &Method,
+    ) -> Option<&'a Arc<RouteEntry>> {
         if let Some(found) = self
             .exact
             .get(host)
-            .and_then(|index| index.find(path, method))
+            .and_then(|index| index.find(entries, path, method))
         {
             return Some(found);
         }
@@ -376,21 +411,34 @@ impl RouteTable {
                 if let Some(found) = self
                     .wildcard
                     .get(suffix)
-                    .and_then(|index| index.find(path, method))
+                    .and_then(|index| index.find(entries, path, method))
                 {
                     return Some(found);
                 }
             }
         }
-        self.any_host.find(path, method)
+        self.any_host.find(entries, path, method)
     }
 }
 
 pub struct Snapshot {
     pub generation: u64,
     services: HashMap<Id, Arc<ServiceRuntime>>,
-    routes: RouteTable,
-    streams: StreamTable,
+    routes: Arc<RouteTable>,
+    /// Every route once, with its service resolved; `routes` holds positions in it.
+    route_entries: Vec<Arc<RouteEntry>>,
+    streams: Arc<StreamTable>,
+}
+
+/// What a new generation changes; everything else is shared with the generation before.
+#[derive(Default)]
+pub struct SnapshotChange {
+    /// Services built anew (Some) or deleted (None).
+    pub services: Vec<(Id, Option<ServiceRuntime>)>,
+    /// Every route, when routes changed.
+    pub routes: Option<Vec<Route>>,
+    /// Every stream route, when stream routes changed.
+    pub stream_routes: Option<Vec<StreamRoute>>,
 }
 
 impl Snapshot {
@@ -398,8 +446,9 @@ impl Snapshot {
         Snapshot {
             generation: 0,
             services: HashMap::new(),
-            routes: RouteTable::default(),
-            streams: StreamTable::default(),
+            routes: Arc::default(),
+            route_entries: Vec::new(),
+            streams: Arc::default(),
         }
     }
 
@@ -415,34 +464,19 @@ impl Snapshot {
         generation: u64,
         services: Vec<ServiceRuntime>,
         routes: Vec<Route>,
-        mut stats_of: impl FnMut(Id) -> Arc<RouteStats>,
+        stats_of: impl FnMut(Id) -> Arc<RouteStats>,
     ) -> Snapshot {
         let services: HashMap<Id, Arc<ServiceRuntime>> = services
             .into_iter()
             .map(|runtime| (runtime.service.id, Arc::new(runtime)))
             .collect();
-        let entries = routes
-            .into_iter()
-            .filter_map(|route| {
-                let service = services.get(&route.service_id)?.clone();
-                let methods = route
-                    .methods
-                    .iter()
-                    .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
-                    .collect();
-                Some(Arc::new(RouteEntry {
-                    stats: stats_of(route.id),
-                    route,
-                    service,
-                    methods,
-                }))
-            })
-            .collect();
+        let route_entries = resolve_routes(routes, &services, stats_of);
         Snapshot {
             generation,
             services,
-            routes: RouteTable::build(entries),
-            streams: StreamTable::default(),
+            routes: Arc::new(RouteTable::build(&route_entries)),
+            route_entries,
+            streams: Arc::default(),
         }
     }
 
@@ -452,8 +486,95 @@ impl Snapshot {
         routes: &[StreamRoute],
         stats_of: impl FnMut(Id) -> Arc<StreamStats>,
     ) -> Snapshot {
-        self.streams = StreamTable::build(routes, &self.services, stats_of);
+        self.streams = Arc::new(StreamTable::build(routes, &self.services, stats_of));
         self
+    }
+
+    /// The next generation: `change` applied, everything it leaves alone shared with this one.
+    /// Its cost grows with what changed (plus one pointer copy per service and route), not with
+    /// the number of targets. Route and stream statistics come from `route_stats_of` and
+    /// `stream_stats_of` for routes that are new to it.
+    pub fn next(
+        &self,
+        generation: u64,
+        change: SnapshotChange,
+        mut route_stats_of: impl FnMut(Id) -> Arc<RouteStats>,
+        stream_stats_of: impl FnMut(Id) -> Arc<StreamStats>,
+    ) -> Snapshot {
+        let mut services = self.services.clone();
+        let mut changed = Vec::with_capacity(change.services.len());
+        for (id, runtime) in change.services {
+            changed.push(id);
+            match runtime {
+                Some(runtime) => services.insert(id, Arc::new(runtime)),
+                None => services.remove(&id),
+            };
+        }
+        let (routes, route_entries) = match change.routes {
+            Some(routes) => {
+                let entries = resolve_routes(routes, &services, route_stats_of);
+                (Arc::new(RouteTable::build(&entries)), entries)
+            }
+            None => {
+                let mut entries = self.route_entries.clone();
+                let mut orphaned = false;
+                for id in &changed {
+                    let positions = self
+                        .routes
+                        .by_service
+                        .get(id)
+                        .map_or(&[][..], Vec::as_slice);
+                    for &position in positions {
+                        let slot = &mut entries[position as usize];
+                        match services.get(id) {
+                            Some(service) => *slot = Arc::new(slot.with_service(service.clone())),
+                            None => orphaned = true,
+                        }
+                    }
+                }
+                if orphaned {
+                    // A route outlived its service (the store forbids it): leave it out, as a
+                    // full build would.
+                    let routes = entries.iter().map(|entry| entry.route.clone()).collect();
+                    let entries = resolve_routes(routes, &services, |id| {
+                        self.route_stats(id).unwrap_or_else(|| route_stats_of(id))
+                    });
+                    (Arc::new(RouteTable::build(&entries)), entries)
+                } else {
+                    (self.routes.clone(), entries)
+                }
+            }
+        };
+        let streams_touched = change.stream_routes.is_some()
+            || self
+                .streams
+                .routes()
+                .any(|entry| changed.contains(&entry.route.service_id));
+        let streams = if streams_touched {
+            let routes = change.stream_routes.unwrap_or_else(|| {
+                self.streams
+                    .routes()
+                    .map(|entry| entry.route.clone())
+                    .collect()
+            });
+            Arc::new(StreamTable::build(&routes, &services, stream_stats_of))
+        } else {
+            self.streams.clone()
+        };
+        Snapshot {
+            generation,
+            services,
+            routes,
+            route_entries,
+            streams,
+        }
+    }
+
+    fn route_stats(&self, route_id: Id) -> Option<Arc<RouteStats>> {
+        self.route_entries
+            .iter()
+            .find(|entry| entry.route.id == route_id)
+            .map(|entry| entry.stats.clone())
     }
 
     pub fn streams(&self) -> &StreamTable {
@@ -462,7 +583,7 @@ impl Snapshot {
 
     /// `host` must be lower case and without port.
     pub fn find_route(&self, host: &str, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
-        self.routes.find(host, path, method)
+        self.routes.find(&self.route_entries, host, path, method)
     }
 
     pub fn service(&self, id: Id) -> Option<&Arc<ServiceRuntime>> {
@@ -475,16 +596,34 @@ impl Snapshot {
 
     /// Every route once (a route with several hosts is indexed several times).
     pub fn routes(&self) -> Vec<&Arc<RouteEntry>> {
-        let mut seen = std::collections::HashSet::new();
-        self.routes
-            .exact
-            .values()
-            .chain(self.routes.wildcard.values())
-            .chain(std::iter::once(&self.routes.any_host))
-            .flat_map(|index| index.by_prefix.values().flatten())
-            .filter(|entry| seen.insert(entry.route.id))
-            .collect()
+        self.route_entries.iter().collect()
     }
+}
+
+/// Resolves each route's service (leaving out routes whose service is missing), in id order.
+fn resolve_routes(
+    mut routes: Vec<Route>,
+    services: &HashMap<Id, Arc<ServiceRuntime>>,
+    mut stats_of: impl FnMut(Id) -> Arc<RouteStats>,
+) -> Vec<Arc<RouteEntry>> {
+    routes.sort_by_key(|route| route.id);
+    routes
+        .into_iter()
+        .filter_map(|route| {
+            let service = services.get(&route.service_id)?.clone();
+            let methods = route
+                .methods
+                .iter()
+                .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                .collect();
+            Some(Arc::new(RouteEntry {
+                stats: stats_of(route.id),
+                route,
+                service,
+                methods,
+            }))
+        })
+        .collect()
 }
 
 /// Shared access to the current snapshot. Cloning is cheap; every clone sees the same table.

@@ -6,12 +6,14 @@ use std::sync::Arc;
 use http::uri::Authority;
 use http::HeaderValue;
 
+use super::desired::Desired;
 use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
-use crate::model::{Health, Id, RoutingConfig, SourceStanding, SourceState, Target};
+use crate::model::{Health, Id, RoutingConfig, Service, SourceStanding, SourceState, Target};
 use crate::snapshot::{
-    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, StreamStats,
-    TargetRuntime,
+    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, SnapshotChange,
+    StreamStats, TargetRuntime,
 };
+use crate::store::ChangeSet;
 
 /// Runtime state that outlives snapshots: per target id (in-flight, health, ejection) and per
 /// service id (counters).
@@ -22,6 +24,9 @@ pub struct CarriedState {
     counters: HashMap<Id, Arc<ServiceCounters>>,
     route_stats: HashMap<Id, Arc<RouteStats>>,
     stream_stats: HashMap<Id, Arc<StreamStats>>,
+    /// Every target id of each service as last built, to forget the state of the ones a
+    /// service's rebuild no longer has.
+    service_targets: HashMap<Id, Vec<Id>>,
 }
 
 impl CarriedState {
@@ -31,6 +36,31 @@ impl CarriedState {
             .entry(target.id)
             .or_insert_with(|| Arc::new(TargetHealth::new(target.health)))
             .clone()
+    }
+
+    fn forget_gone_targets(&mut self, service_id: Id, targets: &[Target]) {
+        let Some(before) = self.service_targets.get(&service_id) else {
+            return;
+        };
+        let now: HashSet<Id> = targets.iter().map(|target| target.id).collect();
+        for id in before.iter().filter(|id| !now.contains(id)) {
+            self.loads.remove(id);
+            self.health.remove(id);
+        }
+    }
+
+    fn forget_service(&mut self, service_id: Id) {
+        self.forget_gone_targets(service_id, &[]);
+        self.service_targets.remove(&service_id);
+        self.counters.remove(&service_id);
+    }
+
+    fn forget_missing_routes(&mut self, desired: &Desired) {
+        let routes: HashSet<Id> = desired.routes.iter().map(|route| route.id).collect();
+        self.route_stats.retain(|id, _| routes.contains(id));
+        let stream_routes: HashSet<Id> =
+            desired.stream_routes.iter().map(|route| route.id).collect();
+        self.stream_stats.retain(|id, _| stream_routes.contains(id));
     }
 
     /// Health checks or passive ejection took the target out (as far as this instance saw).
@@ -52,96 +82,131 @@ pub fn build_snapshot(
     carried: &mut CarriedState,
     generation: u64,
 ) -> Snapshot {
-    let mut targets_by_service: HashMap<Id, Vec<&Target>> = HashMap::new();
-    for target in &config.targets {
-        targets_by_service
-            .entry(target.service_id)
-            .or_default()
-            .push(target);
-    }
-    let mut sources_by_service: HashMap<Id, Vec<&SourceStanding>> = HashMap::new();
-    for source in &config.sources {
-        sources_by_service
-            .entry(source.service_id)
-            .or_default()
-            .push(source);
-    }
-    let existing: HashSet<Id> = config.targets.iter().map(|target| target.id).collect();
+    build_full(&Desired::from_config(config.clone()), carried, generation)
+}
+
+/// Builds every part of a snapshot anew (at start, and when the change log cannot say what
+/// changed).
+pub(super) fn build_full(
+    desired: &Desired,
+    carried: &mut CarriedState,
+    generation: u64,
+) -> Snapshot {
+    let existing: HashSet<Id> = desired.all_targets().map(|target| target.id).collect();
     carried.loads.retain(|id, _| existing.contains(id));
     carried.health.retain(|id, _| existing.contains(id));
-    let services: HashSet<Id> = config.services.iter().map(|service| service.id).collect();
-    carried.counters.retain(|id, _| services.contains(id));
-    let routes: HashSet<Id> = config.routes.iter().map(|route| route.id).collect();
-    carried.route_stats.retain(|id, _| routes.contains(id));
-    let stream_routes: HashSet<Id> = config.stream_routes.iter().map(|route| route.id).collect();
     carried
-        .stream_stats
-        .retain(|id, _| stream_routes.contains(id));
-
-    let services = config
+        .counters
+        .retain(|id, _| desired.services.contains_key(id));
+    carried.service_targets.clear();
+    carried.forget_missing_routes(desired);
+    let services = desired
         .services
-        .iter()
-        .map(|service| {
-            let mut runtimes = Vec::new();
-            let mut members = Vec::new();
-            let eligible = targets_by_service
-                .get(&service.id)
-                .into_iter()
-                .flatten()
-                .filter(|target| target.takes_new_traffic());
-            for target in eligible {
-                let Some((authority, host_header)) = target_authority(target) else {
-                    tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
-                    continue;
-                };
-                let load = carried.loads.entry(target.id).or_default().clone();
-                let health = carried.health_of(target);
-                if service.health_check.is_none() {
-                    // Checks turned off: an old verdict must not keep the target out forever.
-                    health.set_health(Health::Unknown);
-                }
-                members.push(Member {
-                    weight: target.weight,
-                    priority: target.priority,
-                    load: load.clone(),
-                });
-                runtimes.push(TargetRuntime {
-                    id: target.id,
-                    authority,
-                    host_header,
-                    load,
-                    health,
-                });
-            }
-            let upstream_host = service
-                .upstream_authority
-                .as_deref()
-                .and_then(|authority| HeaderValue::from_str(authority).ok());
-            ServiceRuntime {
-                service: service.clone(),
-                upstream_host,
-                targets: runtimes,
-                balancer: Balancer::new(service.lb_policy, members),
-                counters: carried.counters.entry(service.id).or_default().clone(),
-                discovery_gap: discovery_gap(
-                    sources_by_service
-                        .get(&service.id)
-                        .map_or(&[][..], Vec::as_slice),
-                    targets_by_service
-                        .get(&service.id)
-                        .map_or(&[][..], Vec::as_slice),
-                ),
-            }
-        })
+        .values()
+        .map(|service| build_service(desired, service, carried))
         .collect();
     let route_stats = &mut carried.route_stats;
-    let snapshot = Snapshot::with_route_stats(generation, services, config.routes.clone(), |id| {
+    let snapshot = Snapshot::with_route_stats(generation, services, desired.routes.clone(), |id| {
         route_stats.entry(id).or_default().clone()
     });
     let stream_stats = &mut carried.stream_stats;
-    snapshot.with_stream_routes(&config.stream_routes, |id| {
+    snapshot.with_stream_routes(&desired.stream_routes, |id| {
         stream_stats.entry(id).or_default().clone()
     })
+}
+
+/// Builds the next snapshot from `previous`, rebuilding only the services, routes and stream
+/// routes `changes` names; the rest is shared.
+pub(super) fn build_changed(
+    previous: &Snapshot,
+    desired: &Desired,
+    changes: &ChangeSet,
+    carried: &mut CarriedState,
+    generation: u64,
+) -> Snapshot {
+    let mut change = SnapshotChange::default();
+    for &id in &changes.services {
+        let runtime = desired.services.get(&id).map(|service| {
+            carried.forget_gone_targets(id, desired.targets_of(id));
+            build_service(desired, service, carried)
+        });
+        if runtime.is_none() {
+            carried.forget_service(id);
+        }
+        change.services.push((id, runtime));
+    }
+    if changes.routes || changes.stream_routes {
+        carried.forget_missing_routes(desired);
+    }
+    if changes.routes {
+        change.routes = Some(desired.routes.clone());
+    }
+    if changes.stream_routes {
+        change.stream_routes = Some(desired.stream_routes.clone());
+    }
+    let CarriedState {
+        route_stats,
+        stream_stats,
+        ..
+    } = carried;
+    previous.next(
+        generation,
+        change,
+        |id| route_stats.entry(id).or_default().clone(),
+        |id| stream_stats.entry(id).or_default().clone(),
+    )
+}
+
+/// One service with the targets that may take new traffic and their carried runtime state.
+fn build_service(
+    desired: &Desired,
+    service: &Service,
+    carried: &mut CarriedState,
+) -> ServiceRuntime {
+    let targets = desired.targets_of(service.id);
+    carried
+        .service_targets
+        .insert(service.id, targets.iter().map(|target| target.id).collect());
+    let mut runtimes = Vec::new();
+    let mut members = Vec::new();
+    for target in targets.iter().filter(|target| target.takes_new_traffic()) {
+        let Some((authority, host_header)) = target_authority(target) else {
+            tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
+            continue;
+        };
+        let load = carried.loads.entry(target.id).or_default().clone();
+        let health = carried.health_of(target);
+        if service.health_check.is_none() {
+            // Checks turned off: an old verdict must not keep the target out forever.
+            health.set_health(Health::Unknown);
+        }
+        members.push(Member {
+            weight: target.weight,
+            priority: target.priority,
+            load: load.clone(),
+        });
+        runtimes.push(TargetRuntime {
+            id: target.id,
+            authority,
+            host_header,
+            load,
+            health,
+        });
+    }
+    let upstream_host = service
+        .upstream_authority
+        .as_deref()
+        .and_then(|authority| HeaderValue::from_str(authority).ok());
+    let sources: Vec<&SourceStanding> = desired.sources_of(service.id).iter().collect();
+    let all_targets: Vec<&Target> = targets.iter().collect();
+    ServiceRuntime {
+        service: service.clone(),
+        upstream_host,
+        targets: runtimes,
+        balancer: Balancer::new(service.lb_policy, members),
+        counters: carried.counters.entry(service.id).or_default().clone(),
+        discovery_gap: discovery_gap(&sources, &all_targets),
+    }
 }
 
 /// The service's enabled sources with their states, when none of them is healthy and no

@@ -1,10 +1,11 @@
 //! Several gateway instances on one PostgreSQL store: change notifications and source leases.
 //!
-//! - Notifications: triggers in the database raise `NOTIFY raahi_config` (payload: the writer's
-//!   instance id) on every change that affects routing. A listener task here turns another
-//!   instance's notification into a reload of this instance's snapshot; after a lost connection
-//!   it reconnects with backoff and asks for a full resync, since notifications sent meanwhile
-//!   are gone. A periodic full resync backs this up.
+//! - Notifications: triggers in the database log every change that affects routing in the change
+//!   log and raise `NOTIFY raahi_config` naming it (the writer's instance id, the scope and the
+//!   service). A listener task here turns another instance's notification into a reload of what
+//!   changed since this instance last read the log; after a lost connection it reconnects with
+//!   backoff and asks for a full resync, since notifications sent meanwhile are gone. A periodic
+//!   full resync backs this up.
 //! - Leases: see `sources.rs` (`lease_round`): only the instance holding a source's lease runs
 //!   its refresh loop and timers and writes its results.
 //!
@@ -20,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::model::Id;
 
-/// The channel the triggers of `migrations/postgres/0005_cluster.sql` notify.
+/// The channel the triggers of `migrations/postgres/0008_change_log.sql` notify.
 pub const CONFIG_CHANNEL: &str = "raahi_config";
 /// Asks the holder of a source's lease to refresh it now (payload: the source id).
 pub const REFRESH_CHANNEL: &str = "raahi_refresh";
@@ -106,9 +107,7 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
         loop {
             let event = match listener.try_recv().await {
                 Ok(Some(notification)) => match notification.channel() {
-                    CONFIG_CHANNEL if notification.payload() != instance_id => {
-                        Some(ClusterEvent::Changed)
-                    }
+                    CONFIG_CHANNEL => config_change(notification.payload(), &instance_id),
                     REFRESH_CHANNEL => notification
                         .payload()
                         .parse::<Id>()
@@ -142,10 +141,57 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
     }
 }
 
+/// What a `raahi_config` notification names (see `migrations/postgres/0008_change_log.sql`).
+#[derive(Debug, serde::Deserialize)]
+struct ConfigNotification {
+    instance: String,
+    scope: String,
+    service_id: Option<Id>,
+}
+
+/// Another instance's change is news; this instance's own is already applied. The control task
+/// reads what changed from the change log, which also covers notifications that were lost.
+fn config_change(payload: &str, own_instance: &str) -> Option<ClusterEvent> {
+    match serde_json::from_str::<ConfigNotification>(payload) {
+        Ok(change) if change.instance == own_instance => None,
+        Ok(change) => {
+            tracing::trace!(
+                from = %change.instance,
+                scope = %change.scope,
+                service_id = ?change.service_id,
+                "configuration changed on another instance"
+            );
+            Some(ClusterEvent::Changed)
+        }
+        // Not this version's payload: whatever it says, something changed.
+        Err(_) => (payload != own_instance).then_some(ClusterEvent::Changed),
+    }
+}
+
 async fn connect(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener
         .listen_all([CONFIG_CHANNEL, REFRESH_CHANNEL, ACCEPT_CHANNEL])
         .await?;
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_instances_change_is_news_and_its_own_is_not() {
+        let theirs = r#"{"instance":"b","scope":"service","service_id":7}"#;
+        assert_eq!(config_change(theirs, "a"), Some(ClusterEvent::Changed));
+        assert_eq!(config_change(theirs, "b"), None);
+        let routes = r#"{"instance":"b","scope":"routes","service_id":null}"#;
+        assert_eq!(config_change(routes, "a"), Some(ClusterEvent::Changed));
+    }
+
+    #[test]
+    fn a_payload_of_another_version_still_means_a_change() {
+        assert_eq!(config_change("b", "a"), Some(ClusterEvent::Changed));
+        assert_eq!(config_change("a", "a"), None);
+    }
 }

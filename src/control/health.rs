@@ -7,7 +7,7 @@
 //! name, verification and CA as traffic, so a check never judges a target by a protocol its
 //! traffic does not use.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use crate::balance::TargetHealth;
 use crate::model::{CheckResult, Health, HealthCheck, HealthCheckKind, Id, Service};
 use crate::proxy::{AlpnOffer, TlsTargetConnector, UpstreamTlsError};
 use crate::snapshot::SnapshotHandle;
-use crate::store::Store;
+use crate::store::{ChangeSet, Store};
 use crate::tls;
 
 /// Checks running at once across all services.
@@ -120,23 +120,35 @@ impl HealthCheckers {
         }
     }
 
-    /// Stops the loops of services whose checks went away or changed. Done before a new
-    /// snapshot resets the verdicts of unchecked targets, so no late result undoes the reset.
-    pub(super) fn stop_unwanted(&mut self, services: &[Service]) {
-        let wanted = wanted(services);
-        self.loops
-            .retain(|id, running| wanted.get(id) == Some(&running.settings));
+    /// Stops the loops of the services `changes` names whose checks went away or changed. Done
+    /// before a new snapshot resets the verdicts of unchecked targets, so no late result undoes
+    /// the reset.
+    pub(super) fn stop_unwanted(&mut self, services: &BTreeMap<Id, Service>, changes: &ChangeSet) {
+        self.loops.retain(|id, running| {
+            !changes.touches_service(*id)
+                || services.get(id).and_then(CheckSettings::of).as_ref() == Some(&running.settings)
+        });
     }
 
-    /// Starts a loop for each service with `health_check` that has none (after publishing, so
-    /// the first round sees the new targets).
+    /// Starts a loop for each service `changes` names that has a `health_check` and no loop
+    /// (after publishing, so the first round sees the new targets).
     pub(super) fn start_missing(
         &mut self,
-        services: &[Service],
+        services: &BTreeMap<Id, Service>,
+        changes: &ChangeSet,
         snapshots: &SnapshotHandle,
         store: &Store,
     ) {
-        for (service_id, settings) in wanted(services) {
+        let named: Box<dyn Iterator<Item = &Service>> = if changes.everything {
+            Box::new(services.values())
+        } else {
+            Box::new(changes.services.iter().filter_map(|id| services.get(id)))
+        };
+        for service in named {
+            let service_id = service.id;
+            let Some(settings) = CheckSettings::of(service) else {
+                continue;
+            };
             if self.loops.contains_key(&service_id) {
                 continue;
             }
@@ -155,13 +167,6 @@ impl HealthCheckers {
                 .insert(service_id, RunningLoop { settings, task });
         }
     }
-}
-
-fn wanted(services: &[Service]) -> HashMap<Id, CheckSettings> {
-    services
-        .iter()
-        .filter_map(|service| Some((service.id, CheckSettings::of(service)?)))
-        .collect()
 }
 
 /// A client that opens a new connection for every check: a pooled one would hide a dead
@@ -571,7 +576,12 @@ mod tests {
         for change in changes {
             let mut after = before.clone();
             change(&mut after[0]);
-            assert_ne!(wanted(&before), wanted(&after), "{:?}", after[0]);
+            assert_ne!(
+                CheckSettings::of(&before[0]),
+                CheckSettings::of(&after[0]),
+                "{:?}",
+                after[0]
+            );
         }
     }
 

@@ -13,6 +13,7 @@
 
 mod build;
 mod cluster;
+mod desired;
 mod edge;
 mod guard;
 mod health;
@@ -20,7 +21,7 @@ mod observe;
 mod sources;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use tokio::sync::{mpsc, oneshot};
@@ -30,11 +31,13 @@ use crate::discovery::runner::{Clock, RefreshOutcome};
 use crate::events::EventLog;
 use crate::model::Id;
 use crate::snapshot::SnapshotHandle;
-use crate::store::{Store, StoreError};
+use crate::store::{ChangePosition, ChangeSet, Store, StoreError};
 
+use build::{build_changed, build_full};
 pub use build::{build_snapshot, CarriedState};
 use cluster::ClusterEvent;
 pub use cluster::ClusterSettings;
+use desired::Desired;
 use edge::Edge;
 pub use edge::{EdgeOptions, FileCertificateExpiry, FileCertificates};
 pub use guard::AcceptAnswer;
@@ -55,6 +58,14 @@ pub struct SourceStats {
     pub refreshes: AtomicU64,
     pub failures: AtomicU64,
     pub duration_micros: AtomicU64,
+}
+
+/// How the control task read the store, for metrics: whole reloads (start, periodic resync,
+/// fallback) against reloads of only what the change log named.
+#[derive(Debug, Default)]
+pub struct ReloadStats {
+    pub full: AtomicU64,
+    pub partial: AtomicU64,
 }
 
 /// Source stats by source id, shared with the admin API (control plane only, never the request
@@ -112,6 +123,7 @@ pub struct ControlHandle {
     source_stats: SourceStatsMap,
     file_expiries: edge::FileExpiries,
     events: Arc<EventLog>,
+    reload_stats: Arc<ReloadStats>,
 }
 
 impl ControlHandle {
@@ -123,6 +135,11 @@ impl ControlHandle {
     /// The expiries of the certificate files being served (none without certificate files).
     pub fn file_certificate_expiries(&self) -> Arc<Vec<FileCertificateExpiry>> {
         self.file_expiries.load_full()
+    }
+
+    /// How many whole and partial reloads of the store the control task made.
+    pub fn reload_stats(&self) -> &ReloadStats {
+        &self.reload_stats
     }
 
     /// Refresh counters of every source, by source id.
@@ -253,37 +270,103 @@ struct ControlTask {
     edge: Edge,
     /// Turns what changed into events.
     observer: observe::Observer,
+    /// The routing configuration as last read, by service.
+    desired: Desired,
+    /// Where the last read stood in the store's change log (None: read everything next).
+    position: Option<ChangePosition>,
+    /// What was read but is not yet in a published snapshot.
+    pending: ChangeSet,
+    reload_stats: Arc<ReloadStats>,
+    /// Next trim of the store's change log.
+    trim_at: tokio::time::Instant,
 }
 
 impl ControlTask {
-    async fn rebuild(&mut self) -> Result<u64, ControlError> {
-        let config = match self.store.load_routing_config().await {
-            Ok(config) => config,
-            Err(error) => {
-                self.rebuild_due = true;
-                self.schedule_retry();
-                return Err(error.into());
+    /// Reads what changed since the last read into `desired` (everything the first time, after
+    /// [`ControlTask::forget_position`], or when the change log cannot say); the parts to
+    /// rebuild add up in `pending` until a rebuild takes them.
+    async fn load_changes(&mut self) -> Result<(), StoreError> {
+        if let Some(position) = self.position {
+            if let Some(delta) = self.store.changes_since(position).await? {
+                self.position = Some(delta.position);
+                let changes = self.desired.apply(delta);
+                self.pending.merge(changes);
+                self.reload_stats.partial.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
             }
-        };
+        }
+        let (config, position) = self.store.load_routing_config_at().await?;
+        self.desired = Desired::from_config(config);
+        self.position = Some(position);
+        self.pending = ChangeSet::everything();
+        self.reload_stats.full.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The next reload reads everything (the periodic resync, or notifications were missed).
+    fn forget_position(&mut self) {
+        self.position = None;
+    }
+
+    async fn rebuild(&mut self) -> Result<u64, ControlError> {
+        if let Err(error) = self.load_changes().await {
+            self.rebuild_due = true;
+            self.schedule_retry();
+            return Err(error.into());
+        }
         self.rebuild_due = false;
         self.generation += 1;
-        self.health_checkers.stop_unwanted(&config.services);
-        let snapshot = build_snapshot(&config, &mut self.carried, self.generation);
-        self.snapshots.publish(snapshot);
-        self.observer
-            .config_loaded(&config, &self.snapshots.load(), &self.sources);
-        self.edge
-            .sync_stream_listeners(&config.stream_routes, self.clock.now());
-        self.edge.publish_certificates(&config.certificates);
+        let changes = std::mem::take(&mut self.pending);
         self.health_checkers
-            .start_missing(&config.services, &self.snapshots, &self.store);
-        tracing::debug!(generation = self.generation, "published routing snapshot");
+            .stop_unwanted(&self.desired.services, &changes);
+        let snapshot = if changes.everything {
+            build_full(&self.desired, &mut self.carried, self.generation)
+        } else {
+            build_changed(
+                &self.snapshots.load(),
+                &self.desired,
+                &changes,
+                &mut self.carried,
+                self.generation,
+            )
+        };
+        self.snapshots.publish(snapshot);
+        self.observer.changes_loaded(
+            &self.desired,
+            &changes,
+            &self.snapshots.load(),
+            &self.sources,
+        );
+        self.edge
+            .sync_stream_listeners(&self.desired.stream_routes, self.clock.now());
+        if changes.everything || changes.certificates {
+            self.edge.publish_certificates(&self.desired.certificates);
+        }
+        self.health_checkers.start_missing(
+            &self.desired.services,
+            &changes,
+            &self.snapshots,
+            &self.store,
+        );
+        tracing::debug!(
+            generation = self.generation,
+            everything = changes.everything,
+            services = changes.services.len(),
+            "published routing snapshot"
+        );
         Ok(self.generation)
     }
 
-    /// Re-reads sources (starting, restarting or stopping their loops), then rebuilds.
+    /// Reads what changed, brings the discovery loops of the changed services in line
+    /// (starting, restarting or stopping them), then rebuilds.
     async fn apply(&mut self) -> Result<u64, ControlError> {
-        let synced = self.sync_sources().await;
+        let synced = match self.load_changes().await {
+            Ok(()) => {
+                let scope = self.pending.clone();
+                self.sync_sources(&scope).await
+            }
+            Err(error) => Err(error.into()),
+        };
         if synced.is_err() {
             self.schedule_retry();
         }
@@ -318,7 +401,11 @@ impl ControlTask {
         let mut next = Some(first);
         while let Some(event) = next {
             match event {
-                ClusterEvent::Changed | ClusterEvent::Resync => reload = true,
+                ClusterEvent::Changed => reload = true,
+                ClusterEvent::Resync => {
+                    self.forget_position();
+                    reload = true;
+                }
                 ClusterEvent::RefreshRequested(source_id) => {
                     self.refresh_if_held(source_id);
                 }
@@ -365,6 +452,7 @@ impl ControlTask {
         }
         if self.periodic_resync_at.is_some_and(|due| due <= now) {
             self.periodic_resync_at = Some(now + self.cluster.resync);
+            self.forget_position();
             self.apply_logged().await;
         }
     }
@@ -417,6 +505,7 @@ impl ControlTask {
                 }
                 _ = runtime_watch.tick() => {
                     self.observer.report_runtime(&self.snapshots.load());
+                    self.trim_change_log_when_due().await;
                 }
             }
             self.report_sources().await;
@@ -462,6 +551,8 @@ impl ControlTask {
                     reply,
                 } => {
                     self.edge.replace_file_certificates(certificates);
+                    // Not in the store's change log: served again on the next build.
+                    self.pending.certificates = true;
                     apply_waiting.push(reply);
                 }
                 Command::ApplyAfterBind { listen, reply } => {
@@ -487,12 +578,27 @@ impl ControlTask {
         }
     }
 
+    async fn trim_change_log_when_due(&mut self) {
+        let now = tokio::time::Instant::now();
+        if now < self.trim_at {
+            return;
+        }
+        self.trim_at = now + CHANGE_LOG_TRIM_INTERVAL;
+        match self.store.trim_change_log().await {
+            Ok(trimmed) => tracing::debug!(trimmed, "trimmed the change log"),
+            Err(error) => tracing::warn!(%error, "cannot trim the change log; trying again later"),
+        }
+    }
+
     async fn rebuild_logged(&mut self) {
         if let Err(error) = self.rebuild().await {
             tracing::error!(%error, "routing snapshot not rebuilt; the previous one stays live");
         }
     }
 }
+
+/// How often the control task trims the store's change log.
+const CHANGE_LOG_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How often the control task looks at the per-target atomics for health and ejection changes.
 const RUNTIME_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
@@ -548,9 +654,14 @@ pub async fn start(
         outcomes: outcome_sender,
         edge: Edge::new(edge),
         observer,
+        desired: Desired::default(),
+        position: None,
+        pending: ChangeSet::default(),
+        reload_stats: Arc::default(),
+        trim_at: now + CHANGE_LOG_TRIM_INTERVAL,
     };
     task.rebuild().await?;
-    if task.sync_sources().await? {
+    if task.sync_sources(&ChangeSet::everything()).await? {
         task.rebuild().await?;
     }
     task.observer.prime(&task.sources);
@@ -558,6 +669,7 @@ pub async fn start(
     let snapshots = task.snapshots.clone();
     let source_stats = task.source_stats.clone();
     let file_expiries = task.edge.file_expiries();
+    let reload_stats = task.reload_stats.clone();
     // Without a listener (SQLite) the sender stays alive in the task, so the receiver just waits.
     let join = tokio::spawn(async move {
         let _cluster_sender = cluster_sender;
@@ -576,6 +688,7 @@ pub async fn start(
             source_stats,
             file_expiries,
             events,
+            reload_stats,
         },
         join,
     ))

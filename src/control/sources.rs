@@ -17,7 +17,7 @@ use crate::discovery::lifecycle::{self, Transition};
 use crate::discovery::runner::{self, RefreshOutcome, RunnerHandle, RunnerSpec};
 use crate::discovery::{self, reconcile};
 use crate::model::{DiscoverySource, Id, SourceProgress, SourceState, TargetChange};
-use crate::store::StoreError;
+use crate::store::{ChangeSet, StoreError};
 
 pub(super) struct SourceEntry {
     pub(super) source: DiscoverySource,
@@ -62,9 +62,15 @@ impl SourceEntry {
 const LONGEST_TAKEOVER_DELAY: Duration = Duration::from_secs(600);
 
 impl ControlTask {
-    /// Brings the running loops in line with the stored sources. Returns whether targets changed.
-    pub(super) async fn sync_sources(&mut self) -> Result<bool, ControlError> {
-        let stored = self.store.all_sources().await?;
+    /// Brings the running loops of the services `scope` names in line with their stored
+    /// sources. Returns whether targets changed.
+    pub(super) async fn sync_sources(&mut self, scope: &ChangeSet) -> Result<bool, ControlError> {
+        let stored = if scope.everything {
+            self.store.all_sources().await?
+        } else {
+            let services: Vec<Id> = scope.services.iter().copied().collect();
+            self.store.sources_of_services(&services).await?
+        };
         let mut present = HashSet::new();
         let mut changed = false;
         let mut first_error = None;
@@ -90,9 +96,11 @@ impl ControlTask {
         }
         // Deleted sources: their targets went with them in the store; dropping the entry stops
         // the loop.
-        self.sources.retain(|id, _| present.contains(id));
+        self.sources.retain(|id, entry| {
+            present.contains(id) || !scope.touches_service(entry.source.service_id)
+        });
         if let Ok(mut stats) = self.source_stats.write() {
-            stats.retain(|id, _| present.contains(id));
+            stats.retain(|id, _| self.sources.contains_key(id));
         }
         match first_error {
             Some(error) => Err(error),
@@ -103,7 +111,7 @@ impl ControlTask {
     /// Syncs sources; on a store failure, tries again in a second rather than leave a source
     /// without its loop or drain until the next admin change. Returns whether targets changed.
     pub(super) async fn sync_sources_or_retry(&mut self) -> bool {
-        match self.sync_sources().await {
+        match self.sync_sources(&ChangeSet::everything()).await {
             Ok(changed) => {
                 self.resync_at = None;
                 self.store_failures = 0;

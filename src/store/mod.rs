@@ -24,6 +24,7 @@ macro_rules! on_pool {
 }
 
 mod certificates;
+mod changes;
 mod leases;
 mod routes;
 mod rows;
@@ -36,6 +37,10 @@ mod targets;
 mod test_postgres;
 mod tokens;
 pub use certificates::NewCertificate;
+pub use changes::{
+    ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS,
+    MAX_PARTIAL_SERVICES,
+};
 pub use sources::ManagedKind;
 
 use std::str::FromStr;
@@ -158,8 +163,21 @@ impl Store {
     /// Read in one transaction (on PostgreSQL a repeatable-read one): the tables are seen at one
     /// moment, so a route is never read without the service it was written with.
     pub async fn load_routing_config(&self) -> Result<RoutingConfig, StoreError> {
+        Ok(self.load_routing_config_with(false).await?.0)
+    }
+
+    /// The routing configuration and, when `with_position`, the change-log position it was
+    /// read at.
+    async fn load_routing_config_with(
+        &self,
+        with_position: bool,
+    ) -> Result<(RoutingConfig, Option<changes::ChangePosition>), StoreError> {
         let shared = self.is_shared();
-        let (services, targets, sources, routes, stream_routes, certificates) =
+        let position_sql = match self.backend {
+            Backend::Sqlite(_) => changes::SQLITE_POSITION,
+            Backend::Postgres(_) => changes::POSTGRES_POSITION,
+        };
+        let (position, services, targets, sources, routes, stream_routes, certificates) =
             on_pool!(self, |pool| {
                 let mut transaction = pool.begin().await?;
                 if shared {
@@ -167,6 +185,15 @@ impl Store {
                         .execute(&mut *transaction)
                         .await?;
                 }
+                let position: Option<i64> = if with_position {
+                    Some(
+                        sqlx::query_scalar(position_sql)
+                            .fetch_one(&mut *transaction)
+                            .await?,
+                    )
+                } else {
+                    None
+                };
                 let services =
                     sqlx::query_as::<_, ServiceRow>("SELECT * FROM services ORDER BY id")
                         .fetch_all(&mut *transaction)
@@ -194,6 +221,7 @@ impl Store {
                 .await?;
                 transaction.commit().await?;
                 (
+                    position,
                     services,
                     targets,
                     sources,
@@ -202,7 +230,7 @@ impl Store {
                     certificates,
                 )
             });
-        Ok(RoutingConfig {
+        let config = RoutingConfig {
             services: convert_all(services)?,
             targets: convert_all(targets)?,
             sources: convert_all(sources)?,
@@ -212,7 +240,8 @@ impl Store {
                 .into_iter()
                 .map(certificates::CertificateRow::into_parts)
                 .collect::<Result<_, _>>()?,
-        })
+        };
+        Ok((config, position.map(changes::ChangePosition::at)))
     }
 }
 

@@ -4,62 +4,120 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use super::Observer;
+use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{
     ConfigChangeKind, ConfigEvent, ConfigKind, ConfigObject, EventBody, ServiceView, SourceView,
 };
-use crate::model::{Certificate, DiscoverySource, Id, RoutingConfig, Service};
+use crate::model::{Certificate, DiscoverySource, Id, Service};
 use crate::snapshot::Snapshot;
+use crate::store::ChangeSet;
 
 impl Observer {
-    /// Reports configuration changes and takes the new picture; returns the sources as they
-    /// were (to name a deleted source's targets).
+    /// Reports configuration changes among what `changes` names and takes the new picture of
+    /// it; returns those sources as they were (to name a deleted source's targets).
     pub(super) fn report_config(
         &mut self,
-        config: &RoutingConfig,
+        desired: &Desired,
+        changes: &ChangeSet,
         snapshot: &Snapshot,
         entries: &HashMap<Id, SourceEntry>,
     ) -> HashMap<Id, DiscoverySource> {
-        let services = by_id(&config.services, |service| service.id);
-        let routes = by_id(&config.routes, |route| route.id);
-        let stream_routes = by_id(&config.stream_routes, |route| route.id);
-        let certificates: HashMap<Id, Certificate> = config
-            .certificates
-            .iter()
-            .map(|entry| (entry.certificate.id, entry.certificate.clone()))
-            .collect();
+        let in_scope = |service_id: Id| changes.touches_service(service_id);
+        let services: HashMap<Id, Service> = if changes.everything {
+            by_id(desired.services.values(), |service| service.id)
+        } else {
+            changes
+                .services
+                .iter()
+                .filter_map(|id| desired.services.get(id))
+                .map(|service| (service.id, service.clone()))
+                .collect()
+        };
+        let previous_services: HashMap<Id, Service> = if changes.everything {
+            std::mem::take(&mut self.services)
+        } else {
+            changes
+                .services
+                .iter()
+                .filter_map(|id| self.services.remove(id).map(|service| (*id, service)))
+                .collect()
+        };
         let sources: HashMap<Id, DiscoverySource> = entries
             .iter()
+            .filter(|(_, entry)| in_scope(entry.source.service_id))
             .map(|(id, entry)| (*id, entry.source.clone()))
             .collect();
+        let previous_sources: HashMap<Id, DiscoverySource> = if changes.everything {
+            std::mem::take(&mut self.sources)
+        } else {
+            let ids: Vec<Id> = self
+                .sources
+                .iter()
+                .filter(|(_, source)| in_scope(source.service_id))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| self.sources.remove(&id).map(|source| (id, source)))
+                .collect()
+        };
+        let routes = (changes.everything || changes.routes)
+            .then(|| by_id(desired.routes.iter(), |route| route.id));
+        let stream_routes = (changes.everything || changes.stream_routes)
+            .then(|| by_id(desired.stream_routes.iter(), |route| route.id));
+        let certificates = (changes.everything || changes.certificates).then(|| {
+            desired
+                .certificates
+                .iter()
+                .map(|entry| (entry.certificate.id, entry.certificate.clone()))
+                .collect::<HashMap<Id, Certificate>>()
+        });
         if self.primed {
-            self.report_services(&services, snapshot);
-            self.report_sources(&sources, entries);
-            self.report_plain(ConfigKind::Route, &self.routes, &routes, |route| {
-                (Some(route.service_id), Some(route.name.clone()))
-            });
-            self.report_plain(
-                ConfigKind::StreamRoute,
-                &self.stream_routes,
-                &stream_routes,
-                |route| (Some(route.service_id), Some(route.listen.to_string())),
-            );
-            self.report_plain(
-                ConfigKind::Certificate,
-                &self.certificates,
-                &certificates,
-                |certificate| (None, certificate.snis.first().cloned()),
-            );
+            self.report_services(&previous_services, &services, snapshot);
+            self.report_sources(&previous_sources, &sources, entries);
+            if let Some(routes) = &routes {
+                self.report_plain(ConfigKind::Route, &self.routes, routes, |route| {
+                    (Some(route.service_id), Some(route.name.clone()))
+                });
+            }
+            if let Some(stream_routes) = &stream_routes {
+                self.report_plain(
+                    ConfigKind::StreamRoute,
+                    &self.stream_routes,
+                    stream_routes,
+                    |route| (Some(route.service_id), Some(route.listen.to_string())),
+                );
+            }
+            if let Some(certificates) = &certificates {
+                self.report_plain(
+                    ConfigKind::Certificate,
+                    &self.certificates,
+                    certificates,
+                    |certificate| (None, certificate.snis.first().cloned()),
+                );
+            }
         }
-        self.services = services;
-        self.routes = routes;
-        self.stream_routes = stream_routes;
-        self.certificates = certificates;
-        std::mem::replace(&mut self.sources, sources)
+        self.services.extend(services);
+        self.sources.extend(sources);
+        if let Some(routes) = routes {
+            self.routes = routes;
+        }
+        if let Some(stream_routes) = stream_routes {
+            self.stream_routes = stream_routes;
+        }
+        if let Some(certificates) = certificates {
+            self.certificates = certificates;
+        }
+        previous_sources
     }
 
-    fn report_services(&self, current: &HashMap<Id, Service>, snapshot: &Snapshot) {
-        for (id, change) in changes(&self.services, current) {
+    fn report_services(
+        &self,
+        previous: &HashMap<Id, Service>,
+        current: &HashMap<Id, Service>,
+        snapshot: &Snapshot,
+    ) {
+        for (id, change) in changes(previous, current) {
             let (service, object) = match current.get(&id) {
                 Some(service) => {
                     let panic_picks = snapshot
@@ -72,7 +130,7 @@ impl Observer {
                     };
                     (service, Some(ConfigObject::Service(view)))
                 }
-                None => (&self.services[&id], None),
+                None => (&previous[&id], None),
             };
             self.config_event(
                 ConfigKind::Service,
@@ -87,10 +145,11 @@ impl Observer {
 
     fn report_sources(
         &self,
+        previous: &HashMap<Id, DiscoverySource>,
         current: &HashMap<Id, DiscoverySource>,
         entries: &HashMap<Id, SourceEntry>,
     ) {
-        for (id, change) in changes(&self.sources, current) {
+        for (id, change) in changes(previous, current) {
             let (source, object) = match (current.get(&id), entries.get(&id)) {
                 (Some(source), Some(entry)) => {
                     let status = self.status_of(entry, &entry.progress);
@@ -99,7 +158,7 @@ impl Observer {
                         Some(ConfigObject::Source(SourceView::new(source, Some(status)))),
                     )
                 }
-                _ => (&self.sources[&id], None),
+                _ => (&previous[&id], None),
             };
             self.config_event(
                 ConfigKind::DiscoverySource,
@@ -183,6 +242,9 @@ fn changes<T: PartialEq>(
     changes
 }
 
-fn by_id<T: Clone>(items: &[T], id: impl Fn(&T) -> Id) -> HashMap<Id, T> {
-    items.iter().map(|item| (id(item), item.clone())).collect()
+fn by_id<'a, T: Clone + 'a>(
+    items: impl Iterator<Item = &'a T>,
+    id: impl Fn(&T) -> Id,
+) -> HashMap<Id, T> {
+    items.map(|item| (id(item), item.clone())).collect()
 }

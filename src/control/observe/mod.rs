@@ -18,14 +18,16 @@ mod targets;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::desired::Desired;
 use super::health::HealthVerdict;
 use super::sources::SourceEntry;
 use crate::events::EventLog;
 use crate::model::{
-    Certificate, CheckResult, DiscoverySource, EndpointCounts, Health, Id, Route, RoutingConfig,
-    Service, SourceProgress, StreamRoute, Target,
+    Certificate, CheckResult, DiscoverySource, EndpointCounts, Health, Id, Route, Service,
+    SourceProgress, StreamRoute, Target,
 };
 use crate::snapshot::Snapshot;
+use crate::store::ChangeSet;
 
 pub use targets::target_view;
 
@@ -66,6 +68,8 @@ pub(super) struct Observer {
     /// Targets by state per source, as of the last reload.
     counts: HashMap<Id, EndpointCounts>,
     targets: HashMap<Id, SeenTarget>,
+    /// The ids in `targets` by service, to find a changed service's removed targets.
+    targets_by_service: HashMap<Id, Vec<Id>>,
     /// Why the control task is changing a target, for the event of that change.
     reasons: HashMap<Id, String>,
     /// What the checks saw when they changed a target's health (to what).
@@ -89,6 +93,7 @@ impl Observer {
             progress: HashMap::new(),
             counts: HashMap::new(),
             targets: HashMap::new(),
+            targets_by_service: HashMap::new(),
             reasons: HashMap::new(),
             health_reasons: HashMap::new(),
             deciding_checks: HashMap::new(),
@@ -120,15 +125,17 @@ impl Observer {
         self.primed = true;
     }
 
-    /// Reports what a reload changed: configuration objects, then targets.
-    pub(super) fn config_loaded(
+    /// Reports what a reload changed among the parts `changes` names: configuration objects,
+    /// then targets.
+    pub(super) fn changes_loaded(
         &mut self,
-        config: &RoutingConfig,
+        desired: &Desired,
+        changes: &ChangeSet,
         snapshot: &Snapshot,
         sources: &HashMap<Id, SourceEntry>,
     ) {
-        let previous_sources = self.report_config(config, snapshot, sources);
-        self.report_targets(config, snapshot, sources, &previous_sources);
+        let previous_sources = self.report_config(desired, changes, snapshot, sources);
+        self.report_targets(desired, changes, snapshot, sources, &previous_sources);
         // A note the reload did not use (its write failed) must not label a later change.
         self.reasons.clear();
     }

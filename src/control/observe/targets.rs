@@ -6,10 +6,12 @@ use chrono::DateTime;
 
 use super::{Look, Observer, Phase, SeenTarget};
 use crate::clock::unix_ms;
+use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{EventBody, TargetChangeKind, TargetEvent, TargetView};
-use crate::model::{DiscoverySource, EndpointCounts, Id, RoutingConfig, Target, TargetState};
+use crate::model::{DiscoverySource, EndpointCounts, Id, Target, TargetState};
 use crate::snapshot::{Snapshot, TargetRuntime};
+use crate::store::ChangeSet;
 
 /// A target as the event stream shows it: stored fields with live health and ejection.
 pub fn target_view(target: &Target, runtime: Option<&TargetRuntime>, now_ms: u64) -> TargetView {
@@ -82,18 +84,41 @@ impl Look {
 }
 
 impl Observer {
+    /// Reports the targets of the services `changes` names: added, changed, removed.
     pub(super) fn report_targets(
         &mut self,
-        config: &RoutingConfig,
+        desired: &Desired,
+        changes: &ChangeSet,
         snapshot: &Snapshot,
         entries: &HashMap<Id, SourceEntry>,
         previous_sources: &HashMap<Id, DiscoverySource>,
     ) {
         let now_ms = unix_ms();
-        let runtimes = runtimes(snapshot);
-        self.counts = counts_by_source(&config.targets);
-        let mut present = HashSet::with_capacity(config.targets.len());
-        for target in &config.targets {
+        let scope: Vec<Id> = if changes.everything {
+            let mut all: HashSet<Id> = desired.services.keys().copied().collect();
+            all.extend(self.targets_by_service.keys().copied());
+            all.into_iter().collect()
+        } else {
+            changes.services.iter().copied().collect()
+        };
+        let runtimes = runtimes(snapshot, &scope);
+        self.recount(desired, &scope, previous_sources);
+        let mut present = HashSet::new();
+        let mut seen_before: Vec<Id> = Vec::new();
+        for service_id in &scope {
+            if let Some(ids) = self.targets_by_service.remove(service_id) {
+                seen_before.extend(ids);
+            }
+            let ids: Vec<Id> = desired
+                .targets_of(*service_id)
+                .iter()
+                .map(|target| target.id)
+                .collect();
+            if !ids.is_empty() {
+                self.targets_by_service.insert(*service_id, ids);
+            }
+        }
+        for target in scope.iter().flat_map(|id| desired.targets_of(*id)) {
             present.insert(target.id);
             let runtime = runtimes.get(&target.id).copied();
             // Entering rotation is no news by itself: later looks compare with this one.
@@ -146,11 +171,9 @@ impl Observer {
                 self.record_target(target, Some(target_view(target, runtime, now_ms)), news);
             }
         }
-        let mut gone: Vec<Id> = self
-            .targets
-            .keys()
+        let mut gone: Vec<Id> = seen_before
+            .into_iter()
             .filter(|id| !present.contains(id))
-            .copied()
             .collect();
         gone.sort_unstable();
         for id in gone {
@@ -255,28 +278,44 @@ fn address(target: &Target) -> String {
     }
 }
 
-pub(super) fn runtimes(snapshot: &Snapshot) -> HashMap<Id, &TargetRuntime> {
-    snapshot
-        .services()
+/// The runtime state of the targets of `services` in rotation, by target id.
+fn runtimes<'a>(snapshot: &'a Snapshot, services: &[Id]) -> HashMap<Id, &'a TargetRuntime> {
+    services
+        .iter()
+        .filter_map(|id| snapshot.service(*id))
         .flat_map(|service| service.targets.iter())
         .map(|runtime| (runtime.id, runtime))
         .collect()
 }
 
-fn counts_by_source(targets: &[Target]) -> HashMap<Id, EndpointCounts> {
-    let mut counts: HashMap<Id, EndpointCounts> = HashMap::new();
-    for target in targets {
-        let Some(source_id) = target.source_id else {
-            continue;
-        };
-        let count = counts.entry(source_id).or_default();
-        match target.state {
-            TargetState::Active => count.active += 1,
-            TargetState::Draining => count.draining += 1,
-            TargetState::Stale => count.stale += 1,
+impl Observer {
+    /// Counts again the targets by state of every source of `services` (as they were and are).
+    fn recount(
+        &mut self,
+        desired: &Desired,
+        services: &[Id],
+        previous_sources: &HashMap<Id, DiscoverySource>,
+    ) {
+        for source in previous_sources.keys() {
+            self.counts.remove(source);
+        }
+        for service_id in services {
+            for source in desired.sources_of(*service_id) {
+                self.counts.insert(source.id, EndpointCounts::default());
+            }
+            for target in desired.targets_of(*service_id) {
+                let Some(source_id) = target.source_id else {
+                    continue;
+                };
+                let count = self.counts.entry(source_id).or_default();
+                match target.state {
+                    TargetState::Active => count.active += 1,
+                    TargetState::Draining => count.draining += 1,
+                    TargetState::Stale => count.stale += 1,
+                }
+            }
         }
     }
-    counts
 }
 
 /// The news one stored change of a target makes: its state, its switch, its other fields.

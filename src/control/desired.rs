@@ -1,0 +1,95 @@
+//! The routing configuration as last read from the store, kept by service so that a change
+//! reloads, rebuilds and reports only the part it touched (the change log, `store/changes.rs`).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::model::{
+    CertificateWithKey, Id, Route, RoutingConfig, Service, SourceStanding, StreamRoute, Target,
+};
+use crate::store::{ChangeSet, ConfigDelta};
+
+#[derive(Default)]
+pub(super) struct Desired {
+    /// In id order, so a full build and its events come in a repeatable order.
+    pub(super) services: BTreeMap<Id, Service>,
+    /// By service id, each list in id order.
+    pub(super) targets: HashMap<Id, Vec<Target>>,
+    /// By service id.
+    pub(super) sources: HashMap<Id, Vec<SourceStanding>>,
+    pub(super) routes: Vec<Route>,
+    pub(super) stream_routes: Vec<StreamRoute>,
+    pub(super) certificates: Vec<CertificateWithKey>,
+}
+
+impl Desired {
+    pub(super) fn from_config(config: RoutingConfig) -> Desired {
+        let mut desired = Desired {
+            services: config
+                .services
+                .into_iter()
+                .map(|service| (service.id, service))
+                .collect(),
+            routes: config.routes,
+            stream_routes: config.stream_routes,
+            certificates: config.certificates,
+            ..Desired::default()
+        };
+        for target in config.targets {
+            desired
+                .targets
+                .entry(target.service_id)
+                .or_default()
+                .push(target);
+        }
+        for source in config.sources {
+            desired
+                .sources
+                .entry(source.service_id)
+                .or_default()
+                .push(source);
+        }
+        desired
+    }
+
+    /// Takes in what changed; returns what to rebuild.
+    pub(super) fn apply(&mut self, delta: ConfigDelta) -> ChangeSet {
+        for parts in delta.services {
+            match parts.service {
+                Some(service) => {
+                    self.services.insert(parts.id, service);
+                    self.targets.insert(parts.id, parts.targets);
+                    self.sources.insert(parts.id, parts.sources);
+                }
+                None => {
+                    self.services.remove(&parts.id);
+                    self.targets.remove(&parts.id);
+                    self.sources.remove(&parts.id);
+                }
+            }
+        }
+        if let Some(routes) = delta.routes {
+            self.routes = routes;
+        }
+        if let Some(stream_routes) = delta.stream_routes {
+            self.stream_routes = stream_routes;
+        }
+        if let Some(certificates) = delta.certificates {
+            self.certificates = certificates;
+        }
+        delta.changes
+    }
+
+    pub(super) fn targets_of(&self, service_id: Id) -> &[Target] {
+        self.targets.get(&service_id).map_or(&[], Vec::as_slice)
+    }
+
+    pub(super) fn sources_of(&self, service_id: Id) -> &[SourceStanding] {
+        self.sources.get(&service_id).map_or(&[], Vec::as_slice)
+    }
+
+    pub(super) fn all_targets(&self) -> impl Iterator<Item = &Target> {
+        self.services
+            .keys()
+            .flat_map(|service_id| self.targets_of(*service_id))
+    }
+}
