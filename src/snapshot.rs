@@ -789,6 +789,149 @@ mod tests {
         assert_eq!(found(&snapshot, "a.test", "/only/x", Method::GET), Some(1));
     }
 
+    fn routed_to(snapshot: &Snapshot, host: &str) -> Option<Arc<ServiceRuntime>> {
+        snapshot
+            .find_route(host, "/", &Method::GET)
+            .map(|entry| entry.service.clone())
+    }
+
+    fn to_service(mut route: Route, service_id: Id) -> Route {
+        route.service_id = service_id;
+        route
+    }
+
+    #[test]
+    fn a_next_generation_rebuilds_only_the_changed_service_and_its_routes() {
+        let first = Snapshot::new(
+            1,
+            vec![service(1), service(2)],
+            vec![
+                route(10, &["one.test"], "/", &[], 0),
+                to_service(route(20, &["two.test"], "/", &[], 0), 2),
+            ],
+        );
+        let mut renamed = service(2);
+        renamed.service.name = "renamed".into();
+        let change = SnapshotChange {
+            services: vec![(2, Some(renamed))],
+            ..SnapshotChange::default()
+        };
+        let second = first.next(2, change, |_| panic!("no new route"), |_| Arc::default());
+        assert_eq!(second.generation, 2);
+        assert!(Arc::ptr_eq(
+            first.service(1).unwrap(),
+            second.service(1).unwrap()
+        ));
+        assert!(
+            Arc::ptr_eq(&first.routes, &second.routes),
+            "the index is shared"
+        );
+        assert_eq!(
+            routed_to(&second, "two.test").unwrap().service.name,
+            "renamed"
+        );
+        assert!(Arc::ptr_eq(
+            &routed_to(&second, "one.test").unwrap(),
+            first.service(1).unwrap()
+        ));
+        let stats = |snapshot: &Snapshot| {
+            snapshot
+                .find_route("two.test", "/", &Method::GET)
+                .unwrap()
+                .stats
+                .clone()
+        };
+        assert!(
+            Arc::ptr_eq(&stats(&first), &stats(&second)),
+            "stats carry over"
+        );
+        assert_eq!(
+            first.service(2).unwrap().service.name,
+            "s2",
+            "the old one is untouched"
+        );
+    }
+
+    #[test]
+    fn a_next_generation_with_new_routes_reindexes_them() {
+        let first = Snapshot::new(
+            1,
+            vec![service(1)],
+            vec![route(10, &["one.test"], "/", &[], 0)],
+        );
+        let change = SnapshotChange {
+            routes: Some(vec![route(11, &["new.test"], "/", &[], 0)]),
+            ..SnapshotChange::default()
+        };
+        let mut asked = Vec::new();
+        let second = first.next(
+            2,
+            change,
+            |id| {
+                asked.push(id);
+                Arc::default()
+            },
+            |_| Arc::default(),
+        );
+        assert_eq!(asked, vec![11]);
+        assert!(routed_to(&second, "one.test").is_none());
+        assert!(routed_to(&second, "new.test").is_some());
+        assert!(Arc::ptr_eq(
+            first.service(1).unwrap(),
+            second.service(1).unwrap()
+        ));
+    }
+
+    #[test]
+    fn a_deleted_service_takes_its_routes_and_stream_routes_out() {
+        let stream = StreamRoute {
+            id: 5,
+            listen: "127.0.0.1:9000".parse().unwrap(),
+            sni: None,
+            service_id: 2,
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
+        };
+        let first = Snapshot::new(
+            1,
+            vec![service(1), service(2)],
+            vec![to_service(route(20, &["two.test"], "/", &[], 0), 2)],
+        )
+        .with_stream_routes(std::slice::from_ref(&stream), |_| Arc::default());
+        assert_eq!(first.streams().routes().count(), 1);
+        let change = SnapshotChange {
+            services: vec![(2, None)],
+            ..SnapshotChange::default()
+        };
+        let second = first.next(2, change, |_| Arc::default(), |_| Arc::default());
+        assert!(second.service(2).is_none());
+        assert!(routed_to(&second, "two.test").is_none());
+        assert_eq!(second.streams().routes().count(), 0);
+    }
+
+    #[test]
+    fn a_changed_service_behind_a_stream_route_is_resolved_anew() {
+        let stream = StreamRoute {
+            id: 5,
+            listen: "127.0.0.1:9000".parse().unwrap(),
+            sni: None,
+            service_id: 1,
+            created_at: crate::clock::now(),
+            updated_at: crate::clock::now(),
+        };
+        let first = Snapshot::new(1, vec![service(1)], Vec::new())
+            .with_stream_routes(std::slice::from_ref(&stream), |_| Arc::default());
+        let mut changed = service(1);
+        changed.service.name = "changed".into();
+        let change = SnapshotChange {
+            services: vec![(1, Some(changed))],
+            ..SnapshotChange::default()
+        };
+        let second = first.next(2, change, |_| Arc::default(), |_| Arc::default());
+        let entry = second.streams().routes().next().unwrap();
+        assert_eq!(entry.service.service.name, "changed");
+    }
+
     #[test]
     fn route_to_missing_service_is_left_out() {
         let mut orphan = route(1, &[], "/", &[], 0);

@@ -48,6 +48,8 @@ struct Scrape {
     sources: Vec<SourceSample>,
     /// This process's registration: (labels, registered, failed calls to the agent).
     registration: Option<(Labels, bool, u64)>,
+    /// Reloads of the store by the control task: (whole, only what changed).
+    reloads: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -104,7 +106,12 @@ pub async fn metrics(State(state): State<AdminState>) -> Response {
 async fn gather(state: &AdminState) -> Scrape {
     let snapshot = state.control.snapshot();
     let now = unix_ms();
+    let reloads = state.control.reload_stats();
     let mut scrape = Scrape {
+        reloads: (
+            reloads.full.load(Ordering::Relaxed),
+            reloads.partial.load(Ordering::Relaxed),
+        ),
         unrouted: state.gateway_counters.unrouted.load(Ordering::Relaxed),
         stream_unmatched: state
             .gateway_counters
@@ -327,6 +334,17 @@ impl Collector for Scrape {
                 [(labels.clone(), *failures)],
             )?;
         }
+        counter(
+            &mut encoder,
+            "raahi_control_reloads",
+            "Reads of the configuration store by the control task: kind=\"full\" reads \
+             everything (start, periodic resync, fallback), kind=\"changed\" only what the \
+             store's change log named.",
+            [
+                (vec![("kind", "full".to_owned())], self.reloads.0),
+                (vec![("kind", "changed".to_owned())], self.reloads.1),
+            ],
+        )?;
         counter(
             &mut encoder,
             "raahi_unrouted_requests",

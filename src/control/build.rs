@@ -258,6 +258,115 @@ mod tests {
         }
     }
 
+    fn service(id: Id) -> Service {
+        let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
+        Service {
+            id,
+            name: format!("s{id}"),
+            protocol: crate::model::Protocol::Http,
+            upstream_authority: None,
+            tls_sni: None,
+            tls_verify: true,
+            tls_ca_pem: None,
+            lb_policy: crate::model::LbPolicy::RoundRobin,
+            timeouts: Default::default(),
+            max_attempts: 2,
+            health_check: None,
+            ejection: Default::default(),
+            managed_by: None,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    fn target_of(service_id: Id, id: Id) -> Target {
+        Target {
+            id,
+            service_id,
+            port: 8000 + id as u16,
+            ..operator_target(TargetState::Active)
+        }
+    }
+
+    fn desired(targets: &[(Id, Id)]) -> Desired {
+        let mut desired = Desired::default();
+        for id in 1..=3 {
+            desired.services.insert(id, service(id));
+        }
+        for &(service_id, id) in targets {
+            desired
+                .targets
+                .entry(service_id)
+                .or_default()
+                .push(target_of(service_id, id));
+        }
+        desired
+    }
+
+    fn ports(snapshot: &Snapshot, service_id: Id) -> Vec<u16> {
+        snapshot
+            .service(service_id)
+            .unwrap()
+            .targets
+            .iter()
+            .map(|t| t.authority.port_u16().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_changed_build_equals_a_full_one_and_shares_the_rest() {
+        let mut carried = CarriedState::default();
+        let before = desired(&[(1, 1), (2, 2), (2, 3), (3, 4)]);
+        let first = build_full(&before, &mut carried, 1);
+        let kept_load = first.service(2).unwrap().targets[1].load.clone();
+        let after = desired(&[(1, 1), (2, 3), (2, 5), (3, 4)]);
+        let changes = ChangeSet {
+            services: [2].into(),
+            ..ChangeSet::default()
+        };
+        let changed = build_changed(&first, &after, &changes, &mut carried, 2);
+        let full = build_full(&after, &mut CarriedState::default(), 2);
+        for id in 1..=3 {
+            assert_eq!(ports(&changed, id), ports(&full, id), "service {id}");
+        }
+        assert_eq!(ports(&changed, 2), vec![8003, 8005]);
+        assert!(Arc::ptr_eq(
+            first.service(1).unwrap(),
+            changed.service(1).unwrap()
+        ));
+        assert!(Arc::ptr_eq(
+            first.service(3).unwrap(),
+            changed.service(3).unwrap()
+        ));
+        assert!(
+            Arc::ptr_eq(&kept_load, &changed.service(2).unwrap().targets[0].load),
+            "a surviving target keeps its runtime state"
+        );
+        assert!(
+            !carried.loads.contains_key(&2),
+            "a removed target's state is forgotten"
+        );
+        assert!(carried.loads.contains_key(&5));
+    }
+
+    #[test]
+    fn a_deleted_service_forgets_its_runtime_state() {
+        let mut carried = CarriedState::default();
+        let before = desired(&[(1, 1), (2, 2)]);
+        let first = build_full(&before, &mut carried, 1);
+        let mut after = desired(&[(1, 1)]);
+        after.services.remove(&2);
+        let changes = ChangeSet {
+            services: [2].into(),
+            ..ChangeSet::default()
+        };
+        let changed = build_changed(&first, &after, &changes, &mut carried, 2);
+        assert!(changed.service(2).is_none());
+        assert!(!carried.loads.contains_key(&2));
+        assert!(!carried.counters.contains_key(&2));
+        assert!(carried.loads.contains_key(&1));
+    }
+
     fn operator_target(state: TargetState) -> Target {
         let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
         Target {
