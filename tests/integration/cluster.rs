@@ -110,7 +110,9 @@ async fn a_change_made_through_one_instance_serves_on_the_other_within_a_second(
     assert!(created.elapsed() <= PROPAGATION);
 
     // The other way round, and a target change rather than a new route: b moves the traffic to
-    // another upstream, a follows.
+    // another upstream, a follows, reading only what the change log names.
+    let full_reloads = reloads(&a, "full").await;
+    let changed_reloads = reloads(&a, "changed").await;
     let (status, targets) = b
         .api("GET", &format!("/api/v1/services/{service}/targets"), None)
         .await;
@@ -143,6 +145,8 @@ async fn a_change_made_through_one_instance_serves_on_the_other_within_a_second(
     // Every answer from a now comes from the new target only.
     let answers = spread(&a, "/web", 20, 4).await;
     assert_eq!(answers, HashMap::from([("second".to_owned(), 20)]));
+    assert_eq!(reloads(&a, "full").await, full_reloads, "no whole reload");
+    assert!(reloads(&a, "changed").await > changed_reloads);
 
     // Deleting the route on b stops it on a.
     let (_, routes) = b.api("GET", "/api/v1/routes", None).await;
@@ -599,4 +603,15 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
         )
         .await;
     assert_eq!(accepted.refreshed_by, Some(holder), "{accepted}");
+}
+
+/// `raahi_control_reloads_total{kind=...}` of one instance.
+async fn reloads(gateway: &TestGateway, kind: &str) -> u64 {
+    let metrics = gateway.metrics_text().await;
+    let series = format!(r#"raahi_control_reloads_total{{kind="{kind}"}} "#);
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series.as_str()))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{metrics}"))
 }

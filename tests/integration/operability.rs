@@ -128,6 +128,17 @@ async fn metrics_count_requests_latency_targets_and_sources() {
         "{metrics}"
     );
     assert_eq!(value(&metrics, "raahi_unrouted_requests_total"), Some(1.0));
+    // The store was read whole once, at start; every change since reloaded only its part.
+    assert_eq!(
+        value(&metrics, r#"raahi_control_reloads_total{kind="full"}"#),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert!(
+        value(&metrics, r#"raahi_control_reloads_total{kind="changed"}"#)
+            .is_some_and(|changed| changed >= 3.0),
+        "{metrics}"
+    );
     let target_label = format!(r#"service="web",target="{}""#, upstream.addr);
     assert_eq!(
         value(
