@@ -276,6 +276,9 @@ struct ControlTask {
     position: Option<ChangePosition>,
     /// What was read but is not yet in a published snapshot.
     pending: ChangeSet,
+    /// What was read whose discovery loops were not yet brought in line: a rebuild between an
+    /// admin write and its apply may read the write first.
+    unsynced: ChangeSet,
     reload_stats: Arc<ReloadStats>,
     /// Next trim of the store's change log.
     trim_at: tokio::time::Instant,
@@ -290,6 +293,7 @@ impl ControlTask {
             if let Some(delta) = self.store.changes_since(position).await? {
                 self.position = Some(delta.position);
                 let changes = self.desired.apply(delta);
+                self.unsynced.merge(changes.clone());
                 self.pending.merge(changes);
                 self.reload_stats.partial.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
@@ -299,6 +303,7 @@ impl ControlTask {
         self.desired = Desired::from_config(config);
         self.position = Some(position);
         self.pending = ChangeSet::everything();
+        self.unsynced = ChangeSet::everything();
         self.reload_stats.full.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -362,8 +367,12 @@ impl ControlTask {
     async fn apply(&mut self) -> Result<u64, ControlError> {
         let synced = match self.load_changes().await {
             Ok(()) => {
-                let scope = self.pending.clone();
-                self.sync_sources(&scope).await
+                let scope = std::mem::take(&mut self.unsynced);
+                let synced = self.sync_sources(&scope).await;
+                if synced.is_err() {
+                    self.unsynced.merge(scope);
+                }
+                synced
             }
             Err(error) => Err(error.into()),
         };
@@ -470,31 +479,38 @@ impl ControlTask {
         loop {
             let wake_at = self.next_timer().map(|time| self.clock.instant_of(time));
             let cluster_wake = self.next_cluster_wake();
-            tokio::select! {
+            let moved = tokio::select! {
                 command = commands.recv() => {
                     let Some(command) = command else { return };
                     self.handle_commands(command, &mut commands).await;
+                    MovedSources::Any
                 }
                 Some(outcome) = outcomes.recv() => {
+                    let mut refreshed = vec![outcome.source_id];
                     let mut changed = self.handle_outcome(outcome).await;
                     while let Ok(more) = outcomes.try_recv() {
+                        refreshed.push(more.source_id);
                         changed |= self.handle_outcome(more).await;
                     }
                     if changed {
                         self.rebuild_logged().await;
                     }
+                    MovedSources::Only(refreshed)
                 }
                 _ = sleep_until_or_forever(wake_at) => {
                     let rebuild_due = self.rebuild_due;
                     if self.run_timers().await || rebuild_due {
                         self.rebuild_logged().await;
                     }
+                    MovedSources::Any
                 }
                 Some(event) = cluster_events.recv() => {
                     self.handle_cluster_events(event, &mut cluster_events).await;
+                    MovedSources::Any
                 }
                 _ = tokio::time::sleep_until(cluster_wake) => {
                     self.run_cluster_timers().await;
+                    MovedSources::Any
                 }
                 Some(verdict) = verdicts.recv() => {
                     self.observer.note_health(verdict);
@@ -502,20 +518,27 @@ impl ControlTask {
                         self.observer.note_health(more);
                     }
                     self.observer.report_runtime(&self.snapshots.load());
+                    MovedSources::None
                 }
                 _ = runtime_watch.tick() => {
                     self.observer.report_runtime(&self.snapshots.load());
                     self.trim_change_log_when_due().await;
+                    MovedSources::None
                 }
-            }
-            self.report_sources().await;
+            };
+            self.report_sources(moved).await;
         }
     }
 
     /// Records the sources whose progress moved; for one another instance refreshes, its
     /// lease holder comes from the store.
-    async fn report_sources(&mut self) {
-        for mut news in self.observer.source_news(&self.sources) {
+    async fn report_sources(&mut self, moved: MovedSources) {
+        let candidates = match moved {
+            MovedSources::None => return,
+            MovedSources::Only(ids) => Some(ids),
+            MovedSources::Any => None,
+        };
+        for mut news in self.observer.source_news(&self.sources, candidates) {
             if news.holder_unknown {
                 news.event.status.refreshed_by = self
                     .store
@@ -597,6 +620,14 @@ impl ControlTask {
     }
 }
 
+/// Which sources' progress a turn of the control loop may have moved: looking at every source
+/// after each refresh outcome would make an outcome's cost grow with the number of sources.
+enum MovedSources {
+    None,
+    Only(Vec<Id>),
+    Any,
+}
+
 /// How often the control task trims the store's change log.
 const CHANGE_LOG_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -657,10 +688,12 @@ pub async fn start(
         desired: Desired::default(),
         position: None,
         pending: ChangeSet::default(),
+        unsynced: ChangeSet::default(),
         reload_stats: Arc::default(),
         trim_at: now + CHANGE_LOG_TRIM_INTERVAL,
     };
     task.rebuild().await?;
+    task.unsynced = ChangeSet::default();
     if task.sync_sources(&ChangeSet::everything()).await? {
         task.rebuild().await?;
     }

@@ -113,6 +113,7 @@ impl ControlTask {
     pub(super) async fn sync_sources_or_retry(&mut self) -> bool {
         match self.sync_sources(&ChangeSet::everything()).await {
             Ok(changed) => {
+                self.unsynced = ChangeSet::default();
                 self.resync_at = None;
                 self.store_failures = 0;
                 changed

@@ -2276,3 +2276,61 @@ async fn an_endpoint_back_within_its_grace_keeps_its_id_and_health() {
     })
     .await;
 }
+
+/// A rebuild that runs between a write and its apply (here one a refresh outcome asks for)
+/// reads the write first; the apply must still start the discovery loop of the source written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_a_rebuild_read_first_still_starts_on_the_apply() {
+    let gateway = TestGateway::start().await;
+    let first = Upstream::start("first").await;
+    let moved = Upstream::start("moved").await;
+    let other = Upstream::start("other").await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([endpoint("a", &first, 1, 0)]));
+    let other_registry = Registry::start().await;
+    other_registry.set_json(json!([endpoint("b", &other, 1, 0)]));
+    let service = service_with_route(&gateway, "web").await;
+    let slow = json!({"interval_ms": 3_600_000});
+    let refreshed = add_source(
+        &gateway,
+        service,
+        http_source("refreshed", &registry, slow.clone(), json!({})),
+    )
+    .await;
+    wait_status(&gateway, refreshed, "healthy", |s| s.state == "healthy").await;
+
+    // Written to the store without the admin API's apply.
+    let running = gateway.gateway.as_ref().expect("running");
+    let spec: raahi::model::DiscoverySourceSpec =
+        serde_json::from_value(http_source("written", &other_registry, slow, json!({})))
+            .expect("a source spec");
+    let written = running
+        .store
+        .create_source(service, &spec)
+        .await
+        .expect("stored")
+        .id;
+    // A refresh that changes targets: its rebuild reads the write above.
+    registry.set_json(json!([endpoint("a", &moved, 1, 0)]));
+    let (status, body) = gateway
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{refreshed}/refresh"),
+            None,
+        )
+        .await;
+    assert!(status.is_success(), "{body}");
+    wait_until("the refresh reached the data path", WAIT, || async {
+        let (status, body) = fetch(&gateway).await;
+        if body == "moved" {
+            Ok(())
+        } else {
+            Err(format!("{status} {body}"))
+        }
+    })
+    .await;
+
+    running.control.apply().await.expect("applied");
+    let status = wait_status(&gateway, written, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(status.endpoints.active, 1, "{status:?}");
+}

@@ -16,20 +16,27 @@ pub struct SourceNews {
 }
 
 impl Observer {
-    /// The events of sources whose progress moved since last reported (and remembers it).
+    /// The events of sources whose progress moved since last reported (and remembers it),
+    /// among `candidates` (None: every source).
     pub(in crate::control) fn source_news(
         &mut self,
         entries: &HashMap<Id, SourceEntry>,
+        candidates: Option<Vec<Id>>,
     ) -> Vec<SourceNews> {
         if !self.primed {
             return Vec::new();
         }
-        let mut moved: Vec<Id> = entries
-            .iter()
-            .filter(|(id, entry)| self.progress.get(id) != Some(&entry.progress))
-            .map(|(id, _)| *id)
-            .collect();
+        let moved_since = |id: &Id| {
+            entries
+                .get(id)
+                .is_some_and(|entry| self.progress.get(id) != Some(&entry.progress))
+        };
+        let mut moved: Vec<Id> = match candidates {
+            Some(ids) => ids.into_iter().filter(moved_since).collect(),
+            None => entries.keys().copied().filter(moved_since).collect(),
+        };
         moved.sort_unstable();
+        moved.dedup();
         let mut news = Vec::new();
         for id in moved {
             let entry = &entries[&id];
