@@ -71,6 +71,24 @@ impl ControlTask {
             let services: Vec<Id> = scope.services.iter().copied().collect();
             self.store.sources_of_services(&services).await?
         };
+        let new_sources: Vec<Id> = stored
+            .iter()
+            .map(|(source, _)| source.id)
+            .filter(|id| !self.sources.contains_key(id))
+            .collect();
+        let leases = match self.bid_for_leases(&new_sources).await {
+            Ok(leases) => Some(leases),
+            // The lease round bids again.
+            Err(error) => {
+                tracing::warn!(%error, "cannot bid for the leases of new discovery sources");
+                None
+            }
+        };
+        let lease_of = |id: Id| {
+            leases
+                .as_ref()
+                .and_then(|(held, until)| held.contains(&id).then_some(*until))
+        };
         let mut present = HashSet::new();
         let mut changed = false;
         let mut first_error = None;
@@ -85,7 +103,10 @@ impl ControlTask {
                     continue;
                 }
                 Some(_) => self.reconfigure(source).await,
-                None => self.adopt(source, stored_progress).await,
+                None => {
+                    let lease_until = lease_of(source.id);
+                    self.adopt(source, stored_progress, lease_until).await
+                }
             };
             match outcome {
                 Ok(source_changed) => changed |= source_changed,
@@ -128,10 +149,12 @@ impl ControlTask {
     }
 
     /// A source seen for the first time (created, or found at start with its saved progress).
+    /// `lease_until`: until when this instance holds its lease (None: it does not, for now).
     async fn adopt(
         &mut self,
         source: DiscoverySource,
         progress: SourceProgress,
+        lease_until: Option<tokio::time::Instant>,
     ) -> Result<bool, ControlError> {
         let targets = self.store.source_targets(source.id).await?;
         let mut entry = SourceEntry {
@@ -139,16 +162,9 @@ impl ControlTask {
             source,
             progress,
             runner: None,
-            lease_until: None,
+            lease_until,
             guard_reread_at: None,
         };
-        match self.bid_for_lease(entry.source.id).await {
-            Ok(until) => entry.lease_until = until,
-            // The lease round bids again.
-            Err(error) => {
-                tracing::warn!(source_id = entry.source.id, %error, "cannot bid for the source lease")
-            }
-        }
         // Kept even when enforcing fails, so its loop and timers are not lost with the error.
         let outcome = self.enforce_enabled(&mut entry, true).await;
         self.sources.insert(entry.source.id, entry);
@@ -275,18 +291,22 @@ impl ControlTask {
         }
     }
 
-    /// Takes or renews the lease of `source_id`. Ok(Some(until)): held until then.
-    async fn bid_for_lease(
+    /// Takes or renews the leases of `source_ids` in a few statements: the ids held now, and
+    /// until when.
+    async fn bid_for_leases(
         &self,
-        source_id: Id,
-    ) -> Result<Option<tokio::time::Instant>, StoreError> {
+        source_ids: &[Id],
+    ) -> Result<(HashSet<Id>, tokio::time::Instant), StoreError> {
         let lease = self.cluster.lease;
         let started = tokio::time::Instant::now();
+        if source_ids.is_empty() {
+            return Ok((HashSet::new(), started + lease));
+        }
         // Bounded, so a hanging database cannot keep the control task past the lease's end.
-        match tokio::time::timeout(lease / 2, self.store.take_source_lease(source_id, lease)).await
+        match tokio::time::timeout(lease / 2, self.store.take_source_leases(source_ids, lease))
+            .await
         {
-            Ok(Ok(true)) => Ok(Some(started + lease)),
-            Ok(Ok(false)) => Ok(None),
+            Ok(Ok(held)) => Ok((held, started + lease)),
             Ok(Err(error)) => Err(error),
             Err(_) => Err(StoreError::Database(sqlx::Error::PoolTimedOut)),
         }
@@ -295,44 +315,41 @@ impl ControlTask {
     /// Renews held leases, bids for free and expired ones, takes over the sources it wins and
     /// lets go of those another instance holds. Returns whether targets changed.
     pub(super) async fn lease_round(&mut self) -> bool {
-        let ids: Vec<Id> = self.sources.keys().copied().collect();
+        let mut ids: Vec<Id> = self.sources.keys().copied().collect();
+        ids.sort_unstable();
+        let (held, until) = match self.bid_for_leases(&ids).await {
+            Ok(leases) => leases,
+            Err(error) => {
+                tracing::warn!(%error, "cannot renew discovery source leases");
+                self.expire_leases();
+                return false;
+            }
+        };
         let mut changed = false;
-        let mut store_failed = false;
         for id in ids {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;
             };
-            // One failure stands for the rest: with the database away, each bid would only wait
-            // for its own timeout.
-            if !store_failed {
-                match self.bid_for_lease(id).await {
-                    Ok(Some(until)) => {
-                        let gained = entry.lease_until.is_none();
-                        entry.lease_until = Some(until);
-                        if gained {
-                            match self.take_over(&mut entry).await {
-                                Ok(source_changed) => changed |= source_changed,
-                                Err(error) => {
-                                    tracing::error!(source_id = id, %error, "cannot take the discovery source over; retrying at the next lease round");
-                                    entry.let_go();
-                                }
-                            }
+            if held.contains(&id) {
+                let gained = entry.lease_until.is_none();
+                entry.lease_until = Some(until);
+                if gained {
+                    match self.take_over(&mut entry).await {
+                        Ok(source_changed) => changed |= source_changed,
+                        Err(error) => {
+                            tracing::error!(source_id = id, %error, "cannot take the discovery source over; retrying at the next lease round");
+                            entry.let_go();
                         }
-                    }
-                    Ok(None) => {
-                        if entry.lease_until.is_some() {
-                            tracing::info!(
-                                source_id = id,
-                                "another instance refreshes this discovery source now"
-                            );
-                        }
-                        entry.let_go();
-                    }
-                    Err(error) => {
-                        store_failed = true;
-                        tracing::warn!(%error, "cannot renew discovery source leases");
                     }
                 }
+            } else {
+                if entry.lease_until.is_some() {
+                    tracing::info!(
+                        source_id = id,
+                        "another instance refreshes this discovery source now"
+                    );
+                }
+                entry.let_go();
             }
             self.sources.insert(id, entry);
         }

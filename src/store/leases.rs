@@ -4,7 +4,7 @@
 //! skewed clocks still agree. A plain table rather than advisory locks: it survives a
 //! connection pooler, and operators can see who holds what.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use super::{Backend, Store, StoreError};
@@ -35,6 +35,29 @@ fn take_or_renew_sql(now: &str, contested: bool) -> String {
     )
 }
 
+/// Like [`take_or_renew_sql`] for `count` sources at once (`$3` on), in id order so that two
+/// instances bidding for overlapping sets lock their rows in the same order.
+fn take_or_renew_many_sql(now: &str, contested: bool, count: usize) -> String {
+    let only_if_free = if contested {
+        format!("WHERE source_leases.holder = excluded.holder OR source_leases.expires_at <= {now}")
+    } else {
+        String::new()
+    };
+    let ids: Vec<String> = (3..count + 3).map(|n| format!("${n}")).collect();
+    format!(
+        "INSERT INTO source_leases (source_id, holder, expires_at)
+         SELECT id, $1, {now} + $2 FROM discovery_sources WHERE id IN ({}) ORDER BY id
+         ON CONFLICT (source_id) DO UPDATE
+            SET holder = excluded.holder, expires_at = excluded.expires_at
+            {only_if_free}
+         RETURNING source_id",
+        ids.join(", ")
+    )
+}
+
+/// How many leases one statement takes or renews.
+const LEASES_PER_STATEMENT: usize = 500;
+
 fn holder_sql(now: &str) -> String {
     format!("SELECT holder FROM source_leases WHERE source_id = $1 AND expires_at > {now}")
 }
@@ -61,6 +84,31 @@ impl Store {
             _ => Err(error),
         })?;
         Ok(taken.is_some())
+    }
+
+    /// [`Store::take_source_lease`] for many sources in a few statements: the ids this instance
+    /// holds now (sources deleted meanwhile are left out).
+    pub async fn take_source_leases(
+        &self,
+        source_ids: &[Id],
+        period: Duration,
+    ) -> Result<HashSet<Id>, StoreError> {
+        let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX / 2);
+        let mut held = HashSet::with_capacity(source_ids.len());
+        for chunk in source_ids.chunks(LEASES_PER_STATEMENT) {
+            let sql = take_or_renew_many_sql(self.now_sql(), self.is_shared(), chunk.len());
+            let taken: Vec<i64> = on_pool!(self, |pool| {
+                let mut query = sqlx::query_scalar(&sql)
+                    .bind(self.instance_id())
+                    .bind(period_ms);
+                for id in chunk {
+                    query = query.bind(*id);
+                }
+                query.fetch_all(pool).await
+            })?;
+            held.extend(taken);
+        }
+        Ok(held)
     }
 
     /// Gives up this instance's lease of `source_id` (so another instance may take it at once).

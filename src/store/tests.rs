@@ -39,6 +39,7 @@ on_both_backends!(
     stream_routes_and_certificates_conflict_the_same_way,
     the_change_log_names_what_each_write_touched,
     a_reader_behind_the_trimmed_log_reloads_everything,
+    many_leases_are_taken_and_renewed_at_once,
 );
 
 #[derive(Debug, Clone, Copy)]
@@ -719,4 +720,46 @@ async fn postgres_readers_miss_no_change_committed_out_of_order() {
             .max_attempts,
         3
     );
+}
+
+async fn many_leases_are_taken_and_renewed_at_once(kind: Kind) {
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let service = a.create_service(&service_spec("web")).await.unwrap();
+    let mut sources = Vec::new();
+    for name in ["one", "two", "three"] {
+        sources.push(
+            a.create_source(service.id, &source_spec(name))
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    let long = Duration::from_secs(60);
+    let held = a.take_source_leases(&sources[..2], long).await.unwrap();
+    assert_eq!(held, sources[..2].iter().copied().collect());
+    let deleted = 999_999;
+    let by_b = b
+        .take_source_leases(&[sources[0], sources[1], sources[2], deleted], long)
+        .await
+        .unwrap();
+    match kind {
+        // One process per SQLite file: the asker always wins.
+        Kind::Sqlite => assert_eq!(by_b, sources.iter().copied().collect()),
+        Kind::Postgres => {
+            assert_eq!(
+                by_b,
+                [sources[2]].into_iter().collect(),
+                "only the free one"
+            );
+            let renewed = a.take_source_leases(&sources, long).await.unwrap();
+            assert_eq!(renewed, sources[..2].iter().copied().collect());
+            assert_eq!(
+                a.source_lease_holder(sources[2]).await.unwrap().as_deref(),
+                Some("instance-b")
+            );
+        }
+    }
+    assert!(a.take_source_leases(&[], long).await.unwrap().is_empty());
 }
