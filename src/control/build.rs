@@ -38,7 +38,7 @@ impl CarriedState {
             .clone()
     }
 
-    fn forget_gone_targets(&mut self, service_id: Id, targets: &[Target]) {
+    fn forget_gone_targets(&mut self, service_id: Id, targets: &[Arc<Target>]) {
         let Some(before) = self.service_targets.get(&service_id) else {
             return;
         };
@@ -198,7 +198,7 @@ fn build_service(
         .as_deref()
         .and_then(|authority| HeaderValue::from_str(authority).ok());
     let sources: Vec<&SourceStanding> = desired.sources_of(service.id).iter().collect();
-    let all_targets: Vec<&Target> = targets.iter().collect();
+    let all_targets: Vec<&Target> = targets.iter().map(|target| &**target).collect();
     ServiceRuntime {
         service: service.clone(),
         upstream_host,
@@ -298,7 +298,7 @@ mod tests {
                 .targets
                 .entry(service_id)
                 .or_default()
-                .push(target_of(service_id, id));
+                .push(Arc::new(target_of(service_id, id)));
         }
         desired
     }

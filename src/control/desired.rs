@@ -2,6 +2,7 @@
 //! reloads, rebuilds and reports only the part it touched (the change log, `store/changes.rs`).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use crate::model::{
     CertificateWithKey, Id, Route, RoutingConfig, Service, SourceStanding, StreamRoute, Target,
@@ -12,8 +13,8 @@ use crate::store::{ChangeSet, ConfigDelta};
 pub(super) struct Desired {
     /// In id order, so a full build and its events come in a repeatable order.
     pub(super) services: BTreeMap<Id, Service>,
-    /// By service id, each list in id order.
-    pub(super) targets: HashMap<Id, Vec<Target>>,
+    /// By service id, each list in id order; shared with the observer's picture.
+    pub(super) targets: HashMap<Id, Vec<Arc<Target>>>,
     /// By service id.
     pub(super) sources: HashMap<Id, Vec<SourceStanding>>,
     pub(super) routes: Vec<Route>,
@@ -39,7 +40,7 @@ impl Desired {
                 .targets
                 .entry(target.service_id)
                 .or_default()
-                .push(target);
+                .push(Arc::new(target));
         }
         for source in config.sources {
             desired
@@ -57,7 +58,8 @@ impl Desired {
             match parts.service {
                 Some(service) => {
                     self.services.insert(parts.id, service);
-                    self.targets.insert(parts.id, parts.targets);
+                    let targets = parts.targets.into_iter().map(Arc::new).collect();
+                    self.targets.insert(parts.id, targets);
                     self.sources.insert(parts.id, parts.sources);
                 }
                 None => {
@@ -79,7 +81,7 @@ impl Desired {
         delta.changes
     }
 
-    pub(super) fn targets_of(&self, service_id: Id) -> &[Target] {
+    pub(super) fn targets_of(&self, service_id: Id) -> &[Arc<Target>] {
         self.targets.get(&service_id).map_or(&[], Vec::as_slice)
     }
 
@@ -91,5 +93,6 @@ impl Desired {
         self.services
             .keys()
             .flat_map(|service_id| self.targets_of(*service_id))
+            .map(|target| &**target)
     }
 }

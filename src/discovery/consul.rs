@@ -38,7 +38,9 @@ use crate::discovery::config::{
     self, check_range, check_url, default_timeout_ms, default_true, default_weight, error,
     registry_weight_scale, render_path, ProviderConfig, SharedKeys,
 };
-use crate::discovery::registry_client::{error_chain, read_limited};
+use crate::discovery::registry_client::{
+    error_chain, read_limited, shared_client, ClientBuildError, ClientSettings,
+};
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, Registered,
     WatchAnswer, WatchProvider, WatchStream,
@@ -238,7 +240,8 @@ pub struct ConsulProvider {
 
 /// What every request of every watch of one source shares (the client keeps its connection).
 struct Watcher {
-    client: reqwest::Client,
+    /// Shared with every source of the same TLS and connect settings.
+    client: Arc<reqwest::Client>,
     /// `<address>/v1/health/service/<service>`.
     url: reqwest::Url,
     /// The same without a user name or password, as errors and logs name it.
@@ -257,24 +260,14 @@ struct Watcher {
 impl ConsulProvider {
     /// `config` has passed `validate`.
     pub fn new(config: &ConsulConfig) -> Result<Self, ConfigError> {
-        let mut builder = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(config.timeout_ms))
-            .user_agent(concat!("raahi/", env!("CARGO_PKG_VERSION")))
-            .danger_accept_invalid_certs(!config.tls_verify)
-            // Consul is reached directly: a proxy from the environment would be a surprise.
-            .no_proxy();
-        if let Some(pem) = &config.ca_pem {
-            let certificates = reqwest::Certificate::from_pem_bundle(pem.as_bytes())
-                .map_err(|err| error("ca_pem", format!("is not valid PEM: {err}")))?;
-            for certificate in certificates {
-                builder = builder.add_root_certificate(certificate);
-            }
-        }
-        let client = builder.build().map_err(|err| {
-            error(
-                "",
-                format!("cannot build the HTTP client: {}", error_chain(&err)),
-            )
+        let client = shared_client(&ClientSettings {
+            tls_verify: config.tls_verify,
+            ca_pem: config.ca_pem.clone(),
+            connect_timeout_ms: Some(config.timeout_ms),
+        })
+        .map_err(|err| match err {
+            ClientBuildError::CaPem(_) => error("ca_pem", err.to_string()),
+            ClientBuildError::Build(_) => error("", err.to_string()),
         })?;
         let mut url = reqwest::Url::parse(&config.address)
             .map_err(|err| error("address", format!("is not a valid URL: {err}")))?;

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, ETAG};
@@ -18,7 +19,7 @@ use crate::discovery::config::{
     self, check_url, default_interval_ms, default_timeout_ms, default_true, default_weight, error,
     inner_budget, ProviderConfig, SharedKeys,
 };
-use crate::discovery::registry_client::{error_chain, read_limited};
+use crate::discovery::registry_client::{error_chain, read_limited, shared_client, ClientSettings};
 use crate::discovery::resolver::address_key;
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
@@ -128,7 +129,8 @@ pub struct HttpProvider {
     /// The URL as errors name it: without credentials or query (where tokens travel), since
     /// `last_error` reaches viewers through the event stream.
     shown_url: String,
-    client: reqwest::Client,
+    /// Shared with every source of the same TLS settings.
+    client: Arc<reqwest::Client>,
     headers: HeaderMap,
     endpoints_path: Option<Vec<String>>,
     defaults: Defaults,
@@ -146,21 +148,18 @@ struct Defaults {
 }
 
 impl HttpProvider {
-    /// `config` has passed `validate`. The client (and its connection pool) is built
-    /// once here and reused by every refresh.
+    /// `config` has passed `validate`. The client (and its connection pool) is shared by every
+    /// source with the same TLS settings and reused by every refresh.
     pub fn new(config: &HttpConfig) -> Result<Self, ConfigError> {
-        let budget = inner_budget(Duration::from_millis(config.timeout_ms));
-        let client = reqwest::Client::builder()
-            .timeout(budget)
-            .user_agent(concat!("raahi/", env!("CARGO_PKG_VERSION")))
-            .danger_accept_invalid_certs(!config.tls_verify)
-            // Registries are reached directly: a proxy from the environment would be a surprise.
-            .no_proxy()
-            .build()
-            .map_err(|err| ConfigError {
-                field: String::new(),
-                message: format!("cannot build the HTTP client: {}", error_chain(&err)),
-            })?;
+        let client = shared_client(&ClientSettings {
+            tls_verify: config.tls_verify,
+            ca_pem: None,
+            connect_timeout_ms: None,
+        })
+        .map_err(|err| ConfigError {
+            field: String::new(),
+            message: err.to_string(),
+        })?;
         Ok(HttpProvider {
             url: config.url.clone(),
             shown_url: shown_url(&config.url),
@@ -183,6 +182,7 @@ impl HttpProvider {
         let response = self
             .client
             .get(&self.url)
+            .timeout(inner_budget(Duration::from_millis(self.timeout_ms)))
             .headers(self.headers.clone())
             .send()
             .await

@@ -48,7 +48,8 @@ enum Phase {
 }
 
 struct SeenTarget {
-    target: Target,
+    /// Shared with the control task's picture of the configuration.
+    target: Arc<Target>,
     /// None while out of rotation (draining, stale, disabled, weight 0): not looked at.
     look: Option<Look>,
 }

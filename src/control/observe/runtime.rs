@@ -28,7 +28,7 @@ impl Observer {
                 if before == current {
                     continue;
                 }
-                let mut target = seen.target.clone();
+                let mut target = crate::model::Target::clone(&seen.target);
                 // The store has the deciding check only once the round is written.
                 if let Some(check) = self.deciding_checks.get(&runtime.id) {
                     if target
