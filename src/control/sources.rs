@@ -500,6 +500,8 @@ impl ControlTask {
         let guard_before = (entry.progress.guard.clone(), entry.guard_reread_at);
         // A change of state changes which 503 the service answers (discovery_unavailable).
         let state_changed;
+        // The targets the changes were made from, when read here.
+        let mut read = None;
         let changes = match outcome.result {
             Ok(discovered) => {
                 let targets = self.store.source_targets(entry.source.id).await?;
@@ -529,6 +531,7 @@ impl ControlTask {
                         "discovery refresh applied"
                     );
                 }
+                read = Some(targets);
                 changes
             }
             Err(error) => {
@@ -571,7 +574,16 @@ impl ControlTask {
             (entry.progress.guard, entry.guard_reread_at) = guard_before;
             return Err(error);
         }
-        Ok(self.after_changes(entry, &changes).await? || state_changed)
+        let changed = match read {
+            // Only this task writes the source's targets (it holds the lease): no read back.
+            Some(targets) if !changes.is_empty() => {
+                entry.next_removal = reconcile::next_removal_after(&targets, &changes);
+                true
+            }
+            Some(_) => false,
+            None => self.after_changes(entry, &changes).await?,
+        };
+        Ok(changed || state_changed)
     }
 
     /// Stale targets of a source that just turned stale.

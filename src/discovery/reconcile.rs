@@ -141,6 +141,35 @@ pub fn next_removal(current: &[Target]) -> Option<DateTime<Utc>> {
     current.iter().filter_map(draining_deadline).min()
 }
 
+/// The earliest removal deadline once `changes` (made from `current`) are written: what reading
+/// the source's targets back would give, without reading them back.
+pub fn next_removal_after(current: &[Target], changes: &[TargetChange]) -> Option<DateTime<Utc>> {
+    let mut deadlines: HashMap<crate::model::Id, Option<DateTime<Utc>>> = current
+        .iter()
+        .map(|target| (target.id, draining_deadline(target)))
+        .collect();
+    for change in changes {
+        match change {
+            // New targets are active.
+            TargetChange::Create(_) => {}
+            TargetChange::Refresh { id, .. } | TargetChange::MarkStale { id } => {
+                if let Some(deadline) = deadlines.get_mut(id) {
+                    *deadline = None;
+                }
+            }
+            TargetChange::Drain { id, remove_at } => {
+                if let Some(deadline) = deadlines.get_mut(id) {
+                    *deadline = Some(*remove_at);
+                }
+            }
+            TargetChange::Delete { id } => {
+                deadlines.remove(id);
+            }
+        }
+    }
+    deadlines.into_values().flatten().min()
+}
+
 /// A key's state during one reconcile.
 #[derive(Clone, Copy)]
 enum Slot<'a> {
@@ -284,6 +313,44 @@ mod tests {
             created_at: at(1_600_000_000_000),
             updated_at: at(1_600_000_000_000),
         }
+    }
+
+    #[test]
+    fn the_next_removal_after_changes_is_what_a_read_back_would_give() {
+        let current = [
+            target(1, "a"),
+            draining(2, "b", at(5_000)),
+            draining(3, "c", at(3_000)),
+            target(4, "d"),
+        ];
+        assert_eq!(next_removal_after(&current, &[]), Some(at(3_000)));
+        let changes = [
+            TargetChange::Refresh {
+                id: 3,
+                endpoint: endpoint("c"),
+            },
+            TargetChange::Drain {
+                id: 4,
+                remove_at: at(4_000),
+            },
+            TargetChange::Create(endpoint("e")),
+        ];
+        assert_eq!(next_removal_after(&current, &changes), Some(at(4_000)));
+        let gone = [
+            TargetChange::Delete { id: 2 },
+            TargetChange::Delete { id: 3 },
+            TargetChange::MarkStale { id: 1 },
+        ];
+        assert_eq!(next_removal_after(&current, &gone), None);
+        let unknown = [TargetChange::Drain {
+            id: 99,
+            remove_at: at(1_000),
+        }];
+        assert_eq!(
+            next_removal_after(&current, &unknown),
+            Some(at(3_000)),
+            "the store only writes the source's own targets"
+        );
     }
 
     fn draining(id: Id, key: &str, remove_at: DateTime<Utc>) -> Target {
