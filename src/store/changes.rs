@@ -102,8 +102,10 @@ pub struct ConfigDelta {
     pub position: ChangePosition,
 }
 
-/// Past this many changed services one read of everything is cheaper than a read per part.
-pub const MAX_PARTIAL_SERVICES: usize = 1000;
+/// Ids bound in one `IN (…)` list. However many services changed, only they are read: falling
+/// back to reading everything past some count would make a busy control task slower exactly
+/// when it is behind.
+const IDS_PER_QUERY: usize = 500;
 
 /// How long the log keeps a change: an instance that has not read it by then reloads everything.
 pub const CHANGE_LOG_RETENTION_MS: i64 = 5 * 60 * 1000;
@@ -126,8 +128,8 @@ impl Store {
     }
 
     /// What changed since `position`, with the changed parts as they are now. None when the
-    /// caller must reload everything instead: the log was trimmed past `position`, a table was
-    /// emptied, or more than [`MAX_PARTIAL_SERVICES`] services changed.
+    /// caller must reload everything instead: the log was trimmed past `position`, or a table
+    /// was emptied.
     pub async fn changes_since(
         &self,
         position: ChangePosition,
@@ -159,39 +161,43 @@ impl Store {
                 for row in rows {
                     changes.note(&row.scope, row.service_id);
                 }
-                if changes.everything || changes.services.len() > MAX_PARTIAL_SERVICES {
+                if changes.everything {
                     return Ok(None);
                 }
                 let ids: Vec<Id> = changes.services.iter().copied().collect();
-                let (services, targets, sources): (
-                    Vec<ServiceRow>,
-                    Vec<TargetRow>,
-                    Vec<StandingRow>,
-                ) = if ids.is_empty() {
-                    (Vec::new(), Vec::new(), Vec::new())
-                } else {
-                    (
-                        sqlx::query_as(&in_list("SELECT * FROM services WHERE id", ids.len()))
-                            .bind_all(&ids)
-                            .fetch_all(&mut *tx)
-                            .await?,
-                        sqlx::query_as(&in_list(
-                            "SELECT * FROM targets WHERE service_id",
-                            ids.len(),
+                let mut services: Vec<ServiceRow> = Vec::new();
+                let mut targets: Vec<TargetRow> = Vec::new();
+                let mut sources: Vec<StandingRow> = Vec::new();
+                for chunk in ids.chunks(IDS_PER_QUERY) {
+                    services.extend(
+                        sqlx::query_as::<_, ServiceRow>(&in_list(
+                            "SELECT * FROM services WHERE id",
+                            chunk.len(),
                         ))
-                        .bind_all(&ids)
+                        .bind_all(chunk)
                         .fetch_all(&mut *tx)
                         .await?,
-                        sqlx::query_as(&in_list(
+                    );
+                    targets.extend(
+                        sqlx::query_as::<_, TargetRow>(&in_list(
+                            "SELECT * FROM targets WHERE service_id",
+                            chunk.len(),
+                        ))
+                        .bind_all(chunk)
+                        .fetch_all(&mut *tx)
+                        .await?,
+                    );
+                    sources.extend(
+                        sqlx::query_as::<_, StandingRow>(&in_list(
                             "SELECT id, service_id, name, enabled, state FROM discovery_sources \
                              WHERE service_id",
-                            ids.len(),
+                            chunk.len(),
                         ))
-                        .bind_all(&ids)
+                        .bind_all(chunk)
                         .fetch_all(&mut *tx)
                         .await?,
-                    )
-                };
+                    );
+                }
                 let routes: Option<Vec<RouteRow>> = if changes.routes {
                     Some(
                         sqlx::query_as("SELECT * FROM routes ORDER BY id")

@@ -37,10 +37,7 @@ mod targets;
 mod test_postgres;
 mod tokens;
 pub use certificates::NewCertificate;
-pub use changes::{
-    ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS,
-    MAX_PARTIAL_SERVICES,
-};
+pub use changes::{ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS};
 pub use sources::ManagedKind;
 
 use std::str::FromStr;

@@ -40,6 +40,7 @@ on_both_backends!(
     the_change_log_names_what_each_write_touched,
     a_reader_behind_the_trimmed_log_reloads_everything,
     many_leases_are_taken_and_renewed_at_once,
+    changes_to_more_services_than_one_query_binds_are_all_read,
 );
 
 #[derive(Debug, Clone, Copy)]
@@ -762,4 +763,26 @@ async fn many_leases_are_taken_and_renewed_at_once(kind: Kind) {
         }
     }
     assert!(a.take_source_leases(&[], long).await.unwrap().is_empty());
+}
+
+async fn changes_to_more_services_than_one_query_binds_are_all_read(kind: Kind) {
+    let (store, _dir) = store(kind).await;
+    let (_, start) = store.load_routing_config_at().await.unwrap();
+    let mut created = Vec::new();
+    for n in 0..1_100 {
+        created.push(
+            store
+                .create_service(&service_spec(&format!("s{n}")))
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    let delta = delta(&store, start).await;
+    assert_names(kind, &delta, &created);
+    assert!(delta
+        .services
+        .iter()
+        .filter(|part| created.contains(&part.id))
+        .all(|part| part.service.as_ref().map(|service| service.id) == Some(part.id)));
 }
