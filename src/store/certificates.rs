@@ -26,6 +26,14 @@ pub(super) struct CertificateRow {
     updated_at: i64,
 }
 
+/// A stored certificate with its key, as the routing snapshot needs it.
+impl TryFrom<CertificateRow> for CertificateWithKey {
+    type Error = StoreError;
+    fn try_from(row: CertificateRow) -> Result<Self, StoreError> {
+        row.into_parts()
+    }
+}
+
 impl CertificateRow {
     pub(super) fn into_parts(self) -> Result<CertificateWithKey, StoreError> {
         Ok(CertificateWithKey {

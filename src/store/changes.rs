@@ -280,13 +280,7 @@ impl Store {
             services: parts,
             routes: routes.map(convert_all).transpose()?,
             stream_routes: stream_routes.map(convert_all).transpose()?,
-            certificates: certificates
-                .map(|rows| {
-                    rows.into_iter()
-                        .map(certificates::CertificateRow::into_parts)
-                        .collect::<Result<Vec<_>, _>>()
-                })
-                .transpose()?,
+            certificates: certificates.map(convert_all).transpose()?,
             position: next,
         }))
     }

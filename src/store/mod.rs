@@ -233,10 +233,7 @@ impl Store {
             sources: convert_all(sources)?,
             routes: convert_all(routes)?,
             stream_routes: convert_all(stream_routes)?,
-            certificates: certificates
-                .into_iter()
-                .map(certificates::CertificateRow::into_parts)
-                .collect::<Result<_, _>>()?,
+            certificates: convert_all(certificates)?,
         };
         Ok((config, position.map(changes::ChangePosition::at)))
     }
