@@ -241,9 +241,58 @@ pub struct ProxyConfig {
     /// registration, 5000 with one.
     #[serde(default)]
     pub drain_delay_ms: Option<u64>,
+    /// Open client connections per listener; more are closed at once (and counted).
+    #[serde(default = "ProxyConfig::default_max_connections")]
+    pub max_connections: u32,
+    /// Header fields one request may carry (431 beyond).
+    #[serde(default = "ProxyConfig::default_max_header_count")]
+    pub max_header_count: u32,
+    /// Bytes of header fields one request may carry (431 beyond).
+    #[serde(default = "ProxyConfig::default_max_header_bytes")]
+    pub max_header_bytes: u32,
+    /// Length of a request target (414 beyond).
+    #[serde(default = "ProxyConfig::default_max_uri_bytes")]
+    pub max_uri_bytes: u32,
+    /// Streams one HTTP/2 client connection may have open at once.
+    #[serde(default = "ProxyConfig::default_http2_max_concurrent_streams")]
+    pub http2_max_concurrent_streams: u32,
+    /// An HTTP/2 client connection with no open stream is closed (GOAWAY) after this long.
+    #[serde(default = "ProxyConfig::default_http2_idle_timeout_ms")]
+    pub http2_idle_timeout_ms: u64,
+    /// A buffered request body (see a route's `request_buffer_bytes`) must arrive whole within
+    /// this long (408 `client_body_timeout`).
+    #[serde(default = "ProxyConfig::default_client_body_timeout_ms")]
+    pub client_body_timeout_ms: u64,
+    /// Memory all request bodies being buffered may hold together; beyond it bodies stream.
+    #[serde(default = "ProxyConfig::default_request_buffer_budget_bytes")]
+    pub request_buffer_budget_bytes: u64,
 }
 
 impl ProxyConfig {
+    fn default_max_connections() -> u32 {
+        20_000
+    }
+    fn default_max_header_count() -> u32 {
+        100
+    }
+    fn default_max_header_bytes() -> u32 {
+        64 * 1024
+    }
+    fn default_max_uri_bytes() -> u32 {
+        8 * 1024
+    }
+    fn default_http2_max_concurrent_streams() -> u32 {
+        100
+    }
+    fn default_http2_idle_timeout_ms() -> u64 {
+        60_000
+    }
+    fn default_client_body_timeout_ms() -> u64 {
+        60_000
+    }
+    fn default_request_buffer_budget_bytes() -> u64 {
+        128 * 1024 * 1024
+    }
     fn default_listen() -> SocketAddr {
         "0.0.0.0:8080".parse().expect("valid literal")
     }
@@ -263,6 +312,14 @@ impl Default for ProxyConfig {
             client_header_timeout_ms: Self::default_client_header_timeout_ms(),
             shutdown_grace_ms: Self::default_shutdown_grace_ms(),
             drain_delay_ms: None,
+            max_connections: Self::default_max_connections(),
+            max_header_count: Self::default_max_header_count(),
+            max_header_bytes: Self::default_max_header_bytes(),
+            max_uri_bytes: Self::default_max_uri_bytes(),
+            http2_max_concurrent_streams: Self::default_http2_max_concurrent_streams(),
+            http2_idle_timeout_ms: Self::default_http2_idle_timeout_ms(),
+            client_body_timeout_ms: Self::default_client_body_timeout_ms(),
+            request_buffer_budget_bytes: Self::default_request_buffer_budget_bytes(),
         }
     }
 }
@@ -401,6 +458,26 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ),
     ("RAAHI_PROXY_SHUTDOWN_GRACE_MS", "proxy.shutdown_grace_ms"),
     ("RAAHI_PROXY_DRAIN_DELAY_MS", "proxy.drain_delay_ms"),
+    ("RAAHI_PROXY_MAX_CONNECTIONS", "proxy.max_connections"),
+    ("RAAHI_PROXY_MAX_HEADER_COUNT", "proxy.max_header_count"),
+    ("RAAHI_PROXY_MAX_HEADER_BYTES", "proxy.max_header_bytes"),
+    ("RAAHI_PROXY_MAX_URI_BYTES", "proxy.max_uri_bytes"),
+    (
+        "RAAHI_PROXY_HTTP2_MAX_CONCURRENT_STREAMS",
+        "proxy.http2_max_concurrent_streams",
+    ),
+    (
+        "RAAHI_PROXY_HTTP2_IDLE_TIMEOUT_MS",
+        "proxy.http2_idle_timeout_ms",
+    ),
+    (
+        "RAAHI_PROXY_CLIENT_BODY_TIMEOUT_MS",
+        "proxy.client_body_timeout_ms",
+    ),
+    (
+        "RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES",
+        "proxy.request_buffer_budget_bytes",
+    ),
     (
         "RAAHI_REGISTRATION_CONSUL_ADDRESS",
         "registration.consul.address",
@@ -546,11 +623,31 @@ impl Config {
                 return Err(invalid(key, "must be between 1 and 1000000"));
             }
         }
-        if self.proxy.client_header_timeout_ms == 0 {
-            return Err(invalid(
+        for (key, value) in [
+            (
                 "proxy.client_header_timeout_ms",
-                "must be greater than 0",
-            ));
+                self.proxy.client_header_timeout_ms,
+            ),
+            ("proxy.max_connections", self.proxy.max_connections.into()),
+            ("proxy.max_header_count", self.proxy.max_header_count.into()),
+            ("proxy.max_header_bytes", self.proxy.max_header_bytes.into()),
+            ("proxy.max_uri_bytes", self.proxy.max_uri_bytes.into()),
+            (
+                "proxy.http2_max_concurrent_streams",
+                self.proxy.http2_max_concurrent_streams.into(),
+            ),
+            (
+                "proxy.http2_idle_timeout_ms",
+                self.proxy.http2_idle_timeout_ms,
+            ),
+            (
+                "proxy.client_body_timeout_ms",
+                self.proxy.client_body_timeout_ms,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be greater than 0"));
+            }
         }
         if let Some(token) = &self.admin.token {
             if token.len() < 16 {
@@ -645,7 +742,16 @@ fn read(path: &Path) -> Result<String, ConfigError> {
 }
 
 /// Keys whose environment value is a number though their names do not say so.
-const COUNT_KEYS: &[&str] = &["admin.event_ring", "admin.event_client_queue"];
+const COUNT_KEYS: &[&str] = &[
+    "admin.event_ring",
+    "admin.event_client_queue",
+    "proxy.max_connections",
+    "proxy.max_header_count",
+    "proxy.max_header_bytes",
+    "proxy.max_uri_bytes",
+    "proxy.http2_max_concurrent_streams",
+    "proxy.request_buffer_budget_bytes",
+];
 
 /// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
 /// integers so they can be overridden too.

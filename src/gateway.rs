@@ -19,7 +19,7 @@ use crate::control::{
 };
 use crate::events::{EventLog, EventSettings};
 use crate::proxy::stream::{StreamListeners, StreamSettings};
-use crate::proxy::{self, ListenerSettings, ProxyState};
+use crate::proxy::{self, ListenerSettings, ProxyState, RequestLimits};
 use crate::registration::{Registrar, RegistrationError};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
@@ -153,6 +153,14 @@ impl Gateway {
         let settings = ListenerSettings {
             client_header_timeout: Duration::from_millis(config.proxy.client_header_timeout_ms),
             shutdown_grace: Duration::from_millis(config.proxy.shutdown_grace_ms),
+            max_connections: config.proxy.max_connections as usize,
+            http2_max_concurrent_streams: config.proxy.http2_max_concurrent_streams,
+            http2_idle_timeout: Duration::from_millis(config.proxy.http2_idle_timeout_ms),
+            requests: RequestLimits {
+                max_uri_bytes: config.proxy.max_uri_bytes as usize,
+                max_header_count: config.proxy.max_header_count as usize,
+                max_header_bytes: config.proxy.max_header_bytes as usize,
+            },
         };
         let streams = StreamListeners::new(
             snapshots.clone(),
@@ -206,7 +214,11 @@ impl Gateway {
             })?;
 
         let (shutdown, shutdown_signal) = watch::channel(false);
-        let proxy_state = ProxyState::new(snapshots.clone(), gateway_counters.clone());
+        let proxy_state = ProxyState::new(
+            snapshots.clone(),
+            gateway_counters.clone(),
+            settings.requests,
+        );
         let mut tasks = vec![proxy::serve_http(
             proxy_listener,
             proxy_state.clone(),

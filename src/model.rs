@@ -378,6 +378,15 @@ pub struct Route {
     pub strip_prefix: bool,
     /// Among routes equally specific by host and path, the higher value wins.
     pub priority: i32,
+    /// Largest request body the route accepts (413 `request_body_too_large`); null: no limit.
+    pub max_request_body_bytes: Option<u64>,
+    /// Request bodies up to this size are read whole before a target is picked, so a slow
+    /// uploader costs the upstream nothing; larger ones (and any beyond the listener's buffer
+    /// budget) stream. 0 streams every body.
+    pub request_buffer_bytes: u64,
+    /// The `Upgrade` protocols (e.g. `websocket`) the route passes to its targets; any other
+    /// upgrade is forwarded as a plain request. `h2c` is never passed (RFC 9113 §3.1).
+    pub upgrades: Vec<String>,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -768,6 +777,12 @@ pub struct RouteSpec {
     pub strip_prefix: bool,
     #[serde(default)]
     pub priority: i32,
+    #[serde(default)]
+    pub max_request_body_bytes: Option<u64>,
+    #[serde(default = "default_request_buffer_bytes")]
+    pub request_buffer_bytes: u64,
+    #[serde(default = "default_upgrades")]
+    pub upgrades: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -793,6 +808,16 @@ fn default_weight() -> u32 {
 }
 fn default_max_attempts() -> u32 {
     3
+}
+/// A route buffers request bodies up to this size unless it says otherwise.
+pub const DEFAULT_REQUEST_BUFFER_BYTES: u64 = 1024 * 1024;
+
+fn default_request_buffer_bytes() -> u64 {
+    DEFAULT_REQUEST_BUFFER_BYTES
+}
+/// WebSocket passes unless a route says otherwise, as it does through HAProxy and Traefik.
+pub fn default_upgrades() -> Vec<String> {
+    vec!["websocket".to_owned()]
 }
 fn default_path_prefix() -> String {
     "/".to_owned()
@@ -859,6 +884,9 @@ impl Route {
             preserve_host: self.preserve_host,
             strip_prefix: self.strip_prefix,
             priority: self.priority,
+            max_request_body_bytes: self.max_request_body_bytes,
+            request_buffer_bytes: self.request_buffer_bytes,
+            upgrades: self.upgrades.clone(),
         }
     }
 }

@@ -57,7 +57,29 @@ pub struct GatewayCounters {
     pub client_connection_parks: AtomicU64,
     /// HTTP/1.1 client connections parked now: open, idle, holding no HTTP buffers.
     pub parked_client_connections: AtomicU64,
+    /// HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most of
+    /// the streams they opened.
+    pub http2_calmed_connections: AtomicU64,
+    /// Client connections open now on the proxy listeners.
+    pub client_connections: AtomicU64,
+    /// Client connections closed on arrival because their listener had `proxy.max_connections`.
+    pub client_connections_refused: AtomicU64,
+    /// Requests refused for breaking a rule or limit, by [`REFUSAL_CODES`] position.
+    pub requests_refused: [AtomicU64; REFUSAL_CODES.len()],
 }
+
+/// The answers (error codes) of requests refused before or instead of reaching a target for
+/// breaking a rule or a limit, as `/metrics` labels them.
+pub const REFUSAL_CODES: [&str; 8] = [
+    "invalid_host",
+    "invalid_framing",
+    "unsupported_transfer_coding",
+    "uri_too_long",
+    "request_headers_too_large",
+    "request_body_too_large",
+    "client_body_timeout",
+    "upstream_overloaded",
+];
 
 /// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.
 pub const LATENCY_BUCKETS: [f64; 14] = [
@@ -707,6 +729,9 @@ mod tests {
             preserve_host: false,
             strip_prefix: false,
             priority,
+            max_request_body_bytes: None,
+            request_buffer_bytes: crate::model::DEFAULT_REQUEST_BUFFER_BYTES,
+            upgrades: crate::model::default_upgrades(),
             managed_by: None,
             created_at: crate::clock::now(),
             updated_at: crate::clock::now(),

@@ -42,6 +42,9 @@ const MAX_METADATA_BYTES: usize = 16 * 1024;
 const MAX_HOSTS: usize = 100;
 const MAX_METHODS: usize = 16;
 const MAX_PATH_PREFIX_LEN: usize = 1024;
+/// Most a route may buffer of one request body: larger bodies stream.
+pub const MAX_REQUEST_BUFFER_BYTES: u64 = 64 * 1024 * 1024;
+const MAX_UPGRADES: usize = 16;
 /// A certificate chain, key or CA bundle larger than this is a mistake, not a PEM.
 const MAX_PEM_BYTES: usize = 1024 * 1024;
 const MAX_SNIS: usize = 100;
@@ -428,7 +431,54 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
     }
     spec.methods.sort();
     spec.methods.dedup();
+    if spec.max_request_body_bytes == Some(0) {
+        return Err(ValidationError::new(
+            "max_request_body_bytes",
+            "must be at least 1, or null for no limit",
+        ));
+    }
+    if spec.request_buffer_bytes > MAX_REQUEST_BUFFER_BYTES {
+        return Err(ValidationError::new(
+            "request_buffer_bytes",
+            format!("at most {MAX_REQUEST_BUFFER_BYTES} (larger bodies stream)"),
+        ));
+    }
+    route_upgrades(&mut spec.upgrades)?;
     Ok(spec)
+}
+
+/// Upgrade protocol names are tokens (RFC 9110 §7.8), kept in lower case; `h2c` is refused, as
+/// HTTP/2 over a tunnelled upgrade would bypass every route rule (RFC 9113 §3.1 removed it).
+fn route_upgrades(upgrades: &mut Vec<String>) -> Result<(), ValidationError> {
+    if upgrades.len() > MAX_UPGRADES {
+        return Err(ValidationError::new(
+            "upgrades",
+            format!("at most {MAX_UPGRADES} protocols"),
+        ));
+    }
+    for (index, protocol) in upgrades.iter_mut().enumerate() {
+        *protocol = protocol.to_ascii_lowercase();
+        let is_token = !protocol.is_empty()
+            && protocol.len() <= 64
+            && protocol
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if !is_token {
+            return Err(ValidationError::new(
+                format!("upgrades[{index}]"),
+                format!("{protocol:?} is not a protocol name such as \"websocket\""),
+            ));
+        }
+        if protocol == "h2c" {
+            return Err(ValidationError::new(
+                format!("upgrades[{index}]"),
+                "h2c is never passed: HTTP/2 goes to targets through Raahi, not through a tunnel",
+            ));
+        }
+    }
+    upgrades.sort();
+    upgrades.dedup();
+    Ok(())
 }
 
 const MAX_STALE_AFTER_MS: u64 = 30 * 24 * 3_600_000;
@@ -623,8 +673,44 @@ mod tests {
             preserve_host: false,
             strip_prefix: false,
             priority: 0,
+            max_request_body_bytes: None,
+            request_buffer_bytes: 1024,
+            upgrades: vec!["WebSocket".into(), "websocket".into()],
         };
         let accepted = route(spec.clone()).unwrap();
+        assert_eq!(accepted.upgrades, vec!["websocket"]);
+        for (bad, field) in [
+            (
+                RouteSpec {
+                    upgrades: vec!["websocket".into(), "H2C".into()],
+                    ..spec.clone()
+                },
+                "upgrades[1]",
+            ),
+            (
+                RouteSpec {
+                    upgrades: vec!["web socket".into()],
+                    ..spec.clone()
+                },
+                "upgrades[0]",
+            ),
+            (
+                RouteSpec {
+                    max_request_body_bytes: Some(0),
+                    ..spec.clone()
+                },
+                "max_request_body_bytes",
+            ),
+            (
+                RouteSpec {
+                    request_buffer_bytes: MAX_REQUEST_BUFFER_BYTES + 1,
+                    ..spec.clone()
+                },
+                "request_buffer_bytes",
+            ),
+        ] {
+            assert_eq!(field_of(route(bad)), field);
+        }
         assert_eq!(accepted.hosts, vec!["*.example.com", "api.example.com"]);
         assert_eq!(accepted.methods, vec!["GET"]);
         assert_eq!(

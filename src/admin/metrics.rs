@@ -18,6 +18,7 @@ use prometheus_client::registry::Registry;
 use super::AdminState;
 use crate::clock::unix_ms;
 use crate::model::{Health, Id, SourceState};
+use crate::snapshot::REFUSAL_CODES;
 
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 const SOURCE_STATES: [SourceState; 5] = [
@@ -39,6 +40,10 @@ struct Scrape {
     stream_unmatched: u64,
     client_connection_parks: u64,
     parked_client_connections: u64,
+    client_connections: u64,
+    client_connections_refused: u64,
+    http2_calmed_connections: u64,
+    requests_refused: Vec<(Labels, u64)>,
     streams: Vec<StreamSample>,
     certificates: Vec<(Labels, i64)>,
     routes: Vec<RouteSample>,
@@ -125,6 +130,28 @@ async fn gather(state: &AdminState) -> Scrape {
             .gateway_counters
             .parked_client_connections
             .load(Ordering::Relaxed),
+        client_connections: state
+            .gateway_counters
+            .client_connections
+            .load(Ordering::Relaxed),
+        client_connections_refused: state
+            .gateway_counters
+            .client_connections_refused
+            .load(Ordering::Relaxed),
+        http2_calmed_connections: state
+            .gateway_counters
+            .http2_calmed_connections
+            .load(Ordering::Relaxed),
+        requests_refused: REFUSAL_CODES
+            .iter()
+            .zip(&state.gateway_counters.requests_refused)
+            .map(|(code, count)| {
+                (
+                    vec![("code", (*code).to_owned())],
+                    count.load(Ordering::Relaxed),
+                )
+            })
+            .collect(),
         registration: state.registration.as_ref().map(|status| {
             let status = status.borrow();
             (
@@ -350,6 +377,35 @@ impl Collector for Scrape {
             "raahi_unrouted_requests",
             "Requests that matched no route (answered 404).",
             [(Labels::new(), self.unrouted)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_requests_refused",
+            "Requests refused for breaking a rule or limit, by the code of the answer \
+             (invalid_host, uri_too_long, request_body_too_large, upstream_overloaded, ...).",
+            self.requests_refused.iter().cloned(),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_client_connections",
+            "Client connections open now on the proxy listeners.",
+            [(
+                Labels::new(),
+                i64::try_from(self.client_connections).unwrap_or(i64::MAX),
+            )],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_client_connections_refused",
+            "Client connections closed on arrival: their listener had proxy.max_connections open.",
+            [(Labels::new(), self.client_connections_refused)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_http2_calmed_connections",
+            "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most \
+             of the streams they opened (rapid reset).",
+            [(Labels::new(), self.http2_calmed_connections)],
         )?;
         gauge(
             &mut encoder,

@@ -6,6 +6,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 
 use super::failure::{Blame, NoTarget, UpstreamFailure, UpstreamFailureKind};
+use crate::snapshot::REFUSAL_CODES;
 
 /// Why a proxied HTTP request failed.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +23,20 @@ pub enum ProxyError {
     ClientBodyTimeout { timeout_ms: u64 },
     #[error("the client sent no complete request head within {timeout_ms} ms")]
     ClientHeaderTimeout { timeout_ms: u64 },
+    #[error("the request carries {reason}")]
+    InvalidHost { reason: &'static str },
+    #[error("the request's framing is invalid: {reason}")]
+    InvalidFraming { reason: &'static str },
+    #[error("the transfer coding {coding:?} is not supported (only chunked)")]
+    UnsupportedTransferCoding { coding: String },
+    #[error("the request target is {length} bytes long, more than the {limit} allowed")]
+    UriTooLong { length: usize, limit: usize },
+    #[error("the request has {reason}")]
+    HeadersTooLarge { reason: String },
+    #[error("the request body is larger than the {limit} bytes this route accepts")]
+    BodyTooLarge { limit: u64 },
+    #[error("the listener has its {limit} connections open")]
+    TooManyConnections { limit: usize },
 }
 
 impl ProxyError {
@@ -29,11 +44,19 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
-            ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::ClientBody { .. }
+            | ProxyError::InvalidHost { .. }
+            | ProxyError::InvalidFraming { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::UnsupportedTransferCoding { .. } => StatusCode::NOT_IMPLEMENTED,
+            ProxyError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
+            ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientHeaderTimeout { .. } => {
                 StatusCode::REQUEST_TIMEOUT
             }
-            ProxyError::NoTarget(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoTarget(_) | ProxyError::TooManyConnections { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::Upstream(failure) => match failure.kind {
                 UpstreamFailureKind::ConnectFailed { .. }
                 | UpstreamFailureKind::TlsFailed { .. }
@@ -51,6 +74,13 @@ impl ProxyError {
             ProxyError::ClientBody { .. } => "client_body_failed",
             ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
             ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
+            ProxyError::InvalidHost { .. } => "invalid_host",
+            ProxyError::InvalidFraming { .. } => "invalid_framing",
+            ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
+            ProxyError::UriTooLong { .. } => "uri_too_long",
+            ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
+            ProxyError::BodyTooLarge { .. } => "request_body_too_large",
+            ProxyError::TooManyConnections { .. } => "too_many_connections",
             ProxyError::NoTarget(no_target) => no_target.code(),
             ProxyError::Upstream(failure) => failure.code(),
         }
@@ -61,9 +91,41 @@ impl ProxyError {
             ProxyError::NoRoute { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
-            | ProxyError::ClientHeaderTimeout { .. } => Blame::Client,
+            | ProxyError::ClientHeaderTimeout { .. }
+            | ProxyError::InvalidHost { .. }
+            | ProxyError::InvalidFraming { .. }
+            | ProxyError::UnsupportedTransferCoding { .. }
+            | ProxyError::UriTooLong { .. }
+            | ProxyError::HeadersTooLarge { .. }
+            | ProxyError::BodyTooLarge { .. } => Blame::Client,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) => Blame::Upstream,
+            ProxyError::TooManyConnections { .. } => Blame::Gateway,
+        }
+    }
+
+    /// Its place in [`REFUSAL_CODES`] when it refuses a request for breaking a rule or limit.
+    pub fn refusal(&self) -> Option<usize> {
+        let code = self.code();
+        REFUSAL_CODES.iter().position(|refusal| *refusal == code)
+    }
+
+    /// The HTTP/1.1 connection cannot carry another request after this answer: the request
+    /// was refused before its body was read, or its body broke, so where the next request
+    /// starts is unknown (or the client is not to be trusted with one).
+    pub fn ends_connection(&self) -> bool {
+        match self {
+            ProxyError::NoRoute { .. } | ProxyError::NoTarget(_) | ProxyError::Upstream(_) => false,
+            ProxyError::ClientHeaderTimeout { .. }
+            | ProxyError::ClientBody { .. }
+            | ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::InvalidHost { .. }
+            | ProxyError::InvalidFraming { .. }
+            | ProxyError::UnsupportedTransferCoding { .. }
+            | ProxyError::UriTooLong { .. }
+            | ProxyError::HeadersTooLarge { .. }
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::TooManyConnections { .. } => true,
         }
     }
 

@@ -91,6 +91,29 @@ pub fn is_upgrade_request(version: Version, headers: &HeaderMap) -> bool {
             .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
 }
 
+/// Whether a route that passes the protocols `allowed` (lower case) passes this `Upgrade`
+/// field: every protocol it offers (`name` or `name/version`) must be allowed, and `h2c`
+/// never is (RFC 9113 §3.1), as HTTP/2 through a tunnel would bypass every route rule.
+pub fn upgrade_allowed(offered: &HeaderValue, allowed: &[String]) -> bool {
+    let Ok(offered) = offered.to_str() else {
+        return false;
+    };
+    let mut protocols = offered
+        .split(',')
+        .map(|protocol| protocol.split('/').next().unwrap_or("").trim())
+        .filter(|name| !name.is_empty())
+        .peekable();
+    protocols.peek().is_some()
+        && protocols.all(|name| {
+            !name.eq_ignore_ascii_case("h2c")
+                && allowed
+                    .iter()
+                    .any(|allowed| allowed.eq_ignore_ascii_case(name))
+        })
+}
+
+pub static HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+
 // Statics, so the bytes are checked once by the compiler: `from_static` called at run time
 // validates them on every request.
 static VIA_HTTP_10: HeaderValue = HeaderValue::from_static("1.0 raahi");
@@ -397,5 +420,22 @@ mod tests {
         );
         assert!(is_upgrade_request(Version::HTTP_11, &headers));
         assert!(!is_upgrade_request(Version::HTTP_2, &headers));
+    }
+
+    #[test]
+    fn only_upgrades_the_route_passes_go_through_and_never_h2c() {
+        let allowed = vec!["websocket".to_owned()];
+        let passes = |offered: &'static str, allowed: &[String]| {
+            upgrade_allowed(&HeaderValue::from_static(offered), allowed)
+        };
+        assert!(passes("websocket", &allowed));
+        assert!(passes("WebSocket", &allowed));
+        assert!(!passes("h2c", &allowed));
+        assert!(!passes("h2c", &["h2c".to_owned()]));
+        assert!(!passes("websocket, h2c", &allowed));
+        assert!(!passes("spdy/3", &allowed));
+        assert!(!passes("websocket", &[]));
+        assert!(!passes(" , ", &allowed));
+        assert!(passes("x-tunnel/2", &["x-tunnel".to_owned()]));
     }
 }

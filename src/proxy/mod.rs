@@ -12,6 +12,7 @@ mod failure;
 mod forward;
 mod h1client;
 mod h1server;
+mod h2server;
 mod headers;
 mod plain_target;
 mod pool;
@@ -25,12 +26,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::server::conn::http1 as hyper_http1;
+use hyper::server::conn::http2 as hyper_http2;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
@@ -52,10 +53,26 @@ pub struct ListenerSettings {
     pub client_header_timeout: Duration,
     /// On shutdown, how long requests in flight may take to finish.
     pub shutdown_grace: Duration,
+    /// Open client connections per listener.
+    pub max_connections: usize,
+    pub http2_max_concurrent_streams: u32,
+    /// An HTTP/2 connection without an open stream closes after this long.
+    pub http2_idle_timeout: Duration,
+    pub requests: RequestLimits,
+}
+
+/// What one request may be, checked before it is routed.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    pub max_uri_bytes: usize,
+    pub max_header_count: usize,
+    /// Header fields as written on the wire (name, ": ", value, CRLF).
+    pub max_header_bytes: usize,
 }
 
 pub struct ProxyState {
     snapshots: SnapshotHandle,
+    limits: RequestLimits,
     clients: UpstreamClients,
     counters: Arc<GatewayCounters>,
     /// Set when the shutdown sequence starts: HTTP/1.1 answers then carry `Connection: close`, so
@@ -65,9 +82,14 @@ pub struct ProxyState {
 }
 
 impl ProxyState {
-    pub fn new(snapshots: SnapshotHandle, counters: Arc<GatewayCounters>) -> Arc<ProxyState> {
+    pub fn new(
+        snapshots: SnapshotHandle,
+        counters: Arc<GatewayCounters>,
+        limits: RequestLimits,
+    ) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
+            limits,
             clients: UpstreamClients::default(),
             counters,
             draining: AtomicBool::new(false),
@@ -121,10 +143,10 @@ struct ConnectionSettings {
     /// Plain HTTP/1.1 connections, which park while idle (see `h1server`).
     http1: hyper_http1::Builder,
     park: h1server::ParkSettings,
-    /// HTTP/1.1 with upgrades, or HTTP/2 when the connection starts with its preface.
-    any: auto::Builder<TokioExecutor>,
-    /// HTTP/2 only, for TLS connections whose ALPN chose `h2`.
-    http2: auto::Builder<TokioExecutor>,
+    /// HTTP/1.1 over TLS (ALPN other than `h2`), with upgrades.
+    tls_http1: hyper_http1::Builder,
+    /// HTTP/2: prior knowledge on the plain listener, ALPN `h2` on TLS.
+    http2: h2server::H2Settings,
     tls: Option<TlsAcceptor>,
     handshake_timeout: Duration,
 }
@@ -136,16 +158,17 @@ fn serve(
     settings: ListenerSettings,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let limits = settings.requests;
+    let mut http2 = hyper_http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
-        .header_read_timeout(settings.client_header_timeout)
-        .keep_alive(true);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(Some(Duration::from_secs(30)));
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(settings.http2_max_concurrent_streams)
+        // HPACK counts 32 bytes per field beside its name and value (RFC 9113 §6.5.2).
+        .max_header_list_size(
+            u32::try_from(limits.max_header_bytes + 32 * limits.max_header_count)
+                .unwrap_or(u32::MAX),
+        );
     // No header timeout in hyper for plain HTTP/1.1: the parking driver enforces it at its idle
     // checks, without a timer set and cleared on every request.
     let mut http1 = hyper_http1::Builder::new();
@@ -153,14 +176,27 @@ fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(None)
         .keep_alive(true);
+    // hyper parses up to 100 fields without allocating; a higher limit costs every request a
+    // heap array, so it is asked for only when configured.
+    if limits.max_header_count > 100 {
+        http1.max_headers(limits.max_header_count + 1);
+    }
+    let mut tls_http1 = http1.clone();
+    tls_http1.header_read_timeout(settings.client_header_timeout);
     let connection_settings = Arc::new(ConnectionSettings {
         http1,
         park: h1server::ParkSettings::for_header_timeout(settings.client_header_timeout),
-        http2: builder.clone().http2_only(),
-        any: builder,
+        tls_http1,
+        http2: h2server::H2Settings {
+            builder: http2,
+            idle_timeout: settings.http2_idle_timeout,
+        },
         tls,
         handshake_timeout: settings.client_header_timeout,
     });
+    let max_connections = settings.max_connections;
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let plain = connection_settings.tls.is_none();
     tokio::spawn(async move {
         let connections = GracefulShutdown::new();
         loop {
@@ -170,6 +206,10 @@ fn serve(
             };
             match accepted {
                 Ok((stream, client)) => {
+                    let Some(slot) = ConnectionSlot::take(&slots, &state.counters) else {
+                        refuse_connection(stream, client, plain, &state.counters, max_connections);
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
                     tokio::spawn(wait_for_first_bytes(
                         stream,
@@ -178,6 +218,7 @@ fn serve(
                         connection_settings.clone(),
                         connections.watcher(),
                         shutdown.clone(),
+                        slot,
                     ));
                 }
                 Err(error) => {
@@ -203,6 +244,51 @@ fn serve(
     })
 }
 
+/// One of a listener's `proxy.max_connections` places, held for as long as its connection.
+struct ConnectionSlot {
+    _permit: OwnedSemaphorePermit,
+    counters: Arc<GatewayCounters>,
+}
+
+impl ConnectionSlot {
+    fn take(slots: &Arc<Semaphore>, counters: &Arc<GatewayCounters>) -> Option<ConnectionSlot> {
+        let permit = slots.clone().try_acquire_owned().ok()?;
+        counters.client_connections.fetch_add(1, Ordering::Relaxed);
+        Some(ConnectionSlot {
+            _permit: permit,
+            counters: counters.clone(),
+        })
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.counters
+            .client_connections
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A connection past the listener's limit is closed at once. A plain one is first told why
+/// (503 `too_many_connections`) if its socket takes the bytes without waiting; a TLS one cannot
+/// be told anything before a handshake it is not worth.
+fn refuse_connection(
+    stream: TcpStream,
+    client: SocketAddr,
+    plain: bool,
+    counters: &GatewayCounters,
+    limit: usize,
+) {
+    counters
+        .client_connections_refused
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(%client, limit, "listener at its connection limit; connection refused");
+    if plain {
+        let answer = ProxyError::TooManyConnections { limit }.to_http1_close();
+        let _ = stream.try_write(&answer);
+    }
+}
+
 /// A connection that has sent nothing yet is held by this small task, not by a whole HTTP (and
 /// TLS) connection's state, which is only built once bytes arrive: thousands of clients that
 /// connect ahead of need cost little. Clients speak first in HTTP and TLS, so nothing waits on
@@ -214,6 +300,7 @@ async fn wait_for_first_bytes(
     settings: Arc<ConnectionSettings>,
     watcher: Watcher,
     mut shutdown: watch::Receiver<bool>,
+    _slot: ConnectionSlot,
 ) {
     let mut first = [0u8; HTTP2_PREFACE_START.len()];
     // Boxed, as the connection's HTTP state below is: this task lives as long as the connection,
@@ -234,14 +321,23 @@ async fn wait_for_first_bytes(
     // HTTP/1.1 reserves for it) are HTTP/1.1, served by the parking driver.
     // The connection's state goes in a box this task awaits: a task of its own would cost a
     // spawn per connection.
-    if settings.tls.is_none() && !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
+    if settings.tls.is_some() {
+        Box::pin(serve_tls(
+            stream, client, state, settings, watcher, shutdown,
+        ))
+        .await;
+    } else if HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
+        let http2 = &settings.http2;
+        Box::pin(h2server::serve(
+            stream, client, false, state, http2, watcher, shutdown,
+        ))
+        .await;
+    } else {
         let (http1, park) = (settings.http1.clone(), settings.park);
         Box::pin(h1server::serve(
             stream, client, state, http1, park, watcher, shutdown,
         ))
         .await;
-    } else {
-        Box::pin(serve_connection(stream, client, state, settings, watcher)).await;
     }
 }
 
@@ -282,15 +378,15 @@ async fn peek_client(
     None
 }
 
-async fn serve_connection(
+async fn serve_tls(
     stream: TcpStream,
     client: SocketAddr,
     state: Arc<ProxyState>,
     settings: Arc<ConnectionSettings>,
     watcher: Watcher,
+    mut shutdown: watch::Receiver<bool>,
 ) {
     let Some(acceptor) = &settings.tls else {
-        serve_protocol(stream, client, false, false, state, &settings, watcher).await;
         return;
     };
     let handshake = tokio::time::timeout(settings.handshake_timeout, acceptor.accept(stream));
@@ -305,37 +401,48 @@ async fn serve_connection(
             return;
         }
     };
-    let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
-    serve_protocol(stream, client, true, http2, state, &settings, watcher).await;
-}
-
-async fn serve_protocol<I>(
-    io: I,
-    client: SocketAddr,
-    over_tls: bool,
-    http2: bool,
-    state: Arc<ProxyState>,
-    settings: &ConnectionSettings,
-    watcher: Watcher,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let downstream = forward::Downstream::new(client, over_tls);
+    if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+        h2server::serve(
+            stream,
+            client,
+            true,
+            state,
+            &settings.http2,
+            watcher,
+            shutdown,
+        )
+        .await;
+        return;
+    }
+    // HTTP/2 over TLS needs ALPN (RFC 9113 §3.2): anything else here is HTTP/1.1.
+    let downstream = forward::Downstream::new(client, true);
     let service = service_fn(move |request| {
         let state = state.clone();
         let downstream = downstream.clone();
         async move { Ok::<_, Infallible>(forward::handle(&state, request, &downstream).await) }
     });
-    let io = TokioIo::new(io);
-    let result = if http2 {
-        watcher
-            .watch(settings.http2.serve_connection(io, service))
-            .await
-    } else {
-        watcher
-            .watch(settings.any.serve_connection_with_upgrades(io, service))
-            .await
+    let connection = settings
+        .tls_http1
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    tokio::pin!(connection);
+    // hyper's graceful watcher does not take an upgradeable connection: the listener's
+    // shutdown is followed here, and `watcher` held, so its grace period waits for this one.
+    let stopping = async {
+        let _ = shutdown.wait_for(|stop| *stop).await;
     };
+    let finished = tokio::select! {
+        result = connection.as_mut() => Some(result),
+        () = stopping => None,
+    };
+    let result = match finished {
+        Some(result) => result,
+        None => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    drop(watcher);
     if let Err(error) = result {
         tracing::debug!(%client, %error, "client connection ended with an error");
     }

@@ -3,13 +3,16 @@
 //! connector does: the codec hands a finished connection to its [`ConnectionHome`], which is
 //! this target, and the pool keeps it without knowing what it speaks.
 
+use std::future::Future;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::uri::Authority;
 use http::{Method, Response};
+use http_body_util::BodyExt;
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 
 use super::body::UpstreamRequestBody;
 use super::h1client::{self, Connection, ConnectionHome, ExchangeError, RequestHead, ResponseBody};
@@ -87,13 +90,37 @@ impl PlainTarget {
     /// Sends `request` on an idle connection or a new one. An idle connection that turns out
     /// closed when the request head is written to it (the target ended it meanwhile) is
     /// dropped and the request goes on another: its body was not touched yet.
+    ///
+    /// With `finish_if_abandoned` the exchange runs on a task of its own: a caller that goes
+    /// away (a client's HTTP/2 stream reset) leaves it to finish and read the answer, within
+    /// bounds, so the connection goes back to the pool rather than closed. A client resetting
+    /// streams as fast as it opens them then costs the target no new connections.
     pub async fn send(
         self: &Arc<Self>,
         head: RequestHead<'_>,
         body: UpstreamRequestBody,
+        finish_if_abandoned: bool,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
         let (head, framing) = h1client::encode_head(&head, &body);
+        let exchange = self.clone().exchange(head, framing, method_is_head, body);
+        if !finish_if_abandoned {
+            return exchange.await;
+        }
+        let (answer, answered) = oneshot::channel();
+        tokio::spawn(finish_unless_abandoned(exchange, answer));
+        answered
+            .await
+            .unwrap_or_else(|_| Err(PlainTargetError::Unsent(io::ErrorKind::Interrupted.into())))
+    }
+
+    async fn exchange(
+        self: Arc<Self>,
+        head: Vec<u8>,
+        framing: h1client::RequestFraming,
+        method_is_head: bool,
+        body: UpstreamRequestBody,
+    ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let connection = loop {
             let (mut connection, reused) = match self.pool.take_idle() {
                 Some(connection) => (connection, true),
@@ -107,7 +134,7 @@ impl PlainTarget {
                 Err(error) => return Err(PlainTargetError::Unsent(error)),
             }
         };
-        let home: Arc<dyn ConnectionHome> = self.clone();
+        let home: Arc<dyn ConnectionHome> = self;
         h1client::finish_exchange(connection, method_is_head, body, framing, home)
             .await
             .map_err(PlainTargetError::Request)
@@ -128,6 +155,50 @@ impl PlainTarget {
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         Ok(Connection::new(stream))
+    }
+}
+
+/// How long an exchange its caller abandoned may take to finish (answer read to its end), and
+/// how much of an answer it reads, before its connection is given up after all.
+const ABANDONED_EXCHANGE_TIME: Duration = Duration::from_secs(10);
+const ABANDONED_ANSWER_BYTES: usize = 1024 * 1024;
+
+/// Runs `exchange` for a caller waiting on `answer`; if the caller goes away first, finishes it
+/// anyway and reads the answer, so its connection goes home.
+async fn finish_unless_abandoned<F>(
+    exchange: F,
+    mut answer: oneshot::Sender<Result<Response<ResponseBody>, PlainTargetError>>,
+) where
+    F: Future<Output = Result<Response<ResponseBody>, PlainTargetError>>,
+{
+    tokio::pin!(exchange);
+    let result = tokio::select! {
+        result = &mut exchange => result,
+        () = answer.closed() => {
+            match tokio::time::timeout(ABANDONED_EXCHANGE_TIME, exchange).await {
+                Ok(result) => result,
+                Err(_) => return,
+            }
+        }
+    };
+    if let Err(Ok(response)) = answer.send(result) {
+        let reading = read_to_end(response.into_body(), ABANDONED_ANSWER_BYTES);
+        let _ = tokio::time::timeout(ABANDONED_EXCHANGE_TIME, reading).await;
+    }
+}
+
+/// Reads a body to its end (which hands its connection back), unless it is larger than
+/// `limit`.
+async fn read_to_end(mut body: ResponseBody, mut limit: usize) {
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return;
+        };
+        let size = frame.data_ref().map_or(0, |data| data.len());
+        if size > limit {
+            return;
+        }
+        limit -= size;
     }
 }
 
@@ -184,7 +255,7 @@ mod tests {
             headers: &http::HeaderMap::new(),
             host: Some(&host),
         };
-        target.send(head, UpstreamRequestBody::Empty).await
+        target.send(head, UpstreamRequestBody::Empty, false).await
     }
 
     async fn exchange(target: &Arc<PlainTarget>) {
@@ -286,5 +357,63 @@ mod tests {
         let error = get(&target).await.err().expect("refused");
         assert!(error.is_connect(), "{error}");
         assert!(!error.is_connect_timeout());
+    }
+
+    /// A client that cancels its request while the target works on it (an HTTP/2 stream
+    /// reset) must not cost the target its connection: the exchange finishes on its own and
+    /// the next request reuses the connection.
+    #[tokio::test]
+    async fn an_abandoned_exchange_finishes_and_keeps_its_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (received_tx, mut received) = tokio::sync::mpsc::unbounded_channel();
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let received_tx = received_tx.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |_request| {
+                        let received_tx = received_tx.clone();
+                        async move {
+                            let _ = received_tx.send(());
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Ok::<_, Infallible>(Response::new(Full::new(bytes::Bytes::from("ok"))))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        let target = target_at(target, Duration::from_secs(60));
+        let host = http::HeaderValue::from_static("origin");
+        let headers = http::HeaderMap::new();
+        let head = RequestHead {
+            method: &Method::GET,
+            path_and_query: "/",
+            headers: &headers,
+            host: Some(&host),
+        };
+        tokio::select! {
+            _ = target.send(head, UpstreamRequestBody::Empty, true) => {
+                panic!("answered before the origin got the request")
+            }
+            _ = received.recv() => {}
+        }
+        // The caller is gone; the exchange finishes and the connection goes home.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while target.pool.idle_count() == 0 {
+            assert!(Instant::now() < deadline, "the connection never went home");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        exchange(&target).await;
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "one connection served both"
+        );
     }
 }

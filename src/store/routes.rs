@@ -35,8 +35,9 @@ impl Store {
         let now = now_ms();
         let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO routes (name, hosts, path_prefix, methods, service_id, preserve_host,
-                strip_prefix, priority, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING id",
+                strip_prefix, priority, max_request_body_bytes, request_buffer_bytes, upgrades,
+                created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
         )
         .bind(&spec.name)
         .bind(json_text(&spec.hosts))
@@ -46,6 +47,9 @@ impl Store {
         .bind(spec.preserve_host)
         .bind(spec.strip_prefix)
         .bind(i64::from(spec.priority))
+        .bind(spec.max_request_body_bytes.map(stored_size))
+        .bind(stored_size(spec.request_buffer_bytes))
+        .bind(json_text(&spec.upgrades))
         .bind(now)
         .bind(now)
         .fetch_one(pool)
@@ -66,8 +70,10 @@ impl Store {
         self.require_service_for_route(spec.service_id).await?;
         let affected = on_pool!(self, |pool| sqlx::query(
             "UPDATE routes SET name = $1, hosts = $2, path_prefix = $3, methods = $4, service_id = $5,
-                preserve_host = $6, strip_prefix = $7, priority = $8, updated_at = $9
-             WHERE id = $10",
+                preserve_host = $6, strip_prefix = $7, priority = $8,
+                max_request_body_bytes = $9, request_buffer_bytes = $10, upgrades = $11,
+                updated_at = $12
+             WHERE id = $13",
         )
         .bind(&spec.name)
         .bind(json_text(&spec.hosts))
@@ -77,6 +83,9 @@ impl Store {
         .bind(spec.preserve_host)
         .bind(spec.strip_prefix)
         .bind(i64::from(spec.priority))
+        .bind(spec.max_request_body_bytes.map(stored_size))
+        .bind(stored_size(spec.request_buffer_bytes))
+        .bind(json_text(&spec.upgrades))
         .bind(now_ms())
         .bind(id)
         .execute(pool)
@@ -115,4 +124,9 @@ impl Store {
             Err(other) => Err(other),
         }
     }
+}
+
+/// A byte size as the store's signed 64-bit integer; validation keeps sizes far below the cap.
+fn stored_size(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }

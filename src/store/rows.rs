@@ -158,6 +158,9 @@ pub(super) struct RouteRow {
     preserve_host: bool,
     strip_prefix: bool,
     priority: i64,
+    max_request_body_bytes: Option<i64>,
+    request_buffer_bytes: i64,
+    upgrades: String,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -177,6 +180,12 @@ impl TryFrom<RouteRow> for Route {
             strip_prefix: row.strip_prefix,
             priority: i32::try_from(row.priority)
                 .map_err(|_| StoreError::Corrupt(format!("route priority {}", row.priority)))?,
+            max_request_body_bytes: row
+                .max_request_body_bytes
+                .map(|bytes| size(bytes, "route max_request_body_bytes"))
+                .transpose()?,
+            request_buffer_bytes: size(row.request_buffer_bytes, "route request_buffer_bytes")?,
+            upgrades: string_list(&row.upgrades, "route upgrades")?,
             managed_by: row.managed_by,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,
@@ -311,4 +320,8 @@ impl TryFrom<SourceRow> for DiscoverySource {
     fn try_from(row: SourceRow) -> Result<Self, StoreError> {
         row.into_parts().map(|(source, _)| source)
     }
+}
+
+fn size(bytes: i64, what: &str) -> Result<u64, StoreError> {
+    u64::try_from(bytes).map_err(|_| StoreError::Corrupt(format!("{what} {bytes}")))
 }

@@ -94,6 +94,9 @@ fn route_spec(name: &str, service_id: Id) -> RouteSpec {
         preserve_host: true,
         strip_prefix: false,
         priority: 3,
+        max_request_body_bytes: Some(4096),
+        request_buffer_bytes: 0,
+        upgrades: vec!["websocket".into(), "x-custom".into()],
     }
 }
 

@@ -26,6 +26,7 @@ mod discovery_http;
 mod discovery_kubernetes;
 mod discovery_safety;
 mod edge_admin;
+mod edge_limits;
 mod events;
 mod health;
 mod health_tls;

@@ -1015,6 +1015,18 @@ async fn http2_prior_knowledge_is_proxied_with_the_right_host() {
 #[tokio::test]
 async fn upgrade_tunnels_bytes_both_ways() {
     let (gateway, upstream) = gateway_to_one_upstream("ws").await;
+    // WebSocket passes by default; another protocol only when the route names it.
+    let (_, routes) = gateway.api("GET", "/api/v1/routes", None).await;
+    let route = routes["items"][0]["id"].as_i64().unwrap();
+    let (status, patched) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/routes/{route}"),
+            Some(json!({"upgrades": ["websocket", "Echo"]})),
+        )
+        .await;
+    assert_eq!(status, hyper::StatusCode::OK, "{patched}");
+    assert_eq!(patched["upgrades"], json!(["echo", "websocket"]));
 
     let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
     stream
@@ -1056,6 +1068,26 @@ async fn upgrade_tunnels_bytes_both_ways() {
         .expect("the tunnel closes after the client's half-close")
         .expect("read to end");
     assert!(rest.is_empty(), "unexpected bytes after close: {rest:?}");
+}
+
+/// An upgrade the route does not pass, and h2c always, goes up as a plain request: the target
+/// never sees `Upgrade` (nor h2c's settings), so no tunnel bypasses the route's rules.
+#[tokio::test]
+async fn upgrades_the_route_does_not_pass_go_up_as_plain_requests() {
+    let (gateway, upstream) = gateway_to_one_upstream("plain").await;
+    for upgrade in ["h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA", "echo"] {
+        let request = format!(
+            "GET /not-ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+             Upgrade: {upgrade}\r\n\r\n"
+        );
+        let (head, body) = raw_exchange(gateway.proxy, &request).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{upgrade}: {head}");
+        assert_eq!(body, b"plain");
+        let seen = upstream.last_seen();
+        assert_eq!(seen.path, "/not-ws");
+        assert_eq!(seen.header("upgrade"), None, "{upgrade}");
+        assert_eq!(seen.header("http2-settings"), None, "{upgrade}");
+    }
 }
 
 /// A request body that sends `chunks` small chunks, one every `gap`.

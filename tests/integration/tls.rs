@@ -853,7 +853,7 @@ async fn upgrade_to_an_http2_capable_upstream_goes_over_http1() {
     let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
     stream
         .write_all(
-            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
         )
         .await
         .unwrap();

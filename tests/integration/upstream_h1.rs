@@ -1158,7 +1158,7 @@ async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
             };
             *seen.lock().unwrap() = Some(request.head.clone());
             let mut switch =
-                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
                     .to_vec();
             switch.extend_from_slice(GREETING);
             if stream.write_all(&switch).await.is_err() {
@@ -1178,13 +1178,13 @@ async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
     let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
     client
         .write_all(
-            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n",
+            b"GET /ws HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
         )
         .await
         .unwrap();
     let (head, mut early) = read_head(&mut client).await;
     assert!(head.starts_with("HTTP/1.1 101"), "upgrade answer: {head}");
-    assert_eq!(head_values(&head, "upgrade"), ["echo"], "{head}");
+    assert_eq!(head_values(&head, "upgrade"), ["websocket"], "{head}");
     while early.len() < GREETING.len() {
         let more = tokio::time::timeout(STEP, fill(&mut client, &mut early))
             .await
@@ -1203,7 +1203,7 @@ async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
         .clone()
         .expect("origin saw the request");
     assert!(
-        head_values(&origin_saw, "upgrade") == ["echo"]
+        head_values(&origin_saw, "upgrade") == ["websocket"]
             && head_values(&origin_saw, "connection")
                 .iter()
                 .any(|value| value.eq_ignore_ascii_case("upgrade")),

@@ -4,6 +4,7 @@
 //! (switched protocols), `access_log`. Passive ejection is `accounting`'s, shared with L4.
 
 mod access_log;
+mod checks;
 mod retry;
 mod rewrite;
 mod upgrade;
@@ -75,7 +76,16 @@ pub async fn handle(
                     tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
                 }
             }
-            error.to_response().map(Either::Right)
+            if let Some(refusal) = error.refusal() {
+                state.counters.requests_refused[refusal].fetch_add(1, Ordering::Relaxed);
+            }
+            let mut response = error.to_response().map(Either::Right);
+            if http1 && error.ends_connection() {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            response
         }
     };
     let elapsed = started.elapsed();
@@ -113,6 +123,7 @@ async fn forward(
     request_id: &HeaderValue,
     exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    checks::check_request(&request, &state.limits)?;
     let route = {
         let snapshot = state.snapshots.load();
         let host = rewrite::request_host(&request);
@@ -128,10 +139,8 @@ async fn forward(
     let service = route.service.clone();
     exchange.route = Some(route.clone());
 
-    let upgrade = headers::is_upgrade_request(request.version(), request.headers()).then(|| {
-        let protocol = request.headers().get(header::UPGRADE).cloned();
-        (hyper::upgrade::on(&mut request), protocol)
-    });
+    let upgrade = upgrade_passed(&mut request, &route)
+        .map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
     let (parts, body) = request.into_parts();
     let outgoing = rewrite::prepare(
         &route,
@@ -150,6 +159,21 @@ async fn forward(
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
     ))
+}
+
+/// The `Upgrade` a request asks for when its route passes it. An upgrade the route does not
+/// pass is not refused: the request goes up as a plain one (`Upgrade` is hop-by-hop), as a
+/// server that ignores an upgrade answers (RFC 9110 §7.8), and h2c's settings go with it.
+fn upgrade_passed<B>(request: &mut Request<B>, route: &RouteEntry) -> Option<HeaderValue> {
+    if !headers::is_upgrade_request(request.version(), request.headers()) {
+        return None;
+    }
+    let protocol = request.headers().get(header::UPGRADE)?;
+    if headers::upgrade_allowed(protocol, &route.route.upgrades) {
+        return Some(protocol.clone());
+    }
+    request.headers_mut().remove(&headers::HTTP2_SETTINGS);
+    None
 }
 
 /// The client connection a request came on, with what every request on it forwards about it,

@@ -76,7 +76,7 @@ pub(super) async fn send_with_retries(
                     host: outgoing.host_from_target.then_some(&target.host_header),
                 };
                 let sending = async {
-                    let response = plain.send(head, body).await?;
+                    let response = plain.send(head, body, outgoing.finish_if_abandoned).await?;
                     Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
                 };
                 await_response(sending, streaming.as_ref(), response_timeout).await

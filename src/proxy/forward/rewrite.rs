@@ -55,6 +55,9 @@ pub(super) struct Outgoing {
     /// the request goes over HTTP/1.1 on the target's own pool rather than a pool (and an
     /// HTTP/2 connection for its `:authority`) per value a client chooses.
     pub host_from_client: bool,
+    /// The client may cancel the request (an HTTP/2 stream reset) while it is with a target:
+    /// the exchange then finishes on its own, so the connection is kept, not thrown away.
+    pub finish_if_abandoned: bool,
     pub body: PendingBody,
 }
 
@@ -138,6 +141,7 @@ pub(super) fn prepare(
         host_from_target,
         upgrade,
         host_from_client,
+        finish_if_abandoned: parts.version == Version::HTTP_2,
         body,
     }
 }
@@ -191,10 +195,22 @@ pub(super) fn tls_request(
     } else {
         std::mem::take(&mut outgoing.headers)
     };
+    // hyper's HTTP/1.1 client sends a GET or HEAD body of unknown length as no body at all
+    // unless asked for chunked; over HTTP/2 it drops the field and sends DATA frames.
+    let unframed_body = matches!(outgoing.method, Method::GET | Method::HEAD)
+        && !http_body::Body::is_end_stream(&body)
+        && http_body::Body::size_hint(&body).exact().is_none()
+        && !headers.contains_key(header::CONTENT_LENGTH);
     let mut request = Request::new(body);
     *request.method_mut() = outgoing.method.clone();
     *request.version_mut() = Version::HTTP_11;
     *request.headers_mut() = headers;
+    if unframed_body {
+        request.headers_mut().insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
     if outgoing.host_from_target {
         request
             .headers_mut()
@@ -269,6 +285,9 @@ mod tests {
             preserve_host: rule.preserve_host,
             strip_prefix: rule.strip_prefix,
             priority: 0,
+            max_request_body_bytes: None,
+            request_buffer_bytes: crate::model::DEFAULT_REQUEST_BUFFER_BYTES,
+            upgrades: crate::model::default_upgrades(),
             managed_by: None,
             created_at: crate::clock::now(),
             updated_at: crate::clock::now(),

@@ -24,9 +24,9 @@ pub struct RequestHead<'a> {
     pub host: Option<&'a HeaderValue>,
 }
 
-/// The request head in HTTP/1.1 wire form, and how its body is framed. Like hyper's client:
-/// a Content-Length given is kept; a body of unknown length goes chunked, except for GET, HEAD
-/// and CONNECT, which are sent without one.
+/// The request head in HTTP/1.1 wire form, and how its body is framed: a Content-Length given
+/// is kept; a body of unknown length goes chunked, whatever the method (a GET with a body,
+/// as search APIs take, must reach the target whole; hyper's client would drop it).
 pub fn encode_head(
     head: &RequestHead<'_>,
     body: &UpstreamRequestBody,
@@ -47,8 +47,6 @@ pub fn encode_head(
     } else if let Some(length) = body.size_hint().exact() {
         add_length = Some(length);
         RequestFraming::Length(length)
-    } else if matches!(*head.method, Method::GET | Method::HEAD | Method::CONNECT) {
-        RequestFraming::None
     } else {
         add_chunked = true;
         RequestFraming::Chunked

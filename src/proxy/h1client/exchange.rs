@@ -31,8 +31,7 @@ pub async fn finish_exchange(
     framing: RequestFraming,
     home: Arc<dyn ConnectionHome>,
 ) -> Result<Response<ResponseBody>, ExchangeError> {
-    // A body not sent (a GET's of unknown length, like hyper's client) is dropped unread,
-    // which hands it back to the caller.
+    // A body that had already ended is dropped unread, which hands it back to the caller.
     let mut upload = match framing {
         RequestFraming::None => None,
         framing => Some(Upload::new(body, framing)),

@@ -36,7 +36,7 @@ mod proptests;
 mod tests;
 
 pub use body::ResponseBody;
-pub use encode::{encode_head, RequestHead};
+pub use encode::{encode_head, RequestFraming, RequestHead};
 pub use exchange::finish_exchange;
 use parse::{parse_head, HeadScratch, ResponseHead};
 

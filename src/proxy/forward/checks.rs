@@ -1,0 +1,270 @@
+//! What a request must be before it is routed: within the listener's size limits, for one valid
+//! host, and framed by a transfer coding Raahi can read. hyper has already refused what it
+//! cannot parse; these are the rules it leaves to the application.
+
+use http::header::{self, HeaderMap};
+use http::uri::Authority;
+use http::{Request, Uri, Version};
+
+use crate::proxy::error::ProxyError;
+use crate::proxy::RequestLimits;
+
+pub(super) fn check_request<B>(
+    request: &Request<B>,
+    limits: &RequestLimits,
+) -> Result<(), ProxyError> {
+    check_sizes(request.uri(), request.headers(), limits)?;
+    check_host(request.version(), request.uri(), request.headers())?;
+    check_transfer_coding(request.headers())
+}
+
+fn check_sizes(uri: &Uri, headers: &HeaderMap, limits: &RequestLimits) -> Result<(), ProxyError> {
+    let uri_length = uri.authority().map_or(0, |a| a.as_str().len())
+        + uri.path_and_query().map_or(0, |p| p.as_str().len());
+    if uri_length > limits.max_uri_bytes {
+        return Err(ProxyError::UriTooLong {
+            length: uri_length,
+            limit: limits.max_uri_bytes,
+        });
+    }
+    if headers.len() > limits.max_header_count {
+        return Err(ProxyError::HeadersTooLarge {
+            reason: format!(
+                "{} header fields, more than the {} allowed",
+                headers.len(),
+                limits.max_header_count
+            ),
+        });
+    }
+    // As written on the wire: name, ": ", value, CRLF.
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    if header_bytes > limits.max_header_bytes {
+        return Err(ProxyError::HeadersTooLarge {
+            reason: format!(
+                "{header_bytes} bytes of header fields, more than the {} allowed",
+                limits.max_header_bytes
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// RFC 9112 §3.2: an HTTP/1.1 request needs exactly one Host, and a valid one; HTTP/1.0 may
+/// leave it out. An absolute-form or HTTP/2 authority must be valid too, and a Host beside an
+/// HTTP/2 `:authority` must name the same (RFC 9113 §8.3.1). Userinfo is refused everywhere:
+/// its credentials would be forwarded in `X-Forwarded-Host` and its user name routed on.
+fn check_host(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<(), ProxyError> {
+    let mut hosts = headers.get_all(header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(invalid_host("more than one Host header field"));
+    }
+    if let Some(authority) = uri.authority() {
+        valid_authority(authority.as_str().as_bytes())?;
+    }
+    let Some(host) = host else {
+        return match (version, uri.authority()) {
+            (Version::HTTP_2, Some(_)) | (Version::HTTP_10 | Version::HTTP_09, _) => Ok(()),
+            _ => Err(invalid_host("no Host header field")),
+        };
+    };
+    let host = valid_authority(host.as_bytes())?;
+    if version == Version::HTTP_2 {
+        if let Some(authority) = uri.authority() {
+            if !authority.as_str().eq_ignore_ascii_case(host.as_str()) {
+                return Err(invalid_host(
+                    "the Host header field differs from :authority",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `uri-host [ ":" port ]` (RFC 9110 §7.2), without userinfo.
+fn valid_authority(raw: &[u8]) -> Result<Authority, ProxyError> {
+    if raw.is_empty() {
+        return Err(invalid_host("an empty host"));
+    }
+    if raw.contains(&b'@') {
+        return Err(invalid_host("a host with user information"));
+    }
+    let authority = Authority::try_from(raw)
+        .map_err(|_| invalid_host("a host that is not a valid host name or address"))?;
+    if authority.host().is_empty() {
+        return Err(invalid_host("an empty host"));
+    }
+    // `Authority::port` hides a port that is not a u16, so it is read from the text after the
+    // host (which keeps an IPv6 literal's brackets).
+    let port = authority.as_str()[authority.host().len()..].trim_start_matches(':');
+    if !port.is_empty() && port.parse::<u16>().is_err() {
+        return Err(invalid_host("a port that is not a number from 0 to 65535"));
+    }
+    Ok(authority)
+}
+
+fn invalid_host(reason: &'static str) -> ProxyError {
+    ProxyError::InvalidHost { reason }
+}
+
+/// RFC 9112 §6.1: a server that gets a transfer coding it does not understand answers 501.
+/// Raahi reads `chunked`, once; hyper has already refused codings that do not end in it.
+fn check_transfer_coding(headers: &HeaderMap) -> Result<(), ProxyError> {
+    let mut chunked = 0;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let value = value.to_str().map_err(|_| ProxyError::InvalidFraming {
+            reason: "a Transfer-Encoding that is not text",
+        })?;
+        for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if !coding.eq_ignore_ascii_case("chunked") {
+                return Err(ProxyError::UnsupportedTransferCoding {
+                    coding: coding.chars().take(64).collect(),
+                });
+            }
+            chunked += 1;
+        }
+    }
+    if chunked > 1 {
+        return Err(ProxyError::InvalidFraming {
+            reason: "the chunked transfer coding applied more than once",
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> RequestLimits {
+        RequestLimits {
+            max_uri_bytes: 64,
+            max_header_count: 4,
+            max_header_bytes: 200,
+        }
+    }
+
+    fn request(version: Version, uri: &str, fields: &[(&str, &str)]) -> Request<()> {
+        let mut builder = Request::builder().version(version).uri(uri);
+        for (name, value) in fields {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(()).unwrap()
+    }
+
+    fn code(version: Version, uri: &str, fields: &[(&str, &str)]) -> Option<&'static str> {
+        check_request(&request(version, uri, fields), &limits())
+            .err()
+            .map(|error| error.code())
+    }
+
+    const H11: Version = Version::HTTP_11;
+
+    #[test]
+    fn hosts_must_be_one_and_valid() {
+        assert_eq!(code(H11, "/", &[("host", "a.example")]), None);
+        assert_eq!(code(H11, "/", &[("host", "a.example:8080")]), None);
+        assert_eq!(code(H11, "/", &[("host", "[::1]:8080")]), None);
+        assert_eq!(code(H11, "/", &[("host", "10.0.0.1")]), None);
+        for bad in [
+            vec![],
+            vec![("host", "a.example"), ("host", "a.example")],
+            vec![("host", "")],
+            vec![("host", "a b")],
+            vec![("host", "evil.example/x")],
+            vec![("host", "user@evil.example")],
+            vec![("host", "a.example:99999")],
+            vec![("host", "a.example:x")],
+        ] {
+            assert_eq!(code(H11, "/", &bad), Some("invalid_host"), "{bad:?}");
+        }
+        assert_eq!(
+            code(
+                H11,
+                "http://user:pw@evil.example/",
+                &[("host", "evil.example")]
+            ),
+            Some("invalid_host")
+        );
+        // An absolute-form authority wins over the Host, but Host must still be there.
+        assert_eq!(
+            code(H11, "http://a.example/", &[("host", "b.example")]),
+            None
+        );
+        assert_eq!(code(H11, "http://a.example/", &[]), Some("invalid_host"));
+    }
+
+    #[test]
+    fn http10_and_http2_may_leave_host_out() {
+        assert_eq!(code(Version::HTTP_10, "/", &[]), None);
+        assert_eq!(code(Version::HTTP_2, "http://a.example/", &[]), None);
+        assert_eq!(
+            code(
+                Version::HTTP_2,
+                "http://a.example/",
+                &[("host", "A.example")]
+            ),
+            None
+        );
+        assert_eq!(
+            code(
+                Version::HTTP_2,
+                "http://a.example/",
+                &[("host", "b.example")]
+            ),
+            Some("invalid_host")
+        );
+        assert_eq!(code(Version::HTTP_2, "/", &[]), Some("invalid_host"));
+    }
+
+    #[test]
+    fn only_chunked_once_is_read() {
+        let host = ("host", "a.example");
+        assert_eq!(
+            code(H11, "/", &[host, ("transfer-encoding", "Chunked")]),
+            None
+        );
+        for coding in ["gzip, chunked", "identity, chunked", "chunked;q=1"] {
+            assert_eq!(
+                code(H11, "/", &[host, ("transfer-encoding", coding)]),
+                Some("unsupported_transfer_coding"),
+                "{coding}"
+            );
+        }
+        assert_eq!(
+            code(
+                H11,
+                "/",
+                &[
+                    host,
+                    ("transfer-encoding", "gzip"),
+                    ("transfer-encoding", "chunked")
+                ]
+            ),
+            Some("unsupported_transfer_coding")
+        );
+        assert_eq!(
+            code(H11, "/", &[host, ("transfer-encoding", "chunked, chunked")]),
+            Some("invalid_framing")
+        );
+    }
+
+    #[test]
+    fn sizes_are_held_to_the_limits() {
+        let host = ("host", "a.example");
+        let long_path = format!("/{}", "a".repeat(64));
+        assert_eq!(code(H11, &long_path, &[host]), Some("uri_too_long"));
+        assert_eq!(code(H11, &long_path[..64], &[host]), None);
+        let five = [host, ("a", "1"), ("b", "2"), ("c", "3"), ("d", "4")];
+        assert_eq!(code(H11, "/", &five), Some("request_headers_too_large"));
+        assert_eq!(code(H11, "/", &five[..4]), None);
+        let big = "v".repeat(200);
+        assert_eq!(
+            code(H11, "/", &[host, ("a", &big)]),
+            Some("request_headers_too_large")
+        );
+    }
+}

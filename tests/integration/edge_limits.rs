@@ -1,0 +1,239 @@
+//! The proxy listener's limits through real sockets: connections per listener, request size
+//! limits with named answers counted in `/metrics`, and HTTP/2's idle timeout. Framing and
+//! smuggling cases are the conformance corpus's (`conformance.rs`).
+
+use crate::common;
+use common::*;
+
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A gateway with `overrides` (environment form) routing everything to one upstream `name`.
+async fn gateway_with(overrides: &[(&str, &str)], name: &str) -> (TestGateway, Upstream) {
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let mut env: Vec<(String, String)> = vec![
+        ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
+        ("RAAHI_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
+        (
+            "RAAHI_DATABASE_URL".into(),
+            format!("sqlite://{}/raahi.db", dir.path().display()),
+        ),
+    ];
+    env.extend(
+        overrides
+            .iter()
+            .map(|(key, value)| (key.to_string(), value.to_string())),
+    );
+    let config = raahi::config::Config::from_parts("limits.toml", None, &env).unwrap();
+    let gateway = TestGateway::start_with(dir, config).await;
+    let upstream = Upstream::start(name).await;
+    let service = gateway
+        .service_with_targets(name, &[target(&upstream, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    (gateway, upstream)
+}
+
+/// One metric sample's value as `/metrics` shows it (0 when absent).
+async fn sample(gateway: &TestGateway, series: &str) -> u64 {
+    let text = gateway.metrics_text().await;
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .map(|value| value.trim().parse::<f64>().unwrap() as u64)
+        .unwrap_or(0)
+}
+
+/// Reads what a connection sends until the gateway closes it (at most 10 s).
+async fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer)).await;
+    answer
+}
+
+#[tokio::test]
+async fn a_listener_at_max_connections_refuses_more_with_a_named_503() {
+    let (gateway, _upstream) =
+        gateway_with(&[("RAAHI_PROXY_MAX_CONNECTIONS", "3")], "capped").await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(TcpStream::connect(gateway.proxy).await.unwrap());
+    }
+    wait_until(
+        "three client connections open",
+        Duration::from_secs(5),
+        || async { sample(&gateway, "raahi_client_connections").await == 3 },
+    )
+    .await;
+
+    let mut fourth = TcpStream::connect(gateway.proxy).await.unwrap();
+    let answer = String::from_utf8_lossy(&read_until_closed(&mut fourth).await).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("too_many_connections"), "{answer}");
+    assert_eq!(
+        sample(&gateway, "raahi_client_connections_refused_total").await,
+        1
+    );
+
+    // A place frees when a connection ends; the next client is served.
+    drop(held.pop());
+    wait_until("a place to free", Duration::from_secs(5), || async {
+        sample(&gateway, "raahi_client_connections").await == 2
+    })
+    .await;
+    let answer = raw_http(
+        gateway.proxy,
+        "GET / HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[tokio::test]
+async fn request_limits_answer_named_statuses_counted_in_metrics() {
+    let (gateway, upstream) = gateway_with(
+        &[
+            ("RAAHI_PROXY_MAX_URI_BYTES", "100"),
+            ("RAAHI_PROXY_MAX_HEADER_COUNT", "6"),
+            ("RAAHI_PROXY_MAX_HEADER_BYTES", "300"),
+        ],
+        "limited",
+    )
+    .await;
+    let long_path = format!("/{}", "p".repeat(100));
+    let many_fields: String = (0..6).map(|i| format!("X-Field-{i}: v\r\n")).collect();
+    let big_field = format!("X-Big: {}\r\n", "b".repeat(300));
+    let cases = [
+        (
+            format!("GET {long_path} HTTP/1.1\r\nHost: a.test\r\n\r\n"),
+            "414",
+            "uri_too_long",
+        ),
+        (
+            format!("GET / HTTP/1.1\r\nHost: a.test\r\n{many_fields}\r\n"),
+            "431",
+            "request_headers_too_large",
+        ),
+        (
+            format!("GET / HTTP/1.1\r\nHost: a.test\r\n{big_field}\r\n"),
+            "431",
+            "request_headers_too_large",
+        ),
+        (
+            "GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n".to_owned(),
+            "400",
+            "invalid_host",
+        ),
+        (
+            "POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+                .to_owned(),
+            "501",
+            "unsupported_transfer_coding",
+        ),
+    ];
+    for (request, status, code) in &cases {
+        // Each refusal ends its connection: the reply is all the gateway sends.
+        let answer = raw_http(gateway.proxy, request).await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{code}: {answer}"
+        );
+        assert!(answer.contains(&format!("\"code\":\"{code}\"")), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
+    }
+    assert_eq!(upstream.hits(), 0, "no refused request reached the target");
+    for (code, count) in [
+        ("uri_too_long", 1),
+        ("request_headers_too_large", 2),
+        ("invalid_host", 1),
+        ("unsupported_transfer_coding", 1),
+        ("request_body_too_large", 0),
+    ] {
+        assert_eq!(
+            sample(
+                &gateway,
+                &format!("raahi_requests_refused_total{{code=\"{code}\"}}")
+            )
+            .await,
+            count,
+            "{code}"
+        );
+    }
+    // Within the limits, the same listener serves.
+    let answer = raw_http(
+        gateway.proxy,
+        "GET /fine HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// HTTP/2 frames as they come: (type, flags, stream, payload).
+async fn read_frame(stream: &mut TcpStream) -> Option<(u8, u8, u32, Vec<u8>)> {
+    let mut header = [0u8; 9];
+    stream.read_exact(&mut header).await.ok()?;
+    let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+    let mut payload = vec![0u8; length];
+    stream.read_exact(&mut payload).await.ok()?;
+    let stream_id = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+    Some((header[3], header[4], stream_id, payload))
+}
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty SETTINGS frame.
+const SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
+
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_with_goaway_after_the_idle_timeout() {
+    let (gateway, _upstream) =
+        gateway_with(&[("RAAHI_PROXY_HTTP2_IDLE_TIMEOUT_MS", "400")], "h2-idle").await;
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    let opened = Instant::now();
+    stream.write_all(PREFACE).await.unwrap();
+    stream.write_all(&SETTINGS).await.unwrap();
+    let goaway = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match read_frame(&mut stream).await {
+                Some((7, _, _, payload)) => return Some(payload),
+                Some((4, flags, _, payload)) if flags & 1 == 0 => {
+                    // The server's SETTINGS: acknowledge them, and check its stream limit.
+                    let advertised = payload.chunks(6).find_map(|setting| {
+                        (u16::from_be_bytes([setting[0], setting[1]]) == 3).then(|| {
+                            u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]])
+                        })
+                    });
+                    assert_eq!(advertised, Some(100), "SETTINGS_MAX_CONCURRENT_STREAMS");
+                    stream
+                        .write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0])
+                        .await
+                        .unwrap();
+                }
+                Some(_) => {}
+                None => return None,
+            }
+        }
+    })
+    .await
+    .expect("GOAWAY within 10 s")
+    .expect("GOAWAY before the connection closed");
+    assert!(
+        opened.elapsed() >= Duration::from_millis(400),
+        "closed before its idle timeout: {:?}",
+        opened.elapsed()
+    );
+    let error_code = u32::from_be_bytes(goaway[4..8].try_into().unwrap());
+    assert_eq!(error_code, 0, "a graceful GOAWAY (NO_ERROR)");
+    // Then it closes, even for a client that answers none of the gateway's PINGs.
+    let told = Instant::now();
+    read_until_closed(&mut stream).await;
+    assert!(
+        told.elapsed() < Duration::from_secs(5),
+        "still open {:?} after GOAWAY",
+        told.elapsed()
+    );
+}
