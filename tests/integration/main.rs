@@ -17,6 +17,7 @@ mod admin_api;
 mod cli;
 mod cli_status;
 mod cluster;
+mod conformance;
 mod consul_fake;
 mod dashboard;
 mod declarative;
