@@ -19,7 +19,7 @@ use crate::control::{
 };
 use crate::events::{EventLog, EventSettings};
 use crate::proxy::stream::{StreamListeners, StreamSettings};
-use crate::proxy::{self, ListenerSettings, ProxyState, RequestLimits};
+use crate::proxy::{self, BodySettings, BufferBudget, ListenerSettings, ProxyState, RequestLimits};
 use crate::registration::{Registrar, RegistrationError};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
@@ -218,6 +218,10 @@ impl Gateway {
             snapshots.clone(),
             gateway_counters.clone(),
             settings.requests,
+            BodySettings {
+                client_body_timeout: Duration::from_millis(config.proxy.client_body_timeout_ms),
+                budget: BufferBudget::new(config.proxy.request_buffer_budget_bytes),
+            },
         );
         let mut tasks = vec![proxy::serve_http(
             proxy_listener,

@@ -1,11 +1,13 @@
 //! Body wrappers on the forwarding path.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
@@ -87,21 +89,190 @@ impl Body for UpstreamResponseBody {
     }
 }
 
+/// Why reading the client's request body failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientBodyError {
+    #[error(transparent)]
+    Read(#[from] hyper::Error),
+    #[error("the request body is larger than the {limit} bytes the route accepts")]
+    TooLarge { limit: u64 },
+}
+
+/// The client's request body as it streams up: what was read ahead of the upload, then the
+/// rest as the client sends it, held to the route's size limit.
+pub struct ClientBody {
+    read_ahead: VecDeque<Bytes>,
+    rest: Incoming,
+    limit: Option<u64>,
+    /// Bytes of the body so far, read ahead or streamed.
+    seen: u64,
+}
+
+impl ClientBody {
+    pub fn new(read_ahead: Vec<Bytes>, rest: Incoming, limit: Option<u64>) -> ClientBody {
+        let seen = read_ahead.iter().map(|chunk| chunk.len() as u64).sum();
+        ClientBody {
+            read_ahead: read_ahead.into(),
+            rest,
+            limit,
+            seen,
+        }
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = ClientBodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ClientBodyError>>> {
+        let this = &mut *self;
+        if let Some(chunk) = this.read_ahead.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        let frame = match ready!(Pin::new(&mut this.rest).poll_frame(cx)) {
+            Some(Ok(frame)) => frame,
+            Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
+            None => return Poll::Ready(None),
+        };
+        if let Some(data) = frame.data_ref() {
+            this.seen += data.len() as u64;
+            if let Some(limit) = this.limit.filter(|limit| this.seen > *limit) {
+                return Poll::Ready(Some(Err(ClientBodyError::TooLarge { limit })));
+            }
+        }
+        Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.read_ahead.is_empty() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let ahead: u64 = self.read_ahead.iter().map(|chunk| chunk.len() as u64).sum();
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + ahead);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + ahead);
+        }
+        hint
+    }
+}
+
+/// Memory that request bodies being read whole may hold together (`proxy.
+/// request_buffer_budget_bytes`): past it, bodies stream.
+#[derive(Debug)]
+pub struct BufferBudget {
+    limit: u64,
+    used: AtomicU64,
+}
+
+impl BufferBudget {
+    pub fn new(limit: u64) -> Arc<BufferBudget> {
+        Arc::new(BufferBudget {
+            limit,
+            used: AtomicU64::new(0),
+        })
+    }
+
+    /// Takes `bytes` more for `reservation`, if the budget has them.
+    pub fn grow(&self, reservation: &mut Reservation, bytes: u64) -> bool {
+        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
+        if before + bytes > self.limit {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            return false;
+        }
+        reservation.bytes += bytes;
+        true
+    }
+
+    #[cfg(test)]
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// One body's share of the [`BufferBudget`], given back when the body is gone.
+#[derive(Debug)]
+pub struct Reservation {
+    budget: Arc<BufferBudget>,
+    bytes: u64,
+}
+
+impl Reservation {
+    pub fn new(budget: &Arc<BufferBudget>) -> Reservation {
+        Reservation {
+            budget: budget.clone(),
+            bytes: 0,
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A request body read whole before a target was picked: the same bytes go to every attempt,
+/// so a request with a body may be retried like one without.
+#[derive(Clone)]
+pub struct BufferedBody {
+    chunks: Vec<Bytes>,
+    trailers: Option<HeaderMap>,
+    /// Held while any attempt still has the bytes.
+    _reservation: Arc<Reservation>,
+}
+
+impl BufferedBody {
+    pub fn new(
+        chunks: Vec<Bytes>,
+        trailers: Option<HeaderMap>,
+        reservation: Reservation,
+    ) -> BufferedBody {
+        BufferedBody {
+            chunks,
+            trailers,
+            _reservation: Arc::new(reservation),
+        }
+    }
+}
+
 /// The request body sent upstream. A streaming body that the upstream client never started to
 /// read (the connection failed first) is handed back, so the request can go to another target.
 pub enum UpstreamRequestBody {
     Empty,
+    Buffered {
+        chunks: VecDeque<Bytes>,
+        trailers: Option<HeaderMap>,
+        _reservation: Arc<Reservation>,
+    },
     Streaming(UntouchedBody),
 }
 
+impl UpstreamRequestBody {
+    pub fn buffered(body: &BufferedBody) -> UpstreamRequestBody {
+        UpstreamRequestBody::Buffered {
+            chunks: body.chunks.iter().cloned().collect(),
+            trailers: body.trailers.clone(),
+            _reservation: body._reservation.clone(),
+        }
+    }
+}
+
 pub struct UntouchedBody {
-    inner: Option<Incoming>,
+    inner: Option<ClientBody>,
     polled: bool,
-    give_back: Option<oneshot::Sender<Incoming>>,
+    give_back: Option<oneshot::Sender<ClientBody>>,
     /// Told when the last byte has been handed to the upstream connection.
     sent: Arc<Notify>,
     /// Set when reading the client's body failed (the client went away mid-upload).
     failed: Arc<AtomicBool>,
+    /// Set when the body went past the route's size limit.
+    too_large: Arc<AtomicBool>,
     progress: Arc<BodyProgress>,
 }
 
@@ -134,20 +305,23 @@ impl BodyProgress {
 /// The caller's side of a streaming request body.
 pub struct StreamingBody {
     /// Yields the body back if the attempt dropped it unread.
-    pub returned: oneshot::Receiver<Incoming>,
+    pub returned: oneshot::Receiver<ClientBody>,
     /// Notified once the whole body has been sent.
     pub sent: Arc<Notify>,
     /// The client's side failed, not the upstream's.
     pub failed: Arc<AtomicBool>,
+    /// The client's body went past the route's size limit.
+    pub too_large: Arc<AtomicBool>,
     pub progress: Arc<BodyProgress>,
 }
 
 impl UpstreamRequestBody {
     /// Wraps `body`; the receiver yields it back if it is dropped before its first read.
-    pub fn streaming(body: Incoming) -> (UpstreamRequestBody, StreamingBody) {
+    pub fn streaming(body: ClientBody) -> (UpstreamRequestBody, StreamingBody) {
         let (give_back, returned) = oneshot::channel();
         let sent = Arc::new(Notify::new());
         let failed = Arc::new(AtomicBool::new(false));
+        let too_large = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(BodyProgress::started(unix_ms()));
         let body = UntouchedBody {
             inner: Some(body),
@@ -155,6 +329,7 @@ impl UpstreamRequestBody {
             give_back: Some(give_back),
             sent: sent.clone(),
             failed: failed.clone(),
+            too_large: too_large.clone(),
             progress: progress.clone(),
         };
         (
@@ -163,6 +338,7 @@ impl UpstreamRequestBody {
                 returned,
                 sent,
                 failed,
+                too_large,
                 progress,
             },
         )
@@ -182,14 +358,22 @@ impl Drop for UntouchedBody {
 
 impl Body for UpstreamRequestBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = ClientBodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, ClientBodyError>>> {
         match &mut *self {
             UpstreamRequestBody::Empty => Poll::Ready(None),
+            UpstreamRequestBody::Buffered {
+                chunks, trailers, ..
+            } => Poll::Ready(match chunks.pop_front() {
+                Some(chunk) => Some(Ok(Frame::data(chunk))),
+                None => trailers
+                    .take()
+                    .map(|trailers| Ok(Frame::trailers(trailers))),
+            }),
             UpstreamRequestBody::Streaming(body) => {
                 body.polled = true;
                 let Some(inner) = body.inner.as_mut() else {
@@ -207,8 +391,12 @@ impl Body for UpstreamRequestBody {
                 }
                 let finished = match &polled {
                     Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
-                    Poll::Ready(Some(Err(_))) => {
-                        body.failed.store(true, Ordering::Relaxed);
+                    Poll::Ready(Some(Err(error))) => {
+                        let flag = match error {
+                            ClientBodyError::TooLarge { .. } => &body.too_large,
+                            ClientBodyError::Read(_) => &body.failed,
+                        };
+                        flag.store(true, Ordering::Relaxed);
                         true
                     }
                     Poll::Ready(None) => true,
@@ -225,6 +413,9 @@ impl Body for UpstreamRequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             UpstreamRequestBody::Empty => true,
+            UpstreamRequestBody::Buffered {
+                chunks, trailers, ..
+            } => chunks.is_empty() && trailers.is_none(),
             UpstreamRequestBody::Streaming(body) => {
                 body.inner.as_ref().is_none_or(Body::is_end_stream)
             }
@@ -234,6 +425,9 @@ impl Body for UpstreamRequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             UpstreamRequestBody::Empty => SizeHint::with_exact(0),
+            UpstreamRequestBody::Buffered { chunks, .. } => {
+                SizeHint::with_exact(chunks.iter().map(|chunk| chunk.len() as u64).sum())
+            }
             UpstreamRequestBody::Streaming(body) => body
                 .inner
                 .as_ref()

@@ -35,10 +35,11 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
+pub use body::BufferBudget;
 pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
 pub use error::ProxyError;
 pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
-pub use forward::ProxyBody;
+pub use forward::{BodySettings, ProxyBody};
 
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
@@ -73,6 +74,7 @@ pub struct RequestLimits {
 pub struct ProxyState {
     snapshots: SnapshotHandle,
     limits: RequestLimits,
+    bodies: BodySettings,
     clients: UpstreamClients,
     counters: Arc<GatewayCounters>,
     /// Set when the shutdown sequence starts: HTTP/1.1 answers then carry `Connection: close`, so
@@ -86,10 +88,12 @@ impl ProxyState {
         snapshots: SnapshotHandle,
         counters: Arc<GatewayCounters>,
         limits: RequestLimits,
+        bodies: BodySettings,
     ) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
             limits,
+            bodies,
             clients: UpstreamClients::default(),
             counters,
             draining: AtomicBool::new(false),

@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +32,9 @@ pub enum PlainTargetError {
     /// The exchange failed after the request head was written (it may have been acted on).
     #[error(transparent)]
     Request(ExchangeError),
+    /// The caller went away before the request was written; nothing was sent.
+    #[error("the request was cancelled before it was sent")]
+    Abandoned,
 }
 
 impl PlainTargetError {
@@ -103,10 +107,17 @@ impl PlainTarget {
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
         let (head, framing) = h1client::encode_head(&head, &body);
-        let exchange = self.clone().exchange(head, framing, method_is_head, body);
         if !finish_if_abandoned {
-            return exchange.await;
+            return self
+                .clone()
+                .exchange(head, framing, method_is_head, body, None)
+                .await;
         }
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let _caller = SetOnDrop(abandoned.clone());
+        let exchange = self
+            .clone()
+            .exchange(head, framing, method_is_head, body, Some(abandoned));
         let (answer, answered) = oneshot::channel();
         tokio::spawn(finish_unless_abandoned(exchange, answer));
         answered
@@ -120,12 +131,25 @@ impl PlainTarget {
         framing: h1client::RequestFraming,
         method_is_head: bool,
         body: UpstreamRequestBody,
+        abandoned: Option<Arc<AtomicBool>>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
+        // A request its caller gave up before it was written never goes: a connection taken
+        // or dialled for it goes back to the pool unused.
+        let gone = || {
+            abandoned
+                .as_ref()
+                .is_some_and(|abandoned| abandoned.load(Ordering::Relaxed))
+        };
         let connection = loop {
             let (mut connection, reused) = match self.pool.take_idle() {
                 Some(connection) => (connection, true),
+                None if gone() => return Err(PlainTargetError::Abandoned),
                 None => (self.connect().await?, false),
             };
+            if gone() {
+                self.pool.put_back(connection);
+                return Err(PlainTargetError::Abandoned);
+            }
             match connection.write_head(&head).await {
                 Ok(()) => break connection,
                 Err(_) if reused => continue,
@@ -155,6 +179,15 @@ impl PlainTarget {
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
         let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         Ok(Connection::new(stream))
+    }
+}
+
+/// Sets its flag when dropped: the caller waiting on a detached exchange went away.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 

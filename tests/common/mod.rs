@@ -195,6 +195,16 @@ impl TestGateway {
         .await
     }
 
+    /// Like [`TestGateway::route_all_to`], for a route that streams request bodies as they
+    /// come (`request_buffer_bytes: 0`) instead of reading them whole first.
+    pub async fn route_all_streaming_to(&self, service: i64) -> i64 {
+        self.create(
+            "/api/v1/routes",
+            json!({"name": "all", "service_id": service, "request_buffer_bytes": 0}),
+        )
+        .await
+    }
+
     /// A service with the given targets (no route: add one for traffic to reach it).
     pub async fn service_with_targets(&self, name: &str, targets: &[Value]) -> i64 {
         let service = self

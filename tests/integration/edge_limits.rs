@@ -237,3 +237,149 @@ async fn an_idle_http2_connection_is_closed_with_goaway_after_the_idle_timeout()
         told.elapsed()
     );
 }
+
+/// Sends a request head with `Content-Length: length` and the first `sent` bytes of its body,
+/// then nothing more; the connection stays open.
+async fn start_upload(gateway: &TestGateway, length: usize, sent: usize) -> TcpStream {
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    let head = format!("POST /upload HTTP/1.1\r\nHost: a.test\r\nContent-Length: {length}\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&vec![b'u'; sent]).await.unwrap();
+    stream
+}
+
+/// Bodies up to a route's `request_buffer_bytes` are read whole before a target is picked:
+/// clients uploading slowly hold no upstream connection, and another client is served as usual.
+#[tokio::test]
+async fn slow_uploaders_cost_the_upstream_nothing_while_others_are_served() {
+    let (gateway, upstream) = gateway_with(&[], "buffered").await;
+    let mut uploaders = Vec::new();
+    for _ in 0..50 {
+        uploaders.push(start_upload(&gateway, 10_000, 100).await);
+    }
+    let answer = raw_http(
+        gateway.proxy,
+        "GET /other HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    holds_for(
+        "only the other client's request at the upstream",
+        Duration::from_millis(300),
+        || async { upstream.hits() == 1 },
+    )
+    .await;
+
+    // One uploader finishes: its whole body goes up at once.
+    let mut finished = uploaders.pop().unwrap();
+    finished.write_all(&vec![b'u'; 9_900]).await.unwrap();
+    let mut head = [0u8; 12];
+    finished.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    let seen = upstream.last_seen();
+    assert_eq!((seen.path.as_str(), seen.body_len), ("/upload", 10_000));
+    assert_eq!(upstream.hits(), 2);
+}
+
+/// A body read whole must arrive within `proxy.client_body_timeout_ms` in total: bytes that
+/// keep trickling do not extend it.
+#[tokio::test]
+async fn a_buffered_upload_slower_than_the_client_body_timeout_gets_408() {
+    let (gateway, upstream) =
+        gateway_with(&[("RAAHI_PROXY_CLIENT_BODY_TIMEOUT_MS", "600")], "trickle").await;
+    let mut stream = start_upload(&gateway, 1_000, 10).await;
+    let started = Instant::now();
+    let answer = async {
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            tokio::select! {
+                read = stream.read(&mut buf) => match read.unwrap() {
+                    0 => return answer,
+                    n => answer.extend_from_slice(&buf[..n]),
+                },
+                // A byte every 100 ms: the upload moves, just too slowly.
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    let _ = stream.write_all(b"u").await;
+                }
+            }
+        }
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("answered and closed within 10 s");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("client_body_timeout"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    assert_eq!(upstream.hits(), 0, "nothing reached the upstream");
+    assert_eq!(
+        sample(
+            &gateway,
+            "raahi_requests_refused_total{code=\"client_body_timeout\"}"
+        )
+        .await,
+        1
+    );
+}
+
+/// Past the listener's buffer budget, bodies stream instead: memory stays bounded and the
+/// request goes up with what was read so far.
+#[tokio::test]
+async fn past_the_buffer_budget_bodies_stream() {
+    let (gateway, upstream) = gateway_with(
+        &[("RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES", "1000")],
+        "budget",
+    )
+    .await;
+    let _uploader = start_upload(&gateway, 5_000, 2_000).await;
+    wait_until(
+        "the upload to stream to the upstream",
+        Duration::from_secs(5),
+        || async { upstream.hits() == 1 },
+    )
+    .await;
+}
+
+/// A route's `max_request_body_bytes` answers 413 from the Content-Length at once, and while a
+/// body of unknown length streams past it.
+#[tokio::test]
+async fn a_body_over_the_route_limit_gets_413() {
+    let (gateway, upstream) = gateway_with(&[], "small-bodies").await;
+    let (_, routes) = gateway.api("GET", "/api/v1/routes", None).await;
+    let route = routes["items"][0]["id"].as_i64().unwrap();
+    for buffer in [1_048_576, 0] {
+        let (status, body) = gateway
+            .api(
+                "PATCH",
+                &format!("/api/v1/routes/{route}"),
+                Some(serde_json::json!({"max_request_body_bytes": 1000, "request_buffer_bytes": buffer})),
+            )
+            .await;
+        assert_eq!(status.as_u16(), 200, "{body}");
+        let declared = raw_http(
+            gateway.proxy,
+            "POST /big HTTP/1.1\r\nHost: a.test\r\nContent-Length: 1001\r\n\r\n",
+        )
+        .await;
+        assert!(declared.starts_with("HTTP/1.1 413"), "{declared}");
+        assert!(declared.contains("request_body_too_large"), "{declared}");
+        let chunk = "c".repeat(600);
+        let chunked = raw_http(
+            gateway.proxy,
+            &format!(
+                "POST /big HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n\
+                 258\r\n{chunk}\r\n258\r\n{chunk}\r\n0\r\n\r\n"
+            ),
+        )
+        .await;
+        assert!(
+            chunked.starts_with("HTTP/1.1 413"),
+            "buffer {buffer}: {chunked}"
+        );
+    }
+    assert!(
+        upstream.hits() <= 1,
+        "only the streaming body may have started at the upstream"
+    );
+}

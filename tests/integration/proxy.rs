@@ -1295,7 +1295,8 @@ async fn a_client_aborting_its_upload_is_not_an_upstream_failure() {
     )
     .await;
     add_target(&gateway, service, &sink, 1, 0).await;
-    gateway.route_all_to(service).await;
+    // A streaming route: the upload must be under way at the target when the client leaves.
+    gateway.route_all_streaming_to(service).await;
 
     for attempt in 1..=3usize {
         let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();

@@ -24,7 +24,7 @@ async fn gateway_with(upstream_host: &str, upstream_port: u16) -> TestGateway {
             json!({"host": upstream_host, "port": upstream_port}),
         )
         .await;
-    gateway.route_all_to(service).await;
+    gateway.route_all_streaming_to(service).await;
     gateway
 }
 

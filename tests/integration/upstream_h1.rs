@@ -318,7 +318,8 @@ async fn gateway_to_address(name: &str, address: SocketAddr) -> TestGateway {
             json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
         )
         .await;
-    gateway.route_all_to(service).await;
+    // Bodies stream, so the codec's upload (framing, early answers, stalls) is what is tested.
+    gateway.route_all_streaming_to(service).await;
     gateway
 }
 

@@ -5,6 +5,7 @@
 
 mod access_log;
 mod checks;
+mod request_body;
 mod retry;
 mod rewrite;
 mod upgrade;
@@ -29,8 +30,8 @@ use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
 use super::{ProxyState, ACCESS_LOG_TARGET};
 use crate::snapshot::RouteEntry;
-use rewrite::PendingBody;
 
+pub use request_body::BodySettings;
 pub use upgrade::{tunnel, UpgradeHandoff};
 
 pub type ProxyBody = Either<UpstreamResponseBody, Full<Bytes>>;
@@ -142,11 +143,12 @@ async fn forward(
     let upgrade = upgrade_passed(&mut request, &route)
         .map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
     let (parts, body) = request.into_parts();
+    let body = request_body::read_request_body(body, &route.route, &state.bodies).await?;
     let outgoing = rewrite::prepare(
         &route,
         &service,
         parts,
-        PendingBody::of(body),
+        body,
         downstream,
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),

@@ -6,7 +6,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use http::Response;
-use hyper::body::Incoming;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -16,7 +15,7 @@ use crate::balance::FailureCause;
 use crate::clock::unix_ms;
 use crate::model::{Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight};
-use crate::proxy::body::{StreamingBody, UpstreamBody, UpstreamRequestBody};
+use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
 use crate::proxy::client::{UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
 use crate::proxy::error::ProxyError;
@@ -113,6 +112,13 @@ pub(super) async fn send_with_retries(
                 return Ok((response, in_flight));
             }
             Ok(Err(error)) => {
+                if let Some(limit) = streaming
+                    .as_ref()
+                    .filter(|streaming| streaming.too_large.load(Ordering::Relaxed))
+                    .and(outgoing.body_limit)
+                {
+                    return Err(ProxyError::BodyTooLarge { limit });
+                }
                 let client_failed = streaming
                     .as_ref()
                     .is_some_and(|streaming| streaming.failed.load(Ordering::Relaxed));
@@ -231,6 +237,11 @@ fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingB
             outgoing.body = PendingBody::Empty;
             (UpstreamRequestBody::Empty, None)
         }
+        PendingBody::Buffered(body) => {
+            let upload = UpstreamRequestBody::buffered(&body);
+            outgoing.body = PendingBody::Buffered(body);
+            (upload, None)
+        }
         PendingBody::Streaming(body) => {
             let (body, streaming) = UpstreamRequestBody::streaming(body);
             (body, Some(streaming))
@@ -239,7 +250,7 @@ fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingB
     }
 }
 
-fn reclaim(mut returned: oneshot::Receiver<Incoming>) -> PendingBody {
+fn reclaim(mut returned: oneshot::Receiver<ClientBody>) -> PendingBody {
     match returned.try_recv() {
         Ok(body) => PendingBody::Streaming(body),
         Err(_) => PendingBody::Consumed,

@@ -5,10 +5,9 @@ use std::borrow::Cow;
 
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Uri, Version};
-use hyper::body::Incoming;
 
 use super::Downstream;
-use crate::proxy::body::UpstreamRequestBody;
+use crate::proxy::body::{BufferedBody, ClientBody, UpstreamRequestBody};
 use crate::proxy::headers::{self, X_REQUEST_ID};
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
 
@@ -58,6 +57,8 @@ pub(super) struct Outgoing {
     /// The client may cancel the request (an HTTP/2 stream reset) while it is with a target:
     /// the exchange then finishes on its own, so the connection is kept, not thrown away.
     pub finish_if_abandoned: bool,
+    /// The route's `max_request_body_bytes`, named when a streaming body goes past it.
+    pub body_limit: Option<u64>,
     pub body: PendingBody,
 }
 
@@ -70,19 +71,11 @@ impl Outgoing {
 
 pub(super) enum PendingBody {
     Empty,
-    Streaming(Incoming),
+    /// Read whole before a target was picked: every attempt sends it again.
+    Buffered(BufferedBody),
+    Streaming(ClientBody),
     /// Sent (at least partly) to a target that then failed: the request cannot be repeated.
     Consumed,
-}
-
-impl PendingBody {
-    pub fn of(body: Incoming) -> PendingBody {
-        if http_body::Body::is_end_stream(&body) {
-            PendingBody::Empty
-        } else {
-            PendingBody::Streaming(body)
-        }
-    }
 }
 
 /// What goes upstream for `parts`: hop-by-hop fields out, forwarding fields in, the Host the
@@ -142,6 +135,7 @@ pub(super) fn prepare(
         upgrade,
         host_from_client,
         finish_if_abandoned: parts.version == Version::HTTP_2,
+        body_limit: route.route.max_request_body_bytes,
         body,
     }
 }

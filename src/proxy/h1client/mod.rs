@@ -67,7 +67,7 @@ pub enum ExchangeError {
     #[error("invalid response from the target: {0}")]
     InvalidResponse(String),
     #[error("reading the client's request body failed")]
-    RequestBody(#[source] hyper::Error),
+    RequestBody(#[source] crate::proxy::body::ClientBodyError),
     #[error("the request body is longer than its Content-Length")]
     RequestBodyTooLong,
     #[error("the request body ended before its Content-Length")]
