@@ -95,6 +95,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         .collect();
     ServiceRuntime {
         service: Service {
+            limits: raahi::model::UpstreamLimits::default(),
             id: 1,
             name: "bench".into(),
             protocol: Protocol::Http,

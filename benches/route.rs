@@ -14,6 +14,7 @@ use raahi::snapshot::{ServiceRuntime, Snapshot};
 fn service() -> ServiceRuntime {
     ServiceRuntime {
         service: Service {
+            limits: raahi::model::UpstreamLimits::default(),
             id: 1,
             name: "bench".into(),
             protocol: Protocol::Http,

@@ -16,6 +16,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
     let mut config = RoutingConfig::default();
     for service_id in 1..=services {
         config.services.push(Service {
+            limits: raahi::model::UpstreamLimits::default(),
             id: service_id,
             name: format!("s{service_id}"),
             protocol: Protocol::Http,

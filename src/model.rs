@@ -311,10 +311,50 @@ pub struct Service {
     pub health_check: Option<HealthCheck>,
     /// Passive outlier ejection.
     pub ejection: Ejection,
+    /// How much of each target the service may use at once.
+    pub limits: UpstreamLimits,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// How much of each target a service may use at once, and how long a request waits for room.
+/// A request refused or timed out here answers 503 `upstream_overloaded` and counts against no
+/// target's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamLimits {
+    /// Requests in flight to one target at once: over HTTP/1.1 (plain targets), one connection
+    /// each; for a `tcp` or `tls` service, connections. Null: no limit.
+    #[serde(default)]
+    pub max_connections_per_target: Option<u32>,
+    /// Requests of the service that may wait for room at a full target; more are refused at
+    /// once.
+    #[serde(default = "UpstreamLimits::default_max_pending_requests")]
+    pub max_pending_requests: u32,
+    /// How long a request waits for room at a full target.
+    #[serde(default = "UpstreamLimits::default_queue_timeout_ms")]
+    pub queue_timeout_ms: u64,
+}
+
+impl UpstreamLimits {
+    fn default_max_pending_requests() -> u32 {
+        1_000
+    }
+    fn default_queue_timeout_ms() -> u64 {
+        5_000
+    }
+}
+
+impl Default for UpstreamLimits {
+    fn default() -> Self {
+        UpstreamLimits {
+            max_connections_per_target: None,
+            max_pending_requests: Self::default_max_pending_requests(),
+            queue_timeout_ms: Self::default_queue_timeout_ms(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -741,6 +781,8 @@ pub struct ServiceSpec {
     /// An object, or `false` to turn ejection off (`true`: the defaults).
     #[serde(default)]
     pub ejection: Ejection,
+    #[serde(default)]
+    pub limits: UpstreamLimits,
 }
 
 /// What an operator writes for a target of their own.
@@ -846,6 +888,7 @@ impl Service {
             max_attempts: self.max_attempts,
             health_check: self.health_check.clone(),
             ejection: self.ejection.clone(),
+            limits: self.limits,
         }
     }
 }

@@ -44,6 +44,10 @@ pub struct ServiceCounters {
     pub connect_errors: AtomicU64,
     /// Attempts that got no response headers (or could not send the body) in time.
     pub timeouts: AtomicU64,
+    /// Requests waiting now for room at a full target (`limits.max_connections_per_target`).
+    pub queued: AtomicU64,
+    /// Requests refused for want of room: the queue was full or its timeout ran out.
+    pub overloaded: AtomicU64,
 }
 
 /// Gateway-wide counters of the data path (for metrics).
@@ -694,6 +698,7 @@ mod tests {
     fn service(id: Id) -> ServiceRuntime {
         ServiceRuntime {
             service: Service {
+                limits: crate::model::UpstreamLimits::default(),
                 id,
                 name: format!("s{id}"),
                 protocol: Protocol::Http,

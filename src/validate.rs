@@ -213,6 +213,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
         health_check(check, spec.protocol)?;
     }
     ejection(&spec.ejection)?;
+    upstream_limits(&spec.limits)?;
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
         return Err(ValidationError::new(
             "max_attempts",
@@ -220,6 +221,29 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
         ));
     }
     Ok(spec)
+}
+
+fn upstream_limits(limits: &crate::model::UpstreamLimits) -> Result<(), ValidationError> {
+    if let Some(max) = limits.max_connections_per_target {
+        in_range(
+            "limits.max_connections_per_target",
+            max.into(),
+            1,
+            1_000_000,
+        )?;
+    }
+    in_range(
+        "limits.max_pending_requests",
+        limits.max_pending_requests.into(),
+        0,
+        1_000_000,
+    )?;
+    in_range(
+        "limits.queue_timeout_ms",
+        limits.queue_timeout_ms,
+        1,
+        MAX_TIMEOUT_MS,
+    )
 }
 
 fn in_range(field: &str, value: u64, low: u64, high: u64) -> Result<(), ValidationError> {
@@ -549,6 +573,7 @@ mod tests {
 
     fn service_spec() -> ServiceSpec {
         ServiceSpec {
+            limits: crate::model::UpstreamLimits::default(),
             name: "web".into(),
             protocol: Protocol::Http,
             upstream_authority: Some("Shop.Example:8443".into()),
@@ -568,6 +593,41 @@ mod tests {
             Err(error) => error.field,
             other => panic!("expected a validation error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn service_limits_name_the_field_out_of_range() {
+        use crate::model::UpstreamLimits;
+        let limited = |limits: UpstreamLimits| {
+            field_of(service(ServiceSpec {
+                limits,
+                ..service_spec()
+            }))
+        };
+        let base = UpstreamLimits::default();
+        assert_eq!(
+            limited(UpstreamLimits {
+                max_connections_per_target: Some(0),
+                ..base
+            }),
+            "limits.max_connections_per_target"
+        );
+        assert_eq!(
+            limited(UpstreamLimits {
+                queue_timeout_ms: 0,
+                ..base
+            }),
+            "limits.queue_timeout_ms"
+        );
+        let accepted = service(ServiceSpec {
+            limits: UpstreamLimits {
+                max_connections_per_target: Some(8),
+                max_pending_requests: 0,
+                ..base
+            },
+            ..service_spec()
+        });
+        assert!(accepted.is_ok(), "{accepted:?}");
     }
 
     #[test]

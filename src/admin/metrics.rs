@@ -71,6 +71,8 @@ struct ServiceSample {
     panic_picks: u64,
     connect_errors: u64,
     timeouts: u64,
+    queued: u64,
+    overloaded: u64,
 }
 
 #[derive(Debug)]
@@ -191,6 +193,8 @@ async fn gather(state: &AdminState) -> Scrape {
             panic_picks: counters.panic_picks.load(Ordering::Relaxed),
             connect_errors: counters.connect_errors.load(Ordering::Relaxed),
             timeouts: counters.timeouts.load(Ordering::Relaxed),
+            queued: counters.queued.load(Ordering::Relaxed),
+            overloaded: counters.overloaded.load(Ordering::Relaxed),
         });
         for target in &service.targets {
             scrape.targets.push(TargetSample {
@@ -559,6 +563,26 @@ impl Collector for Scrape {
                     )
                 })
             }),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_service_queued_requests",
+            "Requests waiting now for room at a full target (limits.max_connections_per_target).",
+            self.services.iter().map(|service| {
+                (
+                    service.labels.clone(),
+                    i64::try_from(service.queued).unwrap_or(i64::MAX),
+                )
+            }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_service_overloaded_requests",
+            "Requests and connections refused with upstream_overloaded: the service's queue was \
+             full or its queue_timeout_ms ran out.",
+            self.services
+                .iter()
+                .map(|service| (service.labels.clone(), service.overloaded)),
         )?;
         gauge(
             &mut encoder,

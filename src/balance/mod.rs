@@ -33,6 +33,10 @@ const SECOND_DRAWS: usize = 4;
 #[derive(Debug, Default)]
 pub struct TargetLoad {
     in_flight: AtomicU32,
+    /// Requests waiting for this target to have room under their service's limit.
+    waiting: AtomicU32,
+    /// Told when a request finishes while some wait.
+    room: tokio::sync::Notify,
 }
 
 impl TargetLoad {
@@ -45,6 +49,35 @@ impl TargetLoad {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Starts a request if fewer than `max` are in flight.
+    pub fn try_start_request(&self, max: u32) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Starts a request once fewer than `max` are in flight, or gives up at `deadline`.
+    pub async fn start_request_within(&self, max: u32, deadline: tokio::time::Instant) -> bool {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let started = async {
+            loop {
+                // Registered before the check, so a finish between the two is not missed.
+                let room = self.room.notified();
+                tokio::pin!(room);
+                room.as_mut().enable();
+                if self.try_start_request(max) {
+                    return;
+                }
+                room.await;
+            }
+        };
+        let started = tokio::time::timeout_at(deadline, started).await.is_ok();
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        started
+    }
+
     /// Saturates at zero: a finish that outlives a counter reset (or is reported twice) must not
     /// wrap to 4 billion and starve the target under least-request.
     pub fn finish_request(&self) {
@@ -52,6 +85,9 @@ impl TargetLoad {
         let _ = self
             .in_flight
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            self.room.notify_one();
+        }
     }
 }
 

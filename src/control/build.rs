@@ -261,6 +261,7 @@ mod tests {
     fn service(id: Id) -> Service {
         let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
         Service {
+            limits: crate::model::UpstreamLimits::default(),
             id,
             name: format!("s{id}"),
             protocol: crate::model::Protocol::Http,

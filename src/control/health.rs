@@ -504,6 +504,7 @@ mod tests {
 
     fn service(protocol: Protocol) -> Service {
         Service {
+            limits: crate::model::UpstreamLimits::default(),
             id: 1,
             name: "s".into(),
             protocol,

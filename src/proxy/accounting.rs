@@ -2,11 +2,15 @@
 //! L4: it counts as in flight while it runs (least-request balancing, the dashboard), and its
 //! outcome feeds passive ejection.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::balance::{FailureCause, TargetLoad};
 use crate::clock::unix_ms;
-use crate::snapshot::{ServiceRuntime, TargetRuntime};
+use crate::snapshot::{ServiceCounters, ServiceRuntime, TargetRuntime};
 
 /// Counts a request or connection against its target from pick until it is finished or dropped.
 pub struct InFlight {
@@ -17,6 +21,71 @@ impl InFlight {
     pub fn start(load: &Arc<TargetLoad>) -> InFlight {
         load.start_request();
         InFlight { load: load.clone() }
+    }
+
+    /// Starts a request or connection within the service's `max_connections_per_target`,
+    /// waiting in the service's queue while the target is full. Refused (queue full) or timed
+    /// out, it counts against no target: the target is busy, not failing.
+    pub async fn start_within(
+        service: &ServiceRuntime,
+        target: &TargetRuntime,
+    ) -> Result<InFlight, Overloaded> {
+        let limits = &service.service.limits;
+        let Some(max) = limits.max_connections_per_target else {
+            return Ok(InFlight::start(&target.load));
+        };
+        if target.load.try_start_request(max) {
+            return Ok(InFlight {
+                load: target.load.clone(),
+            });
+        }
+        let counters = &service.counters;
+        let _queued = Queued::join(counters);
+        if counters.queued.load(Ordering::Relaxed) > u64::from(limits.max_pending_requests) {
+            counters.overloaded.fetch_add(1, Ordering::Relaxed);
+            return Err(Overloaded::QueueFull {
+                max_pending: limits.max_pending_requests,
+            });
+        }
+        let waited = Duration::from_millis(limits.queue_timeout_ms);
+        if target
+            .load
+            .start_request_within(max, Instant::now() + waited)
+            .await
+        {
+            return Ok(InFlight {
+                load: target.load.clone(),
+            });
+        }
+        counters.overloaded.fetch_add(1, Ordering::Relaxed);
+        Err(Overloaded::QueueTimeout {
+            timeout_ms: limits.queue_timeout_ms,
+        })
+    }
+}
+
+/// Why a request found no room at its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Overloaded {
+    #[error("{max_pending} requests already wait for room (limits.max_pending_requests)")]
+    QueueFull { max_pending: u32 },
+    #[error("no room at the picked target within {timeout_ms} ms (limits.queue_timeout_ms)")]
+    QueueTimeout { timeout_ms: u64 },
+}
+
+/// A request counted in its service's queue while it waits.
+struct Queued<'a>(&'a ServiceCounters);
+
+impl<'a> Queued<'a> {
+    fn join(counters: &'a ServiceCounters) -> Queued<'a> {
+        counters.queued.fetch_add(1, Ordering::Relaxed);
+        Queued(counters)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.queued.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

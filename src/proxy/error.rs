@@ -37,6 +37,8 @@ pub enum ProxyError {
     BodyTooLarge { limit: u64 },
     #[error("the listener has its {limit} connections open")]
     TooManyConnections { limit: usize },
+    #[error("service {service}'s targets are full: {reason}")]
+    UpstreamOverloaded { service: String, reason: String },
 }
 
 impl ProxyError {
@@ -54,9 +56,9 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientHeaderTimeout { .. } => {
                 StatusCode::REQUEST_TIMEOUT
             }
-            ProxyError::NoTarget(_) | ProxyError::TooManyConnections { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::NoTarget(_)
+            | ProxyError::TooManyConnections { .. }
+            | ProxyError::UpstreamOverloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream(failure) => match failure.kind {
                 UpstreamFailureKind::ConnectFailed { .. }
                 | UpstreamFailureKind::TlsFailed { .. }
@@ -81,6 +83,7 @@ impl ProxyError {
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
             ProxyError::BodyTooLarge { .. } => "request_body_too_large",
             ProxyError::TooManyConnections { .. } => "too_many_connections",
+            ProxyError::UpstreamOverloaded { .. } => "upstream_overloaded",
             ProxyError::NoTarget(no_target) => no_target.code(),
             ProxyError::Upstream(failure) => failure.code(),
         }
@@ -100,7 +103,9 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. } => Blame::Client,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) => Blame::Upstream,
-            ProxyError::TooManyConnections { .. } => Blame::Gateway,
+            ProxyError::TooManyConnections { .. } | ProxyError::UpstreamOverloaded { .. } => {
+                Blame::Gateway
+            }
         }
     }
 
@@ -115,7 +120,10 @@ impl ProxyError {
     /// starts is unknown (or the client is not to be trusted with one).
     pub fn ends_connection(&self) -> bool {
         match self {
-            ProxyError::NoRoute { .. } | ProxyError::NoTarget(_) | ProxyError::Upstream(_) => false,
+            ProxyError::NoRoute { .. }
+            | ProxyError::NoTarget(_)
+            | ProxyError::Upstream(_)
+            | ProxyError::UpstreamOverloaded { .. } => false,
             ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }

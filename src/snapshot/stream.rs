@@ -249,6 +249,7 @@ mod tests {
     fn service(id: Id, protocol: Protocol) -> Arc<ServiceRuntime> {
         Arc::new(ServiceRuntime {
             service: Service {
+                limits: crate::model::UpstreamLimits::default(),
                 id,
                 name: format!("s{id}"),
                 protocol,

@@ -46,6 +46,7 @@ pub(super) struct ServiceRow {
     max_attempts: i64,
     health_check: Option<String>,
     ejection: Option<String>,
+    limits: Option<String>,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -82,6 +83,12 @@ impl TryFrom<ServiceRow> for Service {
                 .ejection
                 .as_deref()
                 .map(|text| json(text, "ejection"))
+                .transpose()?
+                .unwrap_or_default(),
+            limits: row
+                .limits
+                .as_deref()
+                .map(|text| json(text, "limits"))
                 .transpose()?
                 .unwrap_or_default(),
             managed_by: row.managed_by,

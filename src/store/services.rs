@@ -38,8 +38,9 @@ impl Store {
         let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
                 lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
-                max_attempts, health_check, ejection, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
+                max_attempts, health_check, ejection, limits, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+             RETURNING id",
         )
         .bind(&spec.name)
         .bind(spec.protocol.as_str())
@@ -54,6 +55,7 @@ impl Store {
         .bind(i64::from(spec.max_attempts))
         .bind(spec.health_check.as_ref().map(json_value))
         .bind(json_value(&spec.ejection))
+        .bind(json_value(&spec.limits))
         .bind(now)
         .bind(now)
         .fetch_one(pool)
@@ -66,8 +68,9 @@ impl Store {
         let affected = on_pool!(self, |pool| sqlx::query(
             "UPDATE services SET name = $1, protocol = $2, upstream_authority = $3, tls_sni = $4,
                 tls_verify = $5, tls_ca_pem = $6, lb_policy = $7, connect_timeout_ms = $8, response_header_timeout_ms = $9,
-                idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13, updated_at = $14
-             WHERE id = $15",
+                idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13,
+                limits = $14, updated_at = $15
+             WHERE id = $16",
         )
         .bind(&spec.name)
         .bind(spec.protocol.as_str())
@@ -82,6 +85,7 @@ impl Store {
         .bind(i64::from(spec.max_attempts))
         .bind(spec.health_check.as_ref().map(json_value))
         .bind(json_value(&spec.ejection))
+        .bind(json_value(&spec.limits))
         .bind(now_ms())
         .bind(id)
         .execute(pool)

@@ -70,6 +70,7 @@ async fn store(kind: Kind) -> (Store, Option<tempfile::TempDir>) {
 
 fn service_spec(name: &str) -> ServiceSpec {
     ServiceSpec {
+        limits: crate::model::UpstreamLimits::default(),
         name: name.to_owned(),
         protocol: Protocol::Http,
         upstream_authority: Some("shop.test".into()),

@@ -383,3 +383,112 @@ async fn a_body_over_the_route_limit_gets_413() {
         "only the streaming body may have started at the upstream"
     );
 }
+
+/// `limits.max_connections_per_target` holds a target to that many requests at once; more wait
+/// in the service's queue for room, up to `max_pending_requests` and `queue_timeout_ms`, and
+/// are then answered 503 `upstream_overloaded`, without counting against the target's health.
+#[tokio::test]
+async fn a_full_target_queues_then_refuses_with_upstream_overloaded() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("narrow").await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            serde_json::json!({
+                "name": "narrow",
+                "ejection": {"failures": 1, "window_ms": 60000},
+                "limits": {
+                    "max_connections_per_target": 2,
+                    "max_pending_requests": 1,
+                    "queue_timeout_ms": 400,
+                },
+            }),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            target(&upstream, 1, 0),
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    wait_until("the route to serve", Duration::from_secs(5), || async {
+        gateway.fetch_status("/ready").await.0 == 200
+    })
+    .await;
+
+    let get = |path: &'static str| {
+        let client = gateway.http.clone();
+        let url = gateway.proxy_url(path);
+        tokio::spawn(async move {
+            let response = client.get(url).send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap())
+        })
+    };
+    // Two slow requests fill the target.
+    let slow = [get("/slow/3000"), get("/slow/3000")];
+    wait_until(
+        "two requests at the target",
+        Duration::from_secs(5),
+        || async { upstream.hits() == 3 },
+    )
+    .await;
+    // A third waits in the queue; a fourth finds the queue full and is refused at once.
+    let queued = get("/queued");
+    wait_until("one request queued", Duration::from_secs(5), || async {
+        sample(
+            &gateway,
+            "raahi_service_queued_requests{service=\"narrow\"}",
+        )
+        .await
+            == 1
+    })
+    .await;
+    let refused_at = Instant::now();
+    let (status, body) = get("/refused").await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("upstream_overloaded"), "{body}");
+    assert!(body.contains("max_pending_requests"), "{body}");
+    assert!(
+        refused_at.elapsed() < Duration::from_millis(400),
+        "refused at once"
+    );
+    // The queued one gives up after its queue timeout, with the target still full.
+    let (status, body) = queued.await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("queue_timeout_ms"), "{body}");
+    assert_eq!(
+        upstream.hits(),
+        3,
+        "the target never had more than two at once"
+    );
+    for slow in slow {
+        assert_eq!(slow.await.unwrap().0, 200);
+    }
+    // Room again: served, and the refusals cost the target nothing.
+    let (status, _) = get("/after").await.unwrap();
+    assert_eq!(status, 200);
+    let (_, view) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/runtime"), None)
+        .await;
+    let entry = &view["targets"][0];
+    assert_eq!(entry["ejected_until"], serde_json::Value::Null, "{view}");
+    assert_eq!(entry["available"], true, "{view}");
+    assert_eq!(
+        sample(
+            &gateway,
+            "raahi_service_overloaded_requests_total{service=\"narrow\"}"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        sample(
+            &gateway,
+            "raahi_requests_refused_total{code=\"upstream_overloaded\"}"
+        )
+        .await,
+        2
+    );
+}

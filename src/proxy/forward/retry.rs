@@ -59,12 +59,17 @@ pub(super) async fn send_with_retries(
         let target = pick.target;
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
+        let in_flight = InFlight::start_within(service, target)
+            .await
+            .map_err(|overloaded| ProxyError::UpstreamOverloaded {
+                service: service.service.name.clone(),
+                reason: overloaded.to_string(),
+            })?;
         let may_retry_later = attempt < attempts;
         let client = state
             .clients
             .for_target(service, target, outgoing.http1_only());
         let (body, streaming) = take_body(&mut outgoing);
-        let in_flight = InFlight::start(&target.load);
         let outcome = match &client {
             UpstreamClient::Plain(plain) => {
                 // Written straight from the request kept for retries: no copy of its fields.

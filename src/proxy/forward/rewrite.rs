@@ -247,6 +247,7 @@ mod tests {
     fn route_entry(rule: RouteRule) -> Arc<RouteEntry> {
         let service = ServiceRuntime {
             service: Service {
+                limits: crate::model::UpstreamLimits::default(),
                 id: 1,
                 name: "web".into(),
                 protocol: Protocol::Http,

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::relay::{self, Progress};
 use super::{OpenConnection, Shared};
 use crate::model::{Id, MAX_ATTEMPTS};
-use crate::proxy::accounting::{record_outcome, InFlight};
+use crate::proxy::accounting::{record_outcome, InFlight, Overloaded};
 use crate::proxy::failure::{Blame, NoTarget, Retry, UpstreamFailure};
 use crate::proxy::sni::{
     parse_client_hello, Hello, HelloError, RecordBoundary, MAX_CLIENT_HELLO_BUFFER,
@@ -47,6 +47,8 @@ pub enum StreamError {
     NoTarget(#[from] NoTarget),
     #[error(transparent)]
     Upstream(#[from] UpstreamFailure),
+    #[error("service {service}'s targets are full: {reason}")]
+    Overloaded { service: String, reason: Overloaded },
 }
 
 impl StreamError {
@@ -59,6 +61,7 @@ impl StreamError {
             | StreamError::NoRoute { .. } => Blame::Client,
             StreamError::NoTarget(no_target) => no_target.blame(),
             StreamError::Upstream(_) => Blame::Upstream,
+            StreamError::Overloaded { .. } => Blame::Gateway,
         }
     }
 
@@ -71,6 +74,7 @@ impl StreamError {
             StreamError::NoRoute { .. } => "no_route",
             StreamError::NoTarget(no_target) => no_target.code(),
             StreamError::Upstream(failure) => failure.code(),
+            StreamError::Overloaded { .. } => "upstream_overloaded",
         }
     }
 
@@ -301,7 +305,12 @@ async fn connect_upstream(
         let target = pick.target;
         tried.push(target.id);
         *last_target = Some(target.authority.clone());
-        let in_flight = InFlight::start(&target.load);
+        let in_flight = InFlight::start_within(service, target)
+            .await
+            .map_err(|reason| StreamError::Overloaded {
+                service: service.service.name.clone(),
+                reason,
+            })?;
         let failure = match tokio::time::timeout(
             connect_timeout,
             TcpStream::connect(target.authority.as_str()),
