@@ -7,6 +7,7 @@ mod accounting;
 mod body;
 mod client;
 mod connector;
+mod detach;
 mod error;
 mod failure;
 mod forward;

@@ -3,7 +3,6 @@
 //! connector does: the codec hands a finished connection to its [`ConnectionHome`], which is
 //! this target, and the pool keeps it without knowing what it speaks.
 
-use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,11 +10,10 @@ use std::time::Duration;
 
 use http::uri::Authority;
 use http::{Method, Response};
-use http_body_util::BodyExt;
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 
 use super::body::UpstreamRequestBody;
+use super::detach::finish_even_if_abandoned;
 use super::h1client::{self, Connection, ConnectionHome, ExchangeError, RequestHead, ResponseBody};
 use super::pool::{Pooled, TargetPool};
 
@@ -118,11 +116,9 @@ impl PlainTarget {
         let exchange = self
             .clone()
             .exchange(head, framing, method_is_head, body, Some(abandoned));
-        let (answer, answered) = oneshot::channel();
-        tokio::spawn(finish_unless_abandoned(exchange, answer));
-        answered
+        finish_even_if_abandoned(exchange)
             .await
-            .unwrap_or_else(|_| Err(PlainTargetError::Unsent(io::ErrorKind::Interrupted.into())))
+            .unwrap_or_else(|| Err(PlainTargetError::Unsent(io::ErrorKind::Interrupted.into())))
     }
 
     async fn exchange(
@@ -188,50 +184,6 @@ struct SetOnDrop(Arc<AtomicBool>);
 impl Drop for SetOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-/// How long an exchange its caller abandoned may take to finish (answer read to its end), and
-/// how much of an answer it reads, before its connection is given up after all.
-const ABANDONED_EXCHANGE_TIME: Duration = Duration::from_secs(10);
-const ABANDONED_ANSWER_BYTES: usize = 1024 * 1024;
-
-/// Runs `exchange` for a caller waiting on `answer`; if the caller goes away first, finishes it
-/// anyway and reads the answer, so its connection goes home.
-async fn finish_unless_abandoned<F>(
-    exchange: F,
-    mut answer: oneshot::Sender<Result<Response<ResponseBody>, PlainTargetError>>,
-) where
-    F: Future<Output = Result<Response<ResponseBody>, PlainTargetError>>,
-{
-    tokio::pin!(exchange);
-    let result = tokio::select! {
-        result = &mut exchange => result,
-        () = answer.closed() => {
-            match tokio::time::timeout(ABANDONED_EXCHANGE_TIME, exchange).await {
-                Ok(result) => result,
-                Err(_) => return,
-            }
-        }
-    };
-    if let Err(Ok(response)) = answer.send(result) {
-        let reading = read_to_end(response.into_body(), ABANDONED_ANSWER_BYTES);
-        let _ = tokio::time::timeout(ABANDONED_EXCHANGE_TIME, reading).await;
-    }
-}
-
-/// Reads a body to its end (which hands its connection back), unless it is larger than
-/// `limit`.
-async fn read_to_end(mut body: ResponseBody, mut limit: usize) {
-    while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else {
-            return;
-        };
-        let size = frame.data_ref().map_or(0, |data| data.len());
-        if size > limit {
-            return;
-        }
-        limit -= size;
     }
 }
 

@@ -499,6 +499,8 @@ struct TlsUpstream {
     seen: Arc<Mutex<Vec<TlsSeen>>>,
     /// Completed TLS handshakes.
     connections: Arc<AtomicUsize>,
+    /// Requests answered (`/slow/MS` after MS milliseconds).
+    answered: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -524,6 +526,8 @@ impl TlsUpstream {
         let recorded = seen.clone();
         let connections = Arc::new(AtomicUsize::new(0));
         let handshakes = connections.clone();
+        let answered = Arc::new(AtomicUsize::new(0));
+        let answers = answered.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((tcp, _)) = listener.accept().await else {
@@ -533,6 +537,7 @@ impl TlsUpstream {
                 let recorded = recorded.clone();
                 let name = name.clone();
                 let handshakes = handshakes.clone();
+                let answers = answers.clone();
                 tokio::spawn(async move {
                     let Ok(stream) = acceptor.accept(tcp).await else {
                         return;
@@ -551,7 +556,20 @@ impl TlsUpstream {
                             version: request.version(),
                         });
                         let name = name.clone();
-                        async move { Ok::<_, Infallible>(tls_upstream_answer(request, &name)) }
+                        let answers = answers.clone();
+                        async move {
+                            let delay = request
+                                .uri()
+                                .path()
+                                .strip_prefix("/slow/")
+                                .and_then(|ms| ms.parse().ok());
+                            if let Some(ms) = delay {
+                                tokio::time::sleep(Duration::from_millis(ms)).await;
+                            }
+                            let answer = tls_upstream_answer(request, &name);
+                            answers.fetch_add(1, Ordering::SeqCst);
+                            Ok::<_, Infallible>(answer)
+                        }
                     });
                     let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                         .serve_connection_with_upgrades(TokioIo::new(stream), service)
@@ -563,6 +581,7 @@ impl TlsUpstream {
             addr,
             seen,
             connections,
+            answered,
             task,
         }
     }
@@ -655,6 +674,53 @@ async fn get_until(gateway: &TestGateway, path: &str, status: u16) -> Value {
         }
     })
     .await
+}
+
+/// A client that cancels its HTTP/2 streams while an `https` target works on them (rapid
+/// reset's pattern) costs the target no connection per stream: the exchange finishes on its
+/// own and its connection is reused.
+#[tokio::test]
+async fn cancelled_http2_streams_do_not_cost_an_https_target_its_connections() {
+    let pki = Pki::new("upstream CA");
+    let leaf = pki.leaf(&["slow.test"]);
+    let upstream = TlsUpstream::start("slow-tls", &leaf, &[b"http/1.1"]).await;
+    let gateway = TestGateway::start().await;
+    https_service(
+        &gateway,
+        "slow-tls",
+        json!({ "tls_sni": "slow.test", "tls_ca_pem": pki.ca_pem }),
+        &upstream,
+        "/",
+    )
+    .await;
+    get_until(&gateway, "/warm", 200).await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    const ROUNDS: usize = 10;
+    for round in 1..=ROUNDS {
+        let seen_before = upstream.seen.lock().unwrap().len();
+        let answered_before = upstream.answered.load(Ordering::SeqCst);
+        let request = client.get(gateway.proxy_url("/slow/150")).send();
+        let request = tokio::spawn(request);
+        wait_until("the target to get the request", WAIT, || async {
+            upstream.seen.lock().unwrap().len() > seen_before
+        })
+        .await;
+        // The client gives up: its stream is reset while the target works on it.
+        request.abort();
+        wait_until("the target to answer it anyway", WAIT, || async {
+            upstream.answered.load(Ordering::SeqCst) > answered_before
+        })
+        .await;
+        let _ = round;
+    }
+    let connections = upstream.connections.load(Ordering::SeqCst);
+    assert!(
+        connections <= ROUNDS / 2,
+        "{connections} TLS connections for {ROUNDS} cancelled streams (and a warm-up)"
+    );
 }
 
 #[tokio::test]

@@ -18,6 +18,7 @@ use crate::proxy::accounting::{record_outcome, InFlight};
 use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
 use crate::proxy::client::{UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
+use crate::proxy::detach::finish_even_if_abandoned;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
@@ -87,8 +88,17 @@ pub(super) async fn send_with_retries(
             }
             UpstreamClient::Tls(tls) => {
                 let request = tls_request(&mut outgoing, body, target, may_retry_later);
+                let finish_if_abandoned = outgoing.finish_if_abandoned;
                 let sending = async {
-                    let response = tls.request(request).await?;
+                    let exchange = tls.request(request);
+                    let response = if finish_if_abandoned {
+                        match finish_even_if_abandoned(exchange).await {
+                            Some(result) => result?,
+                            None => return Err(UpstreamError::Lost),
+                        }
+                    } else {
+                        exchange.await?
+                    };
                     Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
                 };
                 await_response(sending, streaming.as_ref(), response_timeout).await
