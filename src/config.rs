@@ -1045,6 +1045,43 @@ mod tests {
     }
 
     #[test]
+    fn client_limits_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.max_connections, 20_000);
+        assert_eq!(defaults.max_header_count, 100);
+        assert_eq!(defaults.max_uri_bytes, 8192);
+        assert_eq!(defaults.http2_max_concurrent_streams, 100);
+        assert_eq!(defaults.request_buffer_budget_bytes, 128 << 20);
+        let config = Config::from_parts(
+            "c",
+            Some("[proxy]\nmax_header_bytes = 4096\nhttp2_idle_timeout_ms = 5000\n"),
+            &env(&[
+                ("RAAHI_PROXY_MAX_CONNECTIONS", "50"),
+                ("RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES", "1048576"),
+                ("RAAHI_PROXY_CLIENT_BODY_TIMEOUT_MS", "700"),
+            ]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(config.max_connections, 50);
+        assert_eq!(config.max_header_bytes, 4096);
+        assert_eq!(config.http2_idle_timeout_ms, 5000);
+        assert_eq!(config.request_buffer_budget_bytes, 1 << 20);
+        assert_eq!(config.client_body_timeout_ms, 700);
+        for (variable, key) in [
+            ("RAAHI_PROXY_MAX_CONNECTIONS", "proxy.max_connections"),
+            ("RAAHI_PROXY_MAX_URI_BYTES", "proxy.max_uri_bytes"),
+            (
+                "RAAHI_PROXY_HTTP2_MAX_CONCURRENT_STREAMS",
+                "proxy.http2_max_concurrent_streams",
+            ),
+        ] {
+            let error = Config::from_parts("c", None, &env(&[(variable, "0")])).unwrap_err();
+            assert_eq!(key_of(error), key);
+        }
+    }
+
+    #[test]
     fn event_stream_limits_default_override_and_validate() {
         let config = Config::from_parts("c", None, &[]).unwrap();
         assert_eq!(

@@ -301,6 +301,64 @@ async fn tcp_echo_with_half_close() {
     assert_eq!(finish(stream).await, "|eof:alpha");
 }
 
+/// A tcp service's `limits.max_connections_per_target` holds its target to that many open
+/// connections: one more waits for room in the queue and goes through when a connection ends;
+/// past `max_pending_requests` a connection is closed at once, unforwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_tcp_target_queues_connections_then_refuses_them() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("narrow").await;
+    let service = stream_service(&gateway, "narrow", "tcp", &[upstream.target()]).await;
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(json!({"limits": {
+                "max_connections_per_target": 1,
+                "max_pending_requests": 1,
+                "queue_timeout_ms": 10000,
+            }})),
+        )
+        .await;
+    assert_eq!(status.as_u16(), 200, "{body}");
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    wait_for_echo(listen).await;
+
+    let mut first = TcpStream::connect(listen).await.unwrap();
+    round_trip(&mut first, b"one").await;
+    // The second waits in the queue: its bytes are not echoed while the first is open.
+    let mut second = TcpStream::connect(listen).await.unwrap();
+    second.write_all(b"two").await.unwrap();
+    wait_until("the second connection to queue", DEADLINE, || async {
+        gateway
+            .metrics_text()
+            .await
+            .contains("raahi_service_queued_requests{service=\"narrow\"} 1")
+    })
+    .await;
+    // A third finds the queue full: closed without reaching the target.
+    let third = exchange(listen, b"three").await.unwrap_or_default();
+    assert!(third.is_empty(), "{:?}", String::from_utf8_lossy(&third));
+    let connections_before = upstream.connections.load(Ordering::SeqCst);
+    // The first ends; the queued second goes through.
+    assert_eq!(finish(first).await, "|eof:narrow");
+    let mut echoed = [0u8; 3];
+    tokio::time::timeout(IO_TIMEOUT, second.read_exact(&mut echoed))
+        .await
+        .expect("the queued connection is served")
+        .unwrap();
+    assert_eq!(&echoed, b"two");
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        connections_before + 1
+    );
+    assert!(gateway
+        .metrics_text()
+        .await
+        .contains("raahi_service_overloaded_requests_total{service=\"narrow\"} 1"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_over_two_tcp_upstreams_across_connections() {
     let gateway = TestGateway::start().await;
