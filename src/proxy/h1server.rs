@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http::{Request, Response};
-use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
@@ -36,7 +35,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use super::error::ProxyError;
-use super::forward::{self, Downstream, ProxyBody, UpgradeHandoff};
+use super::forward::{self, Downstream, GuardedBody, UpgradeHandoff};
 use super::{bytes_arrive, ProxyState};
 
 /// What one client connection has been doing, as seen by its idle check. Every field is
@@ -218,30 +217,7 @@ impl Drop for RequestGuard {
 }
 
 /// A response body that keeps its request counted as in flight.
-pub(super) struct TrackedBody {
-    inner: ProxyBody,
-    _request: RequestGuard,
-}
-
-impl Body for TrackedBody {
-    type Data = Bytes;
-    type Error = <ProxyBody as Body>::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
+type TrackedBody = GuardedBody<RequestGuard>;
 
 type ResponseFuture =
     Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
@@ -266,10 +242,7 @@ impl hyper::service::Service<Request<Incoming>> for Http1Service {
         let downstream = self.downstream.clone();
         Box::pin(async move {
             let response = forward::handle(&state, request, &downstream).await;
-            Ok(response.map(|inner| TrackedBody {
-                inner,
-                _request: guard,
-            }))
+            Ok(response.map(|inner| GuardedBody::new(inner, guard)))
         })
     }
 }

@@ -20,9 +20,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::Request;
-use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -31,7 +29,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use super::forward::{self, Downstream, ProxyBody};
+use super::forward::{self, Downstream, GuardedBody};
 use super::ProxyState;
 
 /// A client is abusive once it has cancelled this many streams and more than half of all it
@@ -96,32 +94,6 @@ impl Drop for StreamGuard {
     }
 }
 
-/// A response body that keeps its stream counted as open.
-pub(super) struct StreamBody {
-    inner: ProxyBody,
-    _stream: StreamGuard,
-}
-
-impl Body for StreamBody {
-    type Data = Bytes;
-    type Error = <ProxyBody as Body>::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 /// What an HTTP/2 client connection is held to.
 #[derive(Clone)]
 pub(super) struct H2Settings {
@@ -154,10 +126,8 @@ pub(super) async fn serve<I>(
         async move {
             let response = forward::handle(&state, request, &downstream).await;
             guard.answered = true;
-            Ok::<_, Infallible>(response.map(|inner| StreamBody {
-                inner,
-                _stream: guard,
-            }))
+            // The body keeps its stream counted as open.
+            Ok::<_, Infallible>(response.map(|inner| GuardedBody::new(inner, guard)))
         }
     });
     let io = GuardedIo {

@@ -36,6 +36,42 @@ pub use upgrade::{tunnel, UpgradeHandoff};
 
 pub type ProxyBody = Either<UpstreamResponseBody, Full<Bytes>>;
 
+/// A response body that holds `guard` for as long as hyper has it: until the answer is sent
+/// or cut short.
+pub struct GuardedBody<G> {
+    inner: ProxyBody,
+    _guard: G,
+}
+
+impl<G> GuardedBody<G> {
+    pub fn new(inner: ProxyBody, guard: G) -> GuardedBody<G> {
+        GuardedBody {
+            inner,
+            _guard: guard,
+        }
+    }
+}
+
+impl<G: Unpin> http_body::Body for GuardedBody<G> {
+    type Data = Bytes;
+    type Error = <ProxyBody as http_body::Body>::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// What one request did, for the access log and metrics.
 #[derive(Default)]
 pub(super) struct Exchange {
