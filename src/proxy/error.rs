@@ -21,6 +21,8 @@ pub enum ProxyError {
     ClientBody { reason: String },
     #[error("the client sent no request body bytes for {timeout_ms} ms")]
     ClientBodyTimeout { timeout_ms: u64 },
+    #[error("the client did not send its whole request body within {timeout_ms} ms")]
+    ClientBodyTooSlow { timeout_ms: u64 },
     #[error("the client sent no complete request head within {timeout_ms} ms")]
     ClientHeaderTimeout { timeout_ms: u64 },
     #[error("the request carries {reason}")]
@@ -53,9 +55,9 @@ impl ProxyError {
             ProxyError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientHeaderTimeout { .. } => {
-                StatusCode::REQUEST_TIMEOUT
-            }
+            ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::ClientBodyTooSlow { .. }
+            | ProxyError::ClientHeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NoTarget(_)
             | ProxyError::TooManyConnections { .. }
             | ProxyError::UpstreamOverloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -74,7 +76,9 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } => "no_route",
             ProxyError::ClientBody { .. } => "client_body_failed",
-            ProxyError::ClientBodyTimeout { .. } => "client_body_timeout",
+            ProxyError::ClientBodyTimeout { .. } | ProxyError::ClientBodyTooSlow { .. } => {
+                "client_body_timeout"
+            }
             ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
             ProxyError::InvalidHost { .. } => "invalid_host",
             ProxyError::InvalidFraming { .. } => "invalid_framing",
@@ -94,6 +98,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::InvalidHost { .. }
             | ProxyError::InvalidFraming { .. }
@@ -127,6 +132,7 @@ impl ProxyError {
             ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
+            | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::InvalidHost { .. }
             | ProxyError::InvalidFraming { .. }
             | ProxyError::UnsupportedTransferCoding { .. }

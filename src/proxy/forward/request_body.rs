@@ -60,25 +60,32 @@ async fn read_ahead(
     buffer_limit: u64,
     settings: &BodySettings,
 ) -> Result<PendingBody, ProxyError> {
-    let deadline = Instant::now() + settings.client_body_timeout;
+    // One timer for the whole body, armed only if a frame is not there at once: most bodies
+    // arrive with their request head.
+    let deadline = tokio::time::sleep_until(Instant::now() + settings.client_body_timeout);
+    tokio::pin!(deadline);
     let mut reservation = Reservation::new(&settings.budget);
     let mut chunks = Vec::new();
     let mut read = 0u64;
     let mut trailers: Option<HeaderMap> = None;
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) => {
-                return Err(ProxyError::ClientBodyTimeout {
+        let next = tokio::select! {
+            biased;
+            next = body.frame() => next,
+            () = &mut deadline => {
+                return Err(ProxyError::ClientBodyTooSlow {
                     timeout_ms: settings.client_body_timeout.as_millis() as u64,
                 })
             }
-            Ok(None) => break,
-            Ok(Some(Err(error))) => {
+        };
+        let frame = match next {
+            None => break,
+            Some(Err(error)) => {
                 return Err(ProxyError::ClientBody {
                     reason: error.to_string(),
                 })
             }
-            Ok(Some(Ok(frame))) => frame,
+            Some(Ok(frame)) => frame,
         };
         let data = match frame.into_data() {
             Ok(data) => data,
