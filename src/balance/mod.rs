@@ -51,31 +51,27 @@ impl TargetLoad {
 
     /// Starts a request if fewer than `max` are in flight.
     pub fn try_start_request(&self, max: u32) -> bool {
+        // SeqCst here, in `finish_request` and around `waiting`: a waiter counts itself and then
+        // checks for room while a finisher frees room and then checks for waiters; weaker
+        // orderings would let each miss the other (free on x86, where these are locked anyway).
         self.in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < max).then_some(n + 1)
             })
             .is_ok()
     }
 
-    /// Starts a request once fewer than `max` are in flight, or gives up at `deadline`.
-    pub async fn start_request_within(&self, max: u32, deadline: tokio::time::Instant) -> bool {
-        self.waiting.fetch_add(1, Ordering::Relaxed);
-        let started = async {
-            loop {
-                // Registered before the check, so a finish between the two is not missed.
-                let room = self.room.notified();
-                tokio::pin!(room);
-                room.as_mut().enable();
-                if self.try_start_request(max) {
-                    return;
-                }
-                room.await;
-            }
-        };
-        let started = tokio::time::timeout_at(deadline, started).await.is_ok();
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
-        started
+    /// Whether requests wait for room: a newcomer queues behind them rather than take the
+    /// room first.
+    pub fn has_waiters(&self) -> bool {
+        self.waiting.load(Ordering::SeqCst) > 0
+    }
+
+    /// Counts a request as waiting for room until the returned guard is dropped; its `room()`
+    /// is told when a request finishes.
+    pub fn wait_for_room(&self) -> Waiter<'_> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        Waiter { load: self }
     }
 
     /// Saturates at zero: a finish that outlives a counter reset (or is reported twice) must not
@@ -84,10 +80,28 @@ impl TargetLoad {
         // Err only means the counter was already zero, which is the saturation we want.
         let _ = self
             .in_flight
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
-        if self.waiting.load(Ordering::Relaxed) > 0 {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if self.waiting.load(Ordering::SeqCst) > 0 {
             self.room.notify_one();
         }
+    }
+}
+
+/// A request waiting for room at its target (see [`TargetLoad::wait_for_room`]).
+pub struct Waiter<'a> {
+    load: &'a TargetLoad,
+}
+
+impl Waiter<'_> {
+    /// Told (one waiter at a time, in order) when a request at the target finishes.
+    pub fn room(&self) -> &tokio::sync::Notify {
+        &self.load.room
+    }
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        self.load.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

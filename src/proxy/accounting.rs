@@ -34,10 +34,10 @@ impl InFlight {
         let Some(max) = limits.max_connections_per_target else {
             return Ok(InFlight::start(&target.load));
         };
-        if target.load.try_start_request(max) {
-            return Ok(InFlight {
-                load: target.load.clone(),
-            });
+        let load = &target.load;
+        // Requests already waiting go first: a newcomer does not take the room they wait for.
+        if !load.has_waiters() && load.try_start_request(max) {
+            return Ok(InFlight { load: load.clone() });
         }
         let counters = &service.counters;
         let _queued = Queued::join(counters);
@@ -47,20 +47,32 @@ impl InFlight {
                 max_pending: limits.max_pending_requests,
             });
         }
-        let waited = Duration::from_millis(limits.queue_timeout_ms);
-        if target
-            .load
-            .start_request_within(max, Instant::now() + waited)
+        let deadline = Instant::now() + Duration::from_millis(limits.queue_timeout_ms);
+        if tokio::time::timeout_at(deadline, wait_for_room(load, max))
             .await
+            .is_ok()
         {
-            return Ok(InFlight {
-                load: target.load.clone(),
-            });
+            return Ok(InFlight { load: load.clone() });
         }
         counters.overloaded.fetch_add(1, Ordering::Relaxed);
         Err(Overloaded::QueueTimeout {
             timeout_ms: limits.queue_timeout_ms,
         })
+    }
+}
+
+/// Waits until fewer than `max` requests are in flight at the target, and starts one.
+async fn wait_for_room(load: &TargetLoad, max: u32) {
+    let waiter = load.wait_for_room();
+    loop {
+        // Registered before the check, so a finish between the two is not missed.
+        let room = waiter.room().notified();
+        tokio::pin!(room);
+        room.as_mut().enable();
+        if load.try_start_request(max) {
+            return;
+        }
+        room.await;
     }
 }
 
@@ -137,4 +149,33 @@ fn ejection_allowed(service: &ServiceRuntime, now: u64) -> bool {
         .filter(|target| target.health.ejected_until(now).is_some())
         .count();
     ejected < allowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_request_starts_when_another_finishes_and_leaves_no_trace_if_it_gives_up() {
+        let load = Arc::new(TargetLoad::default());
+        assert!(load.try_start_request(1));
+        let finisher = load.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            finisher.finish_request();
+        });
+        let start = Instant::now();
+        wait_for_room(&load, 1).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(300));
+        assert_eq!(load.in_flight(), 1, "it took the room it waited for");
+        assert!(!load.has_waiters());
+        // Nobody finishes now: the wait is given up (as at a queue timeout).
+        let waited = tokio::time::timeout(Duration::from_millis(100), wait_for_room(&load, 1));
+        assert!(waited.await.is_err());
+        assert_eq!(load.in_flight(), 1);
+        assert!(
+            !load.has_waiters(),
+            "a wait given up leaves no waiter behind"
+        );
+    }
 }

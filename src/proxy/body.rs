@@ -102,6 +102,8 @@ pub enum ClientBodyError {
 /// rest as the client sends it, held to the route's size limit.
 pub struct ClientBody {
     read_ahead: VecDeque<Bytes>,
+    /// The buffer budget the read-ahead bytes hold, given back once they are sent.
+    reservation: Option<Reservation>,
     rest: Incoming,
     limit: Option<u64>,
     /// Bytes of the body so far, read ahead or streamed.
@@ -109,14 +111,25 @@ pub struct ClientBody {
 }
 
 impl ClientBody {
-    pub fn new(read_ahead: Vec<Bytes>, rest: Incoming, limit: Option<u64>) -> ClientBody {
+    pub fn new(
+        read_ahead: Vec<Bytes>,
+        reservation: Option<Reservation>,
+        rest: Incoming,
+        limit: Option<u64>,
+    ) -> ClientBody {
         let seen = read_ahead.iter().map(|chunk| chunk.len() as u64).sum();
         ClientBody {
             read_ahead: read_ahead.into(),
+            reservation,
             rest,
             limit,
             seen,
         }
+    }
+
+    /// The body streams from its start.
+    pub fn streaming(rest: Incoming, limit: Option<u64>) -> ClientBody {
+        ClientBody::new(Vec::new(), None, rest, limit)
     }
 }
 
@@ -130,6 +143,9 @@ impl Body for ClientBody {
     ) -> Poll<Option<Result<Frame<Bytes>, ClientBodyError>>> {
         let this = &mut *self;
         if let Some(chunk) = this.read_ahead.pop_front() {
+            if this.read_ahead.is_empty() {
+                this.reservation = None;
+            }
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         let frame = match ready!(Pin::new(&mut this.rest).poll_frame(cx)) {

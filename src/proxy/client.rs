@@ -41,9 +41,6 @@ pub enum UpstreamError {
     Plain(#[from] PlainTargetError),
     #[error(transparent)]
     Tls(#[from] hyper_util::client::legacy::Error),
-    /// The task running the exchange ended without an answer.
-    #[error("the exchange ended without an answer")]
-    Lost,
 }
 
 impl UpstreamError {
@@ -52,7 +49,6 @@ impl UpstreamError {
         match self {
             UpstreamError::Plain(error) => error.is_connect(),
             UpstreamError::Tls(error) => error.is_connect(),
-            UpstreamError::Lost => false,
         }
     }
 }

@@ -1,59 +1,124 @@
 //! Exchanges that outlive their caller. A client that cancels its request (an HTTP/2 stream
 //! reset) drops the request's future; an upstream exchange dropped mid-way loses its
 //! connection, so a client resetting streams as fast as it opens them would cost the target a
-//! connection each. Run on a task of its own, the exchange finishes instead, and its answer is
-//! read to the end (within bounds), so the connection goes back to its pool.
+//! connection each. Dropped before it finished, a [`FinishOnDrop`] exchange carries on as a task
+//! of its own instead, reads its answer to the end (within bounds) so its connection goes back
+//! to its pool, and counts against its target meanwhile. Only then is a task spawned: an
+//! exchange that finishes with its caller costs one box.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Buf;
 use http::Response;
 use http_body::Body;
 use http_body_util::BodyExt;
-use tokio::sync::oneshot;
 use tokio::time::Duration;
+
+use super::accounting::InFlight;
+use crate::balance::TargetLoad;
 
 /// How long an exchange its caller abandoned may take to finish (answer read to its end), and
 /// how much of an answer it reads, before its connection is given up after all.
 const ABANDONED_EXCHANGE_TIME: Duration = Duration::from_secs(10);
 const ABANDONED_ANSWER_BYTES: usize = 1024 * 1024;
 
-/// Runs `exchange` on a task of its own and waits for its answer; None if the task died.
-pub async fn finish_even_if_abandoned<F, B, E>(exchange: F) -> Option<Result<Response<B>, E>>
+/// An upstream exchange that finishes even if its caller goes away.
+///
+/// Its first poll only yields: hyper polls a stream's future before it looks for the client's
+/// reset, so an exchange started at once would write its request (on a pooled connection, in
+/// that very poll) for a stream the client had already cancelled. Dropped before it started,
+/// the exchange is simply dropped: nothing of it went anywhere.
+pub struct FinishOnDrop<F: Future> {
+    exchange: Option<Pin<Box<F>>>,
+    yielded: bool,
+    /// The exchange was polled: it may have dialled or sent something.
+    started: bool,
+    /// Told when the caller went away, so a request not yet written is not sent at all.
+    abandoned: Option<Arc<AtomicBool>>,
+    /// The target the exchange counts against once its caller's count is gone.
+    load: Arc<TargetLoad>,
+    finish_abandoned: fn(Pin<Box<F>>, InFlight),
+}
+
+impl<F, B, E> FinishOnDrop<F>
 where
     F: Future<Output = Result<Response<B>, E>> + Send + 'static,
     B: Body + Send + Unpin + 'static,
     B::Data: Send,
     E: Send + 'static,
 {
-    let (answer, answered) = oneshot::channel();
-    tokio::spawn(finish_unless_abandoned(exchange, answer));
-    answered.await.ok()
+    pub fn new(
+        exchange: F,
+        abandoned: Option<Arc<AtomicBool>>,
+        load: Arc<TargetLoad>,
+    ) -> FinishOnDrop<F> {
+        FinishOnDrop {
+            exchange: Some(Box::pin(exchange)),
+            yielded: false,
+            started: false,
+            abandoned,
+            load,
+            finish_abandoned: |exchange, in_flight| {
+                tokio::spawn(finish(exchange, in_flight));
+            },
+        }
+    }
 }
 
-/// Runs `exchange` for a caller waiting on `answer`; if the caller goes away first, finishes it
-/// anyway and reads the answer, so its connection goes home.
-async fn finish_unless_abandoned<F, B, E>(
-    exchange: F,
-    mut answer: oneshot::Sender<Result<Response<B>, E>>,
-) where
+impl<F: Future> Future for FinishOnDrop<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        if !self.yielded {
+            self.yielded = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        self.started = true;
+        let Some(exchange) = self.exchange.as_mut() else {
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(exchange.as_mut().poll(cx));
+        self.exchange = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<F: Future> Drop for FinishOnDrop<F> {
+    fn drop(&mut self) {
+        let Some(exchange) = self.exchange.take() else {
+            return;
+        };
+        if !self.started {
+            return;
+        }
+        if let Some(abandoned) = &self.abandoned {
+            abandoned.store(true, Ordering::Relaxed);
+        }
+        // No runtime: the process is going away, and the exchange with it.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            (self.finish_abandoned)(exchange, InFlight::start(&self.load));
+        }
+    }
+}
+
+/// Finishes an exchange its caller abandoned and reads the answer, so its connection goes home.
+async fn finish<F, B, E>(exchange: Pin<Box<F>>, in_flight: InFlight)
+where
     F: Future<Output = Result<Response<B>, E>>,
     B: Body + Unpin,
 {
-    tokio::pin!(exchange);
-    let result = tokio::select! {
-        result = &mut exchange => result,
-        () = answer.closed() => {
-            match tokio::time::timeout(ABANDONED_EXCHANGE_TIME, exchange).await {
-                Ok(result) => result,
-                Err(_) => return,
-            }
+    let finished = async {
+        if let Ok(response) = exchange.await {
+            read_to_end(response.into_body(), ABANDONED_ANSWER_BYTES).await;
         }
     };
-    if let Err(Ok(response)) = answer.send(result) {
-        let reading = read_to_end(response.into_body(), ABANDONED_ANSWER_BYTES);
-        let _ = tokio::time::timeout(ABANDONED_EXCHANGE_TIME, reading).await;
-    }
+    let _ = tokio::time::timeout(ABANDONED_EXCHANGE_TIME, finished).await;
+    drop(in_flight);
 }
 
 /// Reads a body to its end (which hands its connection back), unless it is larger than

@@ -40,7 +40,10 @@ pub enum ProxyError {
     #[error("the listener has its {limit} connections open")]
     TooManyConnections { limit: usize },
     #[error("service {service}'s targets are full: {reason}")]
-    UpstreamOverloaded { service: String, reason: String },
+    UpstreamOverloaded {
+        service: String,
+        reason: super::accounting::Overloaded,
+    },
 }
 
 impl ProxyError {

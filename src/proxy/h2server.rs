@@ -36,6 +36,11 @@ use super::ProxyState;
 /// opened. A browser that cancels a few loads in flight on navigation stays far below.
 const ABUSIVE_CANCELS: u64 = 100;
 
+/// A stream reset sooner than this after it opened counts as a cancel. Rapid reset resets at
+/// once; a gRPC call cancelled at its deadline during an upstream slowdown lived longer, and
+/// must not get a healthy client's connection cut.
+const QUICK_CANCEL: Duration = Duration::from_millis(50);
+
 /// How long an idle connection told GOAWAY has to finish closing.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
@@ -71,6 +76,7 @@ impl StreamCounts {
 /// One stream, open from the request until hyper drops its response (finished or reset).
 struct StreamGuard {
     counts: Arc<StreamCounts>,
+    opened: Instant,
     answered: bool,
 }
 
@@ -80,6 +86,7 @@ impl StreamGuard {
         counts.open.fetch_add(1, Ordering::Relaxed);
         StreamGuard {
             counts: counts.clone(),
+            opened: Instant::now(),
             answered: false,
         }
     }
@@ -88,7 +95,7 @@ impl StreamGuard {
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         self.counts.open.fetch_sub(1, Ordering::Relaxed);
-        if !self.answered {
+        if !self.answered && self.opened.elapsed() < QUICK_CANCEL {
             self.counts.cancelled_one();
         }
     }
@@ -158,8 +165,13 @@ pub(super) async fn serve<I>(
                 }
             }
             // hyper's graceful close waits for the client's PING acknowledgement; an idle
-            // client that never sends it is not waited for.
-            _ = tokio::time::sleep(IDLE_CLOSE_GRACE), if closing_idle => break Ok(()),
+            // client that never sends it is not waited for, unless a stream it opened meanwhile
+            // is still being answered.
+            _ = tokio::time::sleep(IDLE_CLOSE_GRACE), if closing_idle => {
+                if counts.open.load(Ordering::Relaxed) == 0 {
+                    break Ok(());
+                }
+            }
             // Polled again, the connection meets the GOAWAY its I/O now writes.
             _ = counts.turned_abusive.notified() => {
                 tracing::warn!(
@@ -215,8 +227,6 @@ struct OutboundFrames {
     header: [u8; 9],
     header_filled: usize,
     payload_left: usize,
-    /// The highest stream the server answered or reset: GOAWAY's last stream id.
-    last_stream: u32,
 }
 
 impl OutboundFrames {
@@ -237,11 +247,6 @@ impl OutboundFrames {
                 let h = self.header;
                 self.payload_left =
                     usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
-                let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-                // DATA, HEADERS, RST_STREAM: the stream was taken up.
-                if matches!(h[3], 0 | 1 | 3) {
-                    self.last_stream = self.last_stream.max(stream);
-                }
                 self.header_filled = 0;
             }
         }
@@ -251,10 +256,13 @@ impl OutboundFrames {
         self.header_filled == 0 && self.payload_left == 0
     }
 
-    fn goaway(&self, error_code: u32) -> [u8; 17] {
+    /// GOAWAY naming the highest stream id there is as the last one processed: streams taken
+    /// up may still be finishing upstream (see `detach`), so the client must not take any of
+    /// them for unprocessed and retry it.
+    fn goaway(error_code: u32) -> [u8; 17] {
         let mut frame = [0u8; 17];
         frame[..9].copy_from_slice(&[0, 0, 8, 7, 0, 0, 0, 0, 0]);
-        frame[9..13].copy_from_slice(&self.last_stream.to_be_bytes());
+        frame[9..13].copy_from_slice(&0x7fff_ffff_u32.to_be_bytes());
         frame[13..].copy_from_slice(&error_code.to_be_bytes());
         frame
     }
@@ -280,7 +288,7 @@ impl<I: AsyncWrite + Unpin> GuardedIo<I> {
                 // hyper is mid-frame on a full socket: a GOAWAY now would corrupt the stream.
                 return Poll::Ready(cut_off());
             }
-            self.goaway = Some((self.frames.goaway(ENHANCE_YOUR_CALM), 0));
+            self.goaway = Some((OutboundFrames::goaway(ENHANCE_YOUR_CALM), 0));
         }
         let Some((frame, sent)) = &mut self.goaway else {
             return Poll::Ready(cut_off());
@@ -406,7 +414,6 @@ mod tests {
             }
             assert!(frames.at_boundary(), "split {split}");
             assert!(boundaries >= 1);
-            assert_eq!(frames.last_stream, 9, "split {split}");
         }
         let mut frames = OutboundFrames::default();
         frames.wrote(&wire[..wire.len() - 2]);
@@ -414,12 +421,13 @@ mod tests {
     }
 
     #[test]
-    fn the_goaway_names_the_last_stream_and_the_code() {
-        let mut frames = OutboundFrames::default();
-        frames.wrote(&frame(1, 41, b"x"));
-        let goaway = frames.goaway(ENHANCE_YOUR_CALM);
+    fn the_goaway_claims_every_stream_and_names_the_code() {
+        let goaway = OutboundFrames::goaway(ENHANCE_YOUR_CALM);
         assert_eq!(&goaway[..9], &[0, 0, 8, 7, 0, 0, 0, 0, 0]);
-        assert_eq!(u32::from_be_bytes(goaway[9..13].try_into().unwrap()), 41);
+        assert_eq!(
+            u32::from_be_bytes(goaway[9..13].try_into().unwrap()),
+            0x7fff_ffff
+        );
         assert_eq!(u32::from_be_bytes(goaway[13..].try_into().unwrap()), 0xb);
     }
 
@@ -445,6 +453,26 @@ mod tests {
             "past half: 155 of 305"
         );
         assert_eq!(counts.open.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_quick_cancels_count_toward_abuse() {
+        let counts = Arc::new(StreamCounts::default());
+        // Calls cancelled at a 100 ms deadline, say during an upstream slowdown.
+        for _ in 0..200 {
+            let stream = StreamGuard::start(&counts);
+            tokio::time::advance(Duration::from_millis(100)).await;
+            drop(stream);
+        }
+        assert_eq!(counts.cancelled.load(Ordering::Relaxed), 0);
+        assert!(!counts.abusive.load(Ordering::Relaxed));
+        for _ in 0..201 {
+            drop(StreamGuard::start(&counts));
+        }
+        assert!(
+            counts.abusive.load(Ordering::Relaxed),
+            "201 of 401 reset at once"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -331,7 +331,15 @@ async fn wait_for_first_bytes(
             stream, client, state, settings, watcher, shutdown,
         ))
         .await;
-    } else if HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
+    } else if HTTP2_PREFACE_START.starts_with(&first[..peeked])
+        && (peeked == HTTP2_PREFACE_START.len()
+            || Box::pin(opens_with_http2_preface(
+                &stream,
+                &first[..peeked],
+                settings.handshake_timeout,
+            ))
+            .await)
+    {
         let http2 = &settings.http2;
         Box::pin(h2server::serve(
             stream, client, false, state, http2, watcher, shutdown,
@@ -347,6 +355,33 @@ async fn wait_for_first_bytes(
 }
 
 const HTTP2_PREFACE_START: &[u8] = b"PRI ";
+
+/// Whether a plain connection opens with HTTP/2's preface, from its first bytes `seen`. Fewer
+/// than four that match it ("P", "PR": a POST sent a byte at a time, say) are peeked again
+/// until they decide, briefly, as the client keeps sending.
+async fn opens_with_http2_preface(stream: &TcpStream, seen: &[u8], within: Duration) -> bool {
+    let mut first = [0u8; HTTP2_PREFACE_START.len()];
+    let mut peeked = seen.len().min(first.len());
+    first[..peeked].copy_from_slice(&seen[..peeked]);
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if !HTTP2_PREFACE_START.starts_with(&first[..peeked]) {
+            return false;
+        }
+        if peeked == HTTP2_PREFACE_START.len() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        // The bytes there stay readable, so readiness cannot wait for more of them.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        match stream.peek(&mut first).await {
+            Ok(seen) => peeked = seen,
+            Err(_) => return false,
+        }
+    }
+}
 
 /// Whether the client sends bytes within `within` (not read: the connection's protocol reads
 /// them); false when it closes, fails, stays silent or the listener shuts down.

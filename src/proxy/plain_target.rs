@@ -13,9 +13,10 @@ use http::{Method, Response};
 use tokio::net::TcpStream;
 
 use super::body::UpstreamRequestBody;
-use super::detach::finish_even_if_abandoned;
+use super::detach::FinishOnDrop;
 use super::h1client::{self, Connection, ConnectionHome, ExchangeError, RequestHead, ResponseBody};
 use super::pool::{Pooled, TargetPool};
+use crate::balance::TargetLoad;
 
 /// Why an attempt on a pooled target got no response. The messages leave the target's address
 /// out: they reach clients inside error answers (`ProxyError` carries the target for the log).
@@ -93,32 +94,30 @@ impl PlainTarget {
     /// closed when the request head is written to it (the target ended it meanwhile) is
     /// dropped and the request goes on another: its body was not touched yet.
     ///
-    /// With `finish_if_abandoned` the exchange runs on a task of its own: a caller that goes
-    /// away (a client's HTTP/2 stream reset) leaves it to finish and read the answer, within
-    /// bounds, so the connection goes back to the pool rather than closed. A client resetting
-    /// streams as fast as it opens them then costs the target no new connections.
+    /// With `finish_if_abandoned` (the target's load), a caller that goes away (a client's
+    /// HTTP/2 stream reset) leaves the exchange to finish on its own (see `detach`), so the
+    /// connection goes back to the pool rather than closed; a request not yet written by then
+    /// is not sent at all. A client resetting streams as fast as it opens them then costs the
+    /// target no new connections.
     pub async fn send(
         self: &Arc<Self>,
         head: RequestHead<'_>,
         body: UpstreamRequestBody,
-        finish_if_abandoned: bool,
+        finish_if_abandoned: Option<Arc<TargetLoad>>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
         let (head, framing) = h1client::encode_head(&head, &body);
-        if !finish_if_abandoned {
+        let Some(load) = finish_if_abandoned else {
             return self
                 .clone()
                 .exchange(head, framing, method_is_head, body, None)
                 .await;
-        }
+        };
         let abandoned = Arc::new(AtomicBool::new(false));
-        let _caller = SetOnDrop(abandoned.clone());
-        let exchange = self
-            .clone()
-            .exchange(head, framing, method_is_head, body, Some(abandoned));
-        finish_even_if_abandoned(exchange)
-            .await
-            .unwrap_or_else(|| Err(PlainTargetError::Unsent(io::ErrorKind::Interrupted.into())))
+        let exchange =
+            self.clone()
+                .exchange(head, framing, method_is_head, body, Some(abandoned.clone()));
+        FinishOnDrop::new(exchange, Some(abandoned), load).await
     }
 
     async fn exchange(
@@ -178,15 +177,6 @@ impl PlainTarget {
     }
 }
 
-/// Sets its flag when dropped: the caller waiting on a detached exchange went away.
-struct SetOnDrop(Arc<AtomicBool>);
-
-impl Drop for SetOnDrop {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,7 +230,7 @@ mod tests {
             headers: &http::HeaderMap::new(),
             host: Some(&host),
         };
-        target.send(head, UpstreamRequestBody::Empty, false).await
+        target.send(head, UpstreamRequestBody::Empty, None).await
     }
 
     async fn exchange(target: &Arc<PlainTarget>) {
@@ -383,7 +373,7 @@ mod tests {
             host: Some(&host),
         };
         tokio::select! {
-            _ = target.send(head, UpstreamRequestBody::Empty, true) => {
+            _ = target.send(head, UpstreamRequestBody::Empty, Some(Arc::default())) => {
                 panic!("answered before the origin got the request")
             }
             _ = received.recv() => {}

@@ -492,3 +492,62 @@ async fn a_full_target_queues_then_refuses_with_upstream_overloaded() {
         2
     );
 }
+
+/// A gRPC call's body (no Content-Length) is not read whole first: a streaming call sends a
+/// message and waits for an answer before its next, so it must reach the target at once.
+#[tokio::test]
+async fn a_grpc_body_streams_to_the_target_while_it_is_still_open() {
+    use http_body_util::StreamBody;
+    let (gateway, upstream) = gateway_with(&[], "grpc").await;
+    let (messages, mut next) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+    let frames = futures_util::stream::poll_fn(move |cx| {
+        next.poll_recv(cx).map(|message| {
+            message.map(|data| Ok::<_, std::convert::Infallible>(http_body::Frame::data(data)))
+        })
+    });
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let call = tokio::spawn(
+        client
+            .post(gateway.proxy_url("/pkg.Service/Chat"))
+            .header("content-type", "application/grpc")
+            .body(reqwest::Body::wrap(StreamBody::new(frames)))
+            .send(),
+    );
+    messages
+        .send(bytes::Bytes::from_static(b"\0\0\0\0\x05hello"))
+        .await
+        .unwrap();
+    wait_until(
+        "the call to reach the target while its body is open",
+        Duration::from_secs(5),
+        || async { upstream.hits() == 1 },
+    )
+    .await;
+    drop(messages);
+    let response = call.await.unwrap().unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(upstream.last_seen().body_len, 10);
+}
+
+/// "P", "PR" could open HTTP/2's preface ("PRI * HTTP/2.0") as well as a POST: a client that
+/// sends its request a byte at a time is still served as HTTP/1.1.
+#[tokio::test]
+async fn a_post_sent_a_byte_at_a_time_is_not_taken_for_http2() {
+    let (gateway, upstream) = gateway_with(&[], "bytes").await;
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    let request =
+        b"POST /p HTTP/1.1\r\nHost: a.test\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok";
+    for (index, byte) in request.iter().enumerate() {
+        stream.write_all(&[*byte]).await.unwrap();
+        if index < 3 {
+            // The client's pace, not a wait for the gateway: each byte its own segment.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+    let answer = String::from_utf8_lossy(&read_until_closed(&mut stream).await).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(upstream.last_seen().body_len, 2);
+}

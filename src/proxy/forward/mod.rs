@@ -179,7 +179,8 @@ async fn forward(
     let upgrade = upgrade_passed(&mut request, &route)
         .map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
     let (parts, body) = request.into_parts();
-    let body = request_body::read_request_body(body, &route.route, &state.bodies).await?;
+    let body =
+        request_body::read_request_body(body, &parts.headers, &route.route, &state.bodies).await?;
     let outgoing = rewrite::prepare(
         &route,
         &service,

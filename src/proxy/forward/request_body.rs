@@ -30,6 +30,7 @@ pub struct BodySettings {
 
 pub(super) async fn read_request_body(
     body: Incoming,
+    headers: &HeaderMap,
     route: &Route,
     settings: &BodySettings,
 ) -> Result<PendingBody, ProxyError> {
@@ -44,14 +45,22 @@ pub(super) async fn read_request_body(
         }
     }
     let buffer_limit = route.request_buffer_bytes;
-    if buffer_limit == 0 || declared.is_some_and(|declared| declared > buffer_limit) {
-        return Ok(PendingBody::Streaming(ClientBody::new(
-            Vec::new(),
-            body,
-            limit,
-        )));
+    let streams = buffer_limit == 0
+        || declared.is_some_and(|declared| declared > buffer_limit)
+        || (declared.is_none() && is_grpc(headers));
+    if streams {
+        return Ok(PendingBody::Streaming(ClientBody::streaming(body, limit)));
     }
     read_ahead(body, limit, buffer_limit, settings).await
+}
+
+/// gRPC's client-streaming and bidirectional calls send a message and wait for an answer
+/// before the next: a body read whole first would never end. (Their bodies carry no
+/// Content-Length.)
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
 }
 
 async fn read_ahead(
@@ -103,7 +112,12 @@ async fn read_ahead(
         push(&mut chunks, data);
         if !fits {
             // Too large to hold, or no budget left: what was read goes first, the rest streams.
-            return Ok(PendingBody::Streaming(ClientBody::new(chunks, body, limit)));
+            return Ok(PendingBody::Streaming(ClientBody::new(
+                chunks,
+                Some(reservation),
+                body,
+                limit,
+            )));
         }
     }
     Ok(PendingBody::Buffered(BufferedBody::new(

@@ -18,7 +18,7 @@ use crate::proxy::accounting::{record_outcome, InFlight};
 use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
 use crate::proxy::client::{UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
-use crate::proxy::detach::finish_even_if_abandoned;
+use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
@@ -62,9 +62,9 @@ pub(super) async fn send_with_retries(
         exchange.target = Some(target.authority.clone());
         let in_flight = InFlight::start_within(service, target)
             .await
-            .map_err(|overloaded| ProxyError::UpstreamOverloaded {
+            .map_err(|reason| ProxyError::UpstreamOverloaded {
                 service: service.service.name.clone(),
-                reason: overloaded.to_string(),
+                reason,
             })?;
         let may_retry_later = attempt < attempts;
         let client = state
@@ -80,8 +80,9 @@ pub(super) async fn send_with_retries(
                     headers: &outgoing.headers,
                     host: outgoing.host_from_target.then_some(&target.host_header),
                 };
+                let finish_if_abandoned = outgoing.finish_if_abandoned.then(|| target.load.clone());
                 let sending = async {
-                    let response = plain.send(head, body, outgoing.finish_if_abandoned).await?;
+                    let response = plain.send(head, body, finish_if_abandoned).await?;
                     Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
                 };
                 await_response(sending, streaming.as_ref(), response_timeout).await
@@ -92,10 +93,7 @@ pub(super) async fn send_with_retries(
                 let sending = async {
                     let exchange = tls.request(request);
                     let response = if finish_if_abandoned {
-                        match finish_even_if_abandoned(exchange).await {
-                            Some(result) => result?,
-                            None => return Err(UpstreamError::Lost),
-                        }
+                        FinishOnDrop::new(exchange, None, target.load.clone()).await?
                     } else {
                         exchange.await?
                     };
