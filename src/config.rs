@@ -649,6 +649,20 @@ impl Config {
                 return Err(invalid(key, "must be greater than 0"));
             }
         }
+        for (key, value) in [
+            (
+                "proxy.http2_idle_timeout_ms",
+                self.proxy.http2_idle_timeout_ms,
+            ),
+            (
+                "proxy.client_body_timeout_ms",
+                self.proxy.client_body_timeout_ms,
+            ),
+        ] {
+            if value > MAX_CLIENT_TIMEOUT_MS {
+                return Err(invalid(key, "must be at most 86400000 (a day)"));
+            }
+        }
         if let Some(token) = &self.admin.token {
             if token.len() < 16 {
                 return Err(invalid("admin.token", "must be at least 16 characters"));
@@ -742,6 +756,10 @@ fn read(path: &Path) -> Result<String, ConfigError> {
 }
 
 /// Keys whose environment value is a number though their names do not say so.
+/// Longest client timeout accepted: a day is past any real use, and keeps deadlines far from
+/// the clock's range.
+const MAX_CLIENT_TIMEOUT_MS: u64 = 86_400_000;
+
 const COUNT_KEYS: &[&str] = &[
     "admin.event_ring",
     "admin.event_client_queue",
@@ -1079,6 +1097,13 @@ mod tests {
             let error = Config::from_parts("c", None, &env(&[(variable, "0")])).unwrap_err();
             assert_eq!(key_of(error), key);
         }
+        let error = Config::from_parts(
+            "c",
+            None,
+            &env(&[("RAAHI_PROXY_CLIENT_BODY_TIMEOUT_MS", "18446744073709551615")]),
+        )
+        .unwrap_err();
+        assert_eq!(key_of(error), "proxy.client_body_timeout_ms");
     }
 
     #[test]

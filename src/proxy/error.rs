@@ -269,6 +269,43 @@ mod tests {
     }
 
     #[test]
+    fn every_refusal_is_counted_under_its_code() {
+        let refusals = [
+            ProxyError::InvalidHost { reason: "x" },
+            ProxyError::InvalidFraming { reason: "x" },
+            ProxyError::UnsupportedTransferCoding {
+                coding: "gzip".into(),
+            },
+            ProxyError::UriTooLong {
+                length: 2,
+                limit: 1,
+            },
+            ProxyError::HeadersTooLarge { reason: "x".into() },
+            ProxyError::BodyTooLarge { limit: 1 },
+            ProxyError::ClientBodyTimeout { timeout_ms: 1 },
+            ProxyError::ClientBodyTooSlow { timeout_ms: 1 },
+            ProxyError::UpstreamOverloaded {
+                service: "web".into(),
+                reason: crate::proxy::accounting::Overloaded::QueueFull { max_pending: 0 },
+            },
+        ];
+        for refusal in &refusals {
+            let index = refusal
+                .refusal()
+                .unwrap_or_else(|| panic!("{refusal} uncounted"));
+            assert_eq!(REFUSAL_CODES[index], refusal.code());
+        }
+        assert_eq!(
+            ProxyError::NoRoute {
+                host: "a".into(),
+                path: "/".into()
+            }
+            .refusal(),
+            None
+        );
+    }
+
+    #[test]
     fn a_closing_answer_is_a_whole_http1_response() {
         let wire = ProxyError::ClientHeaderTimeout { timeout_ms: 400 }.to_http1_close();
         let wire = String::from_utf8(wire).unwrap();

@@ -201,7 +201,14 @@ fn serve(
     });
     let max_connections = settings.max_connections;
     let slots = Arc::new(Semaphore::new(max_connections));
-    let plain = connection_settings.tls.is_none();
+    // Told to plain clients past the limit; a TLS one cannot be told anything before a
+    // handshake it is not worth.
+    let refusal = connection_settings.tls.is_none().then(|| {
+        ProxyError::TooManyConnections {
+            limit: max_connections,
+        }
+        .to_http1_close()
+    });
     tokio::spawn(async move {
         let connections = GracefulShutdown::new();
         loop {
@@ -212,7 +219,7 @@ fn serve(
             match accepted {
                 Ok((stream, client)) => {
                     let Some(slot) = ConnectionSlot::take(&slots, &state.counters) else {
-                        refuse_connection(stream, client, plain, &state.counters, max_connections);
+                        refuse_connection(stream, client, refusal.as_deref(), &state.counters);
                         continue;
                     };
                     let _ = stream.set_nodelay(true);
@@ -274,23 +281,20 @@ impl Drop for ConnectionSlot {
     }
 }
 
-/// A connection past the listener's limit is closed at once. A plain one is first told why
-/// (503 `too_many_connections`) if its socket takes the bytes without waiting; a TLS one cannot
-/// be told anything before a handshake it is not worth.
+/// A connection past the listener's limit is closed at once, first told why (`refusal`, 503
+/// `too_many_connections`) if its socket takes the bytes without waiting.
 fn refuse_connection(
     stream: TcpStream,
     client: SocketAddr,
-    plain: bool,
+    refusal: Option<&[u8]>,
     counters: &GatewayCounters,
-    limit: usize,
 ) {
     counters
         .client_connections_refused
         .fetch_add(1, Ordering::Relaxed);
-    tracing::debug!(%client, limit, "listener at its connection limit; connection refused");
-    if plain {
-        let answer = ProxyError::TooManyConnections { limit }.to_http1_close();
-        let _ = stream.try_write(&answer);
+    tracing::debug!(%client, "listener at its connection limit; connection refused");
+    if let Some(refusal) = refusal {
+        let _ = stream.try_write(refusal);
     }
 }
 
@@ -305,7 +309,7 @@ async fn wait_for_first_bytes(
     settings: Arc<ConnectionSettings>,
     watcher: Watcher,
     mut shutdown: watch::Receiver<bool>,
-    _slot: ConnectionSlot,
+    slot: ConnectionSlot,
 ) {
     let mut first = [0u8; HTTP2_PREFACE_START.len()];
     // Boxed, as the connection's HTTP state below is: this task lives as long as the connection,
@@ -327,8 +331,9 @@ async fn wait_for_first_bytes(
     // The connection's state goes in a box this task awaits: a task of its own would cost a
     // spawn per connection.
     if settings.tls.is_some() {
+        let slot = Arc::new(slot);
         Box::pin(serve_tls(
-            stream, client, state, settings, watcher, shutdown,
+            stream, client, state, settings, watcher, shutdown, slot,
         ))
         .await;
     } else if HTTP2_PREFACE_START.starts_with(&first[..peeked])
@@ -425,6 +430,7 @@ async fn serve_tls(
     settings: Arc<ConnectionSettings>,
     watcher: Watcher,
     mut shutdown: watch::Receiver<bool>,
+    slot: Arc<ConnectionSlot>,
 ) {
     let Some(acceptor) = &settings.tls else {
         return;
@@ -454,8 +460,9 @@ async fn serve_tls(
         .await;
         return;
     }
-    // HTTP/2 over TLS needs ALPN (RFC 9113 §3.2): anything else here is HTTP/1.1.
-    let downstream = forward::Downstream::new(client, true);
+    // HTTP/2 over TLS needs ALPN (RFC 9113 §3.2): anything else here is HTTP/1.1. An upgraded
+    // exchange's tunnel outlives hyper's connection: it keeps the listener's slot.
+    let downstream = forward::Downstream::new(client, true).holding_slot(slot);
     let service = service_fn(move |request| {
         let state = state.clone();
         let downstream = downstream.clone();

@@ -3,7 +3,6 @@
 //! cannot parse; these are the rules it leaves to the application.
 
 use http::header::{self, HeaderMap};
-use http::uri::Authority;
 use http::{Request, Uri, Version};
 
 use crate::proxy::error::ProxyError;
@@ -13,12 +12,17 @@ pub(super) fn check_request<B>(
     request: &Request<B>,
     limits: &RequestLimits,
 ) -> Result<(), ProxyError> {
-    check_sizes(request.uri(), request.headers(), limits)?;
+    check_sizes(request.version(), request.uri(), request.headers(), limits)?;
     check_host(request.version(), request.uri(), request.headers())?;
     check_transfer_coding(request.headers())
 }
 
-fn check_sizes(uri: &Uri, headers: &HeaderMap, limits: &RequestLimits) -> Result<(), ProxyError> {
+fn check_sizes(
+    version: Version,
+    uri: &Uri,
+    headers: &HeaderMap,
+    limits: &RequestLimits,
+) -> Result<(), ProxyError> {
     let uri_length = uri.authority().map_or(0, |a| a.as_str().len())
         + uri.path_and_query().map_or(0, |p| p.as_str().len());
     if uri_length > limits.max_uri_bytes {
@@ -35,6 +39,10 @@ fn check_sizes(uri: &Uri, headers: &HeaderMap, limits: &RequestLimits) -> Result
                 limits.max_header_count
             ),
         });
+    }
+    // HTTP/2 holds the fields to the listener's SETTINGS_MAX_HEADER_LIST_SIZE already.
+    if version == Version::HTTP_2 {
+        return Ok(());
     }
     // As written on the wire: name, ": ", value, CRLF.
     let header_bytes: usize = headers
@@ -62,48 +70,81 @@ fn check_host(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<(), Pr
     if hosts.next().is_some() {
         return Err(invalid_host("more than one Host header field"));
     }
-    if let Some(authority) = uri.authority() {
-        valid_authority(authority.as_str().as_bytes())?;
-    }
+    let authority = match uri.authority() {
+        Some(authority) => Some(split_authority(authority.as_str().as_bytes())?),
+        None => None,
+    };
     let Some(host) = host else {
-        return match (version, uri.authority()) {
+        return match (version, authority) {
             (Version::HTTP_2, Some(_)) | (Version::HTTP_10 | Version::HTTP_09, _) => Ok(()),
             _ => Err(invalid_host("no Host header field")),
         };
     };
-    let host = valid_authority(host.as_bytes())?;
-    if version == Version::HTTP_2 {
-        if let Some(authority) = uri.authority() {
-            if !authority.as_str().eq_ignore_ascii_case(host.as_str()) {
-                return Err(invalid_host(
-                    "the Host header field differs from :authority",
-                ));
-            }
+    let (host, port) = split_authority(host.as_bytes())?;
+    if let (Version::HTTP_2, Some((authority_host, authority_port))) = (version, authority) {
+        // The same host; a port only one of them names is the scheme's default.
+        let same_port = port.is_none() || authority_port.is_none() || port == authority_port;
+        if !host.eq_ignore_ascii_case(authority_host) || !same_port {
+            return Err(invalid_host(
+                "the Host header field differs from :authority",
+            ));
         }
     }
     Ok(())
 }
 
-/// `uri-host [ ":" port ]` (RFC 9110 §7.2), without userinfo.
-fn valid_authority(raw: &[u8]) -> Result<Authority, ProxyError> {
-    if raw.is_empty() {
-        return Err(invalid_host("an empty host"));
-    }
+/// `uri-host [ ":" port ]` (RFC 9110 §7.2) split into its host and port digits, checked byte by
+/// byte without copying: a reg-name or IPv4 address of unreserved, percent-encoded and
+/// sub-delimiter characters, or an IPv6 literal in brackets; no user information (its
+/// credentials would be forwarded in `X-Forwarded-Host` and its user name routed on).
+fn split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
     if raw.contains(&b'@') {
         return Err(invalid_host("a host with user information"));
     }
-    let authority = Authority::try_from(raw)
-        .map_err(|_| invalid_host("a host that is not a valid host name or address"))?;
-    if authority.host().is_empty() {
+    let (host, rest) = if raw.first() == Some(&b'[') {
+        let end = raw
+            .iter()
+            .position(|&b| b == b']')
+            .ok_or_else(|| invalid_host("an IPv6 literal without its closing bracket"))?;
+        let literal = std::str::from_utf8(&raw[1..end]).unwrap_or("");
+        if literal.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(invalid_host("a bracketed host that is not an IPv6 address"));
+        }
+        raw.split_at(end + 1)
+    } else {
+        let end = raw.iter().position(|&b| b == b':').unwrap_or(raw.len());
+        let (host, rest) = raw.split_at(end);
+        if !host.iter().all(|&b| is_reg_name_byte(b)) {
+            return Err(invalid_host(
+                "a host that is not a valid host name or address",
+            ));
+        }
+        (host, rest)
+    };
+    if host.is_empty() {
         return Err(invalid_host("an empty host"));
     }
-    // `Authority::port` hides a port that is not a u16, so it is read from the text after the
-    // host (which keeps an IPv6 literal's brackets).
-    let port = authority.as_str()[authority.host().len()..].trim_start_matches(':');
-    if !port.is_empty() && port.parse::<u16>().is_err() {
-        return Err(invalid_host("a port that is not a number from 0 to 65535"));
+    let port = match rest {
+        [] => None,
+        [b':', digits @ ..] => Some(digits),
+        _ => return Err(invalid_host("a host followed by something not a port")),
+    };
+    // An empty port is allowed (RFC 3986 §3.2.3); otherwise decimal digits up to 65535.
+    if let Some(port) = port.filter(|port| !port.is_empty()) {
+        let number = std::str::from_utf8(port)
+            .ok()
+            .filter(|digits| digits.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|digits| digits.parse::<u16>().ok());
+        if number.is_none() {
+            return Err(invalid_host("a port that is not a number from 0 to 65535"));
+        }
     }
-    Ok(authority)
+    Ok((host, port.filter(|port| !port.is_empty())))
+}
+
+/// unreserved / pct-encoded / sub-delims (RFC 3986 §3.2.2).
+fn is_reg_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&b)
 }
 
 fn invalid_host(reason: &'static str) -> ProxyError {
@@ -169,6 +210,12 @@ mod tests {
         assert_eq!(code(H11, "/", &[("host", "a.example:8080")]), None);
         assert_eq!(code(H11, "/", &[("host", "[::1]:8080")]), None);
         assert_eq!(code(H11, "/", &[("host", "10.0.0.1")]), None);
+        assert_eq!(
+            code(H11, "/", &[("host", "a.example:")]),
+            None,
+            "empty port"
+        );
+        assert_eq!(code(H11, "/", &[("host", "xn--bcher-kva.example")]), None);
         for bad in [
             vec![],
             vec![("host", "a.example"), ("host", "a.example")],
@@ -178,6 +225,11 @@ mod tests {
             vec![("host", "user@evil.example")],
             vec![("host", "a.example:99999")],
             vec![("host", "a.example:x")],
+            vec![("host", "a.example:+80")],
+            vec![("host", "[evil.example]")],
+            vec![("host", "[::1")],
+            vec![("host", "a.example:80:80")],
+            vec![("host", "a\"b")],
         ] {
             assert_eq!(code(H11, "/", &bad), Some("invalid_host"), "{bad:?}");
         }
@@ -218,6 +270,23 @@ mod tests {
             Some("invalid_host")
         );
         assert_eq!(code(Version::HTTP_2, "/", &[]), Some("invalid_host"));
+        assert_eq!(
+            code(
+                Version::HTTP_2,
+                "https://a.example:443/",
+                &[("host", "a.example")]
+            ),
+            None,
+            "a port only one side names"
+        );
+        assert_eq!(
+            code(
+                Version::HTTP_2,
+                "https://a.example:443/",
+                &[("host", "a.example:8443")]
+            ),
+            Some("invalid_host")
+        );
     }
 
     #[test]

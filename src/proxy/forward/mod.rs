@@ -227,6 +227,9 @@ pub struct Downstream {
     /// Where an upgraded exchange leaves its upstream side when the connection's own driver
     /// runs the tunnel (see `h1server`); without it the tunnel runs on hyper's upgrade.
     upgrade_handoff: Option<Arc<UpgradeHandoff>>,
+    /// The connection's place under its listener's `max_connections`, held by a tunnel that
+    /// runs on a task of its own.
+    slot: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Downstream {
@@ -236,7 +239,13 @@ impl Downstream {
             over_tls,
             forwarded_for: headers::forwarded_for(client.ip()),
             upgrade_handoff: None,
+            slot: None,
         }
+    }
+
+    pub fn holding_slot(mut self, slot: Arc<dyn std::any::Any + Send + Sync>) -> Downstream {
+        self.slot = Some(slot);
+        self
     }
 
     pub fn with_upgrade_handoff(mut self, handoff: Arc<UpgradeHandoff>) -> Downstream {
@@ -258,6 +267,7 @@ fn respond(
                 in_flight,
                 client_upgrade,
                 downstream.upgrade_handoff.as_ref(),
+                downstream.slot.clone(),
             );
         }
     }

@@ -52,6 +52,7 @@ pub(super) fn switch_protocols(
     in_flight: InFlight,
     client_upgrade: OnUpgrade,
     handoff: Option<&Arc<UpgradeHandoff>>,
+    connection_slot: Option<Arc<dyn std::any::Any + Send + Sync>>,
 ) -> Response<ProxyBody> {
     let hyper_upgrade = matches!(upstream.body(), UpstreamBody::Hyper(_))
         .then(|| hyper::upgrade::on(&mut upstream));
@@ -75,6 +76,7 @@ pub(super) fn switch_protocols(
                     Ok(client) => tunnel(TokioIo::new(client), upstream_upgrade, in_flight).await,
                     Err(error) => tracing::debug!(%error, "protocol upgrade failed"),
                 }
+                drop(connection_slot);
             });
         }
         // The request body was still going up when the target switched protocols:
