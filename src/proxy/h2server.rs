@@ -174,13 +174,20 @@ pub(super) async fn serve<I>(
             }
             // Polled again, the connection meets the GOAWAY its I/O now writes.
             _ = counts.turned_abusive.notified() => {
-                tracing::warn!(
-                    %client,
-                    cancelled = counts.cancelled.load(Ordering::Relaxed),
-                    started = counts.started.load(Ordering::Relaxed),
-                    "HTTP/2 client cancels most streams it opens (rapid reset); GOAWAY ENHANCE_YOUR_CALM"
-                );
-                state.counters.http2_calmed_connections.fetch_add(1, Ordering::Relaxed);
+                let calmed = state.counters.http2_calmed_connections.fetch_add(1, Ordering::Relaxed);
+                // An attacker reconnecting at once would otherwise write the log: the first
+                // cut-off is told, later ones are counted in /metrics (and told at debug).
+                if calmed == 0 {
+                    tracing::warn!(
+                        %client,
+                        cancelled = counts.cancelled.load(Ordering::Relaxed),
+                        started = counts.started.load(Ordering::Relaxed),
+                        "HTTP/2 client cancels most streams it opens (rapid reset); GOAWAY \
+                         ENHANCE_YOUR_CALM; later ones count in raahi_http2_calmed_connections_total"
+                    );
+                } else {
+                    tracing::debug!(%client, "HTTP/2 rapid reset; GOAWAY ENHANCE_YOUR_CALM");
+                }
             }
         }
     };
