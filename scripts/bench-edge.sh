@@ -23,6 +23,7 @@
 #   --reset-seconds N      length of a rapid-reset run (default 30)
 #   --upload-seconds N     length of a slow-upload run (default 40)
 #   --uploaders N          slow uploaders (default 500)
+#   --body-bytes N         the Content-Length they declare (default 100000)
 #   --rounds N             runs of each attack and proxy, interleaved (default 1)
 #   --origin-delay-ms N    the origin waits this long before answering (default 0)
 #   --out FILE             keep the runs' JSON lines (scripts/edge/report.py prints them again)
@@ -46,6 +47,7 @@ ATTACK_LIST=rapid-reset,slow-upload
 RESET_SECONDS=30
 UPLOAD_SECONDS=40
 UPLOADERS=500
+BODY_BYTES=100000
 ROUNDS=1
 ORIGIN_DELAY_MS=0
 OUT=
@@ -68,6 +70,7 @@ while (($#)); do
     --reset-seconds) RESET_SECONDS=$2; shift 2 ;;
     --upload-seconds) UPLOAD_SECONDS=$2; shift 2 ;;
     --uploaders) UPLOADERS=$2; shift 2 ;;
+    --body-bytes) BODY_BYTES=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --origin-delay-ms) ORIGIN_DELAY_MS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
@@ -75,7 +78,7 @@ while (($#)); do
     *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
-for var in RESET_SECONDS UPLOAD_SECONDS UPLOADERS ROUNDS ORIGIN_DELAY_MS; do
+for var in RESET_SECONDS UPLOAD_SECONDS UPLOADERS BODY_BYTES ROUNDS ORIGIN_DELAY_MS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
 ((RESET_SECONDS >= 1 && UPLOAD_SECONDS >= 1 && UPLOADERS >= 1 && ROUNDS >= 1)) ||
@@ -313,7 +316,7 @@ run_one() { # ATTACK PROXY ROUND
     local rc=0
     taskset -c "$LOADGEN_CPU" python3 "$EDGE/attack.py" "$attack" --port "$port" \
         --origin-stats "$STATS_PORT" --seconds "$seconds" --label "$proxy" --proxy-pid "$PROXY_PID" \
-        --uploaders "$UPLOADERS" >"$dir/result.json" 2>"$dir/attack.log" || rc=$?
+        --uploaders "$UPLOADERS" --body-bytes "$BODY_BYTES" >"$dir/result.json" 2>"$dir/attack.log" || rc=$?
     ((rc == 0)) || { cat "$dir/attack.log" >&2; die "the $attack client failed against $proxy (exit $rc)"; }
     kill -0 "$PROXY_PID" 2>/dev/null || log "warning: $proxy exited during the run"
     cat "$dir/result.json" >>"$RESULTS"
@@ -330,7 +333,7 @@ echo "== raahi edge benchmark ($(date -u '+%Y-%m-%d %H:%M:%SZ'), $(uname -r))"
 echo "machine: $(nproc) CPUs, $(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)," \
     "load average $(cut -d' ' -f1-3 /proc/loadavg) at start; proxy on CPU $PROXY_CPU, origin and clients on CPU $LOADGEN_CPU"
 for proxy in "${PROXIES[@]}"; do echo "$proxy: $(proxy_version "$proxy")"; done
-echo "python: $(python3 --version 2>&1); origin delay ${ORIGIN_DELAY_MS} ms; rapid reset ${RESET_SECONDS}s, slow uploads ${UPLOAD_SECONDS}s x $UPLOADERS; $ROUNDS round(s)"
+echo "python: $(python3 --version 2>&1); origin delay ${ORIGIN_DELAY_MS} ms; rapid reset ${RESET_SECONDS}s, slow uploads ${UPLOAD_SECONDS}s x $UPLOADERS (Content-Length $BODY_BYTES); $ROUNDS round(s)"
 echo
 
 for ((round = 1; round <= ROUNDS; round++)); do

@@ -505,6 +505,10 @@ async def run(args):
     # normal client requests reach the origin too; the stats reads do not (other port)
     result = {
         "attack": args.attack, "proxy": args.label, "seconds": args.seconds,
+        "params": {"burst": args.burst, "interval_ms": args.interval_ms,
+                   "uploaders": args.uploaders, "body_bytes": args.body_bytes,
+                   "normal_proto": args.normal_proto,
+                   "normal_interval_ms": args.normal_interval_ms},
         "elapsed_s": round(elapsed, 2),
         "origin": {
             "accepted": final["accepted"] - baseline["accepted"],

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Markdown tables from the JSON lines of scripts/edge/attack.py: one table per attack, the
-proxies side by side (in the order they first appear), a run per column; a proxy run more than
-once gets one column per run."""
+proxies side by side (in the order they first appear), one column each; when a proxy ran more
+than once, a cell lists every run's value, "a / b", unless they are all the same.
+
+  report.py RESULTS.jsonl        the tables
+  report.py --brief RESULT.json  one line about one run"""
 import json
 import sys
 
@@ -10,6 +13,8 @@ def fmt_cutoffs(cutoffs):
     if not cutoffs:
         return "0"
     parts = [f"{n} × {reason}" for reason, n in sorted(cutoffs.items(), key=lambda kv: -kv[1])]
+    if len(parts) == 1:
+        return parts[0]
     return f"{sum(cutoffs.values())}: " + ", ".join(parts)
 
 
@@ -48,15 +53,14 @@ def main():
         rs = [r for r in runs if r["attack"] == attack]
         if not rs:
             continue
-        labels, seen = [], {}
-        for r in rs:
-            seen[r["proxy"]] = seen.get(r["proxy"], 0) + 1
-            labels.append(r["proxy"] if seen[r["proxy"]] == 1 else f"{r['proxy']} (run {seen[r['proxy']]})")
+        labels = list(dict.fromkeys(r["proxy"] for r in rs))
+        by_proxy = {label: [r for r in rs if r["proxy"] == label] for label in labels}
         if attack == "rapid-reset":
-            a = rs[0]
-            print(f"Rapid reset over h2c, {a['seconds']:g} s: bursts of HEADERS+RST_STREAM CANCEL "
-                  f"(see attack.py), reconnecting whenever cut off; normal client: one h2c GET every "
-                  f"100 ms on a new connection\n")
+            a, p = rs[0], rs[0].get("params", {})
+            print(f"Rapid reset over h2c, {a['seconds']:g} s: bursts of {p.get('burst', 19)} x "
+                  f"(HEADERS, RST_STREAM CANCEL) every {p.get('interval_ms', 5):g} ms, reconnecting "
+                  f"whenever cut off; normal client: one h2c GET every "
+                  f"{p.get('normal_interval_ms', 100):g} ms on a new connection\n")
             metrics = [
                 ("upstream connections the origin accepted", lambda r: r["origin"]["accepted"]),
                 ("most upstream connections open at once", lambda r: r["origin"]["peak_open"]),
@@ -71,25 +75,33 @@ def main():
                 ("proxy CPU (% of one core)", lambda r: r["proxy_cpu_pct"]),
             ]
         else:
-            a = rs[0]
-            print(f"500 slow uploaders over HTTP/1.1, {a['seconds']:g} s: POST /upload, "
-                  f"Content-Length: 100000, one body byte a second, reconnecting whenever cut off; "
-                  f"normal client: one HTTP/1.1 GET every 100 ms on a new connection\n")
+            a, p = rs[0], rs[0].get("params", {})
+            print(f"{p.get('uploaders', 500)} slow uploaders over HTTP/1.1, {a['seconds']:g} s: "
+                  f"POST /upload, Content-Length: {p.get('body_bytes', 100000)}, one body byte a "
+                  f"second, reconnecting whenever cut off; normal client: one HTTP/1.1 GET every "
+                  f"{p.get('normal_interval_ms', 100):g} ms on a new connection\n")
             metrics = [
                 ("most upstream connections open at once", lambda r: r["origin"]["peak_open"]),
                 ("... sampled every 250 ms", lambda r: r["origin"]["peak_open_sampled"]),
                 ("upstream connections the origin accepted", lambda r: r["origin"]["accepted"]),
-                ("uploads aborted at the origin mid-body", lambda r: r["origin"]["aborted"]),
                 ("uploader connections (most at once)", lambda r: f"{r['attack_client']['connections']} ({r['attack_client']['most_connected_at_once']})"),
                 ("times the proxy cut an uploader off", lambda r: fmt_cutoffs(r["attack_client"]["cutoffs"])),
                 ("body bytes sent", lambda r: r["attack_client"]["bytes_sent"]),
                 ("proxy CPU (% of one core)", lambda r: r["proxy_cpu_pct"]),
             ]
-        rows = [[name] + [f(r) for r in rs] for name, f in metrics]
-        normal = [normal_rows(r) for r in rs]
-        rows.append(["normal client: 200s"] + [n[0] for n in normal])
-        rows.append(["normal client: p50 ms"] + [n[1] for n in normal])
-        rows.append(["normal client: p99 ms"] + [n[2] for n in normal])
+        metrics += [
+            ("normal client: 200s", lambda r: normal_rows(r)[0]),
+            ("normal client: p50 ms", lambda r: normal_rows(r)[1]),
+            ("normal client: p99 ms", lambda r: normal_rows(r)[2]),
+        ]
+
+        def cell(f, runs):
+            values = [str(f(r)) for r in runs]
+            return values[0] if len(set(values)) == 1 else " / ".join(values)
+        rows = [[name] + [cell(f, by_proxy[label]) for label in labels] for name, f in metrics]
+        most_runs = max(len(v) for v in by_proxy.values())
+        if most_runs > 1:
+            print(f"({most_runs} runs per proxy: a / b is each run's value)\n")
         print(table([""] + labels, rows))
         print()
 
