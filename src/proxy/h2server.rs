@@ -174,10 +174,10 @@ pub(super) async fn serve<I>(
             }
             // Polled again, the connection meets the GOAWAY its I/O now writes.
             _ = counts.turned_abusive.notified() => {
-                let calmed = state.counters.http2_calmed_connections.fetch_add(1, Ordering::Relaxed);
-                // An attacker reconnecting at once would otherwise write the log: the first
-                // cut-off is told, later ones are counted in /metrics (and told at debug).
-                if calmed == 0 {
+                state.counters.http2_calmed_connections.fetch_add(1, Ordering::Relaxed);
+                // An attacker reconnecting at once would otherwise write the log: a cut-off is
+                // told at most once a minute, and every one counted in /metrics.
+                if warn_now() {
                     tracing::warn!(
                         %client,
                         cancelled = counts.cancelled.load(Ordering::Relaxed),
@@ -195,6 +195,17 @@ pub(super) async fn serve<I>(
     if let Err(error) = result {
         tracing::debug!(%client, %error, "HTTP/2 client connection ended with an error");
     }
+}
+
+/// Whether a rapid-reset cut-off may be logged at WARN now: at most once a minute, process-wide.
+fn warn_now() -> bool {
+    static LAST_WARNED_MS: AtomicU64 = AtomicU64::new(0);
+    let now = crate::clock::unix_ms();
+    let last = LAST_WARNED_MS.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= 60_000)
+        && LAST_WARNED_MS
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 /// Time since the connection last had a stream open or started one, as seen at its checks:
