@@ -48,7 +48,8 @@ impl InFlight {
             });
         }
         let deadline = Instant::now() + Duration::from_millis(limits.queue_timeout_ms);
-        if tokio::time::timeout_at(deadline, wait_for_room(load, max))
+        // Boxed, as only a request that queues needs its room: see `read_request_body`.
+        if Box::pin(tokio::time::timeout_at(deadline, wait_for_room(load, max)))
             .await
             .is_ok()
         {

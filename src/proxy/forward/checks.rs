@@ -142,10 +142,26 @@ fn split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
     Ok((host, port.filter(|port| !port.is_empty())))
 }
 
-/// unreserved / pct-encoded / sub-delims (RFC 3986 §3.2.2).
+/// unreserved / pct-encoded / sub-delims (RFC 3986 §3.2.2), looked up in one step per byte.
 fn is_reg_name_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"-._~%!$&'()*+,;=".contains(&b)
+    REG_NAME_BYTES[usize::from(b)]
 }
+
+const REG_NAME_BYTES: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = (b as u8).is_ascii_alphanumeric();
+        b += 1;
+    }
+    let others = b"-._~%!$&'()*+,;=";
+    let mut i = 0;
+    while i < others.len() {
+        table[others[i] as usize] = true;
+        i += 1;
+    }
+    table
+};
 
 fn invalid_host(reason: &'static str) -> ProxyError {
     ProxyError::InvalidHost { reason }

@@ -51,7 +51,9 @@ pub(super) async fn read_request_body(
     if streams {
         return Ok(PendingBody::Streaming(ClientBody::streaming(body, limit)));
     }
-    read_ahead(body, limit, buffer_limit, settings).await
+    // Boxed: its timer and frames would otherwise make every request's future larger, bodies
+    // or not, and hyper moves that future into a box of its own per request.
+    Box::pin(read_ahead(body, limit, buffer_limit, settings)).await
 }
 
 /// gRPC's client-streaming and bidirectional calls send a message and wait for an answer
