@@ -8,6 +8,15 @@
 #
 # Scenarios (SCENARIOS, in this order by default):
 #   keepalive  HTTP/1.1 keep-alive, wrk -c$CONNECTIONS
+#   logs       keepalive with an access log line per request written to a file, set up the way
+#              each proxy's users run it in production, on a listener of its own:
+#              nginx: a server with `access_log FILE combined buffer=64k flush=1s`;
+#              haproxy: a frontend with `option httplog` and `log stdout format raw`, haproxy's
+#              stdout going to a file (its stderr to another);
+#              raahi: its access log is process-wide, so a second raahi process with RUST_LOG=info
+#              and RAAHI_LOG_FORMAT=json (JSON lines on stderr, to a file), configured like the
+#              first; its CPU is what this scenario measures for raahi.
+#              Each run counts the lines each proxy added to its file against wrk's requests.
 #   close      HTTP/1.1 with a new client connection per request (wrk, "Connection: close")
 #   h2c        HTTP/2 prior knowledge, h2load -c$H2_CONNECTIONS -m$H2_STREAMS
 #   tls        HTTPS, TLS 1.3, a new connection per request resuming the TLS session (wrk over
@@ -25,7 +34,7 @@
 # Environment:
 #   DURATION=10        seconds per measured run
 #   ROUNDS=3           interleaved rounds
-#   SCENARIOS="keepalive close h2c tls big"
+#   SCENARIOS="keepalive logs close h2c tls big"
 #   CONNECTIONS=64     wrk connections for keepalive, close and tls (wrk -t1)
 #   H2_CONNECTIONS=16  h2load connections (h2load -t1)
 #   H2_STREAMS=8       concurrent streams per h2load connection
@@ -37,7 +46,8 @@
 #   IDLE_CONNECTIONS=10000
 #   LOADGEN_CPU=0      CPU for the load generator and the origin servers
 #   PROXY_CPU=1        CPU(s) for the proxy under test (taskset -c syntax)
-#   RAAHI_LOG=warn     RUST_LOG for raahi (raahi's own default, info, writes the access log)
+#   RAAHI_LOG=warn     RUST_LOG for raahi (raahi's own default, info, writes the access log);
+#                      the logs scenario's raahi always runs with RUST_LOG=info
 #   RAAHI_BIN=...      use this raahi binary instead of building target/release/raahi
 #   KEEP_TMP=1         keep the temporary directory (configs, logs, load generator output)
 # Only 127.0.0.1 is ever contacted.
@@ -60,7 +70,7 @@ IDLE_CONNECTIONS=${IDLE_CONNECTIONS:-10000}
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
 RAAHI_LOG=${RAAHI_LOG:-warn}
-read -r -a SCENARIO_LIST <<<"${SCENARIOS:-keepalive close h2c tls big}"
+read -r -a SCENARIO_LIST <<<"${SCENARIOS:-keepalive logs close h2c tls big}"
 PROXIES=(raahi nginx haproxy)
 
 log() { printf '[bench] %s\n' "$*" >&2; }
@@ -75,8 +85,8 @@ done
     die "DURATION, ROUNDS, WORKERS and the connection and stream counts must be at least 1"
 ((${#SCENARIO_LIST[@]} > 0)) || die "SCENARIOS is empty"
 for scenario in "${SCENARIO_LIST[@]}"; do
-    [[ $scenario =~ ^(keepalive|close|h2c|tls|big)$ ]] ||
-        die "unknown scenario '$scenario' (keepalive close h2c tls big)"
+    [[ $scenario =~ ^(keepalive|logs|close|h2c|tls|big)$ ]] ||
+        die "unknown scenario '$scenario' (keepalive logs close h2c tls big)"
 done
 
 # Every proxy holds IDLE_CONNECTIONS client sockets at once, and so does the idle client.
@@ -215,11 +225,16 @@ render() { # TEMPLATE OUTPUT KEY=VALUE...: replaces @KEY@ with VALUE
     if grep -q '@[A-Z0-9_]*@' "$output"; then die "unfilled placeholder in $output"; fi
 }
 
-# start NAME CPU LOGFILE CMD...: starts CMD pinned to CPU, output to LOGFILE; sets STARTED_PID
+# start NAME CPU OUTFILE ERRFILE CMD...: starts CMD pinned to CPU, its stdout to OUTFILE and its
+# stderr to ERRFILE (both to the one file when they are the same); sets STARTED_PID
 start() {
-    local name=$1 cpu=$2 logfile=$3
-    shift 3
-    taskset -c "$cpu" "$@" >"$logfile" 2>&1 </dev/null &
+    local name=$1 cpu=$2 out=$3 err=$4
+    shift 4
+    if [[ $out == "$err" ]]; then
+        taskset -c "$cpu" "$@" >"$out" 2>&1 </dev/null &
+    else
+        taskset -c "$cpu" "$@" >"$out" 2>"$err" </dev/null &
+    fi
     STARTED_PID=$!
     PIDS+=("$STARTED_PID")
     log "started $name (pid $STARTED_PID, CPU $cpu)"
@@ -292,9 +307,45 @@ median() { # numbers...: their median
               else printf "%.6f\n", (a[NR / 2] + a[NR / 2 + 1]) / 2 }'
 }
 
-# Keyed by "SCENARIO PROXY": per-round values, space separated
-declare -A URL PID RPS P99 CPU_US CPU_PCT ERRORS TOTAL_REQS UP_CONNS SKIP
+# Keyed by "SCENARIO PROXY": per-round values, space separated. PID is keyed by PROXY, and by
+# "SCENARIO PROXY" for a scenario served by a process of its own (raahi's logs): see proxy_pid.
+declare -A URL PID RPS P99 CPU_US CPU_PCT ERRORS TOTAL_REQS UP_CONNS SKIP LOG_LINES
 UPSTREAM_PIDS=()
+
+proxy_pid() { # SCENARIO PROXY: the PID of the process (tree) that serves SCENARIO for PROXY
+    echo "${PID[$1 $2]:-${PID[$2]}}"
+}
+
+# The logs scenario's access log of each proxy, and how many tenths of a second it must stay the
+# same size before the lines of a run count as all written: nginx holds them in its buffer for up
+# to 1 s (flush=1s), haproxy writes each line at once and raahi's writer thread right after.
+declare -A ACCESS_LOG LOG_QUIET=([raahi]=3 [nginx]=15 [haproxy]=3)
+
+settled_log_size() { # PROXY: waits until its access log stops growing (at most 8 s); prints its size
+    local proxy=$1 file=${ACCESS_LOG[$1]} size last=-1 quiet=0 polls
+    for ((polls = 0; polls < 80; polls++)); do
+        size=$(stat -c %s "$file" 2>/dev/null || echo 0)
+        if ((size == last)); then
+            quiet=$((quiet + 1))
+            ((quiet < ${LOG_QUIET[$proxy]})) || { echo "$size"; return 0; }
+        else
+            quiet=0 last=$size
+        fi
+        sleep 0.1
+    done
+    log "warning: $file still grows 8 s after the run"
+    echo "$size"
+}
+
+access_lines_since() { # PROXY OFFSET: access-log lines in its file after byte OFFSET
+    local file=${ACCESS_LOG[$1]}
+    if [[ $1 == raahi ]]; then
+        # the logging raahi's stderr also has its other INFO lines (start-up and the like)
+        tail -c +"$(($2 + 1))" "$file" | grep -c 'raahi::access' || true
+    else
+        tail -c +"$(($2 + 1))" "$file" | wc -l
+    fi
+}
 
 upstream_accepts() { # connections accepted so far by the three upstreams together
     local port total=0 n
@@ -312,7 +363,7 @@ upstream_accepts() { # connections accepted so far by the three upstreams togeth
 run_load() {
     local scenario=$1 proxy=$2 seconds=$3 out=$4 url=${URL[$1 $2]} cmd
     case $scenario in
-    keepalive) cmd=(wrk -t1 -c"$CONNECTIONS" -d"$seconds"s --latency "$url") ;;
+    keepalive | logs) cmd=(wrk -t1 -c"$CONNECTIONS" -d"$seconds"s --latency "$url") ;;
     close | tls) cmd=(wrk -t1 -c"$CONNECTIONS" -d"$seconds"s --latency -H 'Connection: close' "$url") ;;
     big) cmd=(wrk -t1 -c"$BIG_CONNECTIONS" -d"$seconds"s --latency "$url") ;;
     h2c) cmd=(h2load -t1 -c"$H2_CONNECTIONS" -m"$H2_STREAMS" -D"$seconds" --log-file="$out.log" "$url") ;;
@@ -328,7 +379,7 @@ run_load() {
 # parse_load SCENARIO OUTFILE: sets L_RPS L_P99_MS L_REQS L_SECS L_ERRORS from the tool's output
 parse_load() {
     local scenario=$1 out=$2
-    L_RPS= L_P99_MS= L_REQS= L_SECS= L_ERRORS=0
+    L_RPS='' L_P99_MS='' L_REQS='' L_SECS='' L_ERRORS=0
     if [[ $scenario == h2c ]]; then
         L_RPS=$(awk '/^finished in / {print $4}' "$out")
         L_SECS=$(awk '/^finished in / {sub(/s,$/, "", $3); print $3}' "$out")
@@ -362,15 +413,23 @@ parse_load() {
 
 measure() { # SCENARIO PROXY ROUND
     local scenario=$1 proxy=$2 round=$3 key="$1 $2" out="$WORK/load-$1-$2-$3.txt"
-    local before after acc_before acc_after user_before user_after
+    local before after acc_before acc_after user_before user_after pid log_before='' lines=''
+    pid=$(proxy_pid "$scenario" "$proxy")
+    # lines still on their way from earlier requests (warm-up, probe) are not this run's
+    [[ $scenario == logs ]] && log_before=$(settled_log_size "$proxy")
     acc_before=$(upstream_accepts)
-    read -r before user_before < <(cpu_ticks "${PID[$proxy]}")
+    read -r before user_before < <(cpu_ticks "$pid")
     run_load "$scenario" "$proxy" "$DURATION" "$out"
-    read -r after user_after < <(cpu_ticks "${PID[$proxy]}")
+    read -r after user_after < <(cpu_ticks "$pid")
     acc_after=$(upstream_accepts)
-    kill -0 "${PID[$proxy]}" 2>/dev/null || die "$proxy exited during the $scenario run"
+    kill -0 "$pid" 2>/dev/null || die "$proxy exited during the $scenario run"
     parse_load "$scenario" "$out" || { cat "$out" >&2; die "cannot parse the $scenario output for $proxy"; }
     ((L_REQS > 0)) || { cat "$out" >&2; die "no requests completed through $proxy ($scenario)"; }
+    if [[ $scenario == logs ]]; then
+        settled_log_size "$proxy" >/dev/null
+        lines=$(access_lines_since "$proxy" "$log_before")
+        LOG_LINES[$key]=$((${LOG_LINES[$key]:-0} + lines))
+    fi
 
     local ticks=$((after - before)) us pct user_pct
     # the share of the proxy's CPU time spent in user space (the rest is the kernel's socket work)
@@ -386,8 +445,14 @@ measure() { # SCENARIO PROXY ROUND
     UP_CONNS[$key]+="$conns "
     ERRORS[$key]=$((${ERRORS[$key]:-0} + L_ERRORS))
     TOTAL_REQS[$key]=$((${TOTAL_REQS[$key]:-0} + L_REQS))
-    printf '  round %d  %-9s %-8s %8.0f req/s  p99 %8.3f ms  %7.2f us CPU/req (%3d%% CPU, %3d%% user)  %5d new upstream conns  errors %d\n' \
-        "$round" "$scenario" "$proxy" "$L_RPS" "$L_P99_MS" "$us" "$pct" "$user_pct" "$conns" "$L_ERRORS"
+    printf '  round %d  %-9s %-8s %8.0f req/s  p99 %8.3f ms  %7.2f us CPU/req (%3d%% CPU, %3d%% user)  %5d new upstream conns  errors %d%s\n' \
+        "$round" "$scenario" "$proxy" "$L_RPS" "$L_P99_MS" "$us" "$pct" "$user_pct" "$conns" "$L_ERRORS" \
+        "${lines:+  log lines $lines/requests $L_REQS}"
+    # wrk counts no request still in flight when it stops, which the proxy may well have logged:
+    # more lines than requests is expected, fewer means lines were lost
+    if [[ -n $lines ]] && ((lines < L_REQS)); then
+        log "warning: $proxy wrote $lines access log lines for $L_REQS requests (round $round)"
+    fi
     if ((L_ERRORS > 0)); then
         grep -E 'Non-2xx|Socket errors|^requests:|^status codes:' "$out" | sed "s/^/           $proxy: /" || true
     fi
@@ -412,6 +477,7 @@ check_spread() {
 probe() {
     local url=${URL[$1 $2]} extra=()
     case $1 in
+    keepalive | logs | close | big) ;;
     h2c) extra=(--http2-prior-knowledge) ;;
     tls) extra=(-k --tlsv1.3) ;;
     esac
@@ -467,7 +533,12 @@ raahi_commit=$(git -C "$REPO" describe --always --dirty --abbrev=12 2>/dev/null 
 echo "== raahi proxy load comparison ($(date -u '+%Y-%m-%d %H:%M:%SZ'), $(uname -r))"
 echo "machine: $(nproc) CPUs, $(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)," \
     "load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
-echo "raahi:   commit $raahi_commit, $("$RAAHI_BIN" --version 2>/dev/null || echo '?') ($RAAHI_BIN), RUST_LOG=$RAAHI_LOG"
+with_logs=0 logs_note=
+if [[ " ${SCENARIO_LIST[*]} " == *" logs "* ]]; then
+    with_logs=1 logs_note=" (logs scenario: a second process, RUST_LOG=info, RAAHI_LOG_FORMAT=json)"
+fi
+echo "raahi:   commit $raahi_commit, $("$RAAHI_BIN" --version 2>/dev/null || echo '?') ($RAAHI_BIN)," \
+    "RUST_LOG=$RAAHI_LOG$logs_note"
 echo "nginx:   $(nginx -v 2>&1 | sed 's/^nginx version: //')"
 echo "haproxy: $(haproxy -v 2>&1 | head -n 1)"
 echo "wrk:     $({ wrk -v 2>&1 || true; } | head -n 1)"
@@ -497,19 +568,20 @@ for i in 1 2 3; do
     UPSTREAM_PORTS+=("$port")
     render "$TEMPLATES/upstream-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" NAME="u$i" \
         BIG_FILE="$WORK/big.bin"
-    start "upstream u$i (port $port)" "$LOADGEN_CPU" "$dir/stderr.log" \
+    start "upstream u$i (port $port)" "$LOADGEN_CPU" "$dir/stderr.log" "$dir/stderr.log" \
         nginx -p "$dir/" -e "$dir/error.log" -c "$dir/nginx.conf"
     UPSTREAM_PIDS+=("$STARTED_PID")
     wait_200 "upstream u$i" "$STARTED_PID" "http://127.0.0.1:$port/" 30 "$dir/stderr.log"
 done
 up=(UPSTREAM1="${UPSTREAM_PORTS[0]}" UPSTREAM2="${UPSTREAM_PORTS[1]}" UPSTREAM3="${UPSTREAM_PORTS[2]}")
 
-set_urls() { # PROXY HTTP_PORT H2C_PORT TLS_PORT
+set_urls() { # PROXY HTTP_PORT H2C_PORT TLS_PORT [LOGS_PORT]
     URL[keepalive $1]=http://127.0.0.1:$2/
     URL[close $1]=http://127.0.0.1:$2/
     URL[big $1]=http://127.0.0.1:$2/big
     URL[h2c $1]=http://127.0.0.1:$3/
     URL[tls $1]=https://127.0.0.1:$4/
+    if [[ -n ${5:-} ]]; then URL[logs $1]=http://127.0.0.1:$5/; fi
 }
 
 # nginx proxy
@@ -518,38 +590,58 @@ mkdir -p "$dir"
 free_port && port=$FREE_PORT
 free_port && h2c_port=$FREE_PORT
 free_port && tls_port=$FREE_PORT
+free_port && logs_port=$FREE_PORT
 render "$TEMPLATES/proxy-nginx.conf.tmpl" "$dir/nginx.conf" DIR="$dir" PORT="$port" H2C_PORT="$h2c_port" \
-    TLS_PORT="$tls_port" CERT="$WORK/cert.pem" KEY="$WORK/key.pem" WORKERS="$WORKERS" "${up[@]}"
-start "nginx proxy (ports $port, h2c $h2c_port, tls $tls_port)" "$PROXY_CPU" "$dir/stderr.log" \
-    nginx -p "$dir/" -e "$dir/error.log" -c "$dir/nginx.conf"
+    TLS_PORT="$tls_port" LOGS_PORT="$logs_port" CERT="$WORK/cert.pem" KEY="$WORK/key.pem" \
+    WORKERS="$WORKERS" "${up[@]}"
+start "nginx proxy (ports $port, h2c $h2c_port, tls $tls_port, logs $logs_port)" "$PROXY_CPU" \
+    "$dir/stderr.log" "$dir/stderr.log" nginx -p "$dir/" -e "$dir/error.log" -c "$dir/nginx.conf"
 PID[nginx]=$STARTED_PID
-set_urls nginx "$port" "$h2c_port" "$tls_port"
+set_urls nginx "$port" "$h2c_port" "$tls_port" "$logs_port"
+ACCESS_LOG[nginx]=$dir/access.log
 
-# haproxy proxy
+# haproxy proxy; its stdout carries the access log lines of the logs frontend, its stderr the rest
 dir=$WORK/haproxy
 mkdir -p "$dir"
 free_port && port=$FREE_PORT
 free_port && h2c_port=$FREE_PORT
 free_port && tls_port=$FREE_PORT
+free_port && logs_port=$FREE_PORT
 render "$TEMPLATES/proxy-haproxy.cfg.tmpl" "$dir/haproxy.cfg" PORT="$port" H2C_PORT="$h2c_port" \
-    TLS_PORT="$tls_port" PEM="$WORK/cert-and-key.pem" WORKERS="$WORKERS" "${up[@]}"
+    TLS_PORT="$tls_port" LOGS_PORT="$logs_port" PEM="$WORK/cert-and-key.pem" WORKERS="$WORKERS" "${up[@]}"
 haproxy -c -q -f "$dir/haproxy.cfg" >&2 || die "haproxy rejects $dir/haproxy.cfg"
-start "haproxy proxy (ports $port, h2c $h2c_port, tls $tls_port)" "$PROXY_CPU" "$dir/stderr.log" \
-    haproxy -db -f "$dir/haproxy.cfg"
+start "haproxy proxy (ports $port, h2c $h2c_port, tls $tls_port, logs $logs_port)" "$PROXY_CPU" \
+    "$dir/access.log" "$dir/stderr.log" haproxy -db -f "$dir/haproxy.cfg"
 PID[haproxy]=$STARTED_PID
-set_urls haproxy "$port" "$h2c_port" "$tls_port"
+set_urls haproxy "$port" "$h2c_port" "$tls_port" "$logs_port"
+ACCESS_LOG[haproxy]=$dir/access.log
 
-# raahi proxy, configured through its admin API; HTTP/1.1 and h2c share its plain listener
-dir=$WORK/raahi
-mkdir -p "$dir"
-free_port && port=$FREE_PORT
-free_port && tls_port=$FREE_PORT
-free_port && admin_port=$FREE_PORT
-token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') # 32 hex characters
-(
-    # Run from the private directory so config/raahi.toml of the checkout is not picked up.
-    cd "$dir"
-    exec env -u RAAHI_CONFIG -u RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS \
+admin_post() { # ADMIN_URL TOKEN PATH JSON: POSTs to a raahi admin API, prints the response body; fails unless 2xx
+    local body=$WORK/admin-response.json status
+    status=$(curl -s -o "$body" -w '%{http_code}' --max-time 10 --noproxy '*' \
+        -H "Authorization: Bearer $2" -H 'Content-Type: application/json' \
+        -X POST --data "$4" "$1$3") || die "POST $3: curl failed"
+    [[ $status == 2?? ]] || die "POST $3 $4: HTTP $status: $(cat "$body")"
+    cat "$body"
+}
+json_id() { grep -o '"id": *[0-9]*' | head -n 1 | grep -o '[0-9]*$'; }
+
+# start_raahi NAME DIR RUST_LOG LOG_FORMAT: starts a raahi proxy pinned to PROXY_CPU with its own
+# ports, admin port, token and sqlite database in DIR, its stdout and stderr to DIR/raahi.log, and
+# configures it through its admin API the way the other proxies are set up: a service with the
+# three upstream targets and the route "all". HTTP/1.1 and h2c share its plain listener. Sets
+# STARTED_PID, RAAHI_PORT and RAAHI_TLS_PORT.
+start_raahi() {
+    local name=$1 dir=$2 rust_log=$3 format=$4 port tls_port admin_port admin token pid service_id p
+    mkdir -p "$dir"
+    free_port && port=$FREE_PORT
+    free_port && tls_port=$FREE_PORT
+    free_port && admin_port=$FREE_PORT
+    token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') # 32 hex characters
+    # Run from the private directory (env -C) so config/raahi.toml of the checkout is not picked up.
+    start "$name (port $port, tls $tls_port, admin port $admin_port, RUST_LOG=$rust_log, $format)" \
+        "$PROXY_CPU" "$dir/raahi.log" "$dir/raahi.log" \
+        env -C "$dir" -u RAAHI_CONFIG -u RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS \
         RAAHI_PROXY_LISTEN="127.0.0.1:$port" \
         RAAHI_PROXY_TLS_LISTEN="127.0.0.1:$tls_port" \
         RAAHI_TLS_CERT_FILE="$WORK/cert.pem" \
@@ -557,35 +649,36 @@ token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n') # 32 hex characters
         RAAHI_ADMIN_LISTEN="127.0.0.1:$admin_port" \
         RAAHI_DATABASE_URL="sqlite://$dir/raahi.db" \
         RAAHI_ADMIN_TOKEN="$token" \
-        RAAHI_LOG_FORMAT=text RUST_LOG="$RAAHI_LOG" \
+        RAAHI_LOG_FORMAT="$format" RUST_LOG="$rust_log" \
         TOKIO_WORKER_THREADS="$WORKERS" \
-        taskset -c "$PROXY_CPU" "$RAAHI_BIN" serve
-) >"$dir/raahi.log" 2>&1 </dev/null &
-PID[raahi]=$!
-PIDS+=("${PID[raahi]}")
-log "started raahi proxy (pid ${PID[raahi]}, port $port, tls $tls_port, admin port $admin_port, CPU $PROXY_CPU)"
-set_urls raahi "$port" "$port" "$tls_port"
-ADMIN=http://127.0.0.1:$admin_port
+        "$RAAHI_BIN" serve
+    pid=$STARTED_PID
+    admin=http://127.0.0.1:$admin_port
+    wait_200 "$name admin API" "$pid" "$admin/healthz" 60 "$dir/raahi.log"
 
-wait_200 "raahi admin API" "${PID[raahi]}" "$ADMIN/healthz" 60 "$dir/raahi.log"
-
-admin_post() { # PATH JSON: POSTs to the admin API, prints the response body; fails unless 2xx
-    local body=$WORK/raahi/response.json status
-    status=$(curl -s -o "$body" -w '%{http_code}' --max-time 10 --noproxy '*' \
-        -H "Authorization: Bearer $token" -H 'Content-Type: application/json' \
-        -X POST --data "$2" "$ADMIN$1") || die "POST $1: curl failed"
-    [[ $status == 2?? ]] || die "POST $1 $2: HTTP $status: $(cat "$body")"
-    cat "$body"
+    service_id=$(admin_post "$admin" "$token" /api/v1/services '{"name":"bench"}' | json_id)
+    [[ -n $service_id ]] || die "$name: no id in the service creation response"
+    for p in "${UPSTREAM_PORTS[@]}"; do
+        admin_post "$admin" "$token" "/api/v1/services/$service_id/targets" \
+            "{\"host\":\"127.0.0.1\",\"port\":$p}" >/dev/null
+    done
+    admin_post "$admin" "$token" /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id}" >/dev/null
+    log "$name: service $service_id with 3 targets and route 'all' created"
+    wait_200 "$name" "$pid" "http://127.0.0.1:$port/" 30 "$dir/raahi.log"
+    STARTED_PID=$pid RAAHI_PORT=$port RAAHI_TLS_PORT=$tls_port
 }
-json_id() { grep -o '"id": *[0-9]*' | head -n 1 | grep -o '[0-9]*$'; }
 
-service_id=$(admin_post /api/v1/services '{"name":"bench"}' | json_id)
-[[ -n $service_id ]] || die "no id in the service creation response"
-for p in "${UPSTREAM_PORTS[@]}"; do
-    admin_post "/api/v1/services/$service_id/targets" "{\"host\":\"127.0.0.1\",\"port\":$p}" >/dev/null
-done
-admin_post /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id}" >/dev/null
-log "raahi: service $service_id with 3 targets and route 'all' created"
+# raahi proxy for every scenario but logs, and for the memory measurements
+start_raahi "raahi proxy" "$WORK/raahi" "$RAAHI_LOG" text
+PID[raahi]=$STARTED_PID
+set_urls raahi "$RAAHI_PORT" "$RAAHI_PORT" "$RAAHI_TLS_PORT"
+if ((with_logs)); then
+    # raahi's access log is process-wide, so the logs scenario has a raahi process of its own
+    start_raahi "raahi proxy with access logs" "$WORK/raahi-logs" info json
+    PID[logs raahi]=$STARTED_PID
+    URL[logs raahi]=http://127.0.0.1:$RAAHI_PORT/
+    ACCESS_LOG[raahi]=$WORK/raahi-logs/raahi.log
+fi
 
 declare -A PROXY_LOG=([raahi]=$WORK/raahi/raahi.log [nginx]=$WORK/nginx/error.log
     [haproxy]=$WORK/haproxy/stderr.log)
@@ -663,6 +756,7 @@ done
 
 declare -A SCENARIO_TITLE=(
     [keepalive]="HTTP/1.1 keep-alive, wrk -c$CONNECTIONS"
+    [logs]="HTTP/1.1 keep-alive with access logs to a file, wrk -c$CONNECTIONS"
     [close]="HTTP/1.1, new connection per request, wrk -c$CONNECTIONS"
     [h2c]="h2c, h2load -c$H2_CONNECTIONS -m$H2_STREAMS"
     [tls]="HTTPS TLS 1.3, new connection per request with session resumption, wrk -c$CONNECTIONS"
@@ -689,6 +783,15 @@ for scenario in "${SCENARIO_LIST[@]}"; do
                 name, rps, (nrps > 0 ? rps / nrps : 0), p99, (np99 > 0 ? p99 / np99 : 0),
                 us, (nus > 0 ? us / nus : 0), pct, upc, err "/" total }'
     done
+    if [[ $scenario == logs ]]; then
+        printf 'access log lines/requests over all rounds:'
+        for proxy in "${PROXIES[@]}"; do
+            key="$scenario $proxy"
+            [[ -n ${SKIP[$key]:-} ]] && continue
+            printf ' %s %s/%s' "$proxy" "${LOG_LINES[$key]}" "${TOTAL_REQS[$key]}"
+        done
+        echo
+    fi
 done
 echo
 echo "(CPU us/req: user+system CPU time of the proxy process tree per completed request; CPU: its"
@@ -703,6 +806,23 @@ for scenario in "${SCENARIO_LIST[@]}"; do
     [[ -n ${SKIP[$key]:-} ]] && { printf '  %-10s not run\n' "$scenario"; continue; }
     awk -v s="$scenario" -v r="${M_RPS[$key]}" -v n="${M_RPS[$nkey]}" -v p="${M_P99[$key]}" \
         -v np="${M_P99[$nkey]}" 'BEGIN { printf "  %-10s req/s %.2fx   p99 %.2fx\n", s, r / n, p / np }'
+done
+
+# raahi's CPU per request against both, the goals being a share of the better one's
+echo
+echo "Summary: raahi CPU us/req against haproxy and nginx (and the goal; p99's is <= 1.00x nginx everywhere)"
+printf '  %-10s %9s %10s %8s %9s %7s  %s\n' scenario 'raahi us' 'haproxy us' 'ratio' 'nginx us' 'ratio' goal
+for scenario in "${SCENARIO_LIST[@]}"; do
+    key="$scenario raahi"
+    [[ -n ${SKIP[$key]:-} ]] && { printf '  %-10s not run\n' "$scenario"; continue; }
+    case $scenario in
+    keepalive | h2c) goal='<= 0.90x haproxy' ;;
+    logs) goal='<= 1.00x nginx' ;;
+    *) goal=- ;;
+    esac
+    awk -v s="$scenario" -v r="${M_US[$key]}" -v h="${M_US[$scenario haproxy]}" -v n="${M_US[$scenario nginx]}" \
+        -v goal="$goal" 'BEGIN { printf "  %-10s %9.2f %10.2f %7.2fx %9.2f %6.2fx  %s\n",
+            s, r, h, (h > 0 ? r / h : 0), n, (n > 0 ? r / n : 0), goal }'
 done
 
 if ((MEMORY)); then
@@ -731,6 +851,12 @@ if grep -qE ' (WARN|ERROR) ' "$raahi_log"; then
     problems=1
     echo "raahi logged $(grep -cE ' (WARN|ERROR) ' "$raahi_log") warning/error line(s); first ones:"
     grep -E ' (WARN|ERROR) ' "$raahi_log" | head -n 5 | sed 's/^/  /'
+fi
+raahi_log=$WORK/raahi-logs/raahi.log # JSON lines
+if [[ -e $raahi_log ]] && grep -qE '"level": *"(WARN|ERROR)"' "$raahi_log"; then
+    problems=1
+    echo "raahi (logs) logged $(grep -cE '"level": *"(WARN|ERROR)"' "$raahi_log") warning/error line(s); first ones:"
+    grep -E '"level": *"(WARN|ERROR)"' "$raahi_log" | head -n 5 | cut -c1-300 | sed 's/^/  /'
 fi
 for f in "$WORK"/nginx/error.log "$WORK"/upstream*/error.log "$WORK"/haproxy/stderr.log; do
     if [[ -s $f ]] && grep -qvE '^\s*$' "$f"; then
