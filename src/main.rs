@@ -11,6 +11,8 @@ use raahi::config::{Config, LogFormat};
 use raahi::gateway::Gateway;
 use raahi::model::{Role, TokenSpec};
 use raahi::store::Store;
+use raahi::telemetry::access;
+use raahi::telemetry::sink::LogSink;
 
 /// jemalloc rather than glibc's malloc. Between requests an idle client connection gives its
 /// HTTP buffers back (see `proxy::http1`); glibc keeps such freed memory in the process,
@@ -130,7 +132,13 @@ fn main() -> ExitCode {
         println!("configuration is valid");
         return ExitCode::SUCCESS;
     }
-    let _log_writer = init_tracing(&config);
+    let _log_sink = match init_logging(&config) {
+        Ok(sink) => sink,
+        Err(error) => {
+            eprintln!("raahi: cannot start the log writer: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match build_runtime() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -161,21 +169,32 @@ fn build_runtime() -> std::io::Result<tokio::runtime::Runtime> {
     builder.enable_all().build()
 }
 
-/// Logs go to stderr through a background writer thread: a request that logs its access line
-/// hands it to a queue instead of taking the stderr lock. Under overload lines are dropped
-/// rather than requests slowed. Keep the guard until exit so queued lines are flushed.
-fn init_tracing(config: &Config) -> tracing_appender::non_blocking::WorkerGuard {
-    let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
+/// Logs go to stderr through the batching sink (`telemetry::sink`): a request that logs hands
+/// its line to its thread's buffer instead of taking the stderr lock, and a writer thread writes
+/// the buffers in batches. Under overload lines are dropped (and counted) rather than requests
+/// slowed. Access lines bypass tracing; `RUST_LOG` still decides whether they are written.
+/// Keep the sink until exit so buffered lines are written.
+fn init_logging(config: &Config) -> std::io::Result<LogSink> {
+    let sink = LogSink::start(std::io::stderr())?;
     let filter = tracing_subscriber::EnvFilter::new(&config.log.level);
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(writer);
+        .with_writer(sink.handle());
     match config.log.format {
         LogFormat::Json => builder.event_format(raahi::telemetry::Json).init(),
         LogFormat::Logfmt => builder.event_format(raahi::telemetry::Logfmt).init(),
         LogFormat::Text => builder.init(),
     }
-    guard
+    raahi::telemetry::install_process_sink(sink.handle());
+    if tracing::enabled!(target: access::TARGET, tracing::Level::INFO) {
+        // `text` is for people, but an access line is a list of fields either way: logfmt.
+        let layout = match config.log.format {
+            LogFormat::Json => access::Layout::Json,
+            LogFormat::Logfmt | LogFormat::Text => access::Layout::Logfmt,
+        };
+        access::install(sink.handle(), layout);
+    }
+    Ok(sink)
 }
 
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {

@@ -1,5 +1,27 @@
 //! Log formats: logfmt (`key=value` pairs, one event a line), which tracing-subscriber does not
 //! ship, and JSON lines in tracing-subscriber's layout, written without its serde_json detour.
+//! Lines go to the batching [`sink`]; access lines skip tracing and are written by [`access`].
+
+pub mod access;
+pub mod sink;
+
+use std::sync::OnceLock;
+
+/// The sink this process logs through, for the dropped-lines metric; unset in tests that run
+/// the gateway in process without logging.
+static PROCESS_SINK: OnceLock<sink::SinkHandle> = OnceLock::new();
+
+/// Records the sink the process logs through. Only the first call counts.
+pub fn install_process_sink(handle: sink::SinkHandle) {
+    let _ = PROCESS_SINK.set(handle);
+}
+
+/// Log lines the process dropped because the log writer fell behind or stderr failed.
+pub fn dropped_log_lines() -> u64 {
+    PROCESS_SINK
+        .get()
+        .map_or(0, sink::SinkHandle::dropped_lines)
+}
 
 use std::fmt::{self, Write as _};
 
@@ -66,7 +88,7 @@ impl Visit for Pairs {
     }
 }
 
-fn quoted(value: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn quoted(value: &str) -> std::borrow::Cow<'_, str> {
     let plain = !value.is_empty()
         && !value
             .chars()
@@ -201,44 +223,55 @@ struct JsonEscaped<'a, 'w>(&'a mut Writer<'w>);
 
 impl fmt::Write for JsonEscaped<'_, '_> {
     fn write_str(&mut self, text: &str) -> fmt::Result {
-        let bytes = text.as_bytes();
-        // Eight bytes at a time up to the first word holding something to escape; most values
-        // (paths, hosts, ids, names) hold nothing and are written in one piece.
-        let mut start = 0;
-        while start + 8 <= bytes.len() {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(&bytes[start..start + 8]);
-            if word_needs_escape(u64::from_le_bytes(word)) {
-                break;
-            }
-            start += 8;
-        }
-        let mut plain_from = 0;
-        for (index, &byte) in bytes.iter().enumerate().skip(start) {
-            if !NEEDS_ESCAPE[usize::from(byte)] {
-                continue;
-            }
-            let escape = match byte {
-                b'"' => "\\\"",
-                b'\\' => "\\\\",
-                b'\n' => "\\n",
-                b'\r' => "\\r",
-                b'\t' => "\\t",
-                0x08 => "\\b",
-                0x0c => "\\f",
-                _ => "",
-            };
-            // Escaped bytes are ASCII, so `index` is a character boundary.
-            self.0.write_str(&text[plain_from..index])?;
-            if escape.is_empty() {
-                write!(self.0, "\\u{byte:04x}")?;
-            } else {
-                self.0.write_str(escape)?;
-            }
-            plain_from = index + 1;
-        }
-        self.0.write_str(&text[plain_from..])
+        escape_json(text, |piece| self.0.write_str(piece))
     }
+}
+
+/// Hands `emit` the pieces of `text` escaped as the inside of a JSON string (RFC 8259 §7).
+pub(crate) fn escape_json<E>(
+    text: &str,
+    mut emit: impl FnMut(&str) -> Result<(), E>,
+) -> Result<(), E> {
+    let bytes = text.as_bytes();
+    // Eight bytes at a time up to the first word holding something to escape; most values
+    // (paths, hosts, ids, names) hold nothing and are written in one piece.
+    let mut start = 0;
+    while start + 8 <= bytes.len() {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&bytes[start..start + 8]);
+        if word_needs_escape(u64::from_le_bytes(word)) {
+            break;
+        }
+        start += 8;
+    }
+    let mut plain_from = 0;
+    for (index, &byte) in bytes.iter().enumerate().skip(start) {
+        if !NEEDS_ESCAPE[usize::from(byte)] {
+            continue;
+        }
+        let mut unicode = *b"\\u0000";
+        let escape = match byte {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            _ => {
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                unicode[4] = HEX[usize::from(byte >> 4)];
+                unicode[5] = HEX[usize::from(byte & 0xf)];
+                // six ASCII bytes
+                std::str::from_utf8(&unicode).unwrap_or("")
+            }
+        };
+        // Escaped bytes are ASCII, so `index` is a character boundary.
+        emit(&text[plain_from..index])?;
+        emit(escape)?;
+        plain_from = index + 1;
+    }
+    emit(&text[plain_from..])
 }
 
 /// Whether any of the eight bytes is a control character, `"` or `\` (the "has a byte less than

@@ -43,6 +43,7 @@ struct Scrape {
     client_connections: u64,
     client_connections_refused: u64,
     http2_calmed_connections: u64,
+    dropped_log_lines: u64,
     requests_refused: Vec<(Labels, u64)>,
     streams: Vec<StreamSample>,
     certificates: Vec<(Labels, i64)>,
@@ -144,6 +145,7 @@ async fn gather(state: &AdminState) -> Scrape {
             .gateway_counters
             .http2_calmed_connections
             .load(Ordering::Relaxed),
+        dropped_log_lines: crate::telemetry::dropped_log_lines(),
         requests_refused: REFUSAL_CODES
             .iter()
             .zip(&state.gateway_counters.requests_refused)
@@ -410,6 +412,13 @@ impl Collector for Scrape {
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most \
              of the streams they opened (rapid reset).",
             [(Labels::new(), self.http2_calmed_connections)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_log_dropped_lines",
+            "Log lines (access lines and other events) dropped rather than wait: stderr fell \
+             1 MiB of one thread's lines behind, or failed.",
+            [(Labels::new(), self.dropped_log_lines)],
         )?;
         gauge(
             &mut encoder,

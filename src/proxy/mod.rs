@@ -45,9 +45,6 @@ pub use forward::{BodySettings, ProxyBody};
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
 
-/// The access log's tracing target: one line per HTTP request or L4 connection at INFO.
-pub const ACCESS_LOG_TARGET: &str = "raahi::access";
-
 /// Downstream connection settings.
 #[derive(Debug, Clone, Copy)]
 pub struct ListenerSettings {

@@ -4,6 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -31,6 +32,8 @@ pub struct RaahiProcess {
     /// What it printed on stdout up to and including the address line.
     pub stdout_lines: Vec<String>,
     stderr_lines: mpsc::UnboundedReceiver<String>,
+    /// Held by a test to stop reading stderr, as a stuck log collector would.
+    stderr_gate: Arc<tokio::sync::Mutex<()>>,
     http: reqwest::Client,
 }
 
@@ -84,9 +87,19 @@ impl RaahiProcess {
             .to_owned();
         let stderr = child.stderr.take().unwrap();
         let (sender, stderr_lines) = mpsc::unbounded_channel();
+        let stderr_gate = Arc::new(tokio::sync::Mutex::new(()));
+        let gate = stderr_gate.clone();
         std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = sender.send(line);
+            let mut stderr = BufReader::new(stderr);
+            loop {
+                drop(gate.blocking_lock());
+                let mut line = String::new();
+                match stderr.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {
+                        let _ = sender.send(line.trim_end_matches('\n').to_owned());
+                    }
+                }
             }
         });
         RaahiProcess {
@@ -96,6 +109,7 @@ impl RaahiProcess {
             admin,
             stdout_lines,
             stderr_lines,
+            stderr_gate,
             http: reqwest::Client::new(),
         }
     }
@@ -132,9 +146,26 @@ impl RaahiProcess {
         .await;
     }
 
+    /// Stops reading the process's stderr until the guard is dropped: its pipe fills and its
+    /// writes block.
+    pub async fn stall_stderr(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.stderr_gate.clone().lock_owned().await
+    }
+
     /// The first stderr line `matching` prints within 10 s.
     pub async fn stderr_line(&mut self, matching: impl Fn(&str) -> bool) -> String {
-        let found = tokio::time::timeout(Duration::from_secs(10), async {
+        self.stderr_line_within(Duration::from_secs(10), matching)
+            .await
+            .expect("the expected stderr line within 10 s")
+    }
+
+    /// The first stderr line `matching` printed within `wait`, if any.
+    pub async fn stderr_line_within(
+        &mut self,
+        wait: Duration,
+        matching: impl Fn(&str) -> bool,
+    ) -> Option<String> {
+        let found = tokio::time::timeout(wait, async {
             while let Some(line) = self.stderr_lines.recv().await {
                 if matching(&line) {
                     return line;
@@ -142,7 +173,7 @@ impl RaahiProcess {
             }
             panic!("stderr ended without the expected line");
         });
-        found.await.expect("the expected stderr line within 10 s")
+        found.await.ok()
     }
 
     pub fn sigterm(&self) {

@@ -20,7 +20,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("tls", &["model"]),
     ("status", &["model"]),
     ("snapshot", &["model", "balance"]),
-    ("proxy", &["snapshot", "balance", "tls", "model"]),
+    // `telemetry`: access lines, which the request path writes without tracing.
+    (
+        "proxy",
+        &["snapshot", "balance", "tls", "model", "telemetry"],
+    ),
     // What operators write is checked where the model and the providers live, for the admin
     // API and the resources file alike.
     ("validate", &["model", "discovery", "tls"]),
@@ -50,6 +54,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "registration",
             // Read-only: the data path's counters for `/metrics` and live target state.
             "snapshot",
+            // Read-only: the dropped log lines for `/metrics`.
+            "telemetry",
         ],
     ),
     ("resources", &["model", "store", "control", "validate"]),

@@ -268,6 +268,74 @@ async fn the_access_log_has_one_json_line_per_request() {
     assert!(entry["timestamp"].is_string());
 }
 
+/// A log collector that stops reading stderr never slows a request: once the gateway's log
+/// buffers are full, lines are dropped and counted, and logging resumes when stderr drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_stderr_drops_counted_lines_and_slows_no_request() {
+    let mut process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "json"),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    let metrics = || async {
+        client
+            .get(format!("http://{}/metrics", process.admin))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        value(&metrics().await, "raahi_log_dropped_lines_total"),
+        Some(0.0)
+    );
+
+    let stalled = process.stall_stderr().await;
+    // 8 KB access lines: 800 of them are several times the pipe and the 1 MiB buffers.
+    let long_path = format!("/{}", "p".repeat(8_000));
+    for _ in 0..800 {
+        let response = client
+            .get(format!("http://{}{long_path}", process.proxy))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404);
+    }
+    let dropped = value(&metrics().await, "raahi_log_dropped_lines_total").unwrap();
+    assert!(dropped > 0.0, "no dropped line counted");
+    drop(stalled);
+
+    // Lines logged before the writer has emptied the full buffers are dropped too, so the
+    // request is repeated until one of its lines is written.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let line = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no access line written after the stall"
+        );
+        let response = client
+            .get(format!("http://{}/after-the-stall", process.proxy))
+            .header("x-request-id", "after-the-stall")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404);
+        let written = process
+            .stderr_line_within(Duration::from_millis(500), |line| {
+                line.contains("raahi::access") && line.contains("after-the-stall")
+            })
+            .await;
+        if let Some(line) = written {
+            break line;
+        }
+    };
+    let entry: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+    assert_eq!(entry["fields"]["path"], "/after-the-stall");
+}
+
 /// `log.format = "logfmt"` gives `key=value` access lines.
 #[tokio::test]
 async fn the_access_log_can_be_logfmt() {

@@ -28,7 +28,7 @@ use super::body::{UpstreamBody, UpstreamResponseBody};
 use super::error::ProxyError;
 use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
-use super::{ProxyState, ACCESS_LOG_TARGET};
+use super::ProxyState;
 use crate::snapshot::RouteEntry;
 
 pub use request_body::BodySettings;
@@ -91,14 +91,7 @@ pub async fn handle(
     let request_id = headers::request_id(request.headers());
     let http1 = request.version() <= Version::HTTP_11;
     let request_line =
-        tracing::enabled!(target: ACCESS_LOG_TARGET, tracing::Level::INFO).then(|| {
-            access_log::RequestLine {
-                method: request.method().clone(),
-                host: rewrite::request_host(&request).into_owned(),
-                path: request.uri().path().to_owned(),
-                version: request.version(),
-            }
-        });
+        crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
     let mut exchange = Exchange::default();
     let mut response = match forward(state, request, downstream, &request_id, &mut exchange).await {
         Ok(response) => response,

@@ -13,16 +13,16 @@ use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
 
 /// The host a request is for: lower case, without port.
 pub(super) fn request_host<B>(request: &Request<B>) -> Cow<'_, str> {
-    let raw = request
-        .uri()
+    host_of(request.uri(), request.headers().get(header::HOST))
+}
+
+/// The host of a request with this URI and Host header: the URI's authority first (HTTP/2's
+/// `:authority`, an absolute-form target), lower case, without port.
+pub(super) fn host_of<'a>(uri: &'a Uri, host_header: Option<&'a HeaderValue>) -> Cow<'a, str> {
+    let raw = uri
         .authority()
         .map(|authority| authority.as_str())
-        .or_else(|| {
-            request
-                .headers()
-                .get(header::HOST)
-                .and_then(|value| value.to_str().ok())
-        })
+        .or_else(|| host_header.and_then(|value| value.to_str().ok()))
         .unwrap_or("");
     let host = strip_port(raw);
     if host.bytes().any(|b| b.is_ascii_uppercase()) {

@@ -21,8 +21,8 @@ use crate::proxy::failure::{Blame, NoTarget, Retry, UpstreamFailure};
 use crate::proxy::sni::{
     parse_client_hello, Hello, HelloError, RecordBoundary, MAX_CLIENT_HELLO_BUFFER,
 };
-use crate::proxy::ACCESS_LOG_TARGET;
 use crate::snapshot::{ServiceRuntime, StreamRouteEntry};
+use crate::telemetry::access;
 
 /// Read size while waiting for a ClientHello, which is usually well under this.
 const HELLO_READ_CHUNK: usize = 4 * 1024;
@@ -179,20 +179,24 @@ pub(super) async fn serve(
         }
     };
     let route = record.route.as_deref();
-    tracing::info!(
-        target: ACCESS_LOG_TARGET,
-        kind = "stream",
-        client = %client,
-        listen = %listen,
-        sni = record.sni.as_deref(),
-        route = route.map(|route| route.route.id),
-        service = route.map(|route| route.service.service.name.as_str()),
-        target = record.target.as_ref().map(Authority::as_str),
-        bytes_client_to_upstream = client_to_upstream,
-        bytes_upstream_to_client = upstream_to_client,
-        duration_ms = record.progress.started.elapsed().as_secs_f64() * 1000.0,
-        outcome,
-    );
+    access::write(|fields| {
+        fields.str("kind", "stream");
+        fields.str("client", &client.to_string());
+        fields.str("listen", &listen.to_string());
+        fields.opt_str("sni", record.sni.as_deref());
+        if let Some(route) = route {
+            fields.i64("route", route.route.id);
+        }
+        fields.opt_str(
+            "service",
+            route.map(|route| route.service.service.name.as_str()),
+        );
+        fields.opt_str("target", record.target.as_ref().map(Authority::as_str));
+        fields.u64("bytes_client_to_upstream", client_to_upstream);
+        fields.u64("bytes_upstream_to_client", upstream_to_client);
+        fields.millis("duration_ms", record.progress.started.elapsed());
+        fields.str("outcome", outcome);
+    });
     drop(open);
 }
 
