@@ -130,12 +130,14 @@ pub(super) async fn serve<I>(
         let mut guard = StreamGuard::start(&service_counts);
         let state = service_state.clone();
         let downstream = downstream.clone();
-        async move {
+        // Boxed: hyper spawns a task per stream holding this future, and the spawn moves it
+        // several times; a pointer moves cheaper than the exchange's few kilobytes of state.
+        Box::pin(async move {
             let response = forward::handle(&state, request, &downstream).await;
             guard.answered = true;
             // The body keeps its stream counted as open.
             Ok::<_, Infallible>(response.map(|inner| GuardedBody::new(inner, guard)))
-        }
+        })
     });
     let io = GuardedIo {
         inner: io,
