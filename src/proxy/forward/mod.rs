@@ -135,6 +135,10 @@ pub async fn handle(
             elapsed,
         );
     }
+    // Never indexed in HPACK (HTTP/1.1 ignores the flag): a value unique to each response would
+    // only churn the connection's dynamic table, evicting the entries that do repeat.
+    let mut request_id = request_id;
+    request_id.set_sensitive(true);
     response
         .headers_mut()
         .insert(X_REQUEST_ID.clone(), request_id);
