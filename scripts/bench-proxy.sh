@@ -28,9 +28,14 @@
 # Memory (MEMORY=1): the proxy's RSS idle before any load, idle after the load, and holding
 # $IDLE_CONNECTIONS idle client connections (scripts/bench/idle_clients.py), once connected
 # without a request yet, once as keep-alive connections that each made one request.
+# Syscalls (SYSCALLS=1): after the rounds, each scenario's load runs once more per proxy for
+# $SYSCALL_SECONDS while `perf stat` counts, in the kernel, the syscalls of the proxy's process
+# tree (every thread that exists when it attaches): per completed request, in all, by syscall (with
+# how many failed with EAGAIN: a read, write or accept that found nothing to do) and by thread,
+# with the wake-ups the proxy makes, its context switches, page faults and the TCP segments sent.
 #
 # Usage: scripts/bench-proxy.sh   (as root on Debian 12; installs nginx haproxy wrk nghttp2-client
-#                                  curl openssl python3 when missing)
+#                                  curl openssl python3 when missing, and linux-perf for SYSCALLS=1)
 # Environment:
 #   DURATION=10        seconds per measured run
 #   ROUNDS=3           interleaved rounds
@@ -44,6 +49,8 @@
 #   WARMUP=1           seconds of unmeasured load per scenario and proxy before the rounds (0: none)
 #   MEMORY=1           measure memory (0: skip)
 #   IDLE_CONNECTIONS=10000
+#   SYSCALLS=0         count each proxy's syscalls per request with perf stat (1: after the rounds)
+#   SYSCALL_SECONDS=3  seconds of load per scenario and proxy for the syscall counts
 #   LOADGEN_CPU=0      CPU for the load generator and the origin servers
 #   PROXY_CPU=1        CPU(s) for the proxy under test (taskset -c syntax)
 #   RAAHI_LOG=warn     RUST_LOG for raahi (raahi's own default, info, writes the access log);
@@ -67,6 +74,8 @@ WORKERS=${WORKERS:-1}
 WARMUP=${WARMUP:-1}
 MEMORY=${MEMORY:-1}
 IDLE_CONNECTIONS=${IDLE_CONNECTIONS:-10000}
+SYSCALLS=${SYSCALLS:-0}
+SYSCALL_SECONDS=${SYSCALL_SECONDS:-3}
 LOADGEN_CPU=${LOADGEN_CPU:-0}
 PROXY_CPU=${PROXY_CPU:-1}
 RAAHI_LOG=${RAAHI_LOG:-warn}
@@ -77,12 +86,12 @@ log() { printf '[bench] %s\n' "$*" >&2; }
 die() { printf '[bench] error: %s\n' "$*" >&2; exit 1; }
 
 for var in DURATION ROUNDS CONNECTIONS H2_CONNECTIONS H2_STREAMS BIG_CONNECTIONS WORKERS WARMUP \
-    MEMORY IDLE_CONNECTIONS; do
+    MEMORY IDLE_CONNECTIONS SYSCALLS SYSCALL_SECONDS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
 ((DURATION >= 1 && ROUNDS >= 1 && CONNECTIONS >= 1 && WORKERS >= 1 && H2_CONNECTIONS >= 1 &&
-    H2_STREAMS >= 1 && BIG_CONNECTIONS >= 1)) ||
-    die "DURATION, ROUNDS, WORKERS and the connection and stream counts must be at least 1"
+    H2_STREAMS >= 1 && BIG_CONNECTIONS >= 1 && SYSCALL_SECONDS >= 1)) ||
+    die "DURATION, ROUNDS, WORKERS, SYSCALL_SECONDS and the connection and stream counts must be at least 1"
 ((${#SCENARIO_LIST[@]} > 0)) || die "SCENARIOS is empty"
 for scenario in "${SCENARIO_LIST[@]}"; do
     [[ $scenario =~ ^(keepalive|logs|close|h2c|tls|big)$ ]] ||
@@ -102,8 +111,10 @@ ulimit -n "$fd_limit"
 install_missing() {
     local missing=() cmd
     local -A package=([nginx]=nginx [haproxy]=haproxy [wrk]=wrk [h2load]=nghttp2-client
-        [curl]=curl [openssl]=openssl [python3]=python3)
-    for cmd in nginx haproxy wrk h2load curl openssl python3; do
+        [curl]=curl [openssl]=openssl [python3]=python3 [perf]=linux-perf)
+    local needed=(nginx haproxy wrk h2load curl openssl python3)
+    ((SYSCALLS)) && needed+=(perf)
+    for cmd in "${needed[@]}"; do
         command -v "$cmd" >/dev/null 2>&1 || missing+=("${package[$cmd]}")
     done
     ((${#missing[@]} == 0)) && return 0
@@ -120,7 +131,7 @@ install_missing() {
         "${missing[@]}"; } >&2 || rc=$?
     ((made_policy)) && rm -f "$policy"
     ((rc == 0)) || die "apt-get failed (exit $rc)"
-    for cmd in nginx haproxy wrk h2load curl openssl python3 taskset; do
+    for cmd in "${needed[@]}" taskset; do
         command -v "$cmd" >/dev/null 2>&1 || die "$cmd is still missing after installing"
     done
 }
@@ -147,6 +158,38 @@ check_cpus() {
     taskset -c "$PROXY_CPU" true 2>/dev/null || die "cannot pin to PROXY_CPU=$PROXY_CPU"
 }
 
+# The syscalls SYSCALLS=1 counts one by one (syscalls:sys_enter_NAME), the rest only in the total
+# (raw_syscalls:sys_enter) as "other": perf stat waits for an RCU grace period for each syscall
+# tracepoint it closes (about 36 ms here), 13 s for all ~360. EAGAIN_SYSCALLS: those whose
+# EAGAIN failures are counted (syscalls:sys_exit_NAME filtered on the return value).
+SYSCALL_NAMES=(read write readv writev pread64 pwrite64 recvfrom sendto recvmsg sendmsg recvmmsg sendmmsg
+    sendfile64 splice epoll_wait epoll_pwait epoll_pwait2 epoll_ctl poll ppoll select pselect6
+    io_uring_enter accept accept4 connect close shutdown socket setsockopt getsockopt getsockname
+    getpeername getpid gettid futex sched_yield nanosleep clock_nanosleep clock_gettime gettimeofday
+    timer_settime timerfd_settime madvise mmap munmap mprotect mremap brk openat newfstatat statx
+    newfstat lseek fsync fdatasync ioctl fcntl getrandom rt_sigprocmask eventfd2 pipe2)
+EAGAIN_SYSCALLS=(read readv recvfrom recvmsg write writev sendto sendmsg accept4)
+ENTER_EVENTS='' EXIT_EVENTS=''
+
+check_perf() { # sets ENTER_EVENTS and EXIT_EVENTS from the syscall tracepoints this kernel has
+    ((SYSCALLS)) || return 0
+    local tracefs dir='' name
+    for tracefs in /sys/kernel/tracing /sys/kernel/debug/tracing; do
+        [[ -d $tracefs/events/syscalls ]] && { dir=$tracefs/events/syscalls; break; }
+    done
+    [[ -n $dir ]] || die "SYSCALLS=1: no syscall tracepoints in /sys/kernel/tracing (tracefs)"
+    for name in "${SYSCALL_NAMES[@]}"; do
+        [[ -d $dir/sys_enter_$name ]] && ENTER_EVENTS+=${ENTER_EVENTS:+,}syscalls:sys_enter_$name
+    done
+    for name in "${EAGAIN_SYSCALLS[@]}"; do
+        [[ -d $dir/sys_exit_$name ]] && EXIT_EVENTS+=${EXIT_EVENTS:+,}syscalls:sys_exit_$name
+    done
+    [[ -n $ENTER_EVENTS && -n $EXIT_EVENTS ]] || die "SYSCALLS=1: none of the syscall tracepoints expected in $dir"
+    perf stat -e raw_syscalls:sys_enter,sched:sched_waking -o /dev/null -- true >/dev/null 2>&1 ||
+        die "SYSCALLS=1: perf cannot count tracepoints here" \
+            "(it needs root, or kernel.perf_event_paranoid=-1 and access to tracefs)"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Processes and cleanup
 
@@ -154,6 +197,7 @@ WORK=
 PIDS=()          # every long-running process this script started
 PORTS=()         # every port handed out to them
 LOAD_PID=         # the load generator or idle client running now
+TRACE_PID=        # the perf stat running now (SYSCALLS=1)
 
 descendants() { # PID: prints the PIDs of all its live descendants
     local pid=$1 child file
@@ -176,18 +220,23 @@ cleanup() {
     local rc=$? pid all=() deadline
     trap - EXIT INT TERM
     [[ -n $LOAD_PID ]] && all+=("$LOAD_PID")
+    [[ -n $TRACE_PID ]] && all+=("$TRACE_PID")
     for pid in "${PIDS[@]}"; do
         all+=("$pid")
         while read -r child; do all+=("$child"); done < <(descendants "$pid")
     done
     if ((${#all[@]})); then
-        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"}; do kill -TERM "$pid" 2>/dev/null || true; done
+        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"} ${TRACE_PID:+"$TRACE_PID"}; do
+            kill -TERM "$pid" 2>/dev/null || true
+        done
         deadline=$((SECONDS + 10))
         for pid in "${all[@]}"; do
             while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.05; done
             kill -KILL "$pid" 2>/dev/null || true
         done
-        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"}; do wait "$pid" 2>/dev/null || true; done
+        for pid in "${PIDS[@]}" ${LOAD_PID:+"$LOAD_PID"} ${TRACE_PID:+"$TRACE_PID"}; do
+            wait "$pid" 2>/dev/null || true
+        done
     fi
     local port left=()
     for port in "${PORTS[@]}"; do listening "$port" && left+=("$port"); done
@@ -519,11 +568,142 @@ idle_connections() {
 
 mib() { awk -v k="$1" 'BEGIN { printf "%.1f", k / 1024 }'; }
 
+# task_switches PID...: "TID voluntary nonvoluntary" context switches of every thread of the PIDs
+task_switches() {
+    local pid task
+    for pid in "$@"; do
+        for task in /proc/"$pid"/task/*; do
+            awk -v tid="${task##*/}" '/^voluntary_ctxt_switches:/ { v = $2 }
+                /^nonvoluntary_ctxt_switches:/ { n = $2 }
+                END { if (v != "") print tid, v, n }' "$task/status" 2>/dev/null || true
+        done
+    done
+}
+
+tcp_out_segs() { # TCP segments sent so far, system-wide (all of them on loopback here)
+    awk '/^Tcp:/ { if ($2 ~ /^[0-9]+$/) { for (i = 2; i <= NF; i++) if (name[i] == "OutSegs") print $i }
+        else for (i = 2; i <= NF; i++) name[i] = $i }' /proc/net/snmp
+}
+
+# Keyed by "SCENARIO PROXY": the syscall table's line for that run, and its line by thread.
+declare -A SYS_LINE SYS_THREADS
+
+# trace_syscalls SCENARIO PROXY: runs the scenario's load for SYSCALL_SECONDS while perf stat counts
+# the syscalls, the failed ones with EAGAIN, the wake-ups and the page faults of the proxy's
+# process tree; sets SYS_LINE and SYS_THREADS.
+# perf stat counts in the kernel. perf trace, which gets every syscall as an event, slowed the
+# proxies about tenfold here (it is woken for each event), and with them how many connections each
+# epoll_wait finds ready and how often a read finds nothing: the very counts this is for.
+trace_syscalls() {
+    local scenario=$1 proxy=$2 key="$1 $2" base="$WORK/syscalls-$1-$2" pid pids=() child
+    local fds last=-1 stable=0 polls deadline segs_before segs_after
+    pid=$(proxy_pid "$scenario" "$proxy")
+    # `perf stat -p PID` counts every thread PID has when perf attaches, and threads started later
+    # under the thread that started them; nginx's master and workers are a process tree: a list.
+    pids=("$pid")
+    while read -r child; do pids+=("$child"); done < <(descendants "$pid")
+    task_switches "${pids[@]}" >"$base.switches-before"
+    # sched_waking fires in the waker's context: the wake-ups the proxy's threads make (of the load
+    # generator, the upstreams, each other). perf runs on the load generator's CPU, as the proxy's
+    # CPU is what the measured rounds compare.
+    taskset -c "$LOADGEN_CPU" perf stat --per-thread -x, -o "$base.perf" \
+        -e "raw_syscalls:sys_enter,page-faults,sched:sched_waking,$ENTER_EVENTS" \
+        -e "$EXIT_EVENTS" --filter 'ret == -11' \
+        -p "$(IFS=,; echo "${pids[*]}")" >"$base.perf-stdout" 2>&1 </dev/null &
+    TRACE_PID=$!
+    # counting once it holds its perf events and their number stays the same for a few polls
+    for ((polls = 0; stable < 4; polls++)); do
+        if ! kill -0 "$TRACE_PID" 2>/dev/null; then
+            cat "$base.perf-stdout" "$base.perf" >&2 2>/dev/null || true
+            die "perf stat of $proxy ($scenario) exited before the load"
+        fi
+        ((polls < 400)) || die "perf stat of $proxy ($scenario) still opens events after 20s"
+        fds=$(find /proc/"$TRACE_PID"/fd -lname '*perf_event*' 2>/dev/null | wc -l)
+        if ((fds > 0 && fds == last)); then stable=$((stable + 1)); else stable=0 last=$fds; fi
+        sleep 0.05
+    done
+    sleep 0.2
+    segs_before=$(tcp_out_segs)
+    run_load "$scenario" "$proxy" "$SYSCALL_SECONDS" "$base.load"
+    segs_after=$(tcp_out_segs)
+    # the access log lines still on their way are this run's syscalls too
+    if [[ $scenario == logs ]]; then settled_log_size "$proxy" >/dev/null; else sleep 0.2; fi
+    task_switches "${pids[@]}" >"$base.switches-after"
+    kill -0 "$pid" 2>/dev/null || die "$proxy exited during the $scenario syscall run"
+    # SIGINT: perf stops and writes its counts
+    kill -INT "$TRACE_PID" 2>/dev/null || true
+    deadline=$((SECONDS + 60))
+    while kill -0 "$TRACE_PID" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+    if kill -0 "$TRACE_PID" 2>/dev/null; then
+        kill -KILL "$TRACE_PID" 2>/dev/null || true
+        log "warning: perf stat of $proxy ($scenario) did not stop within 60s of SIGINT"
+    fi
+    wait "$TRACE_PID" 2>/dev/null || true
+    TRACE_PID=
+    grep -q ',raw_syscalls:sys_enter,' "$base.perf" 2>/dev/null || {
+        cat "$base.perf-stdout" >&2
+        die "perf stat of $proxy ($scenario) wrote no syscall counts"
+    }
+    parse_load "$scenario" "$base.load" || { cat "$base.load" >&2; die "cannot parse the $scenario output for $proxy"; }
+    ((L_REQS > 0)) || { cat "$base.load" >&2; die "no requests completed through $proxy ($scenario)"; }
+
+    # perf stat --per-thread -x, lines: THREADNAME-TID,COUNT,UNIT,EVENT,... (COUNT may be
+    # "<not counted>"); prints "total SYSCALLS WAKEUPS FAULTS", "call N NAME PER_REQ [EAGAIN ...]"
+    # per syscall (and "other", the syscalls not counted one by one) and "thread N NAME PER_REQ"
+    # per thread name.
+    local parsed
+    parsed=$(awk -F, -v n="$L_REQS" '
+        $2 !~ /^[0-9]+$/ { next }
+        {
+            thread = $1; sub(/-[0-9]+$/, "", thread); event = $4
+            if (event == "raw_syscalls:sys_enter") { by_thread[thread] += $2; total += $2 }
+            else if (event ~ /^syscalls:sys_enter_/) {
+                sub(/^syscalls:sys_enter_/, "", event); calls[event] += $2; named += $2
+            } else if (event ~ /^syscalls:sys_exit_/) {
+                sub(/^syscalls:sys_exit_/, "", event); eagain[event] += $2
+            } else if (event == "sched:sched_waking") wakeups += $2
+            else if (event == "page-faults") faults += $2
+        }
+        END {
+            printf "total %.2f %.2f %.2f\n", total / n, wakeups / n, faults / n
+            if (total > named) calls["other"] = total - named
+            for (sc in calls) {
+                if (calls[sc] / n < 0.005) continue
+                printf "call %d %s %.2f%s\n", calls[sc], sc, calls[sc] / n,
+                    (eagain[sc] / n >= 0.005 ? sprintf(" [EAGAIN %.2f]", eagain[sc] / n) : "")
+            }
+            for (t in by_thread)
+                if (by_thread[t] / n >= 0.005) printf "thread %d %s %.2f\n", by_thread[t], t, by_thread[t] / n
+        }' "$base.perf")
+    local total wakeups faults list threads
+    read -r _ total wakeups faults <<<"$(grep '^total ' <<<"$parsed")"
+    list=$(grep '^call ' <<<"$parsed" | sort -k2,2nr -k3,3 | cut -d' ' -f3- | paste -sd' ' -)
+    threads=$(grep '^thread ' <<<"$parsed" | sort -k2,2nr -k3,3 | cut -d' ' -f3- | sed 's/$/,/' |
+        paste -sd' ' - | sed 's/,$//')
+
+    # context switches per request, from /proc: threads present at both ends, and those started in
+    # between (from zero)
+    local switches new_threads segs
+    switches=$(awk -v n="$L_REQS" 'FNR == NR { v[$1] = $2; nv[$1] = $3; next }
+        { dv += $2 - v[$1]; dn += $3 - nv[$1] }
+        END { printf "%.2f %.2f", dv / n, dn / n }' "$base.switches-before" "$base.switches-after")
+    new_threads=$(awk 'FNR == NR { seen[$1] = 1; next } !($1 in seen) { n++ } END { print n + 0 }' \
+        "$base.switches-before" "$base.switches-after")
+    segs=$(awk -v d="$((segs_after - segs_before))" -v n="$L_REQS" 'BEGIN { printf "%.2f", d / n }')
+
+    SYS_LINE[$key]=$(printf '%-8s %8.0f %7s %6s %6s %6s %6s %6s  %s' "$proxy" "$L_RPS" "$total" \
+        "$wakeups" "${switches% *}" "${switches#* }" "$faults" "$segs" "$list")
+    SYS_THREADS[$key]="by thread: ${threads:-none}"
+    ((new_threads > 0)) && SYS_THREADS[$key]+="; $new_threads thread(s) started during the run (counted under the thread that started them)"
+    log "syscalls: $scenario $proxy: $total per request over $L_REQS requests"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Main
 
 install_missing
 check_cpus
+check_perf
 build_raahi
 
 WORK=$(mktemp -d /tmp/raahi-bench.XXXXXX)
@@ -725,6 +905,15 @@ for ((round = 1; round <= ROUNDS; round++)); do
         done
     done
 done
+if ((SYSCALLS)); then
+    log "syscalls: ${SYSCALL_SECONDS}s of each scenario's load per proxy, counted by perf stat"
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        for proxy in "${PROXIES[@]}"; do
+            [[ -n ${SKIP[$scenario $proxy]:-} ]] && continue
+            trace_syscalls "$scenario" "$proxy"
+        done
+    done
+fi
 echo
 
 if ((MEMORY)); then
@@ -824,6 +1013,33 @@ for scenario in "${SCENARIO_LIST[@]}"; do
         -v goal="$goal" 'BEGIN { printf "  %-10s %9.2f %10.2f %7.2fx %9.2f %6.2fx  %s\n",
             s, r, h, (h > 0 ? r / h : 0), n, (n > 0 ? r / n : 0), goal }'
 done
+
+if ((SYSCALLS)); then
+    echo
+    echo "Syscalls and other kernel work per request, ${SYSCALL_SECONDS}s of each scenario's load counted by perf stat"
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        echo
+        echo "-- $scenario: ${SCENARIO_TITLE[$scenario]}"
+        printf '%-8s %8s %7s %6s %6s %6s %6s %6s  %s\n' proxy 'req/s' 'sys' 'wakes' 'vcs' 'ics' 'faults' \
+            'segs' 'by syscall (>= 0.01; [failed with EAGAIN])'
+        for proxy in "${PROXIES[@]}"; do
+            key="$scenario $proxy"
+            if [[ -n ${SKIP[$key]:-} ]]; then
+                printf '%-8s %8s\n' "$proxy" 'not run'
+                continue
+            fi
+            echo "${SYS_LINE[$key]}"
+            echo "         ${SYS_THREADS[$key]}"
+        done
+    done
+    echo
+    echo "(all per completed request: sys: syscalls of the proxy process tree; wakes: wake-ups its threads"
+    echo " made (sched_waking: of the load generator, the upstreams, its own threads); vcs, ics: its"
+    echo " voluntary (sleeps) and involuntary (preemptions) context switches, from /proc; faults: its page"
+    echo " faults; segs: TCP segments sent by anyone, system-wide, on both sides of the proxy; other: the"
+    echo " syscalls not counted one by one (see SYSCALL_NAMES); by thread: syscalls per request by thread"
+    echo " name, summed over the threads of that name)"
+fi
 
 if ((MEMORY)); then
     echo
