@@ -98,10 +98,10 @@ fn check_host(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<(), Pr
 /// sub-delimiter characters, or an IPv6 literal in brackets; no user information (its
 /// credentials would be forwarded in `X-Forwarded-Host` and its user name routed on).
 fn split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
-    if raw.contains(&b'@') {
-        return Err(invalid_host("a host with user information"));
-    }
     let (host, rest) = if raw.first() == Some(&b'[') {
+        if raw.contains(&b'@') {
+            return Err(user_information());
+        }
         let end = raw
             .iter()
             .position(|&b| b == b']')
@@ -112,9 +112,16 @@ fn split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
         }
         raw.split_at(end + 1)
     } else {
-        let end = raw.iter().position(|&b| b == b':').unwrap_or(raw.len());
+        // One pass over the name, the common case: every byte is looked up once.
+        let end = raw
+            .iter()
+            .position(|&b| !is_reg_name_byte(b))
+            .unwrap_or(raw.len());
         let (host, rest) = raw.split_at(end);
-        if !host.iter().all(|&b| is_reg_name_byte(b)) {
+        if rest.contains(&b'@') {
+            return Err(user_information());
+        }
+        if rest.first().is_some_and(|&b| b != b':') {
             return Err(invalid_host(
                 "a host that is not a valid host name or address",
             ));
@@ -125,21 +132,36 @@ fn split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
         return Err(invalid_host("an empty host"));
     }
     let port = match rest {
-        [] => None,
+        [] | [b':'] => None,
         [b':', digits @ ..] => Some(digits),
         _ => return Err(invalid_host("a host followed by something not a port")),
     };
     // An empty port is allowed (RFC 3986 §3.2.3); otherwise decimal digits up to 65535.
-    if let Some(port) = port.filter(|port| !port.is_empty()) {
-        let number = std::str::from_utf8(port)
-            .ok()
-            .filter(|digits| digits.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|digits| digits.parse::<u16>().ok());
-        if number.is_none() {
+    if let Some(digits) = port {
+        if !is_port_number(digits) {
             return Err(invalid_host("a port that is not a number from 0 to 65535"));
         }
     }
-    Ok((host, port.filter(|port| !port.is_empty())))
+    Ok((host, port))
+}
+
+/// Decimal digits (leading zeros allowed) whose value is at most 65535.
+fn is_port_number(digits: &[u8]) -> bool {
+    let mut value: u32 = 0;
+    for &b in digits {
+        if !b.is_ascii_digit() {
+            return false;
+        }
+        value = value * 10 + u32::from(b - b'0');
+        if value > u32::from(u16::MAX) {
+            return false;
+        }
+    }
+    true
+}
+
+fn user_information() -> ProxyError {
+    invalid_host("a host with user information")
 }
 
 /// unreserved / pct-encoded / sub-delims (RFC 3986 §3.2.2), looked up in one step per byte.
@@ -195,6 +217,96 @@ fn check_transfer_coding(headers: &HeaderMap) -> Result<(), ProxyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// The byte-by-byte version `split_authority` replaced; they must agree on every input.
+    fn reference_split_authority(raw: &[u8]) -> Result<(&[u8], Option<&[u8]>), ProxyError> {
+        if raw.contains(&b'@') {
+            return Err(invalid_host("a host with user information"));
+        }
+        let (host, rest) = if raw.first() == Some(&b'[') {
+            let end = raw
+                .iter()
+                .position(|&b| b == b']')
+                .ok_or_else(|| invalid_host("an IPv6 literal without its closing bracket"))?;
+            let literal = std::str::from_utf8(&raw[1..end]).unwrap_or("");
+            if literal.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(invalid_host("a bracketed host that is not an IPv6 address"));
+            }
+            raw.split_at(end + 1)
+        } else {
+            let end = raw.iter().position(|&b| b == b':').unwrap_or(raw.len());
+            let (host, rest) = raw.split_at(end);
+            if !host.iter().all(|&b| is_reg_name_byte(b)) {
+                return Err(invalid_host(
+                    "a host that is not a valid host name or address",
+                ));
+            }
+            (host, rest)
+        };
+        if host.is_empty() {
+            return Err(invalid_host("an empty host"));
+        }
+        let port = match rest {
+            [] => None,
+            [b':', digits @ ..] => Some(digits),
+            _ => return Err(invalid_host("a host followed by something not a port")),
+        };
+        // An empty port is allowed (RFC 3986 §3.2.3); otherwise decimal digits up to 65535.
+        if let Some(port) = port.filter(|port| !port.is_empty()) {
+            let number = std::str::from_utf8(port)
+                .ok()
+                .filter(|digits| digits.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|digits| digits.parse::<u16>().ok());
+            if number.is_none() {
+                return Err(invalid_host("a port that is not a number from 0 to 65535"));
+            }
+        }
+        Ok((host, port.filter(|port| !port.is_empty())))
+    }
+
+    fn outcome(
+        result: Result<(&[u8], Option<&[u8]>), ProxyError>,
+    ) -> Result<(Vec<u8>, Option<Vec<u8>>), String> {
+        result
+            .map(|(host, port)| (host.to_vec(), port.map(<[u8]>::to_vec)))
+            .map_err(|error| error.to_string())
+    }
+
+    proptest! {
+        #[test]
+        fn split_authority_agrees_with_the_byte_by_byte_version(
+            raw in proptest::collection::vec(
+                prop_oneof![
+                    Just(b'a'), Just(b'Z'), Just(b'0'), Just(b'9'), Just(b'.'), Just(b'-'),
+                    Just(b':'), Just(b'@'), Just(b'['), Just(b']'), Just(b'%'), Just(b' '),
+                    Just(b'/'), Just(b'_'), any::<u8>(),
+                ],
+                0..24,
+            )
+        ) {
+            prop_assert_eq!(
+                outcome(split_authority(&raw)),
+                outcome(reference_split_authority(&raw))
+            );
+        }
+    }
+
+    #[test]
+    fn ports_are_numbers_up_to_65535() {
+        for (raw, ok) in [
+            ("h:0", true),
+            ("h:65535", true),
+            ("h:0000080", true),
+            ("h:65536", false),
+            ("h:99999999999999999999", false),
+            ("h:8a", false),
+            ("h:", true),
+            ("h:-1", false),
+        ] {
+            assert_eq!(split_authority(raw.as_bytes()).is_ok(), ok, "{raw}");
+        }
+    }
 
     fn limits() -> RequestLimits {
         RequestLimits {
