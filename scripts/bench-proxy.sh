@@ -676,10 +676,17 @@ trace_syscalls() {
                 if (by_thread[t] / n >= 0.005) printf "thread %d %s %.2f\n", by_thread[t], t, by_thread[t] / n
         }' "$base.perf")
     local total wakeups faults list threads
-    read -r _ total wakeups faults <<<"$(grep '^total ' <<<"$parsed")"
-    list=$(grep '^call ' <<<"$parsed" | sort -k2,2nr -k3,3 | cut -d' ' -f3- | paste -sd' ' -)
-    threads=$(grep '^thread ' <<<"$parsed" | sort -k2,2nr -k3,3 | cut -d' ' -f3- | sed 's/$/,/' |
-        paste -sd' ' - | sed 's/,$//')
+    # (grep finds nothing when perf counted nothing readable: that must not end the script, whose
+    # set -e would do so silently, but show in the table)
+    read -r _ total wakeups faults <<<"$(grep '^total ' <<<"$parsed" || true)"
+    list=$({ grep '^call ' <<<"$parsed" || true; } | sort -k2,2nr -k3,3 | cut -d' ' -f3- |
+        paste -sd' ' -)
+    threads=$({ grep '^thread ' <<<"$parsed" || true; } | sort -k2,2nr -k3,3 | cut -d' ' -f3- |
+        sed 's/$/,/' | paste -sd' ' - | sed 's/,$//')
+    if [[ -z $list ]]; then
+        log "warning: perf stat of $proxy ($scenario) counted no syscall it could read; kept in $base.perf"
+        list="(none counted)"
+    fi
 
     # context switches per request, from /proc: threads present at both ends, and those started in
     # between (from zero)
