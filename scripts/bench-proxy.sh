@@ -618,7 +618,8 @@ trace_syscalls() {
             die "perf stat of $proxy ($scenario) exited before the load"
         fi
         ((polls < 400)) || die "perf stat of $proxy ($scenario) still opens events after 20s"
-        fds=$(find /proc/"$TRACE_PID"/fd -lname '*perf_event*' 2>/dev/null | wc -l)
+        # (find fails when an fd closes while it lists them: with pipefail that must not end the run)
+        fds=$({ find /proc/"$TRACE_PID"/fd -lname '*perf_event*' 2>/dev/null || true; } | wc -l)
         if ((fds > 0 && fds == last)); then stable=$((stable + 1)); else stable=0 last=$fds; fi
         sleep 0.05
     done
