@@ -266,6 +266,17 @@ pub struct ProxyConfig {
     /// Memory all request bodies being buffered may hold together; beyond it bodies stream.
     #[serde(default = "ProxyConfig::default_request_buffer_budget_bytes")]
     pub request_buffer_budget_bytes: u64,
+    /// The largest body one request may hold in a spool file when it is too large for memory
+    /// (413 beyond); 0: such bodies stream to the target instead.
+    #[serde(default = "ProxyConfig::default_request_spool_bytes")]
+    pub request_spool_bytes: u64,
+    /// Bytes all spool files may hold together (413 beyond).
+    #[serde(default = "ProxyConfig::default_request_spool_budget_bytes")]
+    pub request_spool_budget_bytes: u64,
+    /// Where spool files are made (nameless from the start); unset: the system's temporary
+    /// directory (`TMPDIR`, else `/tmp`).
+    #[serde(default)]
+    pub request_spool_dir: Option<PathBuf>,
 }
 
 impl ProxyConfig {
@@ -292,6 +303,19 @@ impl ProxyConfig {
     }
     fn default_request_buffer_budget_bytes() -> u64 {
         128 * 1024 * 1024
+    }
+    fn default_request_spool_bytes() -> u64 {
+        1024 * 1024 * 1024
+    }
+    fn default_request_spool_budget_bytes() -> u64 {
+        8 * 1024 * 1024 * 1024
+    }
+
+    /// The directory spool files are made in.
+    pub fn spool_dir(&self) -> PathBuf {
+        self.request_spool_dir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir)
     }
     fn default_listen() -> SocketAddr {
         "0.0.0.0:8080".parse().expect("valid literal")
@@ -320,6 +344,9 @@ impl Default for ProxyConfig {
             http2_idle_timeout_ms: Self::default_http2_idle_timeout_ms(),
             client_body_timeout_ms: Self::default_client_body_timeout_ms(),
             request_buffer_budget_bytes: Self::default_request_buffer_budget_bytes(),
+            request_spool_bytes: Self::default_request_spool_bytes(),
+            request_spool_budget_bytes: Self::default_request_spool_budget_bytes(),
+            request_spool_dir: None,
         }
     }
 }
@@ -478,6 +505,15 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES",
         "proxy.request_buffer_budget_bytes",
     ),
+    (
+        "RAAHI_PROXY_REQUEST_SPOOL_BYTES",
+        "proxy.request_spool_bytes",
+    ),
+    (
+        "RAAHI_PROXY_REQUEST_SPOOL_BUDGET_BYTES",
+        "proxy.request_spool_budget_bytes",
+    ),
+    ("RAAHI_PROXY_REQUEST_SPOOL_DIR", "proxy.request_spool_dir"),
     (
         "RAAHI_REGISTRATION_CONSUL_ADDRESS",
         "registration.consul.address",
@@ -663,6 +699,12 @@ impl Config {
                 return Err(invalid(key, "must be at most 86400000 (a day)"));
             }
         }
+        if self.proxy.request_spool_budget_bytes < self.proxy.request_spool_bytes {
+            return Err(invalid(
+                "proxy.request_spool_budget_bytes",
+                "must be at least proxy.request_spool_bytes (one largest body must fit)",
+            ));
+        }
         if let Some(token) = &self.admin.token {
             if token.len() < 16 {
                 return Err(invalid("admin.token", "must be at least 16 characters"));
@@ -769,6 +811,8 @@ const COUNT_KEYS: &[&str] = &[
     "proxy.max_uri_bytes",
     "proxy.http2_max_concurrent_streams",
     "proxy.request_buffer_budget_bytes",
+    "proxy.request_spool_bytes",
+    "proxy.request_spool_budget_bytes",
 ];
 
 /// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
@@ -1070,6 +1114,9 @@ mod tests {
         assert_eq!(defaults.max_uri_bytes, 8192);
         assert_eq!(defaults.http2_max_concurrent_streams, 100);
         assert_eq!(defaults.request_buffer_budget_bytes, 128 << 20);
+        assert_eq!(defaults.request_spool_bytes, 1 << 30);
+        assert_eq!(defaults.request_spool_budget_bytes, 8 << 30);
+        assert_eq!(defaults.spool_dir(), std::env::temp_dir());
         let config = Config::from_parts(
             "c",
             Some("[proxy]\nmax_header_bytes = 4096\nhttp2_idle_timeout_ms = 5000\n"),
@@ -1086,6 +1133,26 @@ mod tests {
         assert_eq!(config.http2_idle_timeout_ms, 5000);
         assert_eq!(config.request_buffer_budget_bytes, 1 << 20);
         assert_eq!(config.client_body_timeout_ms, 700);
+        let spool = Config::from_parts(
+            "c",
+            Some("[proxy]\nrequest_spool_dir = \"/var/spool/raahi\"\n"),
+            &env(&[
+                ("RAAHI_PROXY_REQUEST_SPOOL_BYTES", "0"),
+                ("RAAHI_PROXY_REQUEST_SPOOL_BUDGET_BYTES", "4096"),
+            ]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(spool.request_spool_bytes, 0, "0 turns spooling off");
+        assert_eq!(spool.request_spool_budget_bytes, 4096);
+        assert_eq!(spool.spool_dir(), PathBuf::from("/var/spool/raahi"));
+        let error = Config::from_parts(
+            "c",
+            None,
+            &env(&[("RAAHI_PROXY_REQUEST_SPOOL_BUDGET_BYTES", "1048576")]),
+        )
+        .unwrap_err();
+        assert_eq!(key_of(error), "proxy.request_spool_budget_bytes");
         for (variable, key) in [
             ("RAAHI_PROXY_MAX_CONNECTIONS", "proxy.max_connections"),
             ("RAAHI_PROXY_MAX_URI_BYTES", "proxy.max_uri_bytes"),

@@ -19,7 +19,9 @@ use crate::control::{
 };
 use crate::events::{EventLog, EventSettings};
 use crate::proxy::stream::{StreamListeners, StreamSettings};
-use crate::proxy::{self, BodySettings, BufferBudget, ListenerSettings, ProxyState, RequestLimits};
+use crate::proxy::{
+    self, BodySettings, Budget, ListenerSettings, ProxyState, RequestLimits, SpoolSettings,
+};
 use crate::registration::{Registrar, RegistrationError};
 use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
@@ -46,6 +48,8 @@ pub enum StartError {
     },
     #[error("{0}")]
     Registration(#[from] RegistrationError),
+    #[error("proxy.request_spool_dir: cannot make spool files in {dir}: {source}")]
+    SpoolDir { dir: String, source: std::io::Error },
 }
 
 /// A started gateway. Dropping it does not stop the proxy (only the registration's heartbeats);
@@ -218,10 +222,7 @@ impl Gateway {
             snapshots.clone(),
             gateway_counters.clone(),
             settings.requests,
-            BodySettings {
-                client_body_timeout: Duration::from_millis(config.proxy.client_body_timeout_ms),
-                budget: BufferBudget::new(config.proxy.request_buffer_budget_bytes),
-            },
+            body_settings(&config.proxy, &gateway_counters)?,
         );
         let mut tasks = vec![proxy::serve_http(
             proxy_listener,
@@ -460,6 +461,43 @@ fn reload_on_sighup(reloads: Reloads) -> JoinHandle<()> {
 }
 
 /// The event log's bounds as configured (`config` names no module of the gateway).
+/// What request bodies may hold: memory, and a spool directory checked to be usable now.
+fn body_settings(
+    proxy: &crate::config::ProxyConfig,
+    counters: &Arc<GatewayCounters>,
+) -> Result<BodySettings, StartError> {
+    let memory = Budget::new(
+        proxy.request_buffer_budget_bytes,
+        counters.clone(),
+        |counters| &counters.request_body_memory_bytes,
+    );
+    let spool = if proxy.request_spool_bytes == 0 {
+        None
+    } else {
+        let dir = proxy.spool_dir();
+        proxy::probe_spool_dir(&dir).map_err(|source| StartError::SpoolDir {
+            dir: dir.display().to_string(),
+            source,
+        })?;
+        Some(SpoolSettings {
+            dir,
+            max_request_bytes: proxy.request_spool_bytes,
+            disk: Budget::new(
+                proxy.request_spool_budget_bytes,
+                counters.clone(),
+                |counters| &counters.request_spool_bytes,
+            ),
+            memory: memory.clone(),
+            counters: counters.clone(),
+        })
+    };
+    Ok(BodySettings {
+        client_body_timeout: Duration::from_millis(proxy.client_body_timeout_ms),
+        budget: memory,
+        spool,
+    })
+}
+
 fn event_settings(admin: &crate::config::AdminConfig) -> EventSettings {
     EventSettings {
         ring: admin.event_ring,

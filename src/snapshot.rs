@@ -70,6 +70,12 @@ pub struct GatewayCounters {
     pub client_connections_refused: AtomicU64,
     /// Requests refused for breaking a rule or limit, by [`REFUSAL_CODES`] position.
     pub requests_refused: [AtomicU64; REFUSAL_CODES.len()],
+    /// Memory held now by request bodies read before a target is picked.
+    pub request_body_memory_bytes: AtomicU64,
+    /// Bytes written now to spool files by request bodies too large for memory.
+    pub request_spool_bytes: AtomicU64,
+    /// Request bodies that went to a spool file (so far).
+    pub requests_spooled: AtomicU64,
 }
 
 /// The answers (error codes) of requests refused before or instead of reaching a target for

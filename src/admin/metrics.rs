@@ -43,6 +43,8 @@ struct Scrape {
     client_connections: u64,
     client_connections_refused: u64,
     http2_calmed_connections: u64,
+    /// Request bodies held before a pick: (memory bytes, spool bytes, bodies spooled).
+    request_bodies: (u64, u64, u64),
     dropped_log_lines: u64,
     requests_refused: Vec<(Labels, u64)>,
     streams: Vec<StreamSample>,
@@ -145,6 +147,20 @@ async fn gather(state: &AdminState) -> Scrape {
             .gateway_counters
             .http2_calmed_connections
             .load(Ordering::Relaxed),
+        request_bodies: (
+            state
+                .gateway_counters
+                .request_body_memory_bytes
+                .load(Ordering::Relaxed),
+            state
+                .gateway_counters
+                .request_spool_bytes
+                .load(Ordering::Relaxed),
+            state
+                .gateway_counters
+                .requests_spooled
+                .load(Ordering::Relaxed),
+        ),
         dropped_log_lines: crate::telemetry::dropped_log_lines(),
         requests_refused: REFUSAL_CODES
             .iter()
@@ -412,6 +428,27 @@ impl Collector for Scrape {
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most \
              of the streams they opened (rapid reset).",
             [(Labels::new(), self.http2_calmed_connections)],
+        )?;
+        let (memory, spool, spooled) = self.request_bodies;
+        gauge(
+            &mut encoder,
+            "raahi_request_body_memory_bytes",
+            "Memory held now by request bodies read before a target is picked (counted as \
+             allocated; proxy.request_buffer_budget_bytes bounds it).",
+            [(Labels::new(), i64::try_from(memory).unwrap_or(i64::MAX))],
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_request_spool_bytes",
+            "Bytes held now in spool files by request bodies too large for memory \
+             (proxy.request_spool_budget_bytes bounds it).",
+            [(Labels::new(), i64::try_from(spool).unwrap_or(i64::MAX))],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_requests_spooled",
+            "Request bodies written to a spool file before a target was picked.",
+            [(Labels::new(), spooled)],
         )?;
         counter(
             &mut encoder,

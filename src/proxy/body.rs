@@ -13,7 +13,9 @@ use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
 use super::accounting::InFlight;
+use super::budget::Reservation;
 use super::h1client::ResponseBody;
+use super::spool::{SpoolReader, SpooledBody};
 use crate::clock::unix_ms;
 
 /// A response body from a target: read by hyper's client (`https` targets) or straight off a
@@ -96,6 +98,9 @@ pub enum ClientBodyError {
     Read(#[from] hyper::Error),
     #[error("the request body is larger than the {limit} bytes the route accepts")]
     TooLarge { limit: u64 },
+    /// The gateway's own spool file could not be read back.
+    #[error("reading the spooled request body failed: {0}")]
+    Spool(std::io::Error),
 }
 
 /// The client's request body as it streams up: what was read ahead of the upload, then the
@@ -178,81 +183,44 @@ impl Body for ClientBody {
     }
 }
 
-/// Memory that request bodies being read whole may hold together (`proxy.
-/// request_buffer_budget_bytes`): past it, bodies stream.
-#[derive(Debug)]
-pub struct BufferBudget {
-    limit: u64,
-    used: AtomicU64,
-}
-
-impl BufferBudget {
-    pub fn new(limit: u64) -> Arc<BufferBudget> {
-        Arc::new(BufferBudget {
-            limit,
-            used: AtomicU64::new(0),
-        })
-    }
-
-    /// Takes `bytes` more for `reservation`, if the budget has them.
-    pub fn grow(&self, reservation: &mut Reservation, bytes: u64) -> bool {
-        let before = self.used.fetch_add(bytes, Ordering::Relaxed);
-        if before + bytes > self.limit {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
-            return false;
-        }
-        reservation.bytes += bytes;
-        true
-    }
-
-    #[cfg(test)]
-    pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
-    }
-}
-
-/// One body's share of the [`BufferBudget`], given back when the body is gone.
-#[derive(Debug)]
-pub struct Reservation {
-    budget: Arc<BufferBudget>,
-    bytes: u64,
-}
-
-impl Reservation {
-    pub fn new(budget: &Arc<BufferBudget>) -> Reservation {
-        Reservation {
-            budget: budget.clone(),
-            bytes: 0,
-        }
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.bytes, Ordering::Relaxed);
-    }
-}
-
 /// A request body read whole before a target was picked: the same bytes go to every attempt,
-/// so a request with a body may be retried like one without.
+/// so a request with a body may be retried like one without. Held in memory, or in a spool
+/// file when it was too large for memory.
 #[derive(Clone)]
 pub struct BufferedBody {
-    chunks: Vec<Bytes>,
+    content: HeldContent,
     trailers: Option<HeaderMap>,
-    /// Held while any attempt still has the bytes.
-    _reservation: Arc<Reservation>,
+}
+
+#[derive(Clone)]
+enum HeldContent {
+    Memory {
+        data: Bytes,
+        /// Held while any attempt still has the bytes.
+        _reservation: Arc<Reservation>,
+    },
+    Spooled(SpooledBody),
 }
 
 impl BufferedBody {
-    pub fn new(
-        chunks: Vec<Bytes>,
+    pub fn in_memory(
+        data: Bytes,
         trailers: Option<HeaderMap>,
         reservation: Reservation,
     ) -> BufferedBody {
         BufferedBody {
-            chunks,
+            content: HeldContent::Memory {
+                data,
+                _reservation: Arc::new(reservation),
+            },
             trailers,
-            _reservation: Arc::new(reservation),
+        }
+    }
+
+    pub fn spooled(body: SpooledBody, trailers: Option<HeaderMap>) -> BufferedBody {
+        BufferedBody {
+            content: HeldContent::Spooled(body),
+            trailers,
         }
     }
 }
@@ -262,19 +230,30 @@ impl BufferedBody {
 pub enum UpstreamRequestBody {
     Empty,
     Buffered {
-        chunks: VecDeque<Bytes>,
+        data: Option<Bytes>,
         trailers: Option<HeaderMap>,
         _reservation: Arc<Reservation>,
+    },
+    Spooled {
+        reader: SpoolReader,
+        trailers: Option<HeaderMap>,
     },
     Streaming(UntouchedBody),
 }
 
 impl UpstreamRequestBody {
     pub fn buffered(body: &BufferedBody) -> UpstreamRequestBody {
-        UpstreamRequestBody::Buffered {
-            chunks: body.chunks.iter().cloned().collect(),
-            trailers: body.trailers.clone(),
-            _reservation: body._reservation.clone(),
+        let trailers = body.trailers.clone();
+        match &body.content {
+            HeldContent::Memory { data, _reservation } => UpstreamRequestBody::Buffered {
+                data: Some(data.clone()).filter(|data| !data.is_empty()),
+                trailers,
+                _reservation: _reservation.clone(),
+            },
+            HeldContent::Spooled(spooled) => UpstreamRequestBody::Spooled {
+                reader: spooled.reader(),
+                trailers,
+            },
         }
     }
 }
@@ -382,14 +361,23 @@ impl Body for UpstreamRequestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, ClientBodyError>>> {
         match &mut *self {
             UpstreamRequestBody::Empty => Poll::Ready(None),
-            UpstreamRequestBody::Buffered {
-                chunks, trailers, ..
-            } => Poll::Ready(match chunks.pop_front() {
-                Some(chunk) => Some(Ok(Frame::data(chunk))),
-                None => trailers
-                    .take()
-                    .map(|trailers| Ok(Frame::trailers(trailers))),
-            }),
+            UpstreamRequestBody::Buffered { data, trailers, .. } => {
+                Poll::Ready(match data.take() {
+                    Some(data) => Some(Ok(Frame::data(data))),
+                    None => trailers
+                        .take()
+                        .map(|trailers| Ok(Frame::trailers(trailers))),
+                })
+            }
+            UpstreamRequestBody::Spooled { reader, trailers } => {
+                Poll::Ready(match ready!(reader.poll_chunk(cx)) {
+                    Some(Ok(data)) => Some(Ok(Frame::data(data))),
+                    Some(Err(error)) => Some(Err(ClientBodyError::Spool(error))),
+                    None => trailers
+                        .take()
+                        .map(|trailers| Ok(Frame::trailers(trailers))),
+                })
+            }
             UpstreamRequestBody::Streaming(body) => {
                 body.polled = true;
                 let Some(inner) = body.inner.as_mut() else {
@@ -410,7 +398,7 @@ impl Body for UpstreamRequestBody {
                     Poll::Ready(Some(Err(error))) => {
                         let flag = match error {
                             ClientBodyError::TooLarge { .. } => &body.too_large,
-                            ClientBodyError::Read(_) => &body.failed,
+                            ClientBodyError::Read(_) | ClientBodyError::Spool(_) => &body.failed,
                         };
                         flag.store(true, Ordering::Relaxed);
                         true
@@ -429,9 +417,12 @@ impl Body for UpstreamRequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             UpstreamRequestBody::Empty => true,
-            UpstreamRequestBody::Buffered {
-                chunks, trailers, ..
-            } => chunks.is_empty() && trailers.is_none(),
+            UpstreamRequestBody::Buffered { data, trailers, .. } => {
+                data.is_none() && trailers.is_none()
+            }
+            UpstreamRequestBody::Spooled { reader, trailers } => {
+                reader.remaining() == 0 && trailers.is_none()
+            }
             UpstreamRequestBody::Streaming(body) => {
                 body.inner.as_ref().is_none_or(Body::is_end_stream)
             }
@@ -441,9 +432,10 @@ impl Body for UpstreamRequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             UpstreamRequestBody::Empty => SizeHint::with_exact(0),
-            UpstreamRequestBody::Buffered { chunks, .. } => {
-                SizeHint::with_exact(chunks.iter().map(|chunk| chunk.len() as u64).sum())
+            UpstreamRequestBody::Buffered { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |data| data.len() as u64))
             }
+            UpstreamRequestBody::Spooled { reader, .. } => SizeHint::with_exact(reader.remaining()),
             UpstreamRequestBody::Streaming(body) => body
                 .inner
                 .as_ref()

@@ -6,6 +6,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 
 use super::failure::{Blame, NoTarget, UpstreamFailure, UpstreamFailureKind};
+use super::spool::SpoolError;
 use crate::snapshot::REFUSAL_CODES;
 
 /// Why a proxied HTTP request failed.
@@ -44,6 +45,9 @@ pub enum ProxyError {
         service: String,
         reason: super::accounting::Overloaded,
     },
+    /// A body too large for memory could not be held in the spool.
+    #[error(transparent)]
+    Spool(#[from] SpoolError),
 }
 
 impl ProxyError {
@@ -57,7 +61,11 @@ impl ProxyError {
             ProxyError::UnsupportedTransferCoding { .. } => StatusCode::NOT_IMPLEMENTED,
             ProxyError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::BodyTooLarge { .. }
+            | ProxyError::Spool(SpoolError::TooLarge { .. } | SpoolError::Full { .. }) => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            ProxyError::Spool(SpoolError::Io(_)) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::ClientHeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -88,7 +96,11 @@ impl ProxyError {
             ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
             ProxyError::UriTooLong { .. } => "uri_too_long",
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
-            ProxyError::BodyTooLarge { .. } => "request_body_too_large",
+            ProxyError::BodyTooLarge { .. }
+            | ProxyError::Spool(SpoolError::TooLarge { .. } | SpoolError::Full { .. }) => {
+                "request_body_too_large"
+            }
+            ProxyError::Spool(SpoolError::Io(_)) => "request_spool_failed",
             ProxyError::TooManyConnections { .. } => "too_many_connections",
             ProxyError::UpstreamOverloaded { .. } => "upstream_overloaded",
             ProxyError::NoTarget(no_target) => no_target.code(),
@@ -108,7 +120,9 @@ impl ProxyError {
             | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::UriTooLong { .. }
             | ProxyError::HeadersTooLarge { .. }
-            | ProxyError::BodyTooLarge { .. } => Blame::Client,
+            | ProxyError::BodyTooLarge { .. }
+            | ProxyError::Spool(SpoolError::TooLarge { .. }) => Blame::Client,
+            ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) => Blame::Upstream,
             ProxyError::TooManyConnections { .. } | ProxyError::UpstreamOverloaded { .. } => {
@@ -142,6 +156,7 @@ impl ProxyError {
             | ProxyError::UriTooLong { .. }
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::BodyTooLarge { .. }
+            | ProxyError::Spool(_)
             | ProxyError::TooManyConnections { .. } => true,
         }
     }
@@ -151,6 +166,10 @@ impl ProxyError {
     pub fn client_message(&self) -> String {
         match self {
             ProxyError::Upstream(failure) => failure.client_message(),
+            // The file system's story (paths, devices) is the log's.
+            ProxyError::Spool(SpoolError::Io(_)) => {
+                "the gateway could not hold the request body; try again later".to_owned()
+            }
             _ => self.to_string(),
         }
     }
@@ -282,6 +301,8 @@ mod tests {
             },
             ProxyError::HeadersTooLarge { reason: "x".into() },
             ProxyError::BodyTooLarge { limit: 1 },
+            ProxyError::Spool(SpoolError::TooLarge { limit: 1 }),
+            ProxyError::Spool(SpoolError::Full { limit: 1 }),
             ProxyError::ClientBodyTimeout { timeout_ms: 1 },
             ProxyError::ClientBodyTooSlow { timeout_ms: 1 },
             ProxyError::UpstreamOverloaded {
@@ -302,6 +323,26 @@ mod tests {
             }
             .refusal(),
             None
+        );
+    }
+
+    #[test]
+    fn a_spool_failure_is_the_gateway_s_and_tells_no_file_system_detail() {
+        let error = ProxyError::Spool(SpoolError::Io(std::io::Error::other(
+            "/var/spool/raahi: No space left on device",
+        )));
+        assert_eq!(error.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(error.code(), "request_spool_failed");
+        assert_eq!(error.blame(), Blame::Gateway);
+        assert!(
+            error.to_string().contains("No space left"),
+            "the log has it"
+        );
+        assert!(!error.client_message().contains("/var/spool"));
+        let full = ProxyError::Spool(SpoolError::Full { limit: 10 });
+        assert_eq!(
+            (full.status(), full.blame()),
+            (StatusCode::PAYLOAD_TOO_LARGE, Blame::Gateway)
         );
     }
 

@@ -5,6 +5,7 @@
 
 mod accounting;
 mod body;
+mod budget;
 mod client;
 mod connector;
 mod detach;
@@ -18,6 +19,7 @@ mod headers;
 mod plain_target;
 mod pool;
 mod sni;
+mod spool;
 pub mod stream;
 
 use std::convert::Infallible;
@@ -36,11 +38,12 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
-pub use body::BufferBudget;
+pub use budget::Budget;
 pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
 pub use error::ProxyError;
 pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
 pub use forward::{BodySettings, ProxyBody};
+pub use spool::{probe as probe_spool_dir, SpoolSettings};
 
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;

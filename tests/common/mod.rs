@@ -48,7 +48,12 @@ pub struct TestGateway {
 }
 
 pub fn test_config(dir: &std::path::Path) -> Config {
-    let env: Vec<(String, String)> = vec![
+    test_config_with(dir, &[])
+}
+
+/// The test config with `overrides` in their environment form (`RAAHI_PROXY_...`).
+pub fn test_config_with(dir: &std::path::Path, overrides: &[(&str, &str)]) -> Config {
+    let mut env: Vec<(String, String)> = vec![
         ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
         ("RAAHI_ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
         ("RAAHI_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
@@ -57,6 +62,11 @@ pub fn test_config(dir: &std::path::Path) -> Config {
             format!("sqlite://{}/raahi.db", dir.display()),
         ),
     ];
+    env.extend(
+        overrides
+            .iter()
+            .map(|(key, value)| (key.to_string(), value.to_string())),
+    );
     Config::from_parts("test.toml", None, &env).expect("test config is valid")
 }
 
@@ -729,6 +739,16 @@ impl TestGateway {
             .expect("the admin listener answers");
         assert_eq!(response.status(), 200, "GET /metrics");
         response.text().await.expect("a text body")
+    }
+
+    /// One metric series' value as `/metrics` shows it, `series` with its labels as written
+    /// there (0 when absent).
+    pub async fn metric(&self, series: &str) -> u64 {
+        let text = self.metrics_text().await;
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+            .map(|value| value.trim().parse::<f64>().expect("a number") as u64)
+            .unwrap_or(0)
     }
 }
 

@@ -13,21 +13,7 @@ use tokio::net::TcpStream;
 /// A gateway with `overrides` (environment form) routing everything to one upstream `name`.
 async fn gateway_with(overrides: &[(&str, &str)], name: &str) -> (TestGateway, Upstream) {
     let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
-    let mut env: Vec<(String, String)> = vec![
-        ("RAAHI_PROXY_LISTEN".into(), "127.0.0.1:0".into()),
-        ("RAAHI_ADMIN_LISTEN".into(), "127.0.0.1:0".into()),
-        ("RAAHI_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
-        (
-            "RAAHI_DATABASE_URL".into(),
-            format!("sqlite://{}/raahi.db", dir.path().display()),
-        ),
-    ];
-    env.extend(
-        overrides
-            .iter()
-            .map(|(key, value)| (key.to_string(), value.to_string())),
-    );
-    let config = raahi::config::Config::from_parts("limits.toml", None, &env).unwrap();
+    let config = test_config_with(dir.path(), overrides);
     let gateway = TestGateway::start_with(dir, config).await;
     let upstream = Upstream::start(name).await;
     let service = gateway
@@ -39,11 +25,7 @@ async fn gateway_with(overrides: &[(&str, &str)], name: &str) -> (TestGateway, U
 
 /// One metric sample's value as `/metrics` shows it (0 when absent).
 async fn sample(gateway: &TestGateway, series: &str) -> u64 {
-    let text = gateway.metrics_text().await;
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .map(|value| value.trim().parse::<f64>().unwrap() as u64)
-        .unwrap_or(0)
+    gateway.metric(series).await
 }
 
 /// Reads what a connection sends until the gateway closes it (at most 10 s).
@@ -323,12 +305,16 @@ async fn a_buffered_upload_slower_than_the_client_body_timeout_gets_408() {
     );
 }
 
-/// Past the listener's buffer budget, bodies stream instead: memory stays bounded and the
-/// request goes up with what was read so far.
+/// With spooling off, a body past the memory budget streams instead: memory stays bounded
+/// and the request goes up with what was read so far. (With spooling on, it spools: see
+/// `request_spool.rs`.)
 #[tokio::test]
-async fn past_the_buffer_budget_bodies_stream() {
+async fn past_the_buffer_budget_bodies_stream_when_spooling_is_off() {
     let (gateway, upstream) = gateway_with(
-        &[("RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES", "1000")],
+        &[
+            ("RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES", "1000"),
+            ("RAAHI_PROXY_REQUEST_SPOOL_BYTES", "0"),
+        ],
         "budget",
     )
     .await;

@@ -36,6 +36,7 @@ mod layering;
 mod operability;
 mod proxy;
 mod registration;
+mod request_spool;
 mod smoke;
 mod stream_routes;
 mod tls;

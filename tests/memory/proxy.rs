@@ -5,7 +5,10 @@ use crate::common;
 use crate::RssPeak;
 use common::*;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
 use std::time::Instant;
 
 use http_body_util::BodyExt;
@@ -21,7 +24,8 @@ async fn one_gib_upload_streams_with_flat_memory() {
     let service = gateway
         .service_with_targets("sink", &[target(&sink, 1, 0)])
         .await;
-    gateway.route_all_to(service).await;
+    // A route that streams bodies: with the defaults a gigabyte would be spooled first.
+    gateway.route_all_streaming_to(service).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<GeneratedBody>();
 
@@ -97,5 +101,169 @@ async fn one_gib_download_streams_with_flat_memory() {
         "RSS grew by {} MiB during a 1 GiB download (took {:?})",
         growth / 1024,
         started.elapsed()
+    );
+}
+
+/// A body too large for memory is spooled to disk, then sent: memory stays flat however large
+/// it is (issue 31: a 200 MB upload with the defaults).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_200_mb_upload_spools_with_flat_memory() {
+    const SIZE: u64 = 200 << 20;
+    let _alone = crate::ALONE.lock().await;
+    let gateway = TestGateway::start().await;
+    let sink = Upstream::start("sink").await;
+    let service = gateway
+        .service_with_targets("sink", &[target(&sink, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<GeneratedBody>();
+    let warm = hyper::Request::post(gateway.proxy_url("/upload"))
+        .body(GeneratedBody::new(2 << 20))
+        .unwrap();
+    let response = client.request(warm).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.into_body().collect().await.unwrap();
+
+    let before = rss_kib();
+    let peak = RssPeak::start();
+    let started = Instant::now();
+    let request = hyper::Request::post(gateway.proxy_url("/upload"))
+        .body(GeneratedBody::new(SIZE))
+        .unwrap();
+    let response = client.request(request).await.expect("upload answered");
+    assert_eq!(response.status(), 200);
+    response.into_body().collect().await.unwrap();
+    let peak = peak.finish();
+
+    assert_eq!(sink.last_seen().body_len as u64, SIZE);
+    assert_eq!(
+        gateway.metric("raahi_requests_spooled_total").await,
+        2,
+        "both bodies went through the spool"
+    );
+    let growth = peak.saturating_sub(before);
+    assert!(
+        growth < 32 * 1024,
+        "RSS grew by {} MiB during a 200 MB spooled upload (took {:?})",
+        growth / 1024,
+        started.elapsed()
+    );
+}
+
+/// Clients sending a body a byte per TCP segment (HTTP/1.1) or per DATA frame (HTTP/2) cost
+/// about what they sent, not a read buffer per byte (issue 31: 4 KB per body byte before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_sent_a_byte_at_a_time_cost_what_they_hold() {
+    const HTTP1_CLIENTS: usize = 400;
+    const HTTP2_STREAMS: usize = 100;
+    const BYTES_EACH: usize = 200;
+    let _alone = crate::ALONE.lock().await;
+    let gateway = TestGateway::start().await;
+    let sink = Upstream::start("sink").await;
+    let service = gateway
+        .service_with_targets("sink", &[target(&sink, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    // Warm the gateway's paths once so their first-use allocations are not counted.
+    assert_eq!(gateway.get("/warm").await.status(), 200);
+
+    let before = rss_kib();
+    let peak = RssPeak::start();
+    let sent = Arc::new(AtomicU64::new(0));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut clients = Vec::new();
+    for _ in 0..HTTP1_CLIENTS {
+        // Connected one by one: a burst of connects is the listen backlog's test, not this.
+        let mut stream = tokio::net::TcpStream::connect(gateway.proxy).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let sent = sent.clone();
+        let mut stopped = stopped.clone();
+        clients.push(tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            stream
+                .write_all(
+                    b"POST /upload HTTP/1.1\r\nHost: a.test\r\nContent-Length: 100000\r\n\r\n",
+                )
+                .await
+                .unwrap();
+            for _ in 0..BYTES_EACH {
+                stream.write_all(b"b").await.unwrap();
+                sent.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            let _ = stopped.wait_for(|stop| *stop).await;
+        }));
+    }
+    let connection = tokio::net::TcpStream::connect(gateway.proxy).await.unwrap();
+    let (mut sender, driver) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(connection),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(driver);
+    for _ in 0..HTTP2_STREAMS {
+        sender.ready().await.unwrap();
+        let sent = sent.clone();
+        let stopped = stopped.clone();
+        let body = http_body_util::StreamBody::new(Box::pin(futures_util::stream::unfold(
+            (0usize, sent, stopped),
+            |(count, sent, mut stopped)| async move {
+                if count == BYTES_EACH {
+                    // Hold the stream open, its body unfinished, until the test is done.
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                    return None;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                sent.fetch_add(1, Ordering::Relaxed);
+                Some((
+                    Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(
+                        Bytes::from_static(b"b"),
+                    )),
+                    (count + 1, sent, stopped),
+                ))
+            },
+        )));
+        let request = hyper::Request::post(gateway.proxy_url("/upload"))
+            .header("content-length", "100000")
+            .body(body)
+            .unwrap();
+        let response = sender.send_request(request);
+        clients.push(tokio::spawn(async move {
+            let _ = response.await;
+        }));
+    }
+    let total = ((HTTP1_CLIENTS + HTTP2_STREAMS) * BYTES_EACH) as u64;
+    wait_until(
+        "every byte sent",
+        std::time::Duration::from_secs(60),
+        || async { sent.load(Ordering::Relaxed) == total },
+    )
+    .await;
+    wait_until(
+        "every byte held by the gateway",
+        std::time::Duration::from_secs(10),
+        || async { gateway.metric("raahi_request_body_memory_bytes").await >= total },
+    )
+    .await;
+    let held = gateway.metric("raahi_request_body_memory_bytes").await;
+    let peak = peak.finish();
+    let growth = peak.saturating_sub(before);
+    let _ = stop.send(true);
+    for client in clients {
+        client.abort();
+    }
+    assert_eq!(sink.hits(), 1, "only the warm-up reached the target");
+    assert!(
+        growth < 32 * 1024,
+        "RSS grew by {} MiB for {} bodies of {BYTES_EACH} bytes sent a byte at a time",
+        growth / 1024,
+        HTTP1_CLIENTS + HTTP2_STREAMS
+    );
+    // The budget is charged with what is allocated: a small buffer per body, not per byte.
+    assert!(
+        held <= ((HTTP1_CLIENTS + HTTP2_STREAMS) * 4096) as u64,
+        "{held} bytes charged"
     );
 }
