@@ -420,9 +420,10 @@ pub struct Route {
     pub priority: i32,
     /// Largest request body the route accepts (413 `request_body_too_large`); null: no limit.
     pub max_request_body_bytes: Option<u64>,
-    /// Request bodies up to this size are read whole before a target is picked, so a slow
-    /// uploader costs the upstream nothing; larger ones (and any beyond the listener's buffer
-    /// budget) stream. 0 streams every body.
+    /// Request bodies up to this size are read whole into memory before a target is picked,
+    /// so a slow uploader costs the upstream nothing; larger ones (and any beyond the
+    /// listener's memory budget) are spooled to disk first, or stream when spooling is off.
+    /// 0 streams every body.
     pub request_buffer_bytes: u64,
     /// The `Upgrade` protocols (e.g. `websocket`) the route passes to its targets; any other
     /// upgrade is forwarded as a plain request. `h2c` is never passed (RFC 9113 §3.1).
