@@ -1255,6 +1255,58 @@ fn rows() -> Vec<Row> {
         )
         .close(Either)
         .reaches(Reaches::NoCompleteRequest),
+        // Bodies too large for memory (past the route's 1 MiB request_buffer_bytes) are
+        // spooled whole first, then framed by length whatever framing the client chose.
+        Row::forwards(
+            "spooled_chunked_body_goes_up_with_a_length",
+            post(
+                "/spooled",
+                "Transfer-Encoding: chunked\r\n",
+                &format!(
+                    "{}0\r\n\r\n",
+                    format!("8000\r\n{}\r\n", "s".repeat(0x8000)).repeat(40)
+                ),
+            ),
+            vec![req("POST", "/spooled", "s".repeat(40 * 0x8000).as_bytes())],
+        )
+        .check(|seen| {
+            let request = &seen[0];
+            let length = request.values("content-length");
+            if length != [(40 * 0x8000).to_string()] || !request.values("transfer-encoding").is_empty() {
+                return Err(format!(
+                    "content-length {length:?}, transfer-encoding {:?}",
+                    request.values("transfer-encoding")
+                ));
+            }
+            Ok(())
+        }),
+        Row::forwards("spooled_body_after_100_continue", "", {
+            vec![req("POST", "/spooled-expect", "e".repeat(1_100_000).as_bytes())]
+        })
+        .steps(vec![
+            Step::Write(
+                post(
+                    "/spooled-expect",
+                    "Content-Length: 1100000\r\nExpect: 100-continue\r\n",
+                    "",
+                )
+                .into_bytes(),
+            ),
+            Step::AwaitContinue,
+            Step::Write("e".repeat(1_100_000).into_bytes()),
+        ]),
+        // Past proxy.request_spool_bytes (1 GiB) from the Content-Length: refused before a
+        // byte of the body is read (no 100 Continue either).
+        Row::refuses(
+            "declared_body_past_the_spool_limit",
+            post(
+                "/huge",
+                "Content-Length: 1073741825\r\nExpect: 100-continue\r\n",
+                "",
+            ),
+            413,
+            Some("request_body_too_large"),
+        ),
     ]
 }
 
