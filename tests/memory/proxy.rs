@@ -16,47 +16,60 @@ use http_body_util::BodyExt;
 const GIB: u64 = 1 << 30;
 const MEMORY_BUDGET_KIB: u64 = 100 * 1024;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_gib_upload_streams_with_flat_memory() {
-    let _alone = crate::ALONE.lock().await;
+/// Uploads `warm_up` bytes, then `size` bytes through `gateway` (whose route leads to
+/// `sink`), and returns how much this process's RSS grew at its peak during the second
+/// upload, in KiB, checking that every byte arrived.
+async fn upload_growth(gateway: &TestGateway, sink: &Upstream, warm_up: u64, size: u64) -> u64 {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<GeneratedBody>();
+    let client = &client;
+    let upload = |size| async move {
+        let request = hyper::Request::post(gateway.proxy_url("/upload"))
+            .body(GeneratedBody::new(size))
+            .unwrap();
+        let response = client.request(request).await.expect("upload answered");
+        assert_eq!(response.status(), 200);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"sink");
+    };
+    // Warm up the connections on every hop before the baseline.
+    upload(warm_up).await;
+    let before = rss_kib();
+    let peak = RssPeak::start();
+    upload(size).await;
+    let peak = peak.finish();
+    let seen = sink.last_seen();
+    assert_eq!(seen.method, "POST");
+    assert_eq!(
+        seen.body_len as u64, size,
+        "upload arrived with the wrong size"
+    );
+    assert_eq!(sink.body_bytes.load(Ordering::SeqCst), warm_up + size);
+    peak.saturating_sub(before)
+}
+
+/// A gateway routing everything to a sink upstream, the route streaming bodies or not.
+async fn gateway_to_sink(streaming: bool) -> (TestGateway, Upstream) {
     let gateway = TestGateway::start().await;
     let sink = Upstream::start("sink").await;
     let service = gateway
         .service_with_targets("sink", &[target(&sink, 1, 0)])
         .await;
+    if streaming {
+        gateway.route_all_streaming_to(service).await;
+    } else {
+        gateway.route_all_to(service).await;
+    }
+    (gateway, sink)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_upload_streams_with_flat_memory() {
+    let _alone = crate::ALONE.lock().await;
     // A route that streams bodies: with the defaults a gigabyte would be spooled first.
-    gateway.route_all_streaming_to(service).await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<GeneratedBody>();
-
-    // Warm up the connections on every hop before the baseline.
-    let warm = hyper::Request::post(gateway.proxy_url("/upload"))
-        .body(GeneratedBody::new(1 << 20))
-        .unwrap();
-    let response = client.request(warm).await.unwrap();
-    assert_eq!(response.status(), 200);
-    response.into_body().collect().await.unwrap();
-
-    let before = rss_kib();
-    let peak = RssPeak::start();
+    let (gateway, sink) = gateway_to_sink(true).await;
     let started = Instant::now();
-    let request = hyper::Request::post(gateway.proxy_url("/upload"))
-        .body(GeneratedBody::new(GIB))
-        .unwrap();
-    let response = client.request(request).await.expect("upload answered");
-    assert_eq!(response.status(), 200);
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(&body[..], b"sink");
-    let peak = peak.finish();
-
-    let seen = sink.last_seen();
-    assert_eq!(seen.method, "POST");
-    assert_eq!(
-        seen.body_len as u64, GIB,
-        "upload arrived with the wrong size"
-    );
-    assert_eq!(sink.body_bytes.load(Ordering::SeqCst), GIB + (1 << 20));
-    let growth = peak.saturating_sub(before);
+    let growth = upload_growth(&gateway, &sink, 1 << 20, GIB).await;
     assert!(
         growth < MEMORY_BUDGET_KIB,
         "RSS grew by {} MiB during a 1 GiB upload (took {:?})",
@@ -108,41 +121,15 @@ async fn one_gib_download_streams_with_flat_memory() {
 /// it is (issue 31: a 200 MB upload with the defaults).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_200_mb_upload_spools_with_flat_memory() {
-    const SIZE: u64 = 200 << 20;
     let _alone = crate::ALONE.lock().await;
-    let gateway = TestGateway::start().await;
-    let sink = Upstream::start("sink").await;
-    let service = gateway
-        .service_with_targets("sink", &[target(&sink, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<GeneratedBody>();
-    let warm = hyper::Request::post(gateway.proxy_url("/upload"))
-        .body(GeneratedBody::new(2 << 20))
-        .unwrap();
-    let response = client.request(warm).await.unwrap();
-    assert_eq!(response.status(), 200);
-    response.into_body().collect().await.unwrap();
-
-    let before = rss_kib();
-    let peak = RssPeak::start();
+    let (gateway, sink) = gateway_to_sink(false).await;
     let started = Instant::now();
-    let request = hyper::Request::post(gateway.proxy_url("/upload"))
-        .body(GeneratedBody::new(SIZE))
-        .unwrap();
-    let response = client.request(request).await.expect("upload answered");
-    assert_eq!(response.status(), 200);
-    response.into_body().collect().await.unwrap();
-    let peak = peak.finish();
-
-    assert_eq!(sink.last_seen().body_len as u64, SIZE);
+    let growth = upload_growth(&gateway, &sink, 2 << 20, 200 << 20).await;
     assert_eq!(
         gateway.metric("raahi_requests_spooled_total").await,
         2,
         "both bodies went through the spool"
     );
-    let growth = peak.saturating_sub(before);
     assert!(
         growth < 32 * 1024,
         "RSS grew by {} MiB during a 200 MB spooled upload (took {:?})",
@@ -159,12 +146,7 @@ async fn bodies_sent_a_byte_at_a_time_cost_what_they_hold() {
     const HTTP2_STREAMS: usize = 100;
     const BYTES_EACH: usize = 200;
     let _alone = crate::ALONE.lock().await;
-    let gateway = TestGateway::start().await;
-    let sink = Upstream::start("sink").await;
-    let service = gateway
-        .service_with_targets("sink", &[target(&sink, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
+    let (gateway, sink) = gateway_to_sink(false).await;
     // Warm the gateway's paths once so their first-use allocations are not counted.
     assert_eq!(gateway.get("/warm").await.status(), 200);
 
