@@ -378,6 +378,13 @@ pub struct AdminConfig {
     /// event: the events themselves are shared with the ring and every client).
     #[serde(default = "AdminConfig::default_event_client_queue")]
     pub event_client_queue: usize,
+    /// Open admin connections; past it a new one is closed at once.
+    #[serde(default = "AdminConfig::default_max_connections")]
+    pub max_connections: u32,
+    /// Bytes handed to event-stream clients and not yet written to their sockets, all clients
+    /// together; a client whose next frame would pass it is cut off.
+    #[serde(default = "AdminConfig::default_event_stream_budget_bytes")]
+    pub event_stream_budget_bytes: u64,
 }
 
 impl AdminConfig {
@@ -392,6 +399,14 @@ impl AdminConfig {
     fn default_event_client_queue() -> usize {
         4_096
     }
+
+    fn default_max_connections() -> u32 {
+        1_024
+    }
+
+    fn default_event_stream_budget_bytes() -> u64 {
+        64 << 20
+    }
 }
 
 impl Default for AdminConfig {
@@ -401,6 +416,8 @@ impl Default for AdminConfig {
             token: None,
             event_ring: Self::default_event_ring(),
             event_client_queue: Self::default_event_client_queue(),
+            max_connections: Self::default_max_connections(),
+            event_stream_budget_bytes: Self::default_event_stream_budget_bytes(),
         }
     }
 }
@@ -552,6 +569,11 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_ADMIN_TOKEN", "admin.token"),
     ("RAAHI_ADMIN_EVENT_RING", "admin.event_ring"),
     ("RAAHI_ADMIN_EVENT_CLIENT_QUEUE", "admin.event_client_queue"),
+    ("RAAHI_ADMIN_MAX_CONNECTIONS", "admin.max_connections"),
+    (
+        "RAAHI_ADMIN_EVENT_STREAM_BUDGET_BYTES",
+        "admin.event_stream_budget_bytes",
+    ),
     ("RAAHI_DATABASE_URL", "database.url"),
     ("RAAHI_CLUSTER_INSTANCE_ID", "cluster.instance_id"),
     ("RAAHI_CLUSTER_LEASE_MS", "cluster.lease_ms"),
@@ -665,6 +687,11 @@ impl Config {
                 self.proxy.client_header_timeout_ms,
             ),
             ("proxy.max_connections", self.proxy.max_connections.into()),
+            ("admin.max_connections", self.admin.max_connections.into()),
+            (
+                "admin.event_stream_budget_bytes",
+                self.admin.event_stream_budget_bytes,
+            ),
             ("proxy.max_header_count", self.proxy.max_header_count.into()),
             ("proxy.max_header_bytes", self.proxy.max_header_bytes.into()),
             ("proxy.max_uri_bytes", self.proxy.max_uri_bytes.into()),
@@ -805,6 +832,8 @@ const MAX_CLIENT_TIMEOUT_MS: u64 = 86_400_000;
 const COUNT_KEYS: &[&str] = &[
     "admin.event_ring",
     "admin.event_client_queue",
+    "admin.max_connections",
+    "admin.event_stream_budget_bytes",
     "proxy.max_connections",
     "proxy.max_header_count",
     "proxy.max_header_bytes",
@@ -1194,5 +1223,40 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("admin.event_ring"), "{error}");
+    }
+
+    #[test]
+    fn admin_listener_limits_default_override_and_validate() {
+        let config = Config::from_parts("c", None, &[]).unwrap();
+        assert_eq!(
+            (
+                config.admin.max_connections,
+                config.admin.event_stream_budget_bytes
+            ),
+            (1_024, 64 << 20)
+        );
+        let config = Config::from_parts(
+            "c",
+            Some("[admin]\nmax_connections = 8\n"),
+            &env(&[("RAAHI_ADMIN_EVENT_STREAM_BUDGET_BYTES", "1048576")]),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                config.admin.max_connections,
+                config.admin.event_stream_budget_bytes
+            ),
+            (8, 1 << 20)
+        );
+        for (variable, key) in [
+            ("RAAHI_ADMIN_MAX_CONNECTIONS", "admin.max_connections"),
+            (
+                "RAAHI_ADMIN_EVENT_STREAM_BUDGET_BYTES",
+                "admin.event_stream_budget_bytes",
+            ),
+        ] {
+            let error = Config::from_parts("c", None, &env(&[(variable, "0")])).unwrap_err();
+            assert_eq!(key_of(error), key);
+        }
     }
 }

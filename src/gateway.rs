@@ -259,24 +259,22 @@ impl Gateway {
             None => None,
         };
         let draining = Arc::new(AtomicBool::new(false));
-        let admin_app = admin::router(AdminState {
+        let admin_state = AdminState {
             store: store.clone(),
             control: control.clone(),
             started_at: crate::clock::now(),
             gateway_counters,
             draining: draining.clone(),
             registration: registrar.as_ref().map(Registrar::status),
-        });
-        let mut admin_shutdown = shutdown_signal;
-        let admin_task = tokio::spawn(async move {
-            let listener = admin::StallGuardListener::new(admin_listener, admin::WRITE_STALL_LIMIT);
-            let serve = axum::serve(listener, admin_app).with_graceful_shutdown(async move {
-                let _ = admin_shutdown.wait_for(|stop| *stop).await;
-            });
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "admin listener failed");
-            }
-        });
+            connections: Arc::default(),
+            event_streams: admin::EventStreams::new(config.admin.event_stream_budget_bytes),
+        };
+        let admin_task = admin::serve(
+            admin_listener,
+            admin_state,
+            admin_listener_settings(config),
+            shutdown_signal,
+        );
         tasks.push(admin_task);
         let certificate_files = (config.proxy.tls_listen.is_some()
             && (config.tls.cert_file.is_some() || !config.tls.certificates.is_empty()))
@@ -458,6 +456,16 @@ fn reload_on_sighup(reloads: Reloads) -> JoinHandle<()> {
             reloads.reload().await;
         }
     })
+}
+
+/// The admin listener's limits: the proxy's client timeouts, `admin.max_connections`.
+fn admin_listener_settings(config: &Config) -> admin::ListenerSettings {
+    admin::ListenerSettings {
+        header_timeout: Duration::from_millis(config.proxy.client_header_timeout_ms),
+        http2_idle_timeout: Duration::from_millis(config.proxy.http2_idle_timeout_ms),
+        max_connections: config.admin.max_connections as usize,
+        shutdown_grace: Duration::from_millis(config.proxy.shutdown_grace_ms),
+    }
 }
 
 /// The event log's bounds as configured (`config` names no module of the gateway).

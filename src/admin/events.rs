@@ -6,10 +6,15 @@
 //! a client, and a client that falls `admin.event_client_queue` events behind is cut off (its
 //! stream ends) and resumes with `Last-Event-ID`. With several instances on one PostgreSQL
 //! store, each instance streams what it saw itself.
+//!
+//! Frames are shared, never copied per client: each event's is built once by the event log, and
+//! the `snapshot` a stream starts with once for all the clients that connect meanwhile
+//! (`event_snapshot`). What clients were handed and have not read yet is bounded for all of
+//! them together (`event_budget`): a client past it is cut off as one too far behind is.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +24,6 @@ use axum::http::{header, HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
-use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio::sync::{broadcast, watch};
 use utoipa::ToSchema;
@@ -28,15 +32,61 @@ use utoipa_axum::routes;
 
 use super::auth::{Caller, Viewer};
 use super::error::{ApiError, ErrorBody};
+use super::event_budget::EventBudget;
+use super::event_snapshot::SnapshotCache;
 use super::extract::IdPath;
 use super::AdminState;
-use crate::clock::unix_ms;
-use crate::control::target_view;
-use crate::events::{Event, HistoryEntry, ServiceView, SourceView, TargetView};
-use crate::model::{EndpointCounts, Id, Role, SourceStatus, TargetState};
+use crate::events::{Event, HistoryEntry};
+use crate::model::{Id, Role};
 
 /// A comment this often keeps proxies and load balancers from closing a quiet stream.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// What every event-stream client shares: the snapshot frames, the memory budget, counters.
+pub struct EventStreams {
+    snapshots: SnapshotCache,
+    budget: Arc<EventBudget>,
+    open: AtomicU64,
+    cut_behind: AtomicU64,
+    cut_budget: AtomicU64,
+}
+
+impl EventStreams {
+    /// `budget_bytes`: `admin.event_stream_budget_bytes`.
+    pub fn new(budget_bytes: u64) -> Arc<EventStreams> {
+        Arc::new(EventStreams {
+            snapshots: SnapshotCache::default(),
+            budget: EventBudget::new(budget_bytes),
+            open: AtomicU64::new(0),
+            cut_behind: AtomicU64::new(0),
+            cut_budget: AtomicU64::new(0),
+        })
+    }
+
+    /// Streams open now.
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Bytes handed to clients and not yet written to their sockets.
+    pub fn held_bytes(&self) -> u64 {
+        self.budget.held()
+    }
+
+    /// Streams ended for falling `admin.event_client_queue` events behind, and for passing
+    /// the budget.
+    pub fn cut_off(&self) -> (u64, u64) {
+        (
+            self.cut_behind.load(Ordering::Relaxed),
+            self.cut_budget.load(Ordering::Relaxed),
+        )
+    }
+
+    /// `snapshot` frames built, and clients started with one built for another.
+    pub fn snapshots(&self) -> (u64, u64) {
+        (self.snapshots.built(), self.snapshots.shared())
+    }
+}
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -93,16 +143,6 @@ async fn target_history(
     }))
 }
 
-/// The first event of a stream: everything a client draws, as of event `last_id`.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct EventSnapshot {
-    pub last_id: u64,
-    pub at: DateTime<Utc>,
-    pub services: Vec<ServiceView>,
-    pub targets: Vec<TargetView>,
-    pub sources: Vec<SourceView>,
-}
-
 /// Server-Sent Events: `snapshot` first (unless `Last-Event-ID` resumes from the ring), then
 /// `target`, `source` and `config` events with increasing ids, and a `: keep-alive` comment
 /// every 15 s. `?service_id=` keeps one service's events. A client that falls too far behind
@@ -128,20 +168,32 @@ async fn events(
         .and_then(|value| value.trim().parse::<u64>().ok());
     let log = state.control.events().clone();
     let subscription = log.subscribe(last_event_id);
-    let first: VecDeque<Bytes> = match subscription.backlog {
-        Some(backlog) => backlog
-            .iter()
-            .filter(|event| wanted(event, filter))
-            .map(|event| event.frame.clone())
-            .collect(),
-        None => VecDeque::from([snapshot_frame(&state, filter, subscription.last_id).await?]),
+    let (first, skip_through): (VecDeque<Bytes>, u64) = match subscription.backlog {
+        Some(backlog) => (
+            backlog
+                .iter()
+                .filter(|event| wanted(event, filter))
+                .map(|event| event.frame.clone())
+                .collect(),
+            subscription.last_id,
+        ),
+        None => {
+            let snapshot = state
+                .event_streams
+                .snapshots
+                .frame(&state, filter, subscription.last_id)
+                .await?;
+            (VecDeque::from([snapshot.frame]), snapshot.last_id)
+        }
     };
     let stream = EventStream {
         pending: first,
         receiver: subscription.receiver,
         filter,
+        skip_through,
         closed: log.closed(),
         keep_alive: KEEP_ALIVE,
+        shared: OpenEventStream::new(&state.event_streams),
     };
     let body = Body::from_stream(stream.into_stream());
     let mut response = body.into_response();
@@ -184,8 +236,28 @@ struct EventStream {
     pending: VecDeque<Bytes>,
     receiver: broadcast::Receiver<Arc<Event>>,
     filter: Option<Id>,
+    /// Events up to this id are already in what `pending` started with (a snapshot built after
+    /// the client subscribed).
+    skip_through: u64,
     closed: watch::Receiver<bool>,
     keep_alive: Duration,
+    shared: OpenEventStream,
+}
+
+/// A stream counted as open in [`EventStreams`] for as long as it lives.
+struct OpenEventStream(Arc<EventStreams>);
+
+impl OpenEventStream {
+    fn new(streams: &Arc<EventStreams>) -> OpenEventStream {
+        streams.open.fetch_add(1, Ordering::Relaxed);
+        OpenEventStream(streams.clone())
+    }
+}
+
+impl Drop for OpenEventStream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 enum Next {
@@ -212,7 +284,7 @@ impl EventStream {
 
     async fn next(&mut self, keep_alive: &mut tokio::time::Interval) -> Next {
         if let Some(frame) = self.pending.pop_front() {
-            return Next::Send(frame);
+            return self.hand(frame);
         }
         loop {
             if *self.closed.borrow() {
@@ -220,13 +292,16 @@ impl EventStream {
             }
             tokio::select! {
                 received = self.receiver.recv() => match received {
-                    Ok(event) if wanted(&event, self.filter) => {
+                    Ok(event) if event.id > self.skip_through && wanted(&event, self.filter) => {
                         keep_alive.reset();
-                        return Next::Send(event.frame.clone());
+                        return self.hand(event.frame.clone());
                     }
                     Ok(_) => continue,
                     // Its queue filled: cut it off rather than hold events for it.
-                    Err(broadcast::error::RecvError::Lagged(_)) => return Next::End,
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        self.shared.0.cut_behind.fetch_add(1, Ordering::Relaxed);
+                        return Next::End;
+                    }
                     Err(broadcast::error::RecvError::Closed) => return Next::End,
                 },
                 _ = keep_alive.tick() => return Next::Send(Bytes::from_static(b": keep-alive\n\n")),
@@ -238,80 +313,19 @@ impl EventStream {
             }
         }
     }
-}
 
-/// The `snapshot` event: services, their targets with live state, and their sources' status.
-async fn snapshot_frame(
-    state: &AdminState,
-    filter: Option<Id>,
-    last_id: u64,
-) -> Result<Bytes, ApiError> {
-    let config = state.store.load_routing_config().await?;
-    let live = state.control.snapshot();
-    let now_ms = unix_ms();
-    let keep = |service_id: Id| filter.is_none_or(|wanted| wanted == service_id);
-    let services = config
-        .services
-        .iter()
-        .filter(|service| keep(service.id))
-        .map(|service| ServiceView {
-            service: service.clone(),
-            panic_picks: live
-                .service(service.id)
-                .map(|runtime| runtime.counters.panic_picks.load(Ordering::Relaxed))
-                .unwrap_or(0),
-        })
-        .collect();
-    let runtimes: HashMap<Id, _> = live
-        .services()
-        .flat_map(|service| service.targets.iter())
-        .map(|runtime| (runtime.id, runtime))
-        .collect();
-    let targets: Vec<TargetView> = config
-        .targets
-        .iter()
-        .filter(|target| keep(target.service_id))
-        .map(|target| target_view(target, runtimes.get(&target.id).copied(), now_ms))
-        .collect();
-    let mut counts: HashMap<Id, EndpointCounts> = HashMap::new();
-    for view in &targets {
-        let Some(source_id) = view.target.source_id else {
-            continue;
-        };
-        let count = counts.entry(source_id).or_default();
-        match view.target.state {
-            TargetState::Active => count.active += 1,
-            TargetState::Draining => count.draining += 1,
-            TargetState::Stale => count.stale += 1,
+    /// `frame` handed to the connection, counted against the budget until written; the end of
+    /// the stream when the budget has no room for it.
+    fn hand(&self, frame: Bytes) -> Next {
+        let streams = &self.shared.0;
+        match streams.budget.charge(frame) {
+            Some(charged) => Next::Send(charged),
+            None => {
+                streams.cut_budget.fetch_add(1, Ordering::Relaxed);
+                Next::End
+            }
         }
     }
-    let mut holders = state.store.source_lease_holders().await?;
-    let mut sources = Vec::new();
-    for (source, progress) in state.store.all_sources().await? {
-        if !keep(source.service_id) {
-            continue;
-        }
-        let status = SourceStatus {
-            source_id: source.id,
-            progress,
-            endpoints: counts.get(&source.id).copied().unwrap_or_default(),
-            refreshed_by: holders.remove(&source.id),
-        };
-        sources.push(SourceView::new(&source, Some(status)));
-    }
-    let snapshot = EventSnapshot {
-        last_id,
-        at: crate::clock::now(),
-        services,
-        targets,
-        sources,
-    };
-    let json = serde_json::to_string(&snapshot).map_err(|error| ApiError::Unavailable {
-        message: format!("snapshot not serialised: {error}"),
-    })?;
-    Ok(Bytes::from(format!(
-        "id: {last_id}\nevent: snapshot\ndata: {json}\n\n"
-    )))
 }
 
 #[cfg(test)]
@@ -337,13 +351,19 @@ mod tests {
     }
 
     fn stream_of(log: &EventLog, filter: Option<Id>) -> EventStream {
+        stream_with(log, filter, &EventStreams::new(64 << 20))
+    }
+
+    fn stream_with(log: &EventLog, filter: Option<Id>, streams: &Arc<EventStreams>) -> EventStream {
         let subscription = log.subscribe(Some(log.last_id()));
         EventStream {
             pending: VecDeque::new(),
             receiver: subscription.receiver,
             filter,
+            skip_through: subscription.last_id,
             closed: log.closed(),
             keep_alive: KEEP_ALIVE,
+            shared: OpenEventStream::new(streams),
         }
     }
 
@@ -384,5 +404,59 @@ mod tests {
             record(&log, 1);
         }
         assert!(stream.next().await.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn events_already_in_the_snapshot_are_skipped() {
+        let log = EventLog::new(EventSettings::default());
+        let mut stream = stream_of(&log, None);
+        let base = log.last_id();
+        // The snapshot this client starts with was built two events later than it subscribed.
+        stream.skip_through = base + 2;
+        let mut stream = Box::pin(stream.into_stream());
+        for _ in 0..3 {
+            record(&log, 1);
+        }
+        let frame = stream.next().await.unwrap().unwrap();
+        let third = format!("id: {}\n", base + 3);
+        assert!(frame.starts_with(third.as_bytes()), "{frame:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_past_the_budget_is_cut_off_and_counted() {
+        let log = EventLog::new(EventSettings::default());
+        let streams = EventStreams::new(1);
+        let mut reading = Box::pin(stream_with(&log, None, &streams).into_stream());
+        let mut stuck = Box::pin(stream_with(&log, None, &streams).into_stream());
+        assert_eq!(streams.open(), 2);
+        record(&log, 1);
+        record(&log, 1);
+        // The stuck client keeps what it was handed (its socket is full)...
+        let held = stuck.next().await.unwrap().unwrap();
+        assert_eq!(streams.held_bytes(), held.len() as u64);
+        // ...so the next frame has no room, for whoever asks.
+        assert!(reading.next().await.is_none());
+        assert_eq!(streams.cut_off(), (0, 1));
+        drop(held);
+        assert_eq!(streams.held_bytes(), 0);
+        let next = stuck.next().await.unwrap().unwrap();
+        assert!(!next.is_empty());
+        drop((next, reading));
+        assert_eq!(streams.open(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_falls_behind_is_counted() {
+        let log = EventLog::new(EventSettings {
+            ring: 100,
+            client_queue: 4,
+        });
+        let streams = EventStreams::new(64 << 20);
+        let mut stream = Box::pin(stream_with(&log, None, &streams).into_stream());
+        for _ in 0..10 {
+            record(&log, 1);
+        }
+        assert!(stream.next().await.is_none());
+        assert_eq!(streams.cut_off(), (1, 0));
     }
 }

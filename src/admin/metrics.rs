@@ -45,6 +45,7 @@ struct Scrape {
     http2_calmed_connections: u64,
     /// Request bodies held before a pick: (memory bytes, spool bytes, bodies spooled).
     request_bodies: (u64, u64, u64),
+    admin: AdminSample,
     dropped_log_lines: u64,
     requests_refused: Vec<(Labels, u64)>,
     streams: Vec<StreamSample>,
@@ -58,6 +59,90 @@ struct Scrape {
     registration: Option<(Labels, bool, u64)>,
     /// Reloads of the store by the control task: (whole, only what changed).
     reloads: (u64, u64),
+}
+
+/// The admin listener's connections and event streams.
+#[derive(Debug, Default)]
+struct AdminSample {
+    connections: u64,
+    connections_refused: u64,
+    event_streams: u64,
+    event_stream_held_bytes: u64,
+    /// Streams cut off: (too far behind, past the budget).
+    event_streams_cut_off: (u64, u64),
+    /// `snapshot` frames: (built, shared).
+    event_snapshots: (u64, u64),
+}
+
+impl AdminSample {
+    fn read(state: &AdminState) -> AdminSample {
+        AdminSample {
+            connections: state.connections.open(),
+            connections_refused: state.connections.refused(),
+            event_streams: state.event_streams.open(),
+            event_stream_held_bytes: state.event_streams.held_bytes(),
+            event_streams_cut_off: state.event_streams.cut_off(),
+            event_snapshots: state.event_streams.snapshots(),
+        }
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let one = |value: u64| [(Labels::new(), value)];
+        let level = |value: u64| [(Labels::new(), i64::try_from(value).unwrap_or(i64::MAX))];
+        gauge(
+            encoder,
+            "raahi_admin_connections",
+            "Connections open now on the admin listener.",
+            level(self.connections),
+        )?;
+        counter(
+            encoder,
+            "raahi_admin_connections_refused",
+            "Admin connections closed on arrival: admin.max_connections were open.",
+            one(self.connections_refused),
+        )?;
+        gauge(
+            encoder,
+            "raahi_admin_event_streams",
+            "Event streams (/api/v1/events) open now.",
+            level(self.event_streams),
+        )?;
+        gauge(
+            encoder,
+            "raahi_admin_event_stream_held_bytes",
+            "Bytes handed to event-stream clients and not yet written to their sockets, all \
+             clients together (bounded by admin.event_stream_budget_bytes).",
+            level(self.event_stream_held_bytes),
+        )?;
+        counter(
+            encoder,
+            "raahi_admin_event_streams_cut_off",
+            "Event streams ended by the gateway: reason=\"behind\" fell admin.event_client_queue \
+             events behind, reason=\"budget\" would have passed admin.event_stream_budget_bytes.",
+            [
+                (
+                    vec![("reason", "behind".to_owned())],
+                    self.event_streams_cut_off.0,
+                ),
+                (
+                    vec![("reason", "budget".to_owned())],
+                    self.event_streams_cut_off.1,
+                ),
+            ],
+        )?;
+        counter(
+            encoder,
+            "raahi_admin_event_snapshots_built",
+            "Event-stream snapshot frames built (store read and serialised).",
+            one(self.event_snapshots.0),
+        )?;
+        counter(
+            encoder,
+            "raahi_admin_event_snapshots_shared",
+            "Event streams started with a snapshot frame built for an earlier client.",
+            one(self.event_snapshots.1),
+        )
+    }
 }
 
 #[derive(Debug)]
@@ -161,6 +246,7 @@ async fn gather(state: &AdminState) -> Scrape {
                 .requests_spooled
                 .load(Ordering::Relaxed),
         ),
+        admin: AdminSample::read(state),
         dropped_log_lines: crate::telemetry::dropped_log_lines(),
         requests_refused: REFUSAL_CODES
             .iter()
@@ -450,6 +536,7 @@ impl Collector for Scrape {
             "Request bodies written to a spool file before a target was picked.",
             [(Labels::new(), spooled)],
         )?;
+        self.admin.encode(&mut encoder)?;
         counter(
             &mut encoder,
             "raahi_log_dropped_lines",

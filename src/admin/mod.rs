@@ -4,11 +4,14 @@
 pub mod auth;
 mod certificates;
 mod error;
+mod event_budget;
+mod event_snapshot;
 mod events;
 mod extract;
 mod metrics;
 pub mod readiness;
 mod routes;
+mod serve;
 mod services;
 mod sources;
 mod stall;
@@ -26,7 +29,9 @@ use utoipa::{Modify, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 
 pub use error::{ApiError, ErrorBody};
-pub use stall::{StallGuardListener, WRITE_STALL_LIMIT};
+pub use events::EventStreams;
+pub use serve::{ConnectionCounters, ListenerSettings};
+pub use stall::WRITE_STALL_LIMIT;
 
 use crate::control::ControlHandle;
 use crate::model::Id;
@@ -45,6 +50,10 @@ pub struct AdminState {
     pub draining: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// This process's registration, when one is configured.
     pub registration: Option<tokio::sync::watch::Receiver<crate::registration::RegistrationStatus>>,
+    /// The admin listener's connections.
+    pub connections: std::sync::Arc<ConnectionCounters>,
+    /// What the event streams share: snapshot frames, their memory budget, counters.
+    pub event_streams: std::sync::Arc<EventStreams>,
 }
 
 impl AdminState {
@@ -91,6 +100,17 @@ impl Modify for BearerAuth {
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
     }
+}
+
+/// Serves the admin application on `listener` until `shutdown` turns true (see `serve`).
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    state: AdminState,
+    settings: ListenerSettings,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let connections = state.connections.clone();
+    serve::serve(listener, router(state), settings, connections, shutdown)
 }
 
 /// The whole admin application.

@@ -10,37 +10,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Sleep;
 
 /// How long a write may wait for the client to read: twice the event stream's keep-alive.
 pub const WRITE_STALL_LIMIT: Duration = Duration::from_secs(30);
-
-/// The admin listener, handing out connections that give up on a stalled write.
-pub struct StallGuardListener {
-    listener: TcpListener,
-    limit: Duration,
-}
-
-impl StallGuardListener {
-    pub fn new(listener: TcpListener, limit: Duration) -> StallGuardListener {
-        StallGuardListener { listener, limit }
-    }
-}
-
-impl axum::serve::Listener for StallGuardListener {
-    type Io = StallGuard<TcpStream>;
-    type Addr = std::net::SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (stream, address) = axum::serve::Listener::accept(&mut self.listener).await;
-        (StallGuard::new(stream, self.limit), address)
-    }
-
-    fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.listener.local_addr()
-    }
-}
 
 /// A connection whose write (or flush) fails with `TimedOut` after `limit` without progress.
 pub struct StallGuard<T> {

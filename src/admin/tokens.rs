@@ -1,7 +1,7 @@
 //! `/api/v1/tokens` (admin only, also for reading)
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -21,7 +21,8 @@ pub fn router() -> OpenApiRouter<AdminState> {
         .routes(routes!(delete_token))
 }
 
-/// A new token; `token` is the secret and is shown only in this response.
+/// A new token; `token` is the secret and is shown only in this response, which no cache may
+/// keep (`Cache-Control: no-store`).
 #[derive(Serialize, ToSchema)]
 pub struct CreatedToken {
     #[serde(flatten)]
@@ -46,10 +47,21 @@ async fn create_token(
     _: Admin,
     State(state): State<AdminState>,
     ApiJson(spec): ApiJson<TokenSpec>,
-) -> Result<(StatusCode, Json<CreatedToken>), ApiError> {
+) -> Result<
+    (
+        StatusCode,
+        [(header::HeaderName, HeaderValue); 1],
+        Json<CreatedToken>,
+    ),
+    ApiError,
+> {
     let spec = validate::token(spec)?;
     let (record, token) = auth::create_token(&state.store, &spec).await?;
-    Ok((StatusCode::CREATED, Json(CreatedToken { record, token })))
+    Ok((
+        StatusCode::CREATED,
+        [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
+        Json(CreatedToken { record, token }),
+    ))
 }
 
 #[utoipa::path(delete, path = "/tokens/{id}", tag = "tokens",

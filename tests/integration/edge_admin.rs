@@ -1,11 +1,21 @@
 //! Admin API checks for the TLS and L4 objects: what a certificate, a stream route or a protocol
-//! change is refused for, and that nothing is stored or bound when it is.
+//! change is refused for, and that nothing is stored or bound when it is. And the admin
+//! listener's own edge: connections that send nothing, half a head or rest close after the
+//! header timeout, an event stream never counts as idle, the connection cap, and new tokens'
+//! answers are never cached.
 
 use crate::common;
+
+use std::time::Duration;
 
 use common::{ApiError, TestGateway};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+const WAIT: Duration = Duration::from_secs(10);
 
 fn self_signed(names: &[&str]) -> (String, String) {
     let names: Vec<String> = names.iter().map(|name| name.to_string()).collect();
@@ -329,4 +339,241 @@ async fn taken_listen_address_is_a_conflict_naming_it_and_nothing_is_stored() {
         .await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     drop(holder);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The admin listener's own limits: timeouts, the connection cap, secrets never cached
+// ---------------------------------------------------------------------------------------------
+
+/// One `/metrics` series without labels, asked on a connection of its own (closed after).
+async fn admin_metric(gateway: &TestGateway, series: &str) -> Option<u64> {
+    let text = common::raw_http(
+        gateway.admin,
+        "GET /metrics HTTP/1.1\r\nHost: raahi\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// Reads until the gateway closes the connection; false when it is still open after `within`.
+async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(within, stream.read_to_end(&mut rest)).await,
+        Ok(Ok(_)) | Ok(Err(_))
+    )
+}
+
+async fn gateway_with(edit: impl FnOnce(&mut raahi::config::Config)) -> TestGateway {
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let mut config = common::test_config(dir.path());
+    edit(&mut config);
+    TestGateway::start_with(dir, config).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_connections_silent_half_sent_or_resting_close_after_the_header_timeout() {
+    const TIMEOUT: Duration = Duration::from_millis(500);
+    let gateway = gateway_with(|config| {
+        config.proxy.client_header_timeout_ms = TIMEOUT.as_millis() as u64;
+    })
+    .await;
+    let mut silent = TcpStream::connect(gateway.admin).await.unwrap();
+    let mut half = TcpStream::connect(gateway.admin).await.unwrap();
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: raahi\r\n")
+        .await
+        .unwrap();
+    let half_sent = Instant::now();
+    let mut resting = TcpStream::connect(gateway.admin).await.unwrap();
+    resting
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: raahi\r\n\r\n")
+        .await
+        .unwrap();
+    let (head, _) = common::read_head(&mut resting).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        !head.to_ascii_lowercase().contains("connection: close"),
+        "a keep-alive answer: {head}"
+    );
+
+    assert!(
+        closed_within(&mut half, Duration::from_secs(10)).await,
+        "a half-sent head is still open after 10 s"
+    );
+    assert!(
+        half_sent.elapsed() >= TIMEOUT - Duration::from_millis(50),
+        "closed before the header timeout: {:?}",
+        half_sent.elapsed()
+    );
+    assert!(
+        closed_within(&mut silent, Duration::from_secs(10)).await,
+        "a silent connection is still open after 10 s"
+    );
+    assert!(
+        closed_within(&mut resting, Duration::from_secs(10)).await,
+        "an idle keep-alive connection is still open after 10 s"
+    );
+    // Only the asking connection is left.
+    common::wait_until("one admin connection open", WAIT, || async {
+        admin_metric(&gateway, "raahi_admin_connections").await == Some(1)
+    })
+    .await;
+}
+
+/// An SSE client through reqwest, over HTTP/1.1 or HTTP/2.
+async fn event_stream(client: &reqwest::Client, gateway: &TestGateway) -> reqwest::Response {
+    let response = client
+        .get(gateway.admin_url("/api/v1/events"))
+        .bearer_auth(common::ADMIN_TOKEN)
+        .send()
+        .await
+        .expect("events answer");
+    assert_eq!(response.status(), 200);
+    response
+}
+
+/// Reads a stream until `needle` arrived; fails when it ends or stays silent for 10 s.
+async fn read_until(response: &mut reqwest::Response, needle: &str) {
+    let mut seen = String::new();
+    while !seen.contains(needle) {
+        let chunk = tokio::time::timeout(WAIT, response.chunk())
+            .await
+            .unwrap_or_else(|_| panic!("nothing for 10 s; waiting for {needle:?}"))
+            .expect("the stream reads")
+            .unwrap_or_else(|| panic!("the stream ended before {needle:?}"));
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+}
+
+/// Reads an HTTP/2 response body until `needle` arrived.
+async fn read_body_until(body: &mut hyper::body::Incoming, needle: &str) {
+    use http_body_util::BodyExt;
+    let mut seen = String::new();
+    while !seen.contains(needle) {
+        let frame = tokio::time::timeout(WAIT, body.frame())
+            .await
+            .unwrap_or_else(|_| panic!("nothing for 10 s; waiting for {needle:?}"))
+            .unwrap_or_else(|| panic!("the stream ended before {needle:?}"))
+            .expect("the stream reads");
+        if let Some(data) = frame.data_ref() {
+            seen.push_str(&String::from_utf8_lossy(data));
+        }
+    }
+}
+
+fn http2_get(
+    gateway: &TestGateway,
+    path: &str,
+) -> hyper::Request<http_body_util::Empty<bytes::Bytes>> {
+    hyper::Request::get(format!("http://{}{path}", gateway.admin))
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(http_body_util::Empty::new())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_is_not_idle_however_long_it_runs() {
+    const TIMEOUT: Duration = Duration::from_millis(300);
+    let gateway = gateway_with(|config| {
+        config.proxy.client_header_timeout_ms = TIMEOUT.as_millis() as u64;
+        config.proxy.http2_idle_timeout_ms = TIMEOUT.as_millis() as u64;
+    })
+    .await;
+    let mut over_http1 = event_stream(&gateway.http, &gateway).await;
+    assert_eq!(over_http1.version(), reqwest::Version::HTTP_11);
+    read_until(&mut over_http1, "event: snapshot").await;
+    // HTTP/2 on one connection of the test's own, to see what becomes of it.
+    let (mut http2, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(TcpStream::connect(gateway.admin).await.unwrap()),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let answer = http2
+        .send_request(http2_get(&gateway, "/api/v1/events"))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut over_http2 = answer.into_body();
+    read_body_until(&mut over_http2, "event: snapshot").await;
+
+    common::holds_for(
+        "both event streams open past five idle timeouts",
+        TIMEOUT * 5,
+        || async { admin_metric(&gateway, "raahi_admin_event_streams").await == Some(2) },
+    )
+    .await;
+    // The HTTP/2 connection was never told GOAWAY: it still takes new requests.
+    let answer = http2
+        .send_request(http2_get(&gateway, "/healthz"))
+        .await
+        .expect("a new request on the streaming HTTP/2 connection");
+    assert_eq!(answer.status(), 200);
+    // Both streams still receive what happens.
+    service(&gateway, "late-news", "http").await;
+    read_until(&mut over_http1, "late-news").await;
+    read_body_until(&mut over_http2, "late-news").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_connection_cap_closes_the_next_and_admits_again_once_one_leaves() {
+    let gateway = gateway_with(|config| config.admin.max_connections = 3).await;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(TcpStream::connect(gateway.admin).await.unwrap());
+    }
+    // The fourth is closed at once (an admitted one would wait 30 s for its request).
+    let mut refused = TcpStream::connect(gateway.admin).await.unwrap();
+    let _ = refused
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: raahi\r\n\r\n")
+        .await;
+    assert!(
+        closed_within(&mut refused, Duration::from_secs(5)).await,
+        "a connection past admin.max_connections was admitted"
+    );
+    // One leaves: a new connection is served again.
+    drop(held.pop());
+    common::wait_until("a new admin connection served", WAIT, || async {
+        common::raw_http(
+            gateway.admin,
+            "GET /healthz HTTP/1.1\r\nHost: raahi\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .starts_with("HTTP/1.1 200")
+    })
+    .await;
+    let refusals = admin_metric(&gateway, "raahi_admin_connections_refused_total")
+        .await
+        .expect("the refusal counter");
+    assert!(refusals >= 1, "{refusals}");
+    common::wait_until("two held and the asking connection open", WAIT, || async {
+        admin_metric(&gateway, "raahi_admin_connections").await == Some(3)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_new_tokens_answer_is_never_cached() {
+    let gateway = TestGateway::start().await;
+    let response = gateway
+        .http
+        .post(gateway.admin_url("/api/v1/tokens"))
+        .bearer_auth(common::ADMIN_TOKEN)
+        .json(&json!({"name": "ci", "role": "viewer"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(
+        response
+            .headers()
+            .get("cache-control")
+            .map(|value| value.to_str().unwrap()),
+        Some("no-store")
+    );
+    let body: Value = response.json().await.unwrap();
+    assert!(body["token"].is_string(), "{body}");
 }

@@ -504,3 +504,140 @@ async fn the_session_names_the_role_and_streams_end_when_the_gateway_stops() {
         .expect("shutdown does not wait for event streams");
     while stream.next().await.is_some() {}
 }
+
+/// One `/metrics` series, asked on a connection of its own (closed after).
+async fn metric(gateway: &TestGateway, series: &str) -> u64 {
+    let text = common::raw_http(
+        gateway.admin,
+        "GET /metrics HTTP/1.1\r\nHost: raahi\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{text}"))
+}
+
+/// A service with `targets` targets of 15 KB of metadata each, found by one refresh of a
+/// registry (kept running): a snapshot of about `targets` × 15 KB.
+async fn heavy_service(gateway: &TestGateway, targets: u16) -> Registry {
+    let service = web_service(gateway, "heavy", json!({})).await;
+    let registry = Registry::start().await;
+    let endpoints: Vec<Value> = (0..targets)
+        .map(|port| {
+            json!({"key": format!("t{port}"), "host": "127.0.0.1", "port": 10_000 + port,
+                   "metadata": {"padding": "x".repeat(15_000)}})
+        })
+        .collect();
+    registry.set_json(Value::Array(endpoints));
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({"name": "heavy", "provider": "http",
+                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 600_000}}),
+        )
+        .await;
+    gateway
+        .wait_source_status(source, "every target found", WAIT, |status| {
+            status.endpoints.active == u64::from(targets)
+        })
+        .await;
+    registry
+}
+
+const SNAPSHOTS_BUILT: &str = "raahi_admin_event_snapshots_built_total";
+const SNAPSHOTS_SHARED: &str = "raahi_admin_event_snapshots_shared_total";
+const STREAMS_OPEN: &str = "raahi_admin_event_streams";
+const HELD_BYTES: &str = "raahi_admin_event_stream_held_bytes";
+const CUT_FOR_BUDGET: &str = "raahi_admin_event_streams_cut_off_total{reason=\"budget\"}";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_read_share_one_snapshot_while_other_calls_answer() {
+    const CLIENTS: u64 = 40;
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let mut config = common::test_config(dir.path());
+    // The sharing alone, without the budget cutting anyone off.
+    config.admin.event_stream_budget_bytes = 1 << 30;
+    let gateway = std::sync::Arc::new(TestGateway::start_with(dir, config).await);
+    let _registry = heavy_service(&gateway, 64).await;
+    let built_before = metric(&gateway, SNAPSHOTS_BUILT).await;
+    let shared_before = metric(&gateway, SNAPSHOTS_SHARED).await;
+
+    let started = Instant::now();
+    let connecting = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move {
+            let clients = (0..CLIENTS).map(|_| stuck_client(&gateway));
+            futures_util::future::join_all(clients).await
+        })
+    };
+    let asked = Instant::now();
+    let (status, _) = gateway.api("GET", "/api/v1/services", None).await;
+    assert_eq!(status, 200);
+    let answered_in = asked.elapsed();
+    let _stuck = connecting.await.unwrap();
+    common::wait_until("every client's stream open", WAIT, || async {
+        metric(&gateway, STREAMS_OPEN).await == CLIENTS
+    })
+    .await;
+    let elapsed = started.elapsed();
+
+    let built = metric(&gateway, SNAPSHOTS_BUILT).await - built_before;
+    let shared = metric(&gateway, SNAPSHOTS_SHARED).await - shared_before;
+    assert_eq!(built + shared, CLIENTS, "one frame per client");
+    // Nothing changed meanwhile: a frame is built again only once it is a second old.
+    assert!(
+        built <= elapsed.as_secs() + 1,
+        "{built} snapshots built for {CLIENTS} clients in {elapsed:?}"
+    );
+    assert!(
+        answered_in < Duration::from_secs(2),
+        "another admin call took {answered_in:?} while the clients connected"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_budget_cuts_off_clients_past_it() {
+    const BUDGET: u64 = 8 << 20;
+    let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
+    let mut config = common::test_config(dir.path());
+    config.admin.event_stream_budget_bytes = BUDGET;
+    let gateway = TestGateway::start_with(dir, config).await;
+    // A snapshot of about 6 MB: a stuck client's sockets take a part (about 3 MB on
+    // loopback), it holds the rest.
+    let _registry = heavy_service(&gateway, 400).await;
+    let mut stuck = Vec::new();
+    for _ in 0..8 {
+        stuck.push(stuck_client(&gateway).await);
+    }
+    common::wait_until("a client cut off for the budget", WAIT, || async {
+        metric(&gateway, CUT_FOR_BUDGET).await >= 1
+    })
+    .await;
+    let held = metric(&gateway, HELD_BYTES).await;
+    assert!(held > 0 && held <= BUDGET, "{held} bytes held");
+
+    // A client cut off reads the end of its (empty) stream, then the close.
+    let ends = stuck.iter_mut().map(|client| {
+        Box::pin(async move {
+            let mut received = Vec::new();
+            client.read_to_end(&mut received).await.map(|_| received)
+        })
+    });
+    let (ended, _, _) = tokio::time::timeout(WAIT, futures_util::future::select_all(ends))
+        .await
+        .expect("a client cut off sees its stream end");
+    let text = String::from_utf8_lossy(&ended.unwrap()).into_owned();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(!text.contains("event: snapshot"), "{text}");
+    assert!(text.ends_with("\r\n0\r\n\r\n"), "{text}");
+
+    // Gone, they hold nothing; a reading client is served again.
+    drop(stuck);
+    common::wait_until("nothing held", WAIT, || async {
+        metric(&gateway, HELD_BYTES).await == 0
+    })
+    .await;
+    let mut reader = Stream::open(&gateway, "", None).await;
+    assert_eq!(reader.next().await.unwrap().event, "snapshot");
+}

@@ -11,6 +11,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod events;
 mod proxy;
 mod stream_routes;
 
