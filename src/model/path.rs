@@ -26,13 +26,24 @@ pub enum EscapedSlashes {
 
 /// Why a path has no normal form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the path {}", self.reason())]
 pub enum PathError {
-    #[error("the path climbs above the root with '..'")]
     AboveRoot,
-    #[error("the path has a '%' not followed by two hexadecimal digits")]
     MalformedEscape,
-    #[error("the path has an escaped slash or backslash (%2F or %5C), which is refused here")]
     EscapedSlash,
+}
+
+impl PathError {
+    /// What is wrong, to follow the name of the path ("the path ...", "path_prefix ...").
+    pub fn reason(self) -> &'static str {
+        match self {
+            PathError::AboveRoot => "climbs above the root with '..'",
+            PathError::MalformedEscape => "has a '%' not followed by two hexadecimal digits",
+            PathError::EscapedSlash => {
+                "has an escaped slash or backslash (%2F or %5C), which is refused here"
+            }
+        }
+    }
 }
 
 /// The normal form of `path`: borrowed when `path` already is normal (the common request, at
