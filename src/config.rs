@@ -1126,9 +1126,10 @@ mod tests {
     fn escaped_slashes_default_override_and_validate() {
         let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
         assert_eq!(defaults.escaped_slashes, EscapedSlashes::Keep);
-        let from_file = Config::from_parts("c", Some("[proxy]\nescaped_slashes = \"reject\"\n"), &[])
-            .unwrap()
-            .proxy;
+        let from_file =
+            Config::from_parts("c", Some("[proxy]\nescaped_slashes = \"reject\"\n"), &[])
+                .unwrap()
+                .proxy;
         assert_eq!(from_file.escaped_slashes, EscapedSlashes::Reject);
         let from_env = Config::from_parts(
             "c",

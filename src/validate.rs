@@ -825,7 +825,11 @@ mod tests {
             })
             .unwrap_err();
             assert_eq!(error.field, "path_prefix", "{climbs_or_malformed}");
-            assert!(error.message.starts_with("path_prefix "), "{}", error.message);
+            assert!(
+                error.message.starts_with("path_prefix "),
+                "{}",
+                error.message
+            );
         }
         assert_eq!(
             field_of(route(RouteSpec {

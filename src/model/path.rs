@@ -265,7 +265,11 @@ mod tests {
     #[test]
     fn reject_refuses_escaped_slashes_in_any_case() {
         for raw in ["/a%2Fb", "/a%2fb", "/a%5Cb", "/a%5cb", "/%2F"] {
-            assert_eq!(normalize(raw, Reject), Err(PathError::EscapedSlash), "{raw}");
+            assert_eq!(
+                normalize(raw, Reject),
+                Err(PathError::EscapedSlash),
+                "{raw}"
+            );
             assert!(normalize(raw, Keep).is_ok(), "{raw}");
         }
         assert_eq!(normalize("/a%20b", Reject).unwrap(), "/a%20b");

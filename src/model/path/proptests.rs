@@ -72,7 +72,10 @@ fn escape_some(path: &str, chosen: &[bool], lower: &[bool]) -> String {
 fn has_dot_or_empty_segment(path: &str) -> bool {
     let inner = path.strip_prefix('/').unwrap_or(path);
     let inner = inner.strip_suffix('/').unwrap_or(inner);
-    !inner.is_empty() && inner.split('/').any(|s| s.is_empty() || s == "." || s == "..")
+    !inner.is_empty()
+        && inner
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == "..")
 }
 
 proptest! {

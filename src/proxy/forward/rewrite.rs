@@ -463,7 +463,10 @@ mod tests {
             ("//api/x", "/api/x"),
             ("/%61pi/x?%61", "/api/x?%61"),
             ("/api/a%2fb", "/api/a%2Fb"),
-            ("http://shop.example//api/./x?b", "http://shop.example/api/x?b"),
+            (
+                "http://shop.example//api/./x?b",
+                "http://shop.example/api/x?b",
+            ),
             ("*", "*"),
         ];
         for (sent, normal) in cases {
