@@ -277,6 +277,20 @@ pub struct ProxyConfig {
     /// directory (`TMPDIR`, else `/tmp`).
     #[serde(default)]
     pub request_spool_dir: Option<PathBuf>,
+    /// What a request path's `%2F` or `%5C` (an escaped slash or backslash) gets.
+    #[serde(default)]
+    pub escaped_slashes: EscapedSlashes,
+}
+
+/// `proxy.escaped_slashes`: an escaped slash or backslash in a request path is forwarded as it
+/// is, escaped (decoded, it would make segments the client did not send), or refused (400
+/// `invalid_path`) for targets that would decode it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EscapedSlashes {
+    #[default]
+    Keep,
+    Reject,
 }
 
 impl ProxyConfig {
@@ -347,6 +361,7 @@ impl Default for ProxyConfig {
             request_spool_bytes: Self::default_request_spool_bytes(),
             request_spool_budget_bytes: Self::default_request_spool_budget_bytes(),
             request_spool_dir: None,
+            escaped_slashes: EscapedSlashes::Keep,
         }
     }
 }
@@ -522,6 +537,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES",
         "proxy.request_buffer_budget_bytes",
     ),
+    ("RAAHI_PROXY_ESCAPED_SLASHES", "proxy.escaped_slashes"),
     (
         "RAAHI_PROXY_REQUEST_SPOOL_BYTES",
         "proxy.request_spool_bytes",
@@ -1200,6 +1216,32 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(key_of(error), "proxy.client_body_timeout_ms");
+    }
+
+    #[test]
+    fn escaped_slashes_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.escaped_slashes, EscapedSlashes::Keep);
+        let from_file =
+            Config::from_parts("c", Some("[proxy]\nescaped_slashes = \"reject\"\n"), &[])
+                .unwrap()
+                .proxy;
+        assert_eq!(from_file.escaped_slashes, EscapedSlashes::Reject);
+        let from_env = Config::from_parts(
+            "c",
+            Some("[proxy]\nescaped_slashes = \"reject\"\n"),
+            &env(&[("RAAHI_PROXY_ESCAPED_SLASHES", "keep")]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(from_env.escaped_slashes, EscapedSlashes::Keep);
+        let error = Config::from_parts(
+            "c",
+            None,
+            &env(&[("RAAHI_PROXY_ESCAPED_SLASHES", "decode")]),
+        )
+        .unwrap_err();
+        assert_eq!(key_of(error), "proxy.escaped_slashes");
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::control::{
     FileCertificates,
 };
 use crate::events::{EventLog, EventSettings};
+use crate::model::path::EscapedSlashes;
 use crate::proxy::stream::{StreamListeners, StreamSettings};
 use crate::proxy::{
     self, BodySettings, Budget, ListenerSettings, ProxyState, RequestLimits, SpoolSettings,
@@ -164,6 +165,10 @@ impl Gateway {
                 max_uri_bytes: config.proxy.max_uri_bytes as usize,
                 max_header_count: config.proxy.max_header_count as usize,
                 max_header_bytes: config.proxy.max_header_bytes as usize,
+                escaped_slashes: match config.proxy.escaped_slashes {
+                    crate::config::EscapedSlashes::Keep => EscapedSlashes::Keep,
+                    crate::config::EscapedSlashes::Reject => EscapedSlashes::Reject,
+                },
             },
         };
         let streams = StreamListeners::new(

@@ -4,6 +4,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+pub mod path;
+
 /// Every stored object is addressed by an integer id.
 pub type Id = i64;
 

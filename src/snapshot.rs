@@ -6,6 +6,7 @@
 //! the one before ([`Snapshot::next`]).
 
 use foldhash::{HashMap, HashMapExt};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::{ArcSwap, Guard};
@@ -16,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::balance::{Admission, Balancer, TargetHealth, TargetLoad, Trial};
 use crate::clock::unix_ms;
+use crate::model::path::{self, EscapedSlashes};
 use crate::model::{Id, Route, Service, StreamRoute};
 
 mod stream;
@@ -80,7 +82,7 @@ pub struct GatewayCounters {
 
 /// The answers (error codes) of requests refused before or instead of reaching a target for
 /// breaking a rule or a limit, as `/metrics` labels them.
-pub const REFUSAL_CODES: [&str; 8] = [
+pub const REFUSAL_CODES: [&str; 9] = [
     "invalid_host",
     "invalid_framing",
     "unsupported_transfer_coding",
@@ -89,6 +91,7 @@ pub const REFUSAL_CODES: [&str; 8] = [
     "request_body_too_large",
     "client_body_timeout",
     "upstream_overloaded",
+    "invalid_path",
 ];
 
 /// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.
@@ -641,8 +644,11 @@ fn resolve_routes(
     routes.sort_by_key(|route| route.id);
     routes
         .into_iter()
-        .filter_map(|route| {
+        .filter_map(|mut route| {
             let service = services.get(&route.service_id)?.clone();
+            if !normalize_prefix(&mut route) {
+                return None;
+            }
             let methods = route
                 .methods
                 .iter()
@@ -656,6 +662,30 @@ fn resolve_routes(
             }))
         })
         .collect()
+}
+
+/// Puts a route's prefix in the normal form request paths are matched in; false when it has
+/// none. The API stores prefixes normalised; one stored before it did is normalised here, and
+/// one that has no normal form (it climbs above the root, or has a malformed escape) could
+/// match no request: the route is left out, and said so.
+fn normalize_prefix(route: &mut Route) -> bool {
+    match path::normalize(&route.path_prefix, EscapedSlashes::Keep) {
+        Ok(Cow::Borrowed(_)) => true,
+        Ok(Cow::Owned(normal)) => {
+            route.path_prefix = normal;
+            true
+        }
+        Err(error) => {
+            tracing::warn!(
+                route = route.id,
+                name = %route.name,
+                path_prefix = %route.path_prefix,
+                "route left out: its path_prefix {}",
+                error.reason()
+            );
+            false
+        }
+    }
 }
 
 /// Shared access to the current snapshot. Cloning is cheap; every clone sees the same table.
@@ -791,6 +821,26 @@ mod tests {
         );
         assert_eq!(found(&snapshot, "example.com", "/", Method::GET), Some(1));
         assert_eq!(found(&snapshot, "other.org", "/x", Method::GET), Some(1));
+    }
+
+    #[test]
+    fn stored_prefixes_are_matched_in_their_normal_form() {
+        let snapshot = Snapshot::new(
+            1,
+            vec![service(1)],
+            vec![
+                route(1, &[], "/%61pi/./v1", &[], 0),
+                route(2, &[], "/../x", &[], 0),
+                route(3, &[], "/a%zz", &[], 0),
+            ],
+        );
+        assert_eq!(found(&snapshot, "h", "/api/v1/x", Method::GET), Some(1));
+        let prefixes: Vec<&str> = snapshot
+            .routes()
+            .iter()
+            .map(|entry| entry.route.path_prefix.as_str())
+            .collect();
+        assert_eq!(prefixes, ["/api/v1"], "no normal form, no route");
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! upper-case methods). The admin API and the resources file both validate here, and each maps
 //! a [`ValidationError`] to its own answer once.
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::uri::Authority;
 
 use crate::discovery;
+use crate::model::path::{self, EscapedSlashes};
 use crate::model::{
     CertificateSpec, DiscoverySourceSpec, HealthCheckKind, Protocol, RemovalGuard, RouteSpec,
     ServiceSpec, StreamRouteSpec, TargetSpec, TokenSpec, MAX_ATTEMPTS, MAX_WEIGHT,
@@ -438,6 +440,21 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
             "path_prefix must start with '/' and contain no spaces, '?' or '#'",
         ));
     }
+    // Stored in the normal form request paths are routed in, or it could never match. An
+    // escaped slash is kept: whether requests may carry one is the listener's setting.
+    let normal = match path::normalize(prefix, EscapedSlashes::Keep) {
+        Ok(Cow::Borrowed(_)) => None,
+        Ok(Cow::Owned(normal)) => Some(normal),
+        Err(error) => {
+            return Err(ValidationError::new(
+                "path_prefix",
+                format!("path_prefix {}", error.reason()),
+            ))
+        }
+    };
+    if let Some(normal) = normal {
+        spec.path_prefix = normal;
+    }
     if spec.methods.len() > MAX_METHODS {
         return Err(ValidationError::new(
             "methods",
@@ -787,6 +804,33 @@ mod tests {
             })),
             "path_prefix"
         );
+        for (written, stored) in [
+            ("/%61pi/./v1", "/api/v1"),
+            ("//api//v1/", "/api/v1/"),
+            ("/api/v1/..", "/api/"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/api", "/api"),
+        ] {
+            let accepted = route(RouteSpec {
+                path_prefix: written.into(),
+                ..spec.clone()
+            })
+            .unwrap();
+            assert_eq!(accepted.path_prefix, stored, "{written}");
+        }
+        for climbs_or_malformed in ["/../x", "/a/../..", "/a%2", "/a%zz"] {
+            let error = route(RouteSpec {
+                path_prefix: climbs_or_malformed.into(),
+                ..spec.clone()
+            })
+            .unwrap_err();
+            assert_eq!(error.field, "path_prefix", "{climbs_or_malformed}");
+            assert!(
+                error.message.starts_with("path_prefix "),
+                "{}",
+                error.message
+            );
+        }
         assert_eq!(
             field_of(route(RouteSpec {
                 methods: vec!["G3T".into()],

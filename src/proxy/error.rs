@@ -30,6 +30,8 @@ pub enum ProxyError {
     InvalidHost { reason: &'static str },
     #[error("the request's framing is invalid: {reason}")]
     InvalidFraming { reason: &'static str },
+    #[error("the request path {reason}")]
+    InvalidPath { reason: &'static str },
     #[error("the transfer coding {coding:?} is not supported (only chunked)")]
     UnsupportedTransferCoding { coding: String },
     #[error("the request target is {length} bytes long, more than the {limit} allowed")]
@@ -57,7 +59,8 @@ impl ProxyError {
             ProxyError::NoRoute { .. } => StatusCode::NOT_FOUND,
             ProxyError::ClientBody { .. }
             | ProxyError::InvalidHost { .. }
-            | ProxyError::InvalidFraming { .. } => StatusCode::BAD_REQUEST,
+            | ProxyError::InvalidFraming { .. }
+            | ProxyError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
             ProxyError::UnsupportedTransferCoding { .. } => StatusCode::NOT_IMPLEMENTED,
             ProxyError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -93,6 +96,7 @@ impl ProxyError {
             ProxyError::ClientHeaderTimeout { .. } => "client_header_timeout",
             ProxyError::InvalidHost { .. } => "invalid_host",
             ProxyError::InvalidFraming { .. } => "invalid_framing",
+            ProxyError::InvalidPath { .. } => "invalid_path",
             ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
             ProxyError::UriTooLong { .. } => "uri_too_long",
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
@@ -117,6 +121,7 @@ impl ProxyError {
             | ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::InvalidHost { .. }
             | ProxyError::InvalidFraming { .. }
+            | ProxyError::InvalidPath { .. }
             | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::UriTooLong { .. }
             | ProxyError::HeadersTooLarge { .. }
@@ -152,6 +157,7 @@ impl ProxyError {
             | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::InvalidHost { .. }
             | ProxyError::InvalidFraming { .. }
+            | ProxyError::InvalidPath { .. }
             | ProxyError::UnsupportedTransferCoding { .. }
             | ProxyError::UriTooLong { .. }
             | ProxyError::HeadersTooLarge { .. }
@@ -292,6 +298,7 @@ mod tests {
         let refusals = [
             ProxyError::InvalidHost { reason: "x" },
             ProxyError::InvalidFraming { reason: "x" },
+            ProxyError::InvalidPath { reason: "x" },
             ProxyError::UnsupportedTransferCoding {
                 coding: "gzip".into(),
             },

@@ -45,6 +45,7 @@ pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
 pub use forward::{BodySettings, ProxyBody};
 pub use spool::{probe as probe_spool_dir, SpoolSettings};
 
+use crate::model::path::EscapedSlashes;
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
 
@@ -70,6 +71,8 @@ pub struct RequestLimits {
     pub max_header_count: usize,
     /// Header fields as written on the wire (name, ": ", value, CRLF).
     pub max_header_bytes: usize,
+    /// What a request path's `%2F` or `%5C` gets: kept escaped, or refused.
+    pub escaped_slashes: EscapedSlashes,
 }
 
 pub struct ProxyState {

@@ -415,6 +415,63 @@ async fn bad_route_input_is_refused_naming_the_field_and_stores_nothing() {
 
 /// A JSON document that is not an object (an array, a string, a number) is refused with a 422
 /// on `body`: serde would otherwise read an array positionally into the spec's fields.
+/// A route's `path_prefix` is stored, and answered, in the normal form request paths are
+/// routed in (issue 31); one with no normal form is refused by name.
+#[tokio::test]
+async fn route_prefixes_are_stored_normalised() {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    let (status, created) = gateway
+        .api(
+            "POST",
+            "/api/v1/routes",
+            Some(json!({"name": "v1", "service_id": service, "path_prefix": "/%61pi/./v1"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["path_prefix"], "/api/v1");
+    let path = format!("/api/v1/routes/{}", id_of(&created));
+    assert_eq!(gateway.get_ok(&path).await["path_prefix"], "/api/v1");
+
+    let (status, replaced) = gateway
+        .api(
+            "PUT",
+            &path,
+            Some(json!({"name": "v1", "service_id": service, "path_prefix": "//api/x/../v2/"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{replaced}");
+    assert_eq!(replaced["path_prefix"], "/api/v2/");
+    let (status, patched) = gateway
+        .api("PATCH", &path, Some(json!({"path_prefix": "/%7Eu/a%2fb"})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{patched}");
+    assert_eq!(patched["path_prefix"], "/~u/a%2Fb");
+
+    for (what, prefix) in [
+        ("above the root", "/../x"),
+        ("above the root, escaped", "/a/%2e%2e/%2E%2E"),
+        ("a malformed escape", "/a%zz"),
+    ] {
+        let answer = gateway
+            .api(
+                "POST",
+                "/api/v1/routes",
+                Some(json!({"name": "bad", "service_id": service, "path_prefix": prefix})),
+            )
+            .await;
+        assert_invalid(what, &answer, "path_prefix");
+        let answer = gateway
+            .api("PATCH", &path, Some(json!({"path_prefix": prefix})))
+            .await;
+        assert_invalid(what, &answer, "path_prefix");
+        assert_eq!(gateway.get_ok(&path).await, patched, "{what}: unchanged");
+    }
+    assert_eq!(items(&gateway, "/api/v1/routes").await.len(), 1);
+}
+
 #[tokio::test]
 async fn a_body_that_is_not_an_object_is_refused() {
     let gateway = TestGateway::start().await;

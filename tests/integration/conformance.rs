@@ -1308,6 +1308,109 @@ fn rows() -> Vec<Row> {
             Some("request_body_too_large"),
         ),
     ]
+    .into_iter()
+    .chain(path_rows())
+    .collect()
+}
+
+// Paths (issue 31): a request is routed, and forwarded, in its normal form (RFC 3986 §6.2.2:
+// unreserved escapes decoded, other escapes in upper case, dot segments removed, repeated
+// slashes merged), so a target that normalises serves what the route was chosen for. On
+// `PATHS_HOST`, `/api` and `/admin` go to services whose Host upstream tells them apart; any
+// other path there falls to the catch-all (Host: the target's address).
+
+/// The host whose `/api` and `/admin` routes the path rows aim at.
+const PATHS_HOST: &str = "paths.example";
+/// The Host the targets of `PATHS_HOST`'s `/api` and `/admin` routes get.
+const API_UPSTREAM: &str = "api.internal";
+const ADMIN_UPSTREAM: &str = "admin.internal";
+
+fn get_path(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {PATHS_HOST}\r\n\r\n")
+}
+
+fn upstream_host_is(seen: &[Recorded], host: &str) -> Result<(), String> {
+    match seen[0].values("host").as_slice() {
+        [got] if *got == host => Ok(()),
+        got => Err(format!(
+            "the target got Host {got:?}, so not the route for {host}"
+        )),
+    }
+}
+
+fn via_api_route(seen: &[Recorded]) -> Result<(), String> {
+    upstream_host_is(seen, API_UPSTREAM)
+}
+
+fn via_admin_route(seen: &[Recorded]) -> Result<(), String> {
+    upstream_host_is(seen, ADMIN_UPSTREAM)
+}
+
+fn path_rows() -> Vec<Row> {
+    let to = |name: &'static str, sent: &str, normal: &str, route: Check| {
+        Row::forwards(name, get_path(sent), vec![req("GET", normal, b"")]).check(route)
+    };
+    let refused = |name: &'static str, sent: &str| {
+        Row::refuses(name, get_path(sent), 400, Some("invalid_path"))
+    };
+    vec![
+        to("path_normal", "/api/x", "/api/x", via_api_route),
+        to(
+            "path_dot_dot_leaves_api",
+            "/api/../admin",
+            "/admin",
+            via_admin_route,
+        ),
+        to(
+            "path_escaped_dot_dot_leaves_api",
+            "/api/%2e%2e/admin",
+            "/admin",
+            via_admin_route,
+        ),
+        to(
+            "path_mixed_escaped_dot_dot",
+            "/api/.%2E/admin/",
+            "/admin/",
+            via_admin_route,
+        ),
+        to("path_double_slash", "//api/x", "/api/x", via_api_route),
+        to(
+            "path_escaped_unreserved",
+            "/%61pi/x",
+            "/api/x",
+            via_api_route,
+        ),
+        to("path_dot_segment", "/./api/x", "/api/x", via_api_route),
+        to(
+            "path_escape_hex_upper_cased",
+            "/api/caf%c3%a9",
+            "/api/caf%C3%A9",
+            via_api_route,
+        ),
+        to(
+            "path_query_untouched",
+            "/api/./x?next=/../%2e%2e&q=%61",
+            "/api/x?next=/../%2e%2e&q=%61",
+            via_api_route,
+        ),
+        to(
+            "path_escaped_slash_kept",
+            "/api/a%2fb",
+            "/api/a%2Fb",
+            via_api_route,
+        ),
+        to(
+            "path_three_dots_is_a_name",
+            "/api/.../x",
+            "/api/.../x",
+            via_api_route,
+        ),
+        refused("path_above_root", "/.."),
+        refused("path_climbs_above_root", "/a/../../b"),
+        refused("path_escaped_climb", "/api/%2e%2e/%2E%2E/x"),
+        refused("path_malformed_escape", "/api/a%zz"),
+        refused("path_truncated_escape", "/api/a%4"),
+    ]
 }
 
 /// A request whose head is fine but whose chunked body is broken: the gateway answers 400
@@ -1525,10 +1628,12 @@ async fn run_row(proxy: SocketAddr, origin: &RecordingOrigin, row: &Row) -> Vec<
 }
 
 /// A gateway whose catch-all route sends everything to a recording origin, and whose route
-/// for `limited.example` (same service) caps request bodies at 1000 bytes.
+/// for `limited.example` (same service) caps request bodies at 1000 bytes. On `PATHS_HOST`,
+/// `/api` and `/admin` reach the same origin through services with Hosts of their own.
 async fn corpus_gateway() -> (TestGateway, RecordingOrigin) {
     let gateway = TestGateway::start().await;
     let origin = RecordingOrigin::start().await;
+    paths_routes(&gateway, &origin).await;
     let service = gateway
         .create(
             "/api/v1/services",
@@ -1560,6 +1665,39 @@ async fn corpus_gateway() -> (TestGateway, RecordingOrigin) {
     })
     .await;
     (gateway, origin)
+}
+
+/// `PATHS_HOST`'s `/api` and `/admin` routes, each to a service of its own on `origin`.
+async fn paths_routes(gateway: &TestGateway, origin: &RecordingOrigin) {
+    for (prefix, upstream) in [("/api", API_UPSTREAM), ("/admin", ADMIN_UPSTREAM)] {
+        let service = gateway
+            .create(
+                "/api/v1/services",
+                json!({
+                    "name": format!("paths{}", prefix.replace('/', "-")),
+                    "protocol": "http",
+                    "upstream_authority": upstream,
+                }),
+            )
+            .await;
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                origin.target(),
+            )
+            .await;
+        gateway
+            .create(
+                "/api/v1/routes",
+                json!({
+                    "name": format!("paths{}", prefix.replace('/', "-")),
+                    "hosts": [PATHS_HOST],
+                    "path_prefix": prefix,
+                    "service_id": service,
+                }),
+            )
+            .await;
+    }
 }
 
 #[tokio::test]
@@ -2290,4 +2428,111 @@ async fn h2_paced_rapid_reset_gets_enhance_your_calm() {
         ended.load(Ordering::SeqCst),
         problems.join("\n")
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paths over HTTP/2, and with escaped slashes refused (the HTTP/1.1 rows are in `path_rows`)
+// ---------------------------------------------------------------------------------------------
+
+/// The outcome of one GET for `path` on `PATHS_HOST`, on a fresh HTTP/2 connection.
+async fn h2_get_path(proxy: SocketAddr, path: &str) -> H2Outcome {
+    let mut h2 = h2_connect(proxy).await;
+    let fields = [
+        (":method", "GET"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", PATHS_HOST),
+    ];
+    let block = frame(HEADERS, END_HEADERS | END_STREAM, 1, &hpack(&fields));
+    if let Err(error) = h2.write.write_all(&block).await {
+        panic!("GET {path} over HTTP/2: write failed: {error}");
+    }
+    stream_outcome(&mut h2.reader, 1).await
+}
+
+#[tokio::test]
+async fn h2_paths_are_routed_and_forwarded_normalised() {
+    let (gateway, origin) = corpus_gateway().await;
+    let forwarded = [
+        ("/api/%2e%2e/admin", "/admin", ADMIN_UPSTREAM),
+        ("/api/../admin?x=/../", "/admin?x=/../", ADMIN_UPSTREAM),
+        ("//api/x", "/api/x", API_UPSTREAM),
+        ("/%61pi/./x", "/api/x", API_UPSTREAM),
+    ];
+    for (sent, normal, upstream) in forwarded {
+        let mark = origin.mark();
+        let outcome = h2_get_path(gateway.proxy, sent).await;
+        assert_eq!(outcome, H2Outcome::Status(Some(200)), "{sent}");
+        let seen = wait_until(&format!("{sent} reaches the origin"), STEP, || async {
+            let seen = origin.since(mark).requests;
+            (!seen.is_empty()).then_some(seen)
+        })
+        .await;
+        assert_eq!(seen.len(), 1, "{sent}: {seen:?}");
+        assert_eq!(seen[0].target, normal, "{sent}");
+        assert_eq!(seen[0].values("host"), [upstream], "{sent}: the route");
+    }
+    for refused in ["/..", "/a/../../b", "/api/a%zz"] {
+        let mark = origin.mark();
+        let outcome = h2_get_path(gateway.proxy, refused).await;
+        assert_eq!(outcome, H2Outcome::Status(Some(400)), "{refused}");
+        holds_for(&format!("{refused} reaches no target"), QUIET, || async {
+            origin.since(mark).heads.is_empty()
+        })
+        .await;
+    }
+}
+
+#[tokio::test]
+async fn escaped_slashes_can_be_refused() {
+    let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+    let mut config = test_config(dir.path());
+    config.proxy.escaped_slashes = raahi::config::EscapedSlashes::Reject;
+    let gateway = TestGateway::start_with(dir, config).await;
+    let origin = RecordingOrigin::start().await;
+    paths_routes(&gateway, &origin).await;
+    wait_until("the /api route serves", WAIT_FOR_GATEWAY, || async {
+        let answer = raw_http(
+            gateway.proxy,
+            &format!("GET /api/x HTTP/1.1\r\nHost: {PATHS_HOST}\r\nConnection: close\r\n\r\n"),
+        )
+        .await;
+        answer.starts_with("HTTP/1.1 200")
+    })
+    .await;
+    let rows = [
+        Row::refuses(
+            "escaped_slash_refused",
+            get_path("/api/a%2fb"),
+            400,
+            Some("invalid_path"),
+        ),
+        Row::refuses(
+            "escaped_backslash_refused",
+            get_path("/api/a%5Cb"),
+            400,
+            Some("invalid_path"),
+        ),
+        Row::forwards(
+            "other_escapes_pass",
+            get_path("/api/a%20b/%61"),
+            vec![req("GET", "/api/a%20b/a", b"")],
+        )
+        // No catch-all route here for the liveness probe.
+        .close(Close::Either),
+    ];
+    let mut failures = Vec::new();
+    for row in &rows {
+        let problems = run_row(gateway.proxy, &origin, row).await;
+        if !problems.is_empty() {
+            failures.push(format!("{}:\n    {}", row.name, problems.join("\n    ")));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let metrics = gateway.metrics_text().await;
+    let refused = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("raahi_requests_refused_total{code=\"invalid_path\"} "))
+        .map(|value| value.trim().parse::<f64>().unwrap());
+    assert_eq!(refused, Some(2.0), "{metrics}");
 }

@@ -313,6 +313,7 @@ mod tests {
             max_uri_bytes: 64,
             max_header_count: 4,
             max_header_bytes: 200,
+            escaped_slashes: Default::default(),
         }
     }
 

@@ -158,6 +158,9 @@ async fn forward(
     exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     checks::check_request(&request, &state.limits)?;
+    // Routed, and sent upstream, in its normal form: the target must serve what the route
+    // was chosen for. The access log keeps what the client sent.
+    rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
     let route = {
         let snapshot = state.snapshots.load();
         let host = rewrite::request_host(&request);

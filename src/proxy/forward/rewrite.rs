@@ -7,7 +7,9 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{header, HeaderMap, HeaderValue, Method, Request, Uri, Version};
 
 use super::Downstream;
+use crate::model::path::{self, EscapedSlashes};
 use crate::proxy::body::{BufferedBody, ClientBody, UpstreamRequestBody};
+use crate::proxy::error::ProxyError;
 use crate::proxy::headers::{self, X_REQUEST_ID};
 use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
 
@@ -38,6 +40,42 @@ fn strip_port(authority: &str) -> &str {
         return rest.split(']').next().unwrap_or(rest);
     }
     authority.split(':').next().unwrap_or(authority)
+}
+
+/// Puts `request`'s path in its normal form (see `model::path`), the query untouched; a path
+/// already normal is left as it is, without a copy.
+pub(super) fn normalize_path<B>(
+    request: &mut Request<B>,
+    escaped_slashes: EscapedSlashes,
+) -> Result<(), ProxyError> {
+    let uri = request.uri();
+    let normal = match path::normalize(uri.path(), escaped_slashes) {
+        Ok(Cow::Borrowed(_)) => return Ok(()),
+        Ok(Cow::Owned(normal)) => normal,
+        Err(error) => {
+            return Err(ProxyError::InvalidPath {
+                reason: error.reason(),
+            })
+        }
+    };
+    let path_and_query = match uri.query() {
+        Some(query) => format!("{normal}?{query}"),
+        None => normal,
+    };
+    // Every character of the normal form was in the path the URI parser accepted, or is an
+    // unreserved one or an escape, so this does not fail; if it did, the request is refused
+    // rather than routed on a path its target would read differently.
+    fn unrepresentable<E>(_: E) -> ProxyError {
+        ProxyError::InvalidPath {
+            reason: "cannot be put in its normal form",
+        }
+    }
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = uri.scheme().cloned();
+    parts.authority = uri.authority().cloned();
+    parts.path_and_query = Some(PathAndQuery::try_from(path_and_query).map_err(unrepresentable)?);
+    *request.uri_mut() = Uri::from_parts(parts).map_err(unrepresentable)?;
+    Ok(())
 }
 
 /// What the client sent, kept so the request can be sent again to another target.
@@ -405,6 +443,56 @@ mod tests {
             let outgoing = rewrite(strip(), get(sent).body(()).unwrap());
             assert_eq!(outgoing.path_and_query.as_str(), upstream, "{sent}");
         }
+    }
+
+    fn normalized(uri: &str, escaped_slashes: EscapedSlashes) -> Result<String, &'static str> {
+        let mut request = get(uri).body(()).unwrap();
+        match normalize_path(&mut request, escaped_slashes) {
+            Ok(()) => Ok(request.uri().to_string()),
+            Err(ProxyError::InvalidPath { reason }) => Err(reason),
+            Err(other) => panic!("{uri}: {other}"),
+        }
+    }
+
+    #[test]
+    fn the_path_is_normalised_and_the_query_left_alone() {
+        let keep = EscapedSlashes::Keep;
+        let cases = [
+            ("/api/x?a=1", "/api/x?a=1"),
+            ("/api/%2e%2e/admin?q=/../%2e%2e", "/admin?q=/../%2e%2e"),
+            ("//api/x", "/api/x"),
+            ("/%61pi/x?%61", "/api/x?%61"),
+            ("/api/a%2fb", "/api/a%2Fb"),
+            (
+                "http://shop.example//api/./x?b",
+                "http://shop.example/api/x?b",
+            ),
+            ("*", "*"),
+        ];
+        for (sent, normal) in cases {
+            assert_eq!(normalized(sent, keep).as_deref(), Ok(normal), "{sent}");
+        }
+        assert_eq!(
+            normalized("/a/../../b?x", keep),
+            Err("climbs above the root with '..'")
+        );
+        assert!(normalized("/a%zz", keep).is_err());
+        assert!(normalized("/api/a%2fb", EscapedSlashes::Reject).is_err());
+        assert!(normalized("/api/a%20b", EscapedSlashes::Reject).is_ok());
+    }
+
+    #[test]
+    fn strip_prefix_works_on_the_normal_path() {
+        let mut request = get("/%61pi/./users?id=3").body(()).unwrap();
+        normalize_path(&mut request, EscapedSlashes::Keep).unwrap();
+        let outgoing = rewrite(
+            RouteRule {
+                strip_prefix: true,
+                ..PLAIN
+            },
+            request,
+        );
+        assert_eq!(outgoing.path_and_query.as_str(), "/users?id=3");
     }
 
     #[test]
