@@ -14,7 +14,8 @@
 
 use std::borrow::Cow;
 
-/// What to do with an escaped slash or backslash (`%2F`, `%5C`) in a request path.
+/// What to do with an escaped slash or backslash (`%2F`, `%5C`) in a request path (and, when
+/// refused, a raw backslash).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EscapedSlashes {
     /// Forward it escaped (upper-case hex), as part of its segment.
@@ -40,7 +41,7 @@ impl PathError {
             PathError::AboveRoot => "climbs above the root with '..'",
             PathError::MalformedEscape => "has a '%' not followed by two hexadecimal digits",
             PathError::EscapedSlash => {
-                "has an escaped slash or backslash (%2F or %5C), which is refused here"
+                "has a backslash or an escaped slash (%2F or %5C), which is refused here"
             }
         }
     }
@@ -49,6 +50,11 @@ impl PathError {
 /// The normal form of `path`: borrowed when `path` already is normal (the common request, at
 /// the cost of one scan and no allocation), else owned.
 pub fn normalize(path: &str, escaped_slashes: EscapedSlashes) -> Result<Cow<'_, str>, PathError> {
+    // A raw backslash is a slash to the same targets that decode `%5C` (IIS, some
+    // frameworks): where escaped ones are refused, so is it.
+    if escaped_slashes == EscapedSlashes::Reject && path.as_bytes().contains(&b'\\') {
+        return Err(PathError::EscapedSlash);
+    }
     if !path.starts_with('/') || is_normal(path.as_bytes(), escaped_slashes) {
         return Ok(Cow::Borrowed(path));
     }
@@ -273,6 +279,8 @@ mod tests {
             assert!(normalize(raw, Keep).is_ok(), "{raw}");
         }
         assert_eq!(normalize("/a%20b", Reject).unwrap(), "/a%20b");
+        assert_eq!(normalize("/a\\b", Reject), Err(PathError::EscapedSlash));
+        assert_eq!(normalize("/a/..\\b", Keep).unwrap(), "/a/..\\b");
         assert_eq!(normalize("/%61pi", Reject).unwrap(), "/api");
     }
 

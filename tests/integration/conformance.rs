@@ -2513,6 +2513,12 @@ async fn escaped_slashes_can_be_refused() {
             400,
             Some("invalid_path"),
         ),
+        Row::refuses(
+            "raw_backslash_refused",
+            get_path("/api/..\\admin"),
+            400,
+            Some("invalid_path"),
+        ),
         Row::forwards(
             "other_escapes_pass",
             get_path("/api/a%20b/%61"),
@@ -2534,5 +2540,5 @@ async fn escaped_slashes_can_be_refused() {
         .lines()
         .find_map(|line| line.strip_prefix("raahi_requests_refused_total{code=\"invalid_path\"} "))
         .map(|value| value.trim().parse::<f64>().unwrap());
-    assert_eq!(refused, Some(2.0), "{metrics}");
+    assert_eq!(refused, Some(3.0), "{metrics}");
 }
