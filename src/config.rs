@@ -266,6 +266,21 @@ pub struct ProxyConfig {
     /// Memory all request bodies being buffered may hold together; beyond it bodies stream.
     #[serde(default = "ProxyConfig::default_request_buffer_budget_bytes")]
     pub request_buffer_budget_bytes: u64,
+    /// What Raahi's own 5xx answers tell clients.
+    #[serde(default)]
+    pub error_details: ErrorDetails,
+}
+
+/// How much a 5xx body Raahi writes tells the client; the log line and the events keep
+/// everything either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorDetails {
+    /// The code and the service; no discovery source, target address or upstream error text.
+    #[default]
+    Brief,
+    /// As the log line tells it, sources and targets included.
+    Full,
 }
 
 impl ProxyConfig {
@@ -320,6 +335,7 @@ impl Default for ProxyConfig {
             http2_idle_timeout_ms: Self::default_http2_idle_timeout_ms(),
             client_body_timeout_ms: Self::default_client_body_timeout_ms(),
             request_buffer_budget_bytes: Self::default_request_buffer_budget_bytes(),
+            error_details: ErrorDetails::default(),
         }
     }
 }
@@ -478,6 +494,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "RAAHI_PROXY_REQUEST_BUFFER_BUDGET_BYTES",
         "proxy.request_buffer_budget_bytes",
     ),
+    ("RAAHI_PROXY_ERROR_DETAILS", "proxy.error_details"),
     (
         "RAAHI_REGISTRATION_CONSUL_ADDRESS",
         "registration.consul.address",
@@ -1104,6 +1121,27 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(key_of(error), "proxy.client_body_timeout_ms");
+    }
+
+    #[test]
+    fn error_details_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.error_details, ErrorDetails::Brief);
+        let config = Config::from_parts("c", Some("[proxy]\nerror_details = \"full\"\n"), &[])
+            .unwrap()
+            .proxy;
+        assert_eq!(config.error_details, ErrorDetails::Full);
+        let config = Config::from_parts(
+            "c",
+            Some("[proxy]\nerror_details = \"full\"\n"),
+            &env(&[("RAAHI_PROXY_ERROR_DETAILS", "brief")]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(config.error_details, ErrorDetails::Brief);
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_PROXY_ERROR_DETAILS", "all")]))
+            .unwrap_err();
+        assert_eq!(key_of(error), "proxy.error_details");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, auth, AdminState};
-use crate::config::{Config, TlsConfig};
+use crate::config::{self, Config, TlsConfig};
 use crate::control::{
     self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificateExpiry,
     FileCertificates,
@@ -221,6 +221,10 @@ impl Gateway {
             BodySettings {
                 client_body_timeout: Duration::from_millis(config.proxy.client_body_timeout_ms),
                 budget: BufferBudget::new(config.proxy.request_buffer_budget_bytes),
+            },
+            match config.proxy.error_details {
+                config::ErrorDetails::Brief => proxy::ErrorDetails::Brief,
+                config::ErrorDetails::Full => proxy::ErrorDetails::Full,
             },
         );
         let mut tasks = vec![proxy::serve_http(

@@ -38,7 +38,7 @@ use tokio_rustls::TlsAcceptor;
 
 pub use body::BufferBudget;
 pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
-pub use error::ProxyError;
+pub use error::{ErrorDetails, ProxyError};
 pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
 pub use forward::{BodySettings, ProxyBody};
 
@@ -75,6 +75,8 @@ pub struct ProxyState {
     bodies: BodySettings,
     clients: UpstreamClients,
     counters: Arc<GatewayCounters>,
+    /// What Raahi's own 5xx answers tell the client.
+    error_details: ErrorDetails,
     /// Set when the shutdown sequence starts: HTTP/1.1 answers then carry `Connection: close`, so
     /// clients pinned to a keep-alive connection move to a new one (which their load balancer no
     /// longer sends here) before the listeners close, instead of racing the close.
@@ -87,6 +89,7 @@ impl ProxyState {
         counters: Arc<GatewayCounters>,
         limits: RequestLimits,
         bodies: BodySettings,
+        error_details: ErrorDetails,
     ) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
@@ -94,6 +97,7 @@ impl ProxyState {
             bodies,
             clients: UpstreamClients::default(),
             counters,
+            error_details,
             draining: AtomicBool::new(false),
         })
     }
@@ -204,7 +208,7 @@ fn serve(
         ProxyError::TooManyConnections {
             limit: max_connections,
         }
-        .to_http1_close()
+        .to_http1_close(state.error_details)
     });
     tokio::spawn(async move {
         let connections = GracefulShutdown::new();
