@@ -269,6 +269,10 @@ pub struct ProxyConfig {
     /// What Raahi's own 5xx answers tell clients.
     #[serde(default)]
     pub error_details: ErrorDetails,
+    /// Accept backlog of the proxy, HTTPS and stream-route listeners (capped by the kernel's
+    /// `net.core.somaxconn`).
+    #[serde(default = "ProxyConfig::default_listen_backlog")]
+    pub listen_backlog: u32,
 }
 
 /// How much a 5xx body Raahi writes tells the client; the log line and the events keep
@@ -308,6 +312,9 @@ impl ProxyConfig {
     fn default_request_buffer_budget_bytes() -> u64 {
         128 * 1024 * 1024
     }
+    fn default_listen_backlog() -> u32 {
+        1024
+    }
     fn default_listen() -> SocketAddr {
         "0.0.0.0:8080".parse().expect("valid literal")
     }
@@ -336,6 +343,7 @@ impl Default for ProxyConfig {
             client_body_timeout_ms: Self::default_client_body_timeout_ms(),
             request_buffer_budget_bytes: Self::default_request_buffer_budget_bytes(),
             error_details: ErrorDetails::default(),
+            listen_backlog: Self::default_listen_backlog(),
         }
     }
 }
@@ -495,6 +503,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "proxy.request_buffer_budget_bytes",
     ),
     ("RAAHI_PROXY_ERROR_DETAILS", "proxy.error_details"),
+    ("RAAHI_PROXY_LISTEN_BACKLOG", "proxy.listen_backlog"),
     (
         "RAAHI_REGISTRATION_CONSUL_ADDRESS",
         "registration.consul.address",
@@ -661,6 +670,7 @@ impl Config {
                 "proxy.client_body_timeout_ms",
                 self.proxy.client_body_timeout_ms,
             ),
+            ("proxy.listen_backlog", self.proxy.listen_backlog.into()),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0"));
@@ -786,6 +796,7 @@ const COUNT_KEYS: &[&str] = &[
     "proxy.max_uri_bytes",
     "proxy.http2_max_concurrent_streams",
     "proxy.request_buffer_budget_bytes",
+    "proxy.listen_backlog",
 ];
 
 /// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
@@ -1121,6 +1132,29 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(key_of(error), "proxy.client_body_timeout_ms");
+    }
+
+    #[test]
+    fn listen_backlog_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.listen_backlog, 1024);
+        let config = Config::from_parts("c", Some("[proxy]\nlisten_backlog = 64\n"), &[])
+            .unwrap()
+            .proxy;
+        assert_eq!(config.listen_backlog, 64);
+        let config = Config::from_parts(
+            "c",
+            Some("[proxy]\nlisten_backlog = 64\n"),
+            &env(&[("RAAHI_PROXY_LISTEN_BACKLOG", "7")]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(config.listen_backlog, 7);
+        for bad in ["0", "-1", "many"] {
+            let error = Config::from_parts("c", None, &env(&[("RAAHI_PROXY_LISTEN_BACKLOG", bad)]))
+                .unwrap_err();
+            assert_eq!(key_of(error), "proxy.listen_backlog", "{bad}");
+        }
     }
 
     #[test]

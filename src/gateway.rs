@@ -127,9 +127,17 @@ fn cluster_settings(config: &Config) -> ClusterSettings {
     }
 }
 
-async fn bind(role: &'static str, address: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(address)
-        .await
+/// The admin listener's accept backlog: std's and tokio's default, as before
+/// `proxy.listen_backlog`, which is for the data path's listeners.
+const ADMIN_LISTEN_BACKLOG: u32 = 128;
+
+async fn bind(
+    role: &'static str,
+    address: SocketAddr,
+    backlog: u32,
+) -> Result<TcpListener, StartError> {
+    proxy::bind_listener(address, backlog)
+        .and_then(TcpListener::from_std)
         .map_err(|source| StartError::Bind {
             role,
             address,
@@ -168,6 +176,7 @@ impl Gateway {
             StreamSettings {
                 handshake_timeout: settings.client_header_timeout,
                 shutdown_grace: settings.shutdown_grace,
+                listen_backlog: config.proxy.listen_backlog,
             },
         );
         let certificates = config.proxy.tls_listen.is_some().then(CertResolver::new);
@@ -196,8 +205,9 @@ impl Gateway {
             None => None,
         };
 
-        let proxy_listener = bind("proxy", config.proxy.listen).await?;
-        let admin_listener = bind("admin", config.admin.listen).await?;
+        let proxy_listener =
+            bind("proxy", config.proxy.listen, config.proxy.listen_backlog).await?;
+        let admin_listener = bind("admin", config.admin.listen, ADMIN_LISTEN_BACKLOG).await?;
         let proxy_addr = proxy_listener
             .local_addr()
             .map_err(|source| StartError::Bind {
@@ -235,7 +245,7 @@ impl Gateway {
         )];
         let mut tls_addr = None;
         if let (Some(address), Some(resolver)) = (config.proxy.tls_listen, certificates) {
-            let listener = bind("https", address).await?;
+            let listener = bind("https", address, config.proxy.listen_backlog).await?;
             tls_addr = Some(listener.local_addr().map_err(|source| StartError::Bind {
                 role: "https",
                 address,

@@ -15,6 +15,7 @@ mod h1client;
 mod h1server;
 mod h2server;
 mod headers;
+mod listen;
 mod plain_target;
 mod pool;
 mod sni;
@@ -41,6 +42,7 @@ pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsErr
 pub use error::{ErrorDetails, ProxyError};
 pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
 pub use forward::{BodySettings, ProxyBody};
+pub use listen::bind_listener;
 
 use crate::snapshot::{GatewayCounters, SnapshotHandle};
 use client::UpstreamClients;
