@@ -280,6 +280,13 @@ pub struct ProxyConfig {
     /// What a request path's `%2F` or `%5C` (an escaped slash or backslash) gets.
     #[serde(default)]
     pub escaped_slashes: EscapedSlashes,
+    /// What Raahi's own 5xx answers tell clients.
+    #[serde(default)]
+    pub error_details: ErrorDetails,
+    /// Accept backlog of the proxy, HTTPS and stream-route listeners (capped by the kernel's
+    /// `net.core.somaxconn`).
+    #[serde(default = "ProxyConfig::default_listen_backlog")]
+    pub listen_backlog: u32,
 }
 
 /// `proxy.escaped_slashes`: an escaped slash or backslash in a request path is forwarded as it
@@ -291,6 +298,18 @@ pub enum EscapedSlashes {
     #[default]
     Keep,
     Reject,
+}
+
+/// How much a 5xx body Raahi writes tells the client; the log line and the events keep
+/// everything either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorDetails {
+    /// The code and the service; no discovery source, target address or upstream error text.
+    #[default]
+    Brief,
+    /// As the log line tells it, sources and targets included.
+    Full,
 }
 
 impl ProxyConfig {
@@ -331,6 +350,9 @@ impl ProxyConfig {
             .clone()
             .unwrap_or_else(std::env::temp_dir)
     }
+    fn default_listen_backlog() -> u32 {
+        1024
+    }
     fn default_listen() -> SocketAddr {
         "0.0.0.0:8080".parse().expect("valid literal")
     }
@@ -362,6 +384,8 @@ impl Default for ProxyConfig {
             request_spool_budget_bytes: Self::default_request_spool_budget_bytes(),
             request_spool_dir: None,
             escaped_slashes: EscapedSlashes::Keep,
+            error_details: ErrorDetails::default(),
+            listen_backlog: Self::default_listen_backlog(),
         }
     }
 }
@@ -547,6 +571,8 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
         "proxy.request_spool_budget_bytes",
     ),
     ("RAAHI_PROXY_REQUEST_SPOOL_DIR", "proxy.request_spool_dir"),
+    ("RAAHI_PROXY_ERROR_DETAILS", "proxy.error_details"),
+    ("RAAHI_PROXY_LISTEN_BACKLOG", "proxy.listen_backlog"),
     (
         "RAAHI_REGISTRATION_CONSUL_ADDRESS",
         "registration.consul.address",
@@ -723,6 +749,7 @@ impl Config {
                 "proxy.client_body_timeout_ms",
                 self.proxy.client_body_timeout_ms,
             ),
+            ("proxy.listen_backlog", self.proxy.listen_backlog.into()),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be greater than 0"));
@@ -858,6 +885,7 @@ const COUNT_KEYS: &[&str] = &[
     "proxy.request_buffer_budget_bytes",
     "proxy.request_spool_bytes",
     "proxy.request_spool_budget_bytes",
+    "proxy.listen_backlog",
 ];
 
 /// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
@@ -1242,6 +1270,50 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(key_of(error), "proxy.escaped_slashes");
+    }
+
+    #[test]
+    fn listen_backlog_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.listen_backlog, 1024);
+        let config = Config::from_parts("c", Some("[proxy]\nlisten_backlog = 64\n"), &[])
+            .unwrap()
+            .proxy;
+        assert_eq!(config.listen_backlog, 64);
+        let config = Config::from_parts(
+            "c",
+            Some("[proxy]\nlisten_backlog = 64\n"),
+            &env(&[("RAAHI_PROXY_LISTEN_BACKLOG", "7")]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(config.listen_backlog, 7);
+        for bad in ["0", "-1", "many"] {
+            let error = Config::from_parts("c", None, &env(&[("RAAHI_PROXY_LISTEN_BACKLOG", bad)]))
+                .unwrap_err();
+            assert_eq!(key_of(error), "proxy.listen_backlog", "{bad}");
+        }
+    }
+
+    #[test]
+    fn error_details_default_override_and_validate() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap().proxy;
+        assert_eq!(defaults.error_details, ErrorDetails::Brief);
+        let config = Config::from_parts("c", Some("[proxy]\nerror_details = \"full\"\n"), &[])
+            .unwrap()
+            .proxy;
+        assert_eq!(config.error_details, ErrorDetails::Full);
+        let config = Config::from_parts(
+            "c",
+            Some("[proxy]\nerror_details = \"full\"\n"),
+            &env(&[("RAAHI_PROXY_ERROR_DETAILS", "brief")]),
+        )
+        .unwrap()
+        .proxy;
+        assert_eq!(config.error_details, ErrorDetails::Brief);
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_PROXY_ERROR_DETAILS", "all")]))
+            .unwrap_err();
+        assert_eq!(key_of(error), "proxy.error_details");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, auth, AdminState};
-use crate::config::{Config, TlsConfig};
+use crate::config::{self, Config, TlsConfig};
 use crate::control::{
     self, ClusterSettings, ControlError, ControlHandle, EdgeOptions, FileCertificateExpiry,
     FileCertificates,
@@ -132,9 +132,17 @@ fn cluster_settings(config: &Config) -> ClusterSettings {
     }
 }
 
-async fn bind(role: &'static str, address: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(address)
-        .await
+/// The admin listener's accept backlog: std's and tokio's default, as before
+/// `proxy.listen_backlog`, which is for the data path's listeners.
+const ADMIN_LISTEN_BACKLOG: u32 = 128;
+
+async fn bind(
+    role: &'static str,
+    address: SocketAddr,
+    backlog: u32,
+) -> Result<TcpListener, StartError> {
+    proxy::bind_listener(address, backlog)
+        .and_then(TcpListener::from_std)
         .map_err(|source| StartError::Bind {
             role,
             address,
@@ -177,6 +185,7 @@ impl Gateway {
             StreamSettings {
                 handshake_timeout: settings.client_header_timeout,
                 shutdown_grace: settings.shutdown_grace,
+                listen_backlog: config.proxy.listen_backlog,
             },
         );
         let certificates = config.proxy.tls_listen.is_some().then(CertResolver::new);
@@ -205,8 +214,9 @@ impl Gateway {
             None => None,
         };
 
-        let proxy_listener = bind("proxy", config.proxy.listen).await?;
-        let admin_listener = bind("admin", config.admin.listen).await?;
+        let proxy_listener =
+            bind("proxy", config.proxy.listen, config.proxy.listen_backlog).await?;
+        let admin_listener = bind("admin", config.admin.listen, ADMIN_LISTEN_BACKLOG).await?;
         let proxy_addr = proxy_listener
             .local_addr()
             .map_err(|source| StartError::Bind {
@@ -228,6 +238,10 @@ impl Gateway {
             gateway_counters.clone(),
             settings.requests,
             body_settings(&config.proxy, &gateway_counters)?,
+            match config.proxy.error_details {
+                config::ErrorDetails::Brief => proxy::ErrorDetails::Brief,
+                config::ErrorDetails::Full => proxy::ErrorDetails::Full,
+            },
         );
         let mut tasks = vec![proxy::serve_http(
             proxy_listener,
@@ -237,7 +251,7 @@ impl Gateway {
         )];
         let mut tls_addr = None;
         if let (Some(address), Some(resolver)) = (config.proxy.tls_listen, certificates) {
-            let listener = bind("https", address).await?;
+            let listener = bind("https", address, config.proxy.listen_backlog).await?;
             tls_addr = Some(listener.local_addr().map_err(|source| StartError::Bind {
                 role: "https",
                 address,

@@ -281,6 +281,36 @@ mod tests {
         assert_eq!(discovered.ttl, Some(Duration::from_secs(45)));
     }
 
+    /// RFC 2181 §8: a TTL with the top bit set is 0, so the refresh comes as soon as the floor
+    /// allows rather than after the interval (as a 68-year TTL would have it).
+    #[tokio::test]
+    async fn a_ttl_of_2_pow_31_or_more_is_taken_as_zero() {
+        let dns = TestDns::start().await;
+        dns.set(
+            "api.test",
+            RecordType::A,
+            Reply::Records(vec![a("api.test", 1 << 31, "10.0.0.1")]),
+        );
+        dns.set(
+            "api.test",
+            RecordType::AAAA,
+            Reply::Records(vec![aaaa("api.test", 45, "fd00::1")]),
+        );
+        let discovered = provider(&dns, json!({})).discover().await.unwrap();
+        assert_eq!(keys(&discovered), ["10.0.0.1:8080", "[fd00::1]:8080"]);
+        assert_eq!(discovered.ttl, Some(Duration::ZERO));
+        dns.set(
+            "api.test",
+            RecordType::A,
+            Reply::Records(vec![a("api.test", u32::MAX, "10.0.0.1")]),
+        );
+        let discovered = provider(&dns, json!({"record_types": ["a"]}))
+            .discover()
+            .await
+            .unwrap();
+        assert_eq!(discovered.ttl, Some(Duration::ZERO));
+    }
+
     #[tokio::test]
     async fn a_present_and_aaaa_nodata_is_just_the_a_records() {
         let dns = TestDns::start().await;

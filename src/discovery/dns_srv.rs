@@ -409,6 +409,25 @@ mod tests {
         assert_eq!(discovered.ttl, Some(Duration::from_secs(30)));
     }
 
+    /// RFC 2181 §8: an SRV TTL with the top bit set is 0, not the smallest hint of the answer.
+    #[tokio::test]
+    async fn an_srv_ttl_of_2_pow_31_or_more_is_taken_as_zero() {
+        let dns = TestDns::start().await;
+        dns.set(
+            SERVICE,
+            RecordType::SRV,
+            Reply::Records(vec![srv(SERVICE, 0x8000_0001, 1, 10, 443, "big.test")]),
+        );
+        dns.set(
+            "big.test",
+            RecordType::A,
+            Reply::Records(vec![a("big.test", 90, "10.0.0.8")]),
+        );
+        let discovered = provider(&dns, json!({})).discover().await.unwrap();
+        assert_eq!(summary(&discovered), [entry("10.0.0.8:443", 1000, 1)]);
+        assert_eq!(discovered.ttl, Some(Duration::ZERO));
+    }
+
     #[tokio::test]
     async fn duplicate_addresses_keep_the_first() {
         let dns = TestDns::start().await;

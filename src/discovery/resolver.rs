@@ -33,6 +33,17 @@ pub(crate) fn address_key(ip: IpAddr, port: u16) -> String {
     SocketAddr::new(ip, port).to_string()
 }
 
+/// A record's TTL as a cache must read it: RFC 2181 §8 makes TTLs 31-bit values and says one
+/// with the most significant bit set is to be treated as 0, so a server cannot stretch (or, by
+/// wrapping, garble) the refresh hint. A 0 then means "refresh soon": the runner's floor applies.
+fn record_ttl(record: &Record) -> u32 {
+    const LARGEST: u32 = 0x7fff_ffff;
+    match record.ttl() {
+        ttl @ 0..=LARGEST => ttl,
+        _ => 0,
+    }
+}
+
 /// The smallest TTL among answers that had records, as the refresh hint.
 pub(crate) fn min_ttl(ttls: impl Iterator<Item = Option<u32>>) -> Option<Duration> {
     ttls.flatten()
@@ -166,7 +177,8 @@ fn absolute_name(name: &str) -> Result<Name, String> {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Answer {
     pub records: Vec<Record>,
-    /// None when there are no records: "no such records" carries no refresh hint.
+    /// None when there are no records: "no such records" carries no refresh hint. Read with
+    /// `record_ttl`, so never above 2^31 − 1.
     pub ttl: Option<u32>,
 }
 
@@ -453,7 +465,7 @@ fn answer_of(response: &Message, name: &Name, record_type: RecordType) -> Answer
         let current = &chain[chain.len() - 1];
         let next = answers.iter().find_map(|record| match record.data() {
             RData::CNAME(target) if record.name() == current && !chain.contains(&target.0) => {
-                Some((target.0.clone(), record.ttl()))
+                Some((target.0.clone(), record_ttl(record)))
             }
             _ => None,
         });
@@ -469,7 +481,7 @@ fn answer_of(response: &Message, name: &Name, record_type: RecordType) -> Answer
     if records.is_empty() {
         return Answer::default();
     }
-    ttls.extend(records.iter().map(Record::ttl));
+    ttls.extend(records.iter().map(record_ttl));
     Answer {
         ttl: ttls.into_iter().min(),
         records,

@@ -9,6 +9,20 @@ use super::failure::{Blame, NoTarget, UpstreamFailure, UpstreamFailureKind};
 use super::spool::SpoolError;
 use crate::snapshot::REFUSAL_CODES;
 
+/// How much Raahi's own 5xx answers tell the client (`proxy.error_details`). The log line and
+/// the events keep everything either way; 4xx answers are about the client's own request and
+/// read the same in both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorDetails {
+    /// The code and the service: never a discovery source's name or state, a target's address
+    /// or an upstream's own error text, which describe the internal network.
+    #[default]
+    Brief,
+    /// The log line's story, sources and targets included: for trusted clients, tests,
+    /// debugging.
+    Full,
+}
+
 /// Why a proxied HTTP request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -167,22 +181,26 @@ impl ProxyError {
         }
     }
 
-    /// What the client is told: the log line's story without the targets' addresses, which
-    /// are internal network details. The log has them, under the same request id.
-    pub fn client_message(&self) -> String {
-        match self {
-            ProxyError::Upstream(failure) => failure.client_message(),
-            // The file system's story (paths, devices) is the log's.
-            ProxyError::Spool(SpoolError::Io(_)) => {
+    /// What the client is told: the log line's story, or with `Brief` its 5xx answers without
+    /// discovery sources, target addresses, upstream error texts and the file system's story
+    /// (paths, devices). The log has them, under the same request id.
+    pub fn client_message(&self, details: ErrorDetails) -> String {
+        match (details, self) {
+            (ErrorDetails::Full, _) => self.to_string(),
+            (ErrorDetails::Brief, ProxyError::Upstream(failure)) => failure.brief_message(),
+            (ErrorDetails::Brief, ProxyError::NoTarget(no_target)) => no_target.brief_message(),
+            (ErrorDetails::Brief, ProxyError::Spool(SpoolError::Io(_))) => {
                 "the gateway could not hold the request body; try again later".to_owned()
             }
-            _ => self.to_string(),
+            // The others name nothing of the network behind the gateway: a limit of its own,
+            // or what the client sent.
+            (ErrorDetails::Brief, _) => self.to_string(),
         }
     }
 
     /// `{"error": {"code": ..., "message": ...}}` with the status this error maps to.
-    pub fn to_response(&self) -> Response<Full<Bytes>> {
-        let mut response = Response::new(Full::new(self.json_body()));
+    pub fn to_response(&self, details: ErrorDetails) -> Response<Full<Bytes>> {
+        let mut response = Response::new(Full::new(self.json_body(details)));
         *response.status_mut() = self.status();
         response.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -193,8 +211,8 @@ impl ProxyError {
 
     /// The same answer as [`ProxyError::to_response`], as HTTP/1.1 bytes that end the
     /// connection: for a connection no HTTP state serves any more.
-    pub fn to_http1_close(&self) -> Vec<u8> {
-        let body = self.json_body();
+    pub fn to_http1_close(&self, details: ErrorDetails) -> Vec<u8> {
+        let body = self.json_body(details);
         let status = self.status();
         let mut wire = format!(
             "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -207,9 +225,9 @@ impl ProxyError {
         wire
     }
 
-    fn json_body(&self) -> Bytes {
+    fn json_body(&self, details: ErrorDetails) -> Bytes {
         let body = serde_json::json!({
-            "error": { "code": self.code(), "message": self.client_message() }
+            "error": { "code": self.code(), "message": self.client_message(details) }
         });
         Bytes::from(body.to_string())
     }
@@ -220,11 +238,7 @@ mod tests {
     use super::*;
 
     fn upstream(kind: UpstreamFailureKind) -> ProxyError {
-        ProxyError::Upstream(UpstreamFailure::new(
-            "web".into(),
-            "10.0.0.7:8443".into(),
-            kind,
-        ))
+        ProxyError::Upstream(UpstreamFailure::new("web".into(), TARGET.into(), kind))
     }
 
     #[test]
@@ -345,7 +359,9 @@ mod tests {
             error.to_string().contains("No space left"),
             "the log has it"
         );
-        assert!(!error.client_message().contains("/var/spool"));
+        assert!(!error
+            .client_message(ErrorDetails::Brief)
+            .contains("/var/spool"));
         let full = ProxyError::Spool(SpoolError::Full { limit: 10 });
         assert_eq!(
             (full.status(), full.blame()),
@@ -355,7 +371,8 @@ mod tests {
 
     #[test]
     fn a_closing_answer_is_a_whole_http1_response() {
-        let wire = ProxyError::ClientHeaderTimeout { timeout_ms: 400 }.to_http1_close();
+        let wire =
+            ProxyError::ClientHeaderTimeout { timeout_ms: 400 }.to_http1_close(ErrorDetails::Brief);
         let wire = String::from_utf8(wire).unwrap();
         let (head, body) = wire.split_once("\r\n\r\n").unwrap();
         assert!(
@@ -375,31 +392,214 @@ mod tests {
             .contains("400 ms"));
     }
 
-    #[test]
-    fn clients_are_not_told_target_addresses() {
-        let failures = [
+    /// What the service's failures below carry that the internal network is made of.
+    const TARGET: &str = "10.0.0.7:8443";
+    const SOURCE: &str = "dns-prod";
+    const SOURCE_STATE: &str = "failing";
+    const UPSTREAM_TEXTS: [&str; 4] = [
+        "Connection refused (os error 111)",
+        "invalid peer certificate: UnknownIssuer",
+        "connection reset by peer",
+        "/var/spool/raahi: No space left on device",
+    ];
+
+    /// One of each variant (each upstream failure kind too), and its place in `variant` below.
+    fn one_of_each() -> Vec<ProxyError> {
+        let kinds = [
             UpstreamFailureKind::ConnectFailed {
-                reason: "connection refused".into(),
-            },
-            UpstreamFailureKind::TlsFailed {
-                reason: "invalid peer certificate: UnknownIssuer".into(),
+                reason: UPSTREAM_TEXTS[0].into(),
             },
             UpstreamFailureKind::ConnectTimeout { timeout_ms: 5 },
+            UpstreamFailureKind::TlsFailed {
+                reason: UPSTREAM_TEXTS[1].into(),
+            },
             UpstreamFailureKind::ResponseTimeout { timeout_ms: 5 },
             UpstreamFailureKind::SendTimeout { timeout_ms: 5 },
             UpstreamFailureKind::Failed {
-                reason: "connection reset".into(),
+                reason: UPSTREAM_TEXTS[2].into(),
             },
         ];
-        for kind in failures {
-            let failure = upstream(kind);
-            assert!(
-                failure.to_string().contains("10.0.0.7:8443"),
-                "the log has it"
+        let mut errors: Vec<ProxyError> = kinds.into_iter().map(upstream).collect();
+        errors.extend([
+            ProxyError::NoRoute {
+                host: "a.test".into(),
+                path: "/".into(),
+            },
+            ProxyError::NoTarget(NoTarget::Unavailable {
+                service: "web".into(),
+            }),
+            ProxyError::NoTarget(NoTarget::Discovery {
+                service: "web".into(),
+                sources: format!("{SOURCE} ({SOURCE_STATE})"),
+            }),
+            ProxyError::ClientBody {
+                reason: "early eof".into(),
+            },
+            ProxyError::ClientBodyTimeout { timeout_ms: 1 },
+            ProxyError::ClientBodyTooSlow { timeout_ms: 1 },
+            ProxyError::ClientHeaderTimeout { timeout_ms: 1 },
+            ProxyError::InvalidHost { reason: "no Host" },
+            ProxyError::InvalidFraming {
+                reason: "chunked twice",
+            },
+            ProxyError::UnsupportedTransferCoding {
+                coding: "gzip".into(),
+            },
+            ProxyError::UriTooLong {
+                length: 2,
+                limit: 1,
+            },
+            ProxyError::HeadersTooLarge {
+                reason: "101 fields".into(),
+            },
+            ProxyError::BodyTooLarge { limit: 1 },
+            ProxyError::TooManyConnections { limit: 3 },
+            ProxyError::UpstreamOverloaded {
+                service: "web".into(),
+                reason: crate::proxy::accounting::Overloaded::QueueFull { max_pending: 0 },
+            },
+            ProxyError::UpstreamOverloaded {
+                service: "web".into(),
+                reason: crate::proxy::accounting::Overloaded::QueueTimeout { timeout_ms: 9 },
+            },
+            ProxyError::Spool(SpoolError::TooLarge { limit: 1 }),
+            ProxyError::Spool(SpoolError::Full { limit: 1 }),
+            ProxyError::Spool(SpoolError::Io(std::io::Error::other(UPSTREAM_TEXTS[3]))),
+            ProxyError::InvalidPath {
+                reason: "climbs above the root",
+            },
+        ]);
+        errors
+    }
+
+    /// Which variant (and upstream failure kind) an error is: a variant added without a case
+    /// in `one_of_each` fails to compile here, then fails `one_of_each_covers_every_variant`.
+    fn variant(error: &ProxyError) -> usize {
+        match error {
+            ProxyError::Upstream(failure) => match failure.kind {
+                UpstreamFailureKind::ConnectFailed { .. } => 0,
+                UpstreamFailureKind::ConnectTimeout { .. } => 1,
+                UpstreamFailureKind::TlsFailed { .. } => 2,
+                UpstreamFailureKind::ResponseTimeout { .. } => 3,
+                UpstreamFailureKind::SendTimeout { .. } => 4,
+                UpstreamFailureKind::Failed { .. } => 5,
+            },
+            ProxyError::NoRoute { .. } => 6,
+            ProxyError::NoTarget(NoTarget::Unavailable { .. }) => 7,
+            ProxyError::NoTarget(NoTarget::Discovery { .. }) => 8,
+            ProxyError::ClientBody { .. } => 9,
+            ProxyError::ClientBodyTimeout { .. } => 10,
+            ProxyError::ClientBodyTooSlow { .. } => 11,
+            ProxyError::ClientHeaderTimeout { .. } => 12,
+            ProxyError::InvalidHost { .. } => 13,
+            ProxyError::InvalidFraming { .. } => 14,
+            ProxyError::UnsupportedTransferCoding { .. } => 15,
+            ProxyError::UriTooLong { .. } => 16,
+            ProxyError::HeadersTooLarge { .. } => 17,
+            ProxyError::BodyTooLarge { .. } => 18,
+            ProxyError::TooManyConnections { .. } => 19,
+            ProxyError::UpstreamOverloaded { .. } => 20,
+            ProxyError::Spool(SpoolError::TooLarge { .. }) => 21,
+            ProxyError::Spool(SpoolError::Full { .. }) => 22,
+            ProxyError::Spool(SpoolError::Io(_)) => 23,
+            ProxyError::InvalidPath { .. } => 24,
+        }
+    }
+
+    #[test]
+    fn one_of_each_covers_every_variant() {
+        let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen, (0..=24).collect::<Vec<_>>());
+    }
+
+    /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.
+    fn told(error: &ProxyError, details: ErrorDetails) -> String {
+        let wire = String::from_utf8(error.to_http1_close(details)).unwrap();
+        let (_, body) = wire.split_once("\r\n\r\n").unwrap();
+        let closing: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(closing["error"]["code"], error.code());
+        let response = error.to_response(details);
+        assert_eq!(response.status(), error.status());
+        let message = closing["error"]["message"].as_str().unwrap().to_owned();
+        assert_eq!(message, error.client_message(details));
+        message
+    }
+
+    /// `proxy.error_details = "brief"` (the default): a 5xx names its code and, when it has
+    /// one, the service, and nothing of the network behind the gateway.
+    #[test]
+    fn brief_5xx_bodies_name_the_service_and_nothing_behind_the_gateway() {
+        assert_eq!(ErrorDetails::default(), ErrorDetails::Brief);
+        let mut checked = 0;
+        for error in one_of_each()
+            .iter()
+            .filter(|e| e.status().is_server_error())
+        {
+            let message = told(error, ErrorDetails::Brief);
+            let hidden = [TARGET, "10.0.0.7", SOURCE, SOURCE_STATE]
+                .into_iter()
+                .chain(UPSTREAM_TEXTS);
+            for secret in hidden {
+                assert!(!message.contains(secret), "{}: {message}", error.code());
+            }
+            let has_service = !matches!(
+                error,
+                ProxyError::TooManyConnections { .. }
+                    | ProxyError::UnsupportedTransferCoding { .. }
+                    | ProxyError::Spool(_)
             );
-            let told = failure.client_message();
-            assert!(!told.contains("10.0.0.7"), "{told}");
-            assert!(told.contains("service web"), "{told}");
+            if has_service {
+                assert!(message.contains("service web"), "{message}");
+            }
+            checked += 1;
+        }
+        // Six upstream kinds, two kinds of no target, two overloads, too many connections, 501,
+        // a spool failure.
+        assert_eq!(checked, 13);
+    }
+
+    /// `proxy.error_details = "full"`: the log line's story, sources and targets included.
+    #[test]
+    fn full_5xx_bodies_tell_the_log_story() {
+        for error in one_of_each()
+            .iter()
+            .filter(|e| e.status().is_server_error())
+        {
+            let message = told(error, ErrorDetails::Full);
+            assert_eq!(message, error.to_string());
+            match error {
+                ProxyError::Upstream(failure) => {
+                    assert!(message.contains(TARGET), "{message}");
+                    if let UpstreamFailureKind::ConnectFailed { reason }
+                    | UpstreamFailureKind::TlsFailed { reason }
+                    | UpstreamFailureKind::Failed { reason } = &failure.kind
+                    {
+                        assert!(message.contains(reason.as_str()), "{message}");
+                    }
+                }
+                ProxyError::NoTarget(NoTarget::Discovery { .. }) => {
+                    assert!(message.contains(SOURCE), "{message}");
+                    assert!(message.contains(SOURCE_STATE), "{message}");
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// 4xx answers are about the client's own request: the same in both modes.
+    #[test]
+    fn client_errors_read_the_same_in_both_modes() {
+        for error in one_of_each()
+            .iter()
+            .filter(|e| e.status().is_client_error())
+        {
+            assert_eq!(
+                told(error, ErrorDetails::Brief),
+                told(error, ErrorDetails::Full)
+            );
+            assert_eq!(error.client_message(ErrorDetails::Brief), error.to_string());
         }
     }
 }

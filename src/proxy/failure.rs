@@ -77,7 +77,7 @@ pub enum UpstreamFailureKind {
 }
 
 /// One target's failure: which service and target, what happened, and whether another target
-/// may be tried. The messages name the target for the log; [`UpstreamFailure::client_message`]
+/// may be tried. The messages name the target for the log; [`UpstreamFailure::brief_message`]
 /// leaves it out, as target addresses are internal.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{}", self.describe(Some(&self.target)))]
@@ -208,20 +208,30 @@ impl UpstreamFailure {
         }
     }
 
-    /// What a client is told: the story without the target's address.
-    pub fn client_message(&self) -> String {
+    /// What a client is told unless told everything: the service and what happened, without
+    /// the target's address or the upstream's own error text (an OS error, a TLS alert), which
+    /// describe the internal network. The log line has both.
+    pub fn brief_message(&self) -> String {
         self.describe(None)
     }
 
+    /// The whole story with `target`; without, the brief one.
     fn describe(&self, target: Option<&str>) -> String {
         let service = &self.service;
         let which = match target {
             Some(target) => format!("target {target}"),
             None => "a target".to_owned(),
         };
+        let because = |reason: &str| match target {
+            Some(_) => format!(": {reason}"),
+            None => String::new(),
+        };
         match &self.kind {
             UpstreamFailureKind::ConnectFailed { reason } => {
-                format!("could not connect to {which} of service {service}: {reason}")
+                format!(
+                    "could not connect to {which} of service {service}{}",
+                    because(reason)
+                )
             }
             UpstreamFailureKind::ConnectTimeout { timeout_ms } => {
                 format!(
@@ -229,7 +239,10 @@ impl UpstreamFailure {
                 )
             }
             UpstreamFailureKind::TlsFailed { reason } => {
-                format!("TLS with {which} of service {service} failed: {reason}")
+                format!(
+                    "TLS with {which} of service {service} failed{}",
+                    because(reason)
+                )
             }
             UpstreamFailureKind::ResponseTimeout { timeout_ms } => {
                 format!(
@@ -242,7 +255,10 @@ impl UpstreamFailure {
                 )
             }
             UpstreamFailureKind::Failed { reason } => {
-                format!("{which} of service {service} failed before responding: {reason}")
+                format!(
+                    "{which} of service {service} failed before responding{}",
+                    because(reason)
+                )
             }
         }
     }
@@ -281,6 +297,17 @@ impl NoTarget {
         match self {
             NoTarget::Unavailable { .. } => "no_available_target",
             NoTarget::Discovery { .. } => "discovery_unavailable",
+        }
+    }
+
+    /// What a client is told unless told everything: the service, without its discovery
+    /// sources' names and states (the log line and the events have them).
+    pub fn brief_message(&self) -> String {
+        match self {
+            NoTarget::Unavailable { .. } => self.to_string(),
+            NoTarget::Discovery { service, .. } => format!(
+                "service {service} has no target to send to: its discovery sources are not healthy"
+            ),
         }
     }
 }
@@ -381,8 +408,34 @@ mod tests {
             "connecting to target 10.0.0.7:80 of service web timed out after 250 ms"
         );
         assert_eq!(
-            failure.client_message(),
+            failure.brief_message(),
             "connecting to a target of service web timed out after 250 ms"
         );
+        let refused = connect_failed();
+        assert_eq!(
+            refused.to_string(),
+            "could not connect to target 10.0.0.7:80 of service web: refused"
+        );
+        assert_eq!(
+            refused.brief_message(),
+            "could not connect to a target of service web"
+        );
+    }
+
+    #[test]
+    fn a_discovery_gap_is_told_without_its_sources() {
+        let gap = NoTarget::Discovery {
+            service: "web".into(),
+            sources: "consul-prod (failing)".into(),
+        };
+        assert!(gap.to_string().contains("consul-prod (failing)"), "the log");
+        assert_eq!(
+            gap.brief_message(),
+            "service web has no target to send to: its discovery sources are not healthy"
+        );
+        let none = NoTarget::Unavailable {
+            service: "web".into(),
+        };
+        assert_eq!(none.brief_message(), none.to_string());
     }
 }

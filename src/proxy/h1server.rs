@@ -34,7 +34,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
-use super::error::ProxyError;
+use super::error::{ErrorDetails, ProxyError};
 use super::forward::{self, Downstream, GuardedBody, UpgradeHandoff};
 use super::{bytes_arrive, ProxyState};
 
@@ -336,7 +336,7 @@ pub(super) async fn serve(
                 return;
             }
             Ended::HeaderTimeout => {
-                end_head_wait(io, client, settings.header_timeout).await;
+                end_head_wait(io, client, settings.header_timeout, state.error_details).await;
                 return;
             }
             Ended::Parked if !io.replay.is_empty() => continue,
@@ -534,7 +534,12 @@ const HEAD_TIMEOUT_ANSWER_WRITE: Duration = Duration::from_secs(1);
 /// silently in both cases). Empty lines between requests are allowed (RFC 9112 §2.2) and are
 /// not part of a head: a client that sent only those gets no unasked answer on an idle
 /// keep-alive connection, which its pool could take for the answer to its next request.
-async fn end_head_wait(mut io: ClientIo, client: SocketAddr, timeout: Duration) {
+async fn end_head_wait(
+    mut io: ClientIo,
+    client: SocketAddr,
+    timeout: Duration,
+    details: ErrorDetails,
+) {
     if io.replay.iter().all(|&byte| byte == b'\r' || byte == b'\n') {
         return;
     }
@@ -545,7 +550,7 @@ async fn end_head_wait(mut io: ClientIo, client: SocketAddr, timeout: Duration) 
     // A few hundred bytes into a socket with nothing else in flight: the write completes at
     // once unless the client stopped reading, and it is bounded for that client.
     let answer = async {
-        io.stream.write_all(&error.to_http1_close()).await?;
+        io.stream.write_all(&error.to_http1_close(details)).await?;
         io.stream.shutdown().await
     };
     let _ = tokio::time::timeout(HEAD_TIMEOUT_ANSWER_WRITE, answer).await;

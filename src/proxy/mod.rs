@@ -16,6 +16,7 @@ mod h1client;
 mod h1server;
 mod h2server;
 mod headers;
+mod listen;
 mod plain_target;
 mod pool;
 mod sni;
@@ -40,9 +41,10 @@ use tokio_rustls::TlsAcceptor;
 
 pub use budget::Budget;
 pub use connector::{AlpnOffer, TlsConnection, TlsTargetConnector, UpstreamTlsError};
-pub use error::ProxyError;
+pub use error::{ErrorDetails, ProxyError};
 pub use failure::{Blame, NoTarget, Retry, UpstreamFailure, UpstreamFailureKind};
 pub use forward::{BodySettings, ProxyBody};
+pub use listen::bind_listener;
 pub use spool::{probe as probe_spool_dir, SpoolSettings};
 
 use crate::model::path::EscapedSlashes;
@@ -81,6 +83,8 @@ pub struct ProxyState {
     bodies: BodySettings,
     clients: UpstreamClients,
     counters: Arc<GatewayCounters>,
+    /// What Raahi's own 5xx answers tell the client.
+    error_details: ErrorDetails,
     /// Set when the shutdown sequence starts: HTTP/1.1 answers then carry `Connection: close`, so
     /// clients pinned to a keep-alive connection move to a new one (which their load balancer no
     /// longer sends here) before the listeners close, instead of racing the close.
@@ -93,6 +97,7 @@ impl ProxyState {
         counters: Arc<GatewayCounters>,
         limits: RequestLimits,
         bodies: BodySettings,
+        error_details: ErrorDetails,
     ) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
@@ -100,6 +105,7 @@ impl ProxyState {
             bodies,
             clients: UpstreamClients::default(),
             counters,
+            error_details,
             draining: AtomicBool::new(false),
         })
     }
@@ -210,7 +216,7 @@ fn serve(
         ProxyError::TooManyConnections {
             limit: max_connections,
         }
-        .to_http1_close()
+        .to_http1_close(state.error_details)
     });
     tokio::spawn(async move {
         let connections = GracefulShutdown::new();

@@ -1,21 +1,34 @@
 //! Reading the server name from a TLS ClientHello without terminating TLS.
 //!
-//! Pure functions over the bytes buffered so far: the caller reads more while the answer is
-//! [`Hello::Incomplete`]. The ClientHello may be split over several TLS records (RFC 8446 §5.1
-//! allows fragmenting handshake messages) and over several reads; records are reassembled up to
-//! [`MAX_CLIENT_HELLO_BUFFER`] bytes. Every length is checked before it is used: malformed input
-//! gives an error, never a panic.
+//! A [`HelloReader`] is fed the bytes buffered so far after each read; the caller reads more
+//! while the answer is [`Hello::Incomplete`]. The ClientHello may be split over several TLS
+//! records (RFC 8446 §5.1 allows fragmenting handshake messages) and over several reads. The
+//! reader looks at each byte once, as it arrives, so its answer is a function of the bytes the
+//! client sent — never of how they were cut into reads — and costs no more for a client that
+//! trickles them.
+//!
+//! Bounds (refusals, the same for any split): the handshake message is at most one record's
+//! payload ([`MAX_RECORD_PAYLOAD`], 16 KiB); it spans at most [`MAX_CLIENT_HELLO_RECORDS`]
+//! records; so at most [`MAX_CLIENT_HELLO_BUFFER`] bytes are read, enough for any split within
+//! both bounds. Every length is checked before it is used: malformed input gives an error,
+//! never a panic.
 
-/// Most bytes buffered while waiting for a complete ClientHello: one maximal TLS record with its
-/// header. Real ClientHellos (even with post-quantum key shares) are a few KiB.
-pub const MAX_CLIENT_HELLO_BUFFER: usize = 16 * 1024 + RECORD_HEADER_LEN;
+/// Real clients send their ClientHello in one record, rarely a few; more than this many
+/// fragments is a client wasting the gateway's time.
+pub const MAX_CLIENT_HELLO_RECORDS: usize = 32;
+
+/// Most bytes buffered while waiting for a complete ClientHello: the largest handshake message
+/// accepted, split into as many records as accepted. Real ClientHellos (even with post-quantum
+/// key shares) are a few KiB in one record.
+pub const MAX_CLIENT_HELLO_BUFFER: usize =
+    MAX_RECORD_PAYLOAD + MAX_CLIENT_HELLO_RECORDS * RECORD_HEADER_LEN;
 
 const RECORD_HEADER_LEN: usize = 5;
 const CONTENT_TYPE_HANDSHAKE: u8 = 22;
 const HANDSHAKE_CLIENT_HELLO: u8 = 1;
 const HANDSHAKE_HEADER_LEN: usize = 4;
 /// TLS record payloads are at most 2^14 bytes (plus expansion only for protected records, which
-/// a ClientHello never is).
+/// a ClientHello never is). The ClientHello message is held to the same size.
 const MAX_RECORD_PAYLOAD: usize = 16 * 1024;
 const EXTENSION_SERVER_NAME: u16 = 0;
 const NAME_TYPE_HOST_NAME: u8 = 0;
@@ -38,71 +51,111 @@ pub enum HelloError {
     NotTls,
     #[error("the first handshake message is not a ClientHello")]
     NotClientHello,
-    #[error("the ClientHello does not fit in {MAX_CLIENT_HELLO_BUFFER} bytes")]
+    #[error("the ClientHello does not fit in {MAX_RECORD_PAYLOAD} bytes")]
     TooLarge,
     #[error("malformed ClientHello: {0}")]
     Malformed(&'static str),
 }
 
-/// Parses the ClientHello at the start of `buffered`, the first bytes a client sent.
+/// Parses the ClientHello at the start of `buffered`, the first bytes a client sent: the
+/// reader fed them all at once, what tests hold the fed-as-they-come reader to.
+#[cfg(test)]
 pub fn parse_client_hello(buffered: &[u8]) -> Result<Hello, HelloError> {
-    let Some(message) = reassemble_handshake(buffered)? else {
-        return Ok(Hello::Incomplete);
-    };
-    let sni = server_name(message)?;
-    Ok(Hello::Complete { sni })
+    HelloReader::default().read(buffered)
 }
 
-/// The first handshake message (header and body) once all its fragments have arrived.
-fn reassemble_handshake(buffered: &[u8]) -> Result<Option<Vec<u8>>, HelloError> {
-    let mut message: Vec<u8> = Vec::new();
-    let mut rest = buffered;
-    loop {
-        if let Some(needed) = message_len(&message)? {
-            if message.len() >= needed {
-                message.truncate(needed);
-                return Ok(Some(message));
+/// Reassembles the first handshake message from records as their bytes arrive, and parses it
+/// once it is whole.
+#[derive(Debug, Default)]
+pub struct HelloReader {
+    /// The handshake message so far: the payload bytes of the records read.
+    message: Vec<u8>,
+    /// How much of the input has been taken: whole record headers and the payload bytes
+    /// appended to `message`.
+    consumed: usize,
+    /// Payload bytes of the current record still to come.
+    record_left: usize,
+    records: usize,
+}
+
+impl HelloReader {
+    /// What the client's bytes say so far. `buffered` is everything the client sent: the
+    /// bytes of the last call with the new ones after them. After an answer other than
+    /// `Incomplete` the reader is done; do not call it again.
+    pub fn read(&mut self, buffered: &[u8]) -> Result<Hello, HelloError> {
+        loop {
+            if let Some(needed) = message_len(&self.message)? {
+                if self.message.len() >= needed {
+                    let sni = server_name(&self.message[..needed])?;
+                    return Ok(Hello::Complete { sni });
+                }
             }
+            let rest = buffered.get(self.consumed..).unwrap_or_default();
+            if self.record_left > 0 {
+                // A partial record is used as far as it goes: its first bytes already tell
+                // whether a ClientHello starts here, how long it is, and may complete it.
+                if rest.is_empty() {
+                    return incomplete(buffered);
+                }
+                let taken = rest.len().min(self.record_left);
+                self.message.extend_from_slice(&rest[..taken]);
+                self.consumed += taken;
+                self.record_left -= taken;
+                continue;
+            }
+            let payload_len = match record_header(rest, self.message.is_empty())? {
+                Some(len) => len,
+                None => return incomplete(buffered),
+            };
+            self.records += 1;
+            if self.records > MAX_CLIENT_HELLO_RECORDS {
+                return Err(HelloError::Malformed(
+                    "ClientHello split into too many records",
+                ));
+            }
+            self.consumed += RECORD_HEADER_LEN;
+            self.record_left = payload_len;
         }
-        if rest.is_empty() {
-            return incomplete(buffered);
-        }
-        // Judge the first bytes as soon as they arrive, so a non-TLS client is refused without
-        // waiting for a full record header.
-        if rest[0] != CONTENT_TYPE_HANDSHAKE {
-            return Err(if message.is_empty() {
-                HelloError::NotTls
-            } else {
-                HelloError::Malformed("ClientHello interleaved with another record type")
-            });
-        }
-        if rest.get(1).is_some_and(|&major| major != 3) {
-            return Err(HelloError::NotTls);
-        }
-        if rest.len() < RECORD_HEADER_LEN {
-            return incomplete(buffered);
-        }
-        let payload_len = usize::from(u16::from_be_bytes([rest[3], rest[4]]));
-        if payload_len == 0 {
-            return Err(HelloError::Malformed("empty handshake record"));
-        }
-        if payload_len > MAX_RECORD_PAYLOAD {
-            return Err(HelloError::Malformed("record longer than 2^14 bytes"));
-        }
-        // A partial record is used as far as it goes: its first bytes already tell whether a
-        // ClientHello starts here and how long it is.
-        let available = rest.len().min(RECORD_HEADER_LEN + payload_len);
-        message.extend_from_slice(&rest[RECORD_HEADER_LEN..available]);
-        rest = &rest[available..];
     }
 }
 
-/// More bytes are needed; the caller never buffers more than [`MAX_CLIENT_HELLO_BUFFER`].
-fn incomplete(buffered: &[u8]) -> Result<Option<Vec<u8>>, HelloError> {
+/// The payload length of the handshake record starting `rest`, once its header is in. The
+/// first bytes are judged as soon as they arrive, so a non-TLS client is refused without
+/// waiting for a full record header.
+fn record_header(rest: &[u8], first: bool) -> Result<Option<usize>, HelloError> {
+    let Some(&content_type) = rest.first() else {
+        return Ok(None);
+    };
+    if content_type != CONTENT_TYPE_HANDSHAKE {
+        return Err(if first {
+            HelloError::NotTls
+        } else {
+            HelloError::Malformed("ClientHello interleaved with another record type")
+        });
+    }
+    if rest.get(1).is_some_and(|&major| major != 3) {
+        return Err(HelloError::NotTls);
+    }
+    if rest.len() < RECORD_HEADER_LEN {
+        return Ok(None);
+    }
+    let payload_len = usize::from(u16::from_be_bytes([rest[3], rest[4]]));
+    if payload_len == 0 {
+        return Err(HelloError::Malformed("empty handshake record"));
+    }
+    if payload_len > MAX_RECORD_PAYLOAD {
+        return Err(HelloError::Malformed("record longer than 2^14 bytes"));
+    }
+    Ok(Some(payload_len))
+}
+
+/// More bytes are needed; the caller never buffers more than [`MAX_CLIENT_HELLO_BUFFER`], which
+/// holds any ClientHello within the bounds, so a full buffer without one is refused.
+fn incomplete(buffered: &[u8]) -> Result<Hello, HelloError> {
     if buffered.len() >= MAX_CLIENT_HELLO_BUFFER {
         Err(HelloError::TooLarge)
     } else {
-        Ok(None)
+        Ok(Hello::Incomplete)
     }
 }
 
@@ -120,7 +173,7 @@ fn message_len(message: &[u8]) -> Result<Option<usize>, HelloError> {
     }
     let body_len = u32::from_be_bytes([0, message[1], message[2], message[3]]) as usize;
     let total = HANDSHAKE_HEADER_LEN + body_len;
-    if total + RECORD_HEADER_LEN > MAX_CLIENT_HELLO_BUFFER {
+    if total > MAX_RECORD_PAYLOAD {
         return Err(HelloError::TooLarge);
     }
     Ok(Some(total))
@@ -169,7 +222,7 @@ impl<'a> Reader<'a> {
 
 /// The `host_name` of the server_name extension (RFC 6066 §3) of a complete ClientHello
 /// message (handshake header included).
-fn server_name(message: Vec<u8>) -> Result<Option<String>, HelloError> {
+fn server_name(message: &[u8]) -> Result<Option<String>, HelloError> {
     let mut hello = Reader {
         bytes: message.get(HANDSHAKE_HEADER_LEN..).unwrap_or(&[]),
     };
@@ -247,72 +300,9 @@ fn valid_host_name(name: &[u8]) -> Result<String, HelloError> {
     Ok(text.to_ascii_lowercase())
 }
 
-/// Real clients send their ClientHello in one record, rarely a few; more than this many
-/// fragments is a client wasting the gateway's time.
-pub const MAX_CLIENT_HELLO_RECORDS: usize = 32;
-
-/// Where the complete TLS records among the buffered bytes end, found incrementally, so the
-/// caller parses the ClientHello again only when another record has completed rather than on
-/// every read (a client trickling bytes would otherwise cost a full parse per byte).
-#[derive(Debug, Default)]
-pub struct RecordBoundary {
-    complete_end: usize,
-    records: usize,
-}
-
-impl RecordBoundary {
-    /// Whether at least one more record is complete than at the last call.
-    pub fn advance(&mut self, buffered: &[u8]) -> Result<bool, HelloError> {
-        let before = self.complete_end;
-        while let Some(header) =
-            buffered.get(self.complete_end..self.complete_end + RECORD_HEADER_LEN)
-        {
-            let payload = usize::from(u16::from_be_bytes([header[3], header[4]]));
-            let end = self.complete_end + RECORD_HEADER_LEN + payload;
-            if end > buffered.len() {
-                break;
-            }
-            self.complete_end = end;
-            self.records += 1;
-            if self.records > MAX_CLIENT_HELLO_RECORDS {
-                return Err(HelloError::Malformed(
-                    "ClientHello split into too many records",
-                ));
-            }
-        }
-        Ok(self.complete_end > before)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn record_boundary_advances_only_when_a_record_completes() {
-        let mut boundary = RecordBoundary::default();
-        let record = [22u8, 3, 1, 0, 3, 1, 2, 3];
-        assert!(!boundary.advance(&record[..2]).unwrap(), "no header yet");
-        assert!(
-            !boundary.advance(&record[..6]).unwrap(),
-            "payload incomplete"
-        );
-        assert!(boundary.advance(&record).unwrap(), "the record completed");
-        assert!(!boundary.advance(&record).unwrap(), "nothing new");
-        let mut two = record.to_vec();
-        two.extend_from_slice(&record);
-        assert!(boundary.advance(&two).unwrap());
-
-        let mut many = Vec::new();
-        for _ in 0..=MAX_CLIENT_HELLO_RECORDS {
-            many.extend_from_slice(&[22, 3, 1, 0, 1, 0]);
-        }
-        let mut boundary = RecordBoundary::default();
-        assert!(matches!(
-            boundary.advance(&many),
-            Err(HelloError::Malformed(_))
-        ));
-    }
 
     /// A ClientHello handshake message (header included) with the given extensions.
     fn client_hello_message(extensions: Option<Vec<u8>>) -> Vec<u8> {
@@ -424,7 +414,9 @@ mod tests {
         let mut extensions = sni_extension(&[(0, b"split.test")]);
         extensions.extend(extension(0xfe0d, &[0xab; 2000]));
         let message = client_hello_message(Some(extensions));
-        for fragment in [1, 7, 100, 1000] {
+        // 70 bytes a record: 31 records, within the bound (fewer, smaller ones are refused:
+        // `a_hello_in_more_records_than_allowed_is_refused`).
+        for fragment in [70, 100, 1000] {
             let bytes = records(&message, fragment);
             assert_eq!(parse_client_hello(&bytes), sni("split.test"), "{fragment}");
             // And every prefix of the split form asks for more.
@@ -484,19 +476,111 @@ mod tests {
         ));
     }
 
+    /// `message` split into exactly `count` handshake records of nearly equal size.
+    fn records_exactly(message: &[u8], count: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for at in 1..=count {
+            let end = message.len() * at / count;
+            out.extend_from_slice(&records(&message[start..end], MAX_RECORD_PAYLOAD));
+            start = end;
+        }
+        out
+    }
+
     #[test]
-    fn a_full_buffer_of_tiny_records_is_too_large() {
-        // 1-byte fragments: 6 bytes a record, so the buffer limit is reached before a
-        // ClientHello of ~8 KiB arrives.
-        let message = client_hello_message(Some(extension(0xfe0d, &[0; 8000])));
-        let bytes = records(&message, 1);
-        let capped = &bytes[..MAX_CLIENT_HELLO_BUFFER];
-        assert_eq!(parse_client_hello(capped), Err(HelloError::TooLarge));
-        // Below the limit it is only incomplete.
+    fn a_hello_in_more_records_than_allowed_is_refused() {
+        let message = client_hello_message(Some(sni_extension(&[(0, b"a.test")])));
         assert_eq!(
-            parse_client_hello(&bytes[..MAX_CLIENT_HELLO_BUFFER - 1]),
+            parse_client_hello(&records_exactly(&message, MAX_CLIENT_HELLO_RECORDS)),
+            sni("a.test"),
+            "{MAX_CLIENT_HELLO_RECORDS} records are read"
+        );
+        let bytes = records_exactly(&message, MAX_CLIENT_HELLO_RECORDS + 1);
+        assert_eq!(
+            parse_client_hello(&bytes),
+            Err(HelloError::Malformed(
+                "ClientHello split into too many records"
+            ))
+        );
+        // Refused as soon as the header of the record past the bound is in, not later.
+        let mut starts = Vec::new();
+        let mut at = 0;
+        while at < bytes.len() {
+            starts.push(at);
+            at +=
+                RECORD_HEADER_LEN + usize::from(u16::from_be_bytes([bytes[at + 3], bytes[at + 4]]));
+        }
+        let extra = starts[MAX_CLIENT_HELLO_RECORDS];
+        assert_eq!(
+            parse_client_hello(&bytes[..extra + RECORD_HEADER_LEN - 1]),
             Ok(Hello::Incomplete)
         );
+        assert!(matches!(
+            parse_client_hello(&bytes[..extra + RECORD_HEADER_LEN]),
+            Err(HelloError::Malformed(_))
+        ));
+    }
+
+    /// The largest hello accepted, in as many records as accepted, fits the read buffer.
+    #[test]
+    fn the_largest_hello_in_the_most_records_fits_the_buffer() {
+        let bare = client_hello_message(Some(sni_extension(&[(0, b"big.test")]))).len();
+        let padding = MAX_RECORD_PAYLOAD - bare - 4;
+        let mut extensions = sni_extension(&[(0, b"big.test")]);
+        extensions.extend(extension(0x0015, &vec![0; padding]));
+        let message = client_hello_message(Some(extensions));
+        assert_eq!(message.len(), MAX_RECORD_PAYLOAD);
+        let bytes = records(&message, MAX_RECORD_PAYLOAD / MAX_CLIENT_HELLO_RECORDS);
+        assert_eq!(bytes.len(), MAX_CLIENT_HELLO_BUFFER);
+        assert_eq!(parse_client_hello(&bytes), sni("big.test"));
+        assert_eq!(
+            parse_client_hello(&records(&message, MAX_RECORD_PAYLOAD)),
+            sni("big.test")
+        );
+        // One byte more is too large, in one record or many.
+        let mut extensions = sni_extension(&[(0, b"big.test")]);
+        extensions.extend(extension(0x0015, &vec![0; padding + 1]));
+        let message = client_hello_message(Some(extensions));
+        assert_eq!(
+            parse_client_hello(&records(&message, MAX_RECORD_PAYLOAD)),
+            Err(HelloError::TooLarge)
+        );
+    }
+
+    /// Cases the split properties found, each decided differently by the old reader depending
+    /// on how the reads fell: now the same answer for every split into reads.
+    #[test]
+    fn the_answer_is_the_same_for_every_split_into_reads() {
+        let message = client_hello_message(Some(sni_extension(&[(0, b"a.test")])));
+        let over_many = records_exactly(&message, MAX_CLIENT_HELLO_RECORDS + 1);
+        let mut then_early_data = records_exactly(&message, 30);
+        for _ in 0..5 {
+            then_early_data.extend_from_slice(&[23, 3, 3, 0, 2, 1, 2]);
+        }
+        // A record carrying the end of the hello and more bytes that never come.
+        let mut in_a_longer_record = records(&message, MAX_RECORD_PAYLOAD);
+        in_a_longer_record[4] += 9;
+        let partial_record_of_another_message = [22, 3, 1, 0, 85, 2, 0, 0];
+        for bytes in [
+            &over_many[..],
+            &then_early_data,
+            &in_a_longer_record,
+            &partial_record_of_another_message,
+        ] {
+            let whole = parse_client_hello(bytes);
+            for split in [1, 2, 5, 7, 64] {
+                let mut reader = HelloReader::default();
+                let mut answer = Ok(Hello::Incomplete);
+                for end in (split..bytes.len()).step_by(split).chain([bytes.len()]) {
+                    answer = reader.read(&bytes[..end]);
+                    if answer != Ok(Hello::Incomplete) {
+                        break;
+                    }
+                }
+                assert_eq!(answer, whole, "reads of {split} bytes");
+            }
+        }
     }
 
     #[test]

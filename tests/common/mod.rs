@@ -96,6 +96,15 @@ impl TestGateway {
         Self::start_with(dir, config).await
     }
 
+    /// A gateway whose 5xx answers tell what its log tells (`proxy.error_details = "full"`),
+    /// for tests that read a source's state or an upstream's error from the answer.
+    pub async fn start_with_full_errors() -> TestGateway {
+        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+        let mut config = test_config(dir.path());
+        config.proxy.error_details = raahi::config::ErrorDetails::Full;
+        Self::start_with(dir, config).await
+    }
+
     pub async fn start_with(dir: Arc<tempfile::TempDir>, config: Config) -> TestGateway {
         let gateway = Gateway::start(&config).await.expect("gateway starts");
         let http = reqwest::Client::builder()

@@ -757,7 +757,8 @@ async fn dns_srv_record_priority_and_weight_can_be_ignored() {
 async fn outage_keeps_last_known_good_then_goes_stale_then_recovers() {
     let (upstreams, port) = upstreams_on_one_port(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
     let mut knot = Knot::start("api A 127.0.0.2\napi A 127.0.0.3\napi A 127.0.0.4");
-    let gateway = TestGateway::start().await;
+    // The 503 is read for the source's state: told only with `proxy.error_details = "full"`.
+    let gateway = TestGateway::start_with_full_errors().await;
     let service = service_at(&gateway, "api", "/").await;
     let stale_after_ms: i64 = 1_500;
     let source = add_source(

@@ -790,7 +790,8 @@ async fn invalid_sources_are_refused_naming_the_field_and_nothing_is_stored() {
 
 #[tokio::test]
 async fn a_new_source_is_pending_then_healthy_and_traffic_follows_registry_weights_and_tiers() {
-    let gateway = TestGateway::start().await;
+    // The 503 is read for the source's state: told only with `proxy.error_details = "full"`.
+    let gateway = TestGateway::start_with_full_errors().await;
     let registry = Registry::start().await;
     let (a, b, c) = (
         Upstream::start("a").await,
@@ -1086,7 +1087,8 @@ async fn bad_registry_answers_make_the_source_failing_while_last_known_good_targ
 
 #[tokio::test]
 async fn a_source_failing_past_stale_after_turns_stale_then_recovers_with_the_same_targets() {
-    let gateway = TestGateway::start().await;
+    // The 503 is read for the source's state: told only with `proxy.error_details = "full"`.
+    let gateway = TestGateway::start_with_full_errors().await;
     let registry = Registry::start().await;
     let (a, b) = (Upstream::start("a").await, Upstream::start("b").await);
     let service = service_with_route(&gateway, "web").await;

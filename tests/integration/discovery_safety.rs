@@ -625,7 +625,8 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
     let registry = Registry::start().await;
     // Pending: the first answer never comes in time.
     registry.set_delay(Duration::from_secs(30));
-    let gateway = TestGateway::start().await;
+    // The 503 is read for the source's state: told only with `proxy.error_details = "full"`.
+    let gateway = TestGateway::start_with_full_errors().await;
     let service = service(&gateway, "web").await;
     let mut body = http_source(&registry, Value::Null);
     body["config"]["timeout_ms"] = json!(5_000);
@@ -670,6 +671,82 @@ async fn a_service_fed_only_by_unhealthy_sources_answers_discovery_unavailable()
         },
     )
     .await;
+}
+
+/// A GET through the proxy at `path` that must answer `status` with `code`; its message.
+async fn error_message(gateway: &TestGateway, path: &str, status: u16, code: &str) -> String {
+    let response = reqwest::get(gateway.proxy_url(path))
+        .await
+        .expect("proxy answers");
+    assert_eq!(response.status().as_u16(), status, "{path}");
+    let body: Value = response.json().await.expect("a JSON error body");
+    let error = ProxyError::read(&body);
+    assert_eq!(error.code, code, "{body}");
+    error.message
+}
+
+/// `proxy.error_details` (issue 31): by default a 5xx answer names its code and the service,
+/// never a discovery source, its state, a target's address or the upstream's own error, which
+/// describe the network behind the gateway; with "full" it tells what the log line tells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_names_sources_and_targets_only_with_full_error_details() {
+    let registry = Registry::start().await;
+    registry.set_raw(500, "text/plain", "registry broken");
+    // Nothing listens here: connecting is refused.
+    let dead = free_addr();
+    for full in [false, true] {
+        let gateway = if full {
+            TestGateway::start_with_full_errors().await
+        } else {
+            TestGateway::start().await
+        };
+        let web = service(&gateway, "web").await;
+        let source = add_source(&gateway, web, http_source(&registry, Value::Null)).await;
+        let down = gateway
+            .create(
+                "/api/v1/services",
+                json!({"name": "down", "max_attempts": 1}),
+            )
+            .await;
+        gateway
+            .create(
+                &format!("/api/v1/services/{down}/targets"),
+                json!({"host": "127.0.0.1", "port": dead.port()}),
+            )
+            .await;
+        gateway
+            .create(
+                "/api/v1/routes",
+                json!({"name": "down", "path_prefix": "/down", "service_id": down}),
+            )
+            .await;
+        wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+
+        let discovery = error_message(&gateway, "/", 503, "discovery_unavailable").await;
+        let connect = error_message(&gateway, "/down", 502, "upstream_connect_failed").await;
+        assert!(discovery.contains("service web"), "{discovery}");
+        assert!(connect.contains("service down"), "{connect}");
+        let target = dead.to_string();
+        if full {
+            assert!(discovery.contains("registry (failing)"), "{discovery}");
+            assert!(connect.contains(&target), "{connect}");
+            assert!(connect.to_lowercase().contains("refused"), "{connect}");
+        } else {
+            for secret in ["registry", "failing"] {
+                assert!(!discovery.contains(secret), "{secret}: {discovery}");
+            }
+            for secret in [target.as_str(), "127.0.0.1", "refused", "os error"] {
+                assert!(
+                    !connect.to_lowercase().contains(secret),
+                    "{secret}: {connect}"
+                );
+            }
+        }
+        // The operator still sees the source's state and error, whatever the client is told.
+        let status = gateway.source_status(source).await;
+        assert_eq!(status.state, "failing");
+        assert!(status.last_error.is_some(), "{status}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

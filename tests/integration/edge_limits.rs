@@ -537,3 +537,66 @@ async fn a_post_sent_a_byte_at_a_time_is_not_taken_for_http2() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(upstream.last_seen().body_len, 2);
 }
+
+/// The accept backlog of the socket listening on TCP `port`, as `ss` (iproute2) shows it: a
+/// LISTEN socket's Send-Q is its backlog.
+fn listen_backlog(port: u16) -> u32 {
+    let output = std::process::Command::new("ss")
+        .args(["-Hltn", &format!("sport = :{port}")])
+        .output()
+        .expect("ss (iproute2) runs");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .next()
+        .unwrap_or_else(|| panic!("nothing listens on port {port}: {text:?}"));
+    // State, Recv-Q, Send-Q, local address, peer address.
+    line.split_whitespace()
+        .nth(2)
+        .and_then(|backlog| backlog.parse().ok())
+        .unwrap_or_else(|| panic!("no backlog in {line:?}"))
+}
+
+/// `proxy.listen_backlog` is the backlog of the proxy, HTTPS and stream-route listeners (the
+/// admin listener keeps its own); 1024 by default, as far as the kernel allows.
+#[tokio::test]
+async fn the_data_path_listeners_take_the_configured_backlog() {
+    let (gateway, upstream) = gateway_with(
+        &[
+            ("RAAHI_PROXY_LISTEN_BACKLOG", "7"),
+            ("RAAHI_PROXY_TLS_LISTEN", "127.0.0.1:0"),
+        ],
+        "backlog",
+    )
+    .await;
+    let https = gateway
+        .gateway
+        .as_ref()
+        .and_then(|gateway| gateway.tls_addr)
+        .expect("an HTTPS listener");
+    let stream = stream_service(
+        &gateway,
+        "stream-backlog",
+        "tcp",
+        &[target(&upstream, 1, 0)],
+    )
+    .await;
+    let listen = free_addr();
+    // A route's listener is bound when the route is created.
+    stream_route(&gateway, listen, None, stream).await;
+    for (listener, port) in [
+        ("proxy", gateway.proxy.port()),
+        ("https", https.port()),
+        ("stream route", listen.port()),
+    ] {
+        assert_eq!(listen_backlog(port), 7, "{listener}");
+    }
+
+    let (default, _upstream) = gateway_with(&[], "default-backlog").await;
+    let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .expect("somaxconn")
+        .trim()
+        .parse()
+        .expect("a number");
+    assert_eq!(listen_backlog(default.proxy.port()), somaxconn.min(1024));
+}

@@ -459,6 +459,120 @@ async fn route_without_sni_takes_the_other_tls_names() {
     assert_eq!(greeting, "other.test");
 }
 
+/// A ClientHello handshake message naming `name`, padded to about `padding` more bytes (RFC
+/// 8446 §4.1.2, RFC 6066 §3, padding extension RFC 7685), built by hand so its records can be
+/// cut at will.
+fn crafted_client_hello(name: &str, padding: usize) -> Vec<u8> {
+    let block16 = |data: &[u8]| {
+        let mut out = u16::try_from(data.len()).unwrap().to_be_bytes().to_vec();
+        out.extend_from_slice(data);
+        out
+    };
+    let mut entry = vec![0u8];
+    entry.extend(block16(name.as_bytes()));
+    let mut extensions = vec![0, 0];
+    extensions.extend(block16(&block16(&entry)));
+    extensions.extend([0, 0x15]);
+    extensions.extend(block16(&vec![0; padding]));
+    let mut body = vec![3, 3];
+    body.extend([7; 32]);
+    body.push(0);
+    body.extend(block16(&[0x13, 0x01]));
+    body.extend([1, 0]);
+    body.extend(block16(&extensions));
+    let mut message = vec![1];
+    message.extend(&u32::try_from(body.len()).unwrap().to_be_bytes()[1..]);
+    message.extend(body);
+    message
+}
+
+/// `message` as exactly `count` handshake records of nearly equal size.
+fn in_records(message: &[u8], count: usize) -> Vec<u8> {
+    let mut wire = Vec::new();
+    let mut start = 0;
+    for at in 1..=count {
+        let end = message.len() * at / count;
+        wire.extend([22, 3, 1]);
+        wire.extend(u16::try_from(end - start).unwrap().to_be_bytes());
+        wire.extend(&message[start..end]);
+        start = end;
+    }
+    wire
+}
+
+/// Sends `bytes` in writes of at most `piece` bytes, ends the writes, reads until closed.
+async fn exchange_in_pieces(addr: SocketAddr, bytes: &[u8], piece: usize) -> io::Result<Vec<u8>> {
+    let work = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        for chunk in bytes.chunks(piece) {
+            stream.write_all(chunk).await?;
+            stream.flush().await?;
+        }
+        stream.shutdown().await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok(answer)
+    };
+    tokio::time::timeout(IO_TIMEOUT, work)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "exchange timed out"))?
+}
+
+/// A passthrough listener decides on a ClientHello from its bytes, not from how they came
+/// (issue 31): a hello within the bounds (≤ 16 KiB in ≤ 32 records) is routed even when
+/// records of early data follow it in the same flight, and one split into more records is
+/// refused even when it arrives in a single read. The echo upstream sends back what reached it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hello_is_judged_the_same_however_its_records_and_reads_fall() {
+    let gateway = TestGateway::start().await;
+    let upstream = EchoUpstream::start("tls-echo").await;
+    let service = stream_service(&gateway, "split-hello", "tls", &[upstream.target()]).await;
+    let listen = free_addr();
+    stream_route(&gateway, listen, Some("split.test"), service).await;
+    let simple = in_records(&crafted_client_hello("split.test", 0), 1);
+    wait_until("the passthrough route answers", DEADLINE, || async {
+        exchange(listen, &simple)
+            .await
+            .is_ok_and(|answer| upstream_name(&answer, &simple).is_some())
+    })
+    .await;
+
+    // 6 KiB in 30 records, then 5 records of early data: more than the gateway's 4 KiB read,
+    // so it comes in at least two reads, the second completing the hello and the early data.
+    let mut routed = in_records(&crafted_client_hello("split.test", 6000), 30);
+    for _ in 0..5 {
+        routed.extend([23, 3, 3, 0, 100]);
+        routed.extend([0xee; 100]);
+    }
+    let answer = exchange(listen, &routed).await.expect("one write");
+    assert_eq!(
+        upstream_name(&answer, &routed).as_deref(),
+        Some("tls-echo"),
+        "in one write: {} bytes back",
+        answer.len()
+    );
+    let answer = exchange_in_pieces(listen, &routed, 97)
+        .await
+        .expect("in pieces");
+    assert_eq!(
+        upstream_name(&answer, &routed).as_deref(),
+        Some("tls-echo"),
+        "in pieces: {} bytes back",
+        answer.len()
+    );
+
+    // 40 records: refused, in one small write (read at once) as in pieces.
+    let refused_hello = in_records(&crafted_client_hello("split.test", 100), 40);
+    for piece in [refused_hello.len(), 7] {
+        let answer = exchange_in_pieces(listen, &refused_hello, piece).await;
+        assert!(
+            matches!(&answer, Ok(bytes) if bytes.is_empty()) || answer.is_err(),
+            "writes of {piece} bytes: {answer:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creating_binds_and_deleting_stops_accepting_while_open_connections_continue() {
     let gateway = TestGateway::start().await;

@@ -782,7 +782,8 @@ async fn untrusted_upstream_certificate_is_a_named_502_until_its_ca_is_trusted()
     let pki = Pki::new("private CA");
     let leaf = pki.leaf(&["private.test"]);
     let upstream = TlsUpstream::start("private-upstream", &leaf, &[b"http/1.1"]).await;
-    let gateway = TestGateway::start().await;
+    // The 502 is read for the TLS reason: told only with `proxy.error_details = "full"`.
+    let gateway = TestGateway::start_with_full_errors().await;
 
     let verified = https_service(
         &gateway,

@@ -80,9 +80,20 @@ fn ttl() -> impl Strategy<Value = u32> {
     prop_oneof![
         Just(0u32),
         1u32..=600,
-        // RFC 2181 §8: TTLs are 31-bit values.
+        // RFC 2181 §8: TTLs are 31-bit values...
         0u32..=0x7fff_ffff,
+        // ...and a server may still send the top bit set.
+        0x8000_0000u32..=u32::MAX,
     ]
+}
+
+/// The TTL a cache must take from a record: RFC 2181 §8 treats one with the top bit set as 0.
+fn rfc2181(ttl: u32) -> u32 {
+    if ttl >= 1 << 31 {
+        0
+    } else {
+        ttl
+    }
 }
 
 fn rdata_of(kind: RecordType) -> BoxedStrategy<RData> {
@@ -196,7 +207,8 @@ impl GeneratedResponse {
             .collect()
     }
 
-    /// The smallest TTL of the chain and the records, when there are records.
+    /// The smallest TTL of the chain and the records, when there are records; a TTL of 2^31
+    /// or more counts as 0.
     fn expected_ttl(&self) -> Option<u32> {
         if self.expected_records().is_empty() {
             return None;
@@ -204,7 +216,7 @@ impl GeneratedResponse {
         self.answers
             .iter()
             .filter(|(_, role)| *role != Role::Unrelated)
-            .map(|(record, _)| record.ttl())
+            .map(|(record, _)| rfc2181(record.ttl()))
             .min()
     }
 }
@@ -311,8 +323,8 @@ proptest! {
 
     /// The records of the asked type at the end of the CNAME chain (followed for at most
     /// `MAX_CNAME_HOPS` hops, names compared without case), in answer order, with the smallest
-    /// TTL of the chain and the records; nothing from other names, other types, or other
-    /// sections.
+    /// TTL of the chain and the records (RFC 2181 §8: one ≥ 2^31 is 0); nothing from other
+    /// names, other types, or other sections.
     #[test]
     fn the_answer_is_exactly_the_records_behind_the_chain(generated in response(), port in any::<u16>()) {
         let message = through_the_wire(&generated.message());
@@ -456,7 +468,7 @@ proptest! {
 
     /// Any bytes through hickory's decoder and then our checks: no panic, and an answer taken
     /// from a decoded message only ever holds records of the asked type from its answer
-    /// section, with a TTL that is one of theirs or their chain's.
+    /// section, with a TTL that is one of theirs or their chain's (31 bits, RFC 2181 §8).
     #[test]
     fn arbitrary_bytes_never_panic(
         bytes in dns_like_bytes(),
@@ -474,8 +486,9 @@ proptest! {
             prop_assert!(message.answers().contains(record));
         }
         if let Some(ttl) = answer.ttl {
-            prop_assert!(message.answers().iter().any(|record| record.ttl() == ttl));
-            prop_assert!(answer.records.iter().all(|record| record.ttl() >= ttl));
+            prop_assert!(ttl < 1 << 31);
+            prop_assert!(message.answers().iter().any(|record| rfc2181(record.ttl()) == ttl));
+            prop_assert!(answer.records.iter().all(|record| rfc2181(record.ttl()) >= ttl));
         } else {
             prop_assert!(answer.records.is_empty());
         }
@@ -525,4 +538,29 @@ fn nxdomain_without_the_question_is_refused() {
         message.take_answers();
     });
     assert!(check_question(SERVER, &message, &name, RecordType::A).is_err());
+}
+
+/// Found by `the_answer_is_exactly_the_records_behind_the_chain` once TTLs with the top bit set
+/// were generated: 2^31 was taken as 68 years, so the answer never refreshed before the
+/// interval. RFC 2181 §8 says to treat it as 0, which the runner floors to 1 s.
+#[test]
+fn a_ttl_with_the_top_bit_set_is_zero() {
+    for (ttl, expected) in [(0x8000_0000, 0), (u32::MAX, 0), (0x7fff_ffff, 0x7fff_ffff)] {
+        let (message, name) = response_to_svc(|message| {
+            message.answers_mut()[0].set_ttl(ttl);
+        });
+        let answer = answer_of(&message, &name, RecordType::A);
+        assert_eq!(answer.ttl, Some(expected), "TTL {ttl:#x}");
+    }
+    // In a CNAME chain too.
+    let (message, name) = response_to_svc(|message| {
+        message.take_answers();
+        message.add_answer(test_server::cname(
+            "svc.example.",
+            0x8000_0000,
+            "real.example.",
+        ));
+        message.add_answer(test_server::a("real.example.", 30, "192.0.2.1"));
+    });
+    assert_eq!(answer_of(&message, &name, RecordType::A).ttl, Some(0));
 }

@@ -109,7 +109,7 @@ pub async fn handle(
             if let Some(refusal) = error.refusal() {
                 state.counters.requests_refused[refusal].fetch_add(1, Ordering::Relaxed);
             }
-            let mut response = error.to_response().map(Either::Right);
+            let mut response = error.to_response(state.error_details).map(Either::Right);
             if http1 && error.ends_connection() {
                 response
                     .headers_mut()

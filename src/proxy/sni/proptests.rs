@@ -268,9 +268,9 @@ fn wire_hello(max_cuts: usize) -> impl Strategy<Value = WireHello> {
         })
 }
 
-/// Whether the whole handshake message may be buffered (what `message_len` checks).
+/// Whether the handshake message is within the size bound (what `message_len` checks).
 fn fits(hello: &GeneratedHello) -> bool {
-    hello.message.len() + RECORD_HEADER_LEN <= MAX_CLIENT_HELLO_BUFFER
+    hello.message.len() <= MAX_RECORD_PAYLOAD
 }
 
 fn cut_points(len: usize) -> Vec<usize> {
@@ -292,45 +292,29 @@ enum Driven {
     Refused(HelloError),
 }
 
-/// The caller's loop: judge the first bytes at once, then parse again only when a record has
-/// completed; never buffer more than `MAX_CLIENT_HELLO_BUFFER`. Also returns how many times
-/// it parsed.
-fn drive(wire: &[u8], cuts: &[usize]) -> (Driven, usize) {
+/// The caller's loop: feed the reader everything buffered after each read; never buffer more
+/// than `MAX_CLIENT_HELLO_BUFFER`.
+fn drive(wire: &[u8], cuts: &[usize]) -> Driven {
     let mut ends: Vec<usize> = cuts.iter().map(|&cut| cut.min(wire.len())).collect();
     ends.push(wire.len());
     ends.sort_unstable();
     ends.dedup();
     let mut buffered: Vec<u8> = Vec::new();
-    let mut boundary = RecordBoundary::default();
-    let mut judged_first_bytes = false;
+    let mut reader = HelloReader::default();
     let mut sent = 0;
-    let mut parses = 0;
     loop {
-        let worth_parsing = !buffered.is_empty() && !judged_first_bytes;
-        let advanced = if worth_parsing {
-            true
-        } else {
-            match boundary.advance(&buffered) {
-                Ok(advanced) => advanced,
-                Err(error) => return (Driven::Refused(error), parses),
-            }
-        };
-        if advanced {
-            judged_first_bytes = true;
-            parses += 1;
-            match parse_client_hello(&buffered) {
-                Ok(Hello::Complete { sni }) => return (Driven::Hello(sni), parses),
-                Ok(Hello::Incomplete) => {}
-                Err(error) => return (Driven::Refused(error), parses),
-            }
+        match reader.read(&buffered) {
+            Ok(Hello::Complete { sni }) => return Driven::Hello(sni),
+            Ok(Hello::Incomplete) => {}
+            Err(error) => return Driven::Refused(error),
         }
         let room = MAX_CLIENT_HELLO_BUFFER.saturating_sub(buffered.len());
         if room == 0 {
-            return (Driven::Refused(HelloError::TooLarge), parses);
+            return Driven::Refused(HelloError::TooLarge);
         }
         // The next read: up to the client's next cut, and no more than there is room for.
         let Some(&end) = ends.iter().find(|&&end| end > sent) else {
-            return (Driven::Truncated, parses);
+            return Driven::Truncated;
         };
         let end = end.min(sent + room);
         buffered.extend_from_slice(&wire[sent..end]);
@@ -345,18 +329,21 @@ fn drive(wire: &[u8], cuts: &[usize]) -> (Driven, usize) {
 proptest! {
     #![proptest_config(config(256))]
 
-    /// A generated ClientHello, in one record or fragmented over many, yields exactly its
-    /// server name; so does the same with other records after it.
+    /// A generated ClientHello, in one record or fragmented over up to
+    /// `MAX_CLIENT_HELLO_RECORDS`, yields exactly its server name; so does the same with other
+    /// records after it. Over more records it is refused.
     #[test]
     fn a_generated_hello_yields_exactly_its_server_name(
         wire_hello in wire_hello(40),
         after in vec(any::<u8>(), 0..40),
     ) {
-        let WireHello { hello, wire, .. } = &wire_hello;
-        let expected = if fits(hello) {
-            Ok(Hello::Complete { sni: hello.sni.clone() })
-        } else {
+        let WireHello { hello, wire, records } = &wire_hello;
+        let expected = if !fits(hello) {
             Err(HelloError::TooLarge)
+        } else if *records > MAX_CLIENT_HELLO_RECORDS {
+            Err(HelloError::Malformed("ClientHello split into too many records"))
+        } else {
+            Ok(Hello::Complete { sni: hello.sni.clone() })
         };
         prop_assert_eq!(&parse_client_hello(wire), &expected);
         let mut followed = wire.clone();
@@ -365,28 +352,22 @@ proptest! {
         prop_assert_eq!(&parse_client_hello(&followed), &expected);
     }
 
-    /// Every strict prefix of a hello's records asks for more (or, once the buffer limit is
-    /// reached, is too large): never an error, never a name.
+    /// Every strict prefix of a hello's records within the bounds asks for more: never an
+    /// error, never a name.
     #[test]
     fn every_strict_prefix_is_incomplete(wire_hello in wire_hello(40)) {
-        let WireHello { hello, wire, .. } = &wire_hello;
-        prop_assume!(fits(hello));
+        let WireHello { hello, wire, records } = &wire_hello;
+        prop_assume!(fits(hello) && *records <= MAX_CLIENT_HELLO_RECORDS);
+        prop_assert!(wire.len() <= MAX_CLIENT_HELLO_BUFFER);
         for cut in cut_points(wire.len()) {
-            let expected = if cut < MAX_CLIENT_HELLO_BUFFER {
-                Ok(Hello::Incomplete)
-            } else {
-                Err(HelloError::TooLarge)
-            };
-            prop_assert_eq!(parse_client_hello(&wire[..cut]), expected, "prefix of {} bytes", cut);
+            prop_assert_eq!(parse_client_hello(&wire[..cut]), Ok(Hello::Incomplete), "prefix of {} bytes", cut);
         }
     }
 
     /// Through the caller's read loop, with the client's bytes arriving in random reads: the
-    /// server name when the hello fits the documented bounds (`MAX_CLIENT_HELLO_BUFFER` bytes,
-    /// `MAX_CLIENT_HELLO_RECORDS` records), else a refusal; never another name. The records
-    /// bound is on the work done: the hello is parsed at most once for the first bytes and
-    /// once per completed record, up to the bound. (A hello of more records that arrives
-    /// complete in the first read is parsed once and read, not refused.)
+    /// server name when the hello is within the bounds (a message of `MAX_RECORD_PAYLOAD`
+    /// bytes, `MAX_CLIENT_HELLO_RECORDS` records), else a refusal naming the bound; never
+    /// another name.
     #[test]
     fn read_in_pieces_a_hello_within_the_bounds_yields_its_name(
         wire_hello in wire_hello(48),
@@ -394,37 +375,163 @@ proptest! {
     ) {
         let WireHello { hello, wire, records } = &wire_hello;
         let reads: Vec<usize> = reads.iter().map(|cut| cut.index(wire.len() + 1)).collect();
-        let within = fits(hello)
-            && wire.len() <= MAX_CLIENT_HELLO_BUFFER
-            && *records <= MAX_CLIENT_HELLO_RECORDS;
-        let (driven, parses) = drive(wire, &reads);
-        prop_assert!(parses <= MAX_CLIENT_HELLO_RECORDS + 1, "{} parses", parses);
-        let buffered_whole = fits(hello) && wire.len() <= MAX_CLIENT_HELLO_BUFFER;
-        if within {
-            prop_assert_eq!(driven, Driven::Hello(hello.sni.clone()));
-        } else if buffered_whole {
+        let driven = drive(wire, &reads);
+        if !fits(hello) {
+            prop_assert_eq!(driven, Driven::Refused(HelloError::TooLarge));
+        } else if *records > MAX_CLIENT_HELLO_RECORDS {
             prop_assert!(
-                driven == Driven::Hello(hello.sni.clone())
-                    || matches!(driven, Driven::Refused(HelloError::Malformed(_))),
+                matches!(driven, Driven::Refused(HelloError::Malformed(_))),
                 "{} records: {:?}", records, driven
             );
         } else {
-            prop_assert!(
-                matches!(driven, Driven::Refused(HelloError::TooLarge | HelloError::Malformed(_))),
-                "{} records, {} bytes: {:?}", records, wire.len(), driven
-            );
+            prop_assert_eq!(driven, Driven::Hello(hello.sni.clone()));
         }
+    }
+}
+
+/// Records a client may send right behind its ClientHello in the same flight (TLS 1.3 early
+/// data, a middlebox-compatibility ChangeCipherSpec, a second handshake record): the reader
+/// must decide without them.
+fn records_after() -> impl Strategy<Value = Vec<u8>> {
+    vec(
+        (
+            prop::sample::select(vec![20u8, 22, 23]),
+            vec(any::<u8>(), 1..64),
+        ),
+        0..8,
+    )
+    .prop_map(|records| {
+        let mut wire = Vec::new();
+        for (kind, payload) in records {
+            wire.extend_from_slice(&[kind, 3, 3]);
+            wire.extend_from_slice(&block16(&payload));
+        }
+        wire
+    })
+}
+
+/// A hello of any size up to a little past the largest handshake message the reader takes,
+/// so that splits into records meet the buffer limit.
+fn hello_near_the_limit() -> impl Strategy<Value = GeneratedHello> {
+    (
+        host_name(),
+        (MAX_RECORD_PAYLOAD - 600)..=(MAX_RECORD_PAYLOAD + 20),
+    )
+        .prop_map(|(name, target)| {
+            let message_with = |padding: usize| {
+                let mut extensions = ServerNameList {
+                    before: Vec::new(),
+                    host: Some(name.clone()),
+                    after: Vec::new(),
+                }
+                .encode();
+                extensions.extend(extension(0x0015, &vec![0; padding]));
+                let mut body = vec![3, 3];
+                body.extend_from_slice(&[7; 32]);
+                body.extend_from_slice(&block8(&[9; 32]));
+                body.extend_from_slice(&block16(&[0x13, 0x01]));
+                body.extend_from_slice(&block8(&[0]));
+                body.extend_from_slice(&block16(&extensions));
+                let mut message = vec![HANDSHAKE_CLIENT_HELLO];
+                message.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes()[1..]);
+                message.extend_from_slice(&body);
+                message
+            };
+            let message = message_with(target.saturating_sub(message_with(0).len()));
+            GeneratedHello {
+                message,
+                sni: Some(name.to_ascii_lowercase()),
+            }
+        })
+}
+
+/// `hello` cut into records at `cuts`, the cuts bounded so that at most `max_records` records
+/// result (fewer if `MAX_RECORD_PAYLOAD` allows).
+fn records_of(hello: &GeneratedHello, cuts: &[Index], max_records: usize) -> (Vec<u8>, usize) {
+    let len = hello.message.len();
+    let cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(len)).collect();
+    let mut keep = cuts.len();
+    loop {
+        let (wire, records) = into_records(&hello.message, &cuts[..keep], &[]);
+        if records <= max_records || keep == 0 {
+            return (wire, records);
+        }
+        keep -= 1;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// RFC 8446 §5.1 lets a client fragment its ClientHello into records as it likes: within
+    /// the documented bounds (a message of at most `MAX_RECORD_PAYLOAD` bytes in at most
+    /// `MAX_CLIENT_HELLO_RECORDS` records) every split yields the same server name, read whole
+    /// or through the caller's loop; one of more records is refused, whatever the split.
+    #[test]
+    fn the_decision_does_not_depend_on_the_record_split(
+        hello in prop_oneof![3 => client_hello(), 1 => hello_near_the_limit()],
+        first in vec(any::<Index>(), 0..48),
+        second in vec(any::<Index>(), 0..48),
+        reads in vec(any::<Index>(), 0..24),
+    ) {
+        let expected = if hello.message.len() <= MAX_RECORD_PAYLOAD {
+            Ok(Hello::Complete { sni: hello.sni.clone() })
+        } else {
+            Err(HelloError::TooLarge)
+        };
+        for cuts in [&first, &second] {
+            let (wire, records) = records_of(&hello, cuts, usize::MAX);
+            let reads: Vec<usize> = reads.iter().map(|cut| cut.index(wire.len() + 1)).collect();
+            let whole = parse_client_hello(&wire);
+            let driven = drive(&wire, &reads);
+            if records <= MAX_CLIENT_HELLO_RECORDS || expected.is_err() {
+                prop_assert_eq!(&whole, &expected, "{} records", records);
+                prop_assert_eq!(
+                    driven,
+                    match &expected {
+                        Ok(_) => Driven::Hello(hello.sni.clone()),
+                        Err(error) => Driven::Refused(error.clone()),
+                    },
+                    "{} records", records
+                );
+            } else {
+                prop_assert!(matches!(whole, Err(HelloError::Malformed(_))), "{} records: {:?}", records, whole);
+                prop_assert!(matches!(driven, Driven::Refused(HelloError::Malformed(_))), "{} records: {:?}", records, driven);
+            }
+        }
+    }
+
+    /// The caller's loop decides from the bytes the client sent, never from how they arrived:
+    /// any two splits of the same bytes into reads end alike (the same name, the same refusal,
+    /// or both waiting for more), whatever follows the hello in the same flight.
+    #[test]
+    fn the_decision_does_not_depend_on_the_reads(
+        wire_hello in wire_hello(48),
+        after in records_after(),
+        first in vec(any::<Index>(), 0..24),
+        second in vec(any::<Index>(), 0..24),
+    ) {
+        let mut wire = wire_hello.wire.clone();
+        wire.extend_from_slice(&after);
+        let split = |reads: &Vec<Index>| -> Vec<usize> {
+            reads.iter().map(|cut| cut.index(wire.len() + 1)).collect()
+        };
+        let one_read = drive(&wire, &[]);
+        let first = drive(&wire, &split(&first));
+        let second = drive(&wire, &split(&second));
+        prop_assert_eq!(&first, &one_read, "{} records", wire_hello.records);
+        prop_assert_eq!(&second, &one_read, "{} records", wire_hello.records);
     }
 }
 
 proptest! {
     #![proptest_config(config(64))]
 
-    /// Large hellos around the buffer limit: a message that cannot be buffered whole is
-    /// refused as too large as soon as its handshake header is in, and one that can is read.
+    /// Large hellos around the size bound: a message longer than `MAX_RECORD_PAYLOAD` is
+    /// refused as too large as soon as its handshake header is in, and one within it is read.
     #[test]
     fn hellos_around_the_buffer_limit(
-        target in (MAX_CLIENT_HELLO_BUFFER - 300)..(MAX_CLIENT_HELLO_BUFFER + 50),
+        target in (MAX_RECORD_PAYLOAD - 300)..(MAX_RECORD_PAYLOAD + 50),
         name in host_name(),
         fragment in prop_oneof![Just(MAX_RECORD_PAYLOAD), 1000usize..MAX_RECORD_PAYLOAD],
     ) {
@@ -458,15 +565,8 @@ proptest! {
                 parse_client_hello(&wire),
                 Ok(Hello::Complete { sni: hello.sni.clone() })
             );
-            // Short of the limit, a prefix is incomplete; at the limit it is too large.
-            let short = (MAX_CLIENT_HELLO_BUFFER - 1).min(wire.len() - 1);
-            prop_assert_eq!(parse_client_hello(&wire[..short]), Ok(Hello::Incomplete));
-            if MAX_CLIENT_HELLO_BUFFER < wire.len() {
-                prop_assert_eq!(
-                    parse_client_hello(&wire[..MAX_CLIENT_HELLO_BUFFER]),
-                    Err(HelloError::TooLarge)
-                );
-            }
+            prop_assert!(wire.len() <= MAX_CLIENT_HELLO_BUFFER);
+            prop_assert_eq!(parse_client_hello(&wire[..wire.len() - 1]), Ok(Hello::Incomplete));
         } else {
             // Refused once the handshake header (record header and 4 bytes) is in.
             prop_assert_eq!(
@@ -517,6 +617,22 @@ fn tls_like_bytes() -> impl Strategy<Value = Vec<u8>> {
 proptest! {
     #![proptest_config(config(1024))]
 
+    /// Any bytes, sent in any two splits into reads, end alike: the reader's answer is a
+    /// function of the bytes, not of when they came.
+    #[test]
+    fn for_any_bytes_the_decision_does_not_depend_on_the_reads(
+        bytes in tls_like_bytes(),
+        first in vec(any::<Index>(), 0..12),
+        second in vec(any::<Index>(), 0..12),
+    ) {
+        let split = |reads: &Vec<Index>| -> Vec<usize> {
+            reads.iter().map(|cut| cut.index(bytes.len() + 1)).collect()
+        };
+        let one_read = drive(&bytes, &[]);
+        prop_assert_eq!(&drive(&bytes, &split(&first)), &one_read);
+        prop_assert_eq!(&drive(&bytes, &split(&second)), &one_read);
+    }
+
     /// Any bytes: no panic; a name found is a valid lower-case host name; and an answer, once
     /// given for a prefix, is never contradicted by more bytes: a complete hello stays the
     /// same hello, an error stays an error, and a name is never found from fewer bytes than
@@ -540,39 +656,35 @@ proptest! {
             Ok(Hello::Complete { .. }) => prop_assert_eq!(&full, &prefix),
             Err(_) => prop_assert!(full.is_err(), "{:?} then {:?}", prefix, full),
         }
-        // The record counter never panics either, fed the same bytes as they grow.
-        let mut boundary = RecordBoundary::default();
-        let _ = boundary.advance(&bytes[..cut]).and_then(|_| boundary.advance(&bytes));
+        // The reader fed the prefix, then all the bytes, answers as if fed them at once.
+        let mut reader = HelloReader::default();
+        match reader.read(&bytes[..cut]) {
+            Ok(Hello::Incomplete) => prop_assert_eq!(reader.read(&bytes), full),
+            answer => prop_assert_eq!(answer, prefix),
+        }
     }
 
-    /// `RecordBoundary` says a record completed exactly when one did, and refuses once more
-    /// than `MAX_CLIENT_HELLO_RECORDS` records are complete.
+    /// The reader fed bytes as they grow answers, at every step, what `parse_client_hello`
+    /// answers for the bytes so far: it keeps nothing from earlier calls that the bytes do not
+    /// say.
     #[test]
-    fn record_boundary_counts_complete_records(
-        payloads in vec(0usize..64, 0..40),
+    fn the_reader_answers_as_the_whole_parse_at_every_step(
+        bytes in prop_oneof![
+            tls_like_bytes(),
+            (wire_hello(48), records_after()).prop_map(|(hello, after)| [hello.wire, after].concat()),
+        ],
         reads in vec(any::<Index>(), 0..40),
     ) {
-        let mut wire = Vec::new();
-        let mut ends = Vec::new();
-        for (at, len) in payloads.iter().enumerate() {
-            wire.extend_from_slice(&[CONTENT_TYPE_HANDSHAKE, 3, 1]);
-            wire.extend_from_slice(&block16(&vec![at as u8; *len]));
-            ends.push(wire.len());
-        }
-        let mut cuts: Vec<usize> = reads.iter().map(|cut| cut.index(wire.len() + 1)).collect();
-        cuts.push(wire.len());
-        cuts.sort_unstable();
-        let mut boundary = RecordBoundary::default();
-        let mut complete_before = 0;
-        for cut in cuts {
-            let complete = ends.iter().filter(|&&end| end <= cut).count();
-            let answer = boundary.advance(&wire[..cut]);
-            if complete > MAX_CLIENT_HELLO_RECORDS {
-                prop_assert!(matches!(answer, Err(HelloError::Malformed(_))));
+        let mut ends: Vec<usize> = reads.iter().map(|cut| cut.index(bytes.len() + 1)).collect();
+        ends.push(bytes.len());
+        ends.sort_unstable();
+        let mut reader = HelloReader::default();
+        for end in ends {
+            let answer = reader.read(&bytes[..end]);
+            prop_assert_eq!(&answer, &parse_client_hello(&bytes[..end]), "after {} bytes", end);
+            if answer != Ok(Hello::Incomplete) {
                 break;
             }
-            prop_assert_eq!(answer, Ok(complete > complete_before), "at {}", cut);
-            complete_before = complete;
         }
     }
 }

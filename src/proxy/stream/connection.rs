@@ -18,9 +18,7 @@ use super::{OpenConnection, Shared};
 use crate::model::{Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight, Overloaded};
 use crate::proxy::failure::{Blame, NoTarget, Retry, UpstreamFailure};
-use crate::proxy::sni::{
-    parse_client_hello, Hello, HelloError, RecordBoundary, MAX_CLIENT_HELLO_BUFFER,
-};
+use crate::proxy::sni::{Hello, HelloError, HelloReader, MAX_CLIENT_HELLO_BUFFER};
 use crate::snapshot::{ServiceRuntime, StreamRouteEntry};
 use crate::telemetry::access;
 
@@ -256,17 +254,12 @@ async fn read_client_hello(
 ) -> Result<(Vec<u8>, Option<String>), StreamError> {
     let deadline = Instant::now() + timeout;
     let mut buffered = Vec::new();
-    let mut boundary = RecordBoundary::default();
-    let mut judged_first_bytes = false;
+    // It looks at each new byte once, so feeding it after every read costs nothing more when
+    // a client trickles its bytes, and its answer does not depend on how they were read.
+    let mut reader = HelloReader::default();
     loop {
-        // The first bytes are judged at once (a non-TLS client is refused without waiting for a
-        // record); after that, only a newly completed record can complete the ClientHello.
-        let worth_parsing = !buffered.is_empty() && !judged_first_bytes;
-        if worth_parsing || boundary.advance(&buffered)? {
-            judged_first_bytes = true;
-            if let Hello::Complete { sni } = parse_client_hello(&buffered)? {
-                return Ok((buffered, sni));
-            }
+        if let Hello::Complete { sni } = reader.read(&buffered)? {
+            return Ok((buffered, sni));
         }
         let room = MAX_CLIENT_HELLO_BUFFER.saturating_sub(buffered.len());
         if room == 0 {

@@ -73,6 +73,8 @@ pub struct StreamSettings {
     pub handshake_timeout: Duration,
     /// On shutdown, how long open connections may take to finish before they are dropped.
     pub shutdown_grace: Duration,
+    /// Connections the kernel may hold for a listener before the gateway accepts them.
+    pub listen_backlog: u32,
 }
 
 /// What every connection task shares.
@@ -182,13 +184,9 @@ impl StreamListeners {
         }
         let runtime =
             tokio::runtime::Handle::try_current().map_err(|_| BindError::NoRuntime { listen })?;
-        // std's bind sets SO_REUSEADDR on Unix as tokio's does, so a port whose old connections
-        // linger in TIME_WAIT can be bound again at once.
         let std_listener =
-            std::net::TcpListener::bind(listen).map_err(|error| bind_error(listen, &error))?;
-        std_listener
-            .set_nonblocking(true)
-            .map_err(|error| bind_error(listen, &error))?;
+            super::listen::bind_listener(listen, self.shared.settings.listen_backlog)
+                .map_err(|error| bind_error(listen, &error))?;
         let listener = {
             let _entered = runtime.enter();
             TcpListener::from_std(std_listener).map_err(|error| bind_error(listen, &error))?
