@@ -8,6 +8,8 @@
 //! TLS, timeout) gets a new pool and old connections are not reused.
 
 use std::collections::HashSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use foldhash::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -15,17 +17,21 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::Authority;
+use http::{Request, Response};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::Connect;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::Notify;
 
 use super::body::UpstreamRequestBody;
 use super::connector::{AlpnOffer, TlsTargetConnector};
+use super::h1client::MAX_INTERIM_RESPONSES;
 use super::plain_target::{PlainTarget, PlainTargetError};
 use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
-type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
+pub type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
 
 /// The client one attempt uses.
 #[derive(Clone)]
@@ -41,6 +47,9 @@ pub enum UpstreamError {
     Plain(#[from] PlainTargetError),
     #[error(transparent)]
     Tls(#[from] hyper_util::client::legacy::Error),
+    /// An `https` target sent more interim answers than the plain client takes.
+    #[error("more than {MAX_INTERIM_RESPONSES} interim (1xx) responses")]
+    TooManyInterim,
 }
 
 impl UpstreamError {
@@ -49,6 +58,64 @@ impl UpstreamError {
         match self {
             UpstreamError::Plain(error) => error.is_connect(),
             UpstreamError::Tls(error) => error.is_connect(),
+            UpstreamError::TooManyInterim => false,
+        }
+    }
+
+    /// Why the target's response was refused, when it sent one Raahi will not pass on rather
+    /// than breaking the exchange: for `https` targets, what hyper could not parse.
+    pub fn refused_response(&self) -> Option<String> {
+        match self {
+            UpstreamError::Plain(error) => error.refused_response(),
+            UpstreamError::TooManyInterim => Some(self.to_string()),
+            UpstreamError::Tls(error) => {
+                let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
+                while let Some(error) = current {
+                    if let Some(hyper) = error.downcast_ref::<hyper::Error>() {
+                        return hyper.is_parse().then(|| hyper.to_string());
+                    }
+                    current = error.source();
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Sends one request to an `https` target. hyper's HTTP/1.1 client skips interim (1xx)
+/// answers without limit, telling only a callback of each: past [`MAX_INTERIM_RESPONSES`] the
+/// exchange is dropped, which closes its connection, as the plain client refuses the answer.
+/// (hyper's HTTP/2 client has no such callback; an HTTP/2 target's interim answers are
+/// skipped by the h2 crate.)
+pub fn send_tls(
+    client: &TlsClient,
+    mut request: Request<UpstreamRequestBody>,
+) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + 'static {
+    let interim = Arc::new(InterimCount::default());
+    let counter = interim.clone();
+    hyper::ext::on_informational(&mut request, move |_| counter.one_more());
+    let exchange = client.request(request);
+    async move {
+        tokio::select! {
+            biased;
+            response = exchange => Ok(response?),
+            () = interim.exceeded.notified() => Err(UpstreamError::TooManyInterim),
+        }
+    }
+}
+
+/// Interim answers to one request so far.
+#[derive(Default)]
+struct InterimCount {
+    seen: AtomicUsize,
+    exceeded: Notify,
+}
+
+impl InterimCount {
+    fn one_more(&self) {
+        // `notify_one` keeps its permit for a waiter that comes later.
+        if self.seen.fetch_add(1, Ordering::Relaxed) == MAX_INTERIM_RESPONSES {
+            self.exceeded.notify_one();
         }
     }
 }

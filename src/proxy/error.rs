@@ -67,7 +67,8 @@ impl ProxyError {
             ProxyError::Upstream(failure) => match failure.kind {
                 UpstreamFailureKind::ConnectFailed { .. }
                 | UpstreamFailureKind::TlsFailed { .. }
-                | UpstreamFailureKind::Failed { .. } => StatusCode::BAD_GATEWAY,
+                | UpstreamFailureKind::Failed { .. }
+                | UpstreamFailureKind::InvalidResponse { .. } => StatusCode::BAD_GATEWAY,
                 UpstreamFailureKind::ConnectTimeout { .. }
                 | UpstreamFailureKind::ResponseTimeout { .. }
                 | UpstreamFailureKind::SendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -254,6 +255,13 @@ mod tests {
                 StatusCode::BAD_GATEWAY,
                 "upstream_failed",
             ),
+            (
+                UpstreamFailureKind::InvalidResponse {
+                    reason: "transfer coding other than chunked".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid_response",
+            ),
         ];
         for (kind, status, code) in cases {
             let error = upstream(kind);
@@ -341,6 +349,9 @@ mod tests {
             UpstreamFailureKind::SendTimeout { timeout_ms: 5 },
             UpstreamFailureKind::Failed {
                 reason: "connection reset".into(),
+            },
+            UpstreamFailureKind::InvalidResponse {
+                reason: "the response head is larger than 65536 bytes".into(),
             },
         ];
         for kind in failures {

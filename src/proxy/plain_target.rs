@@ -45,6 +45,14 @@ impl PlainTargetError {
     pub fn is_connect_timeout(&self) -> bool {
         matches!(self, PlainTargetError::ConnectTimeout { .. })
     }
+
+    /// Why the target's response was refused, when it sent one Raahi will not pass on.
+    pub fn refused_response(&self) -> Option<String> {
+        match self {
+            PlainTargetError::Request(error) => error.refused_response(),
+            _ => None,
+        }
+    }
 }
 
 impl Pooled for Box<Connection> {

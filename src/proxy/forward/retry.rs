@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http::Response;
+use http::{header, Method, Response, StatusCode};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -16,20 +16,21 @@ use crate::clock::unix_ms;
 use crate::model::{Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight};
 use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
-use crate::proxy::client::{UpstreamClient, UpstreamError};
+use crate::proxy::client::{send_tls, UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
 use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
-use crate::proxy::h1client::RequestHead;
+use crate::proxy::h1client::{RequestHead, TRANSFER_CODING_REFUSED};
+use crate::proxy::headers::is_chunked_alone;
 use crate::proxy::ProxyState;
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
 /// At most this many targets per request.
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
-/// Sends the request to picked targets until one answers or the failure's [`Retry`] rule
-/// ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
+/// Sends the request to picked targets until one answers (with the answering target's id) or
+/// the failure's [`Retry`] rule ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
 /// failure before a response only for idempotent methods whose body can still be sent in full;
 /// a response or send timeout never (the time was spent).
 ///
@@ -39,7 +40,7 @@ pub(super) async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
-) -> Result<(Response<UpstreamBody>, InFlight), ProxyError> {
+) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
@@ -91,7 +92,7 @@ pub(super) async fn send_with_retries(
                 let request = tls_request(&mut outgoing, body, target, may_retry_later);
                 let finish_if_abandoned = outgoing.finish_if_abandoned;
                 let sending = async {
-                    let exchange = tls.request(request);
+                    let exchange = send_tls(tls, request);
                     let response = if finish_if_abandoned {
                         FinishOnDrop::new(exchange, None, target.load.clone()).await?
                     } else {
@@ -112,7 +113,17 @@ pub(super) async fn send_with_retries(
         ) {
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
+        let refused = match &outcome {
+            Ok(Ok(response)) => refusal(response, &outgoing),
+            _ => None,
+        };
         let failure = match outcome {
+            // Dropped unread: its connection closes, and none of it reaches the client.
+            Ok(Ok(_)) if refused.is_some() => UpstreamFailure::invalid_response(
+                service,
+                target,
+                refused.unwrap_or_default().to_owned(),
+            ),
             Ok(Ok(response)) => {
                 let status = response.status().as_u16();
                 let failure = service
@@ -122,7 +133,7 @@ pub(super) async fn send_with_retries(
                     .contains(&status)
                     .then_some(FailureCause::Status(status));
                 record_outcome(service, target, failure);
-                return Ok((response, in_flight));
+                return Ok((response, in_flight, target.id));
             }
             Ok(Err(error)) => {
                 if let Some(limit) = streaming
@@ -270,12 +281,37 @@ fn reclaim(mut returned: oneshot::Receiver<ClientBody>) -> PendingBody {
     }
 }
 
+/// An answer that reaches the client as the start of a switched protocol although it asked for
+/// none: HTTP/1.1 would take what follows as another protocol, HTTP/2 has no `101` at all.
+const UNASKED_SWITCH: &str = "101 Switching Protocols to a request that asked for no upgrade";
+
+/// Why a target's answer must not reach the client, when it must not: a switch of protocols
+/// nobody asked for, or (from hyper, which reads any coding) a body framed by a transfer coding
+/// other than `chunked`. The plain client refuses the latter, and what it cannot parse, itself.
+fn refusal(response: &Response<UpstreamBody>, outgoing: &Outgoing) -> Option<&'static str> {
+    let status = response.status();
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        return (!outgoing.upgrade).then_some(UNASKED_SWITCH);
+    }
+    let bodiless = outgoing.method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let coded = matches!(response.body(), UpstreamBody::Hyper(_))
+        && !bodiless
+        && response.headers().contains_key(header::TRANSFER_ENCODING)
+        && !is_chunked_alone(response.headers());
+    coded.then_some(TRANSFER_CODING_REFUSED)
+}
+
 /// The failure one attempt's error means, made once, with its retry rule.
 fn classify(
     service: &ServiceRuntime,
     target: &TargetRuntime,
     error: &UpstreamError,
 ) -> UpstreamFailure {
+    if let Some(reason) = error.refused_response() {
+        return UpstreamFailure::invalid_response(service, target, reason);
+    }
     if !error.is_connect() {
         return UpstreamFailure::failed(service, target, error_chain(error));
     }
