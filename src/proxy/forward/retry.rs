@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http::{header, Method, Response, StatusCode};
+use http::Response;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -21,8 +21,7 @@ use crate::proxy::connector::UpstreamTlsError;
 use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
-use crate::proxy::h1client::{RequestHead, TRANSFER_CODING_REFUSED};
-use crate::proxy::headers::is_chunked_alone;
+use crate::proxy::h1client::RequestHead;
 use crate::proxy::ProxyState;
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
@@ -113,17 +112,7 @@ pub(super) async fn send_with_retries(
         ) {
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
-        let refused = match &outcome {
-            Ok(Ok(response)) => refusal(response, &outgoing),
-            _ => None,
-        };
         let failure = match outcome {
-            // Dropped unread: its connection closes, and none of it reaches the client.
-            Ok(Ok(_)) if refused.is_some() => UpstreamFailure::invalid_response(
-                service,
-                target,
-                refused.unwrap_or_default().to_owned(),
-            ),
             Ok(Ok(response)) => {
                 let status = response.status().as_u16();
                 let failure = service
@@ -279,28 +268,6 @@ fn reclaim(mut returned: oneshot::Receiver<ClientBody>) -> PendingBody {
         Ok(body) => PendingBody::Streaming(body),
         Err(_) => PendingBody::Consumed,
     }
-}
-
-/// An answer that reaches the client as the start of a switched protocol although it asked for
-/// none: HTTP/1.1 would take what follows as another protocol, HTTP/2 has no `101` at all.
-const UNASKED_SWITCH: &str = "101 Switching Protocols to a request that asked for no upgrade";
-
-/// Why a target's answer must not reach the client, when it must not: a switch of protocols
-/// nobody asked for, or (from hyper, which reads any coding) a body framed by a transfer coding
-/// other than `chunked`. The plain client refuses the latter, and what it cannot parse, itself.
-fn refusal(response: &Response<UpstreamBody>, outgoing: &Outgoing) -> Option<&'static str> {
-    let status = response.status();
-    if status == StatusCode::SWITCHING_PROTOCOLS {
-        return (!outgoing.upgrade).then_some(UNASKED_SWITCH);
-    }
-    let bodiless = outgoing.method == Method::HEAD
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
-    let coded = matches!(response.body(), UpstreamBody::Hyper(_))
-        && !bodiless
-        && response.headers().contains_key(header::TRANSFER_ENCODING)
-        && !is_chunked_alone(response.headers());
-    coded.then_some(TRANSFER_CODING_REFUSED)
 }
 
 /// The failure one attempt's error means, made once, with its retry rule.

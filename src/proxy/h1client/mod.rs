@@ -39,8 +39,8 @@ pub use encode::{encode_head, RequestFraming, RequestHead};
 pub use exchange::finish_exchange;
 #[cfg(test)]
 use parse::parse_head;
-pub use parse::TRANSFER_CODING_REFUSED;
 use parse::{next_final_head, HeadScratch, ResponseHead};
+pub use parse::{TRANSFER_CODING_REFUSED, UNASKED_SWITCH};
 
 /// At most this many response header fields (hyper's default too).
 const MAX_HEADERS: usize = 100;

@@ -24,6 +24,9 @@ pub(super) struct ResponseHead {
 
 /// Why a response framed by another transfer coding than `chunked` alone is refused.
 pub const TRANSFER_CODING_REFUSED: &str = "a transfer coding other than chunked";
+/// Why a `101` is refused when the request sent no `Upgrade`: HTTP/1.1 would take what follows
+/// as another protocol, and HTTP/2 has no `101` at all.
+pub const UNASKED_SWITCH: &str = "101 Switching Protocols to a request that asked for no upgrade";
 
 pub(super) fn invalid(reason: impl std::fmt::Display) -> ExchangeError {
     ExchangeError::InvalidResponse(reason.to_string())
