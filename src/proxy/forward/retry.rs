@@ -29,9 +29,10 @@ use crate::snapshot::{ServiceRuntime, TargetRuntime};
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
 /// Sends the request to picked targets until one answers (with the answering target's id) or
-/// the failure's [`Retry`] rule ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
-/// failure before a response only for idempotent methods whose body can still be sent in full;
-/// a response or send timeout never (the time was spent).
+/// the failure's [`Retry`] rule ends it: a connect failure may always go elsewhere (nothing
+/// reached the upstream); another failure before a response (a response refused included) only
+/// for idempotent methods whose body can still be sent in full; a response or send timeout
+/// never (the time was spent).
 ///
 /// [`Retry`]: crate::proxy::failure::Retry
 pub(super) async fn send_with_retries(
