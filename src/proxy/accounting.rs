@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::balance::{FailureCause, TargetLoad};
 use crate::clock::unix_ms;
+use crate::model::Id;
 use crate::snapshot::{ServiceCounters, ServiceRuntime, TargetRuntime};
 
 /// Counts a request or connection against its target from pick until it is finished or dropped.
@@ -105,6 +106,45 @@ impl Drop for Queued<'_> {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.load.finish_request();
+    }
+}
+
+/// The target whose answer is being passed on, once its head was accepted (and counted a
+/// success): a body that then breaks off is logged and counts against the target as a broken
+/// exchange. Holds the service its request was routed to, so it costs no lookup until then.
+pub struct Answering {
+    service: Arc<ServiceRuntime>,
+    target: Id,
+}
+
+impl Answering {
+    pub fn new(service: Arc<ServiceRuntime>, target: Id) -> Answering {
+        Answering { service, target }
+    }
+
+    pub fn failed(&self, error: &(dyn std::error::Error + 'static)) {
+        let service = &self.service;
+        let Some(target) = service
+            .targets
+            .iter()
+            .find(|target| target.id == self.target)
+        else {
+            return;
+        };
+        let mut reason = error.to_string();
+        let mut source = error.source();
+        while let Some(error) = source {
+            reason.push_str(": ");
+            reason.push_str(&error.to_string());
+            source = error.source();
+        }
+        tracing::warn!(
+            service = %service.service.name,
+            target = %target.authority,
+            error = %reason,
+            "the target's response broke off after its head was passed on"
+        );
+        record_outcome(service, target, Some(FailureCause::ConnectionError));
     }
 }
 

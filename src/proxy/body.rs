@@ -12,7 +12,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::{oneshot, Notify};
 
-use super::accounting::InFlight;
+use super::accounting::{Answering, InFlight};
 use super::budget::Reservation;
 use super::h1client::ResponseBody;
 use super::spool::{SpoolReader, SpooledBody};
@@ -57,16 +57,26 @@ impl Body for UpstreamBody {
 }
 
 /// The upstream response body, holding the target's in-flight count until it ends.
+///
+/// A body that fails (the target closed mid-way, a broken chunk, a trailer section over the
+/// limit) is logged and counted against its target, and the failure reaches the server one
+/// poll late: hyper's HTTP/1.1 server drops what it has buffered when a body fails, so without
+/// a pause in between, a head and data read together with the failure would never reach the
+/// client, which would lose an answer already begun rather than get it cut short.
 pub struct UpstreamResponseBody {
     inner: UpstreamBody,
     _in_flight: InFlight,
+    answering: Answering,
+    held: Option<BoxError>,
 }
 
 impl UpstreamResponseBody {
-    pub fn new(inner: UpstreamBody, in_flight: InFlight) -> Self {
+    pub fn new(inner: UpstreamBody, in_flight: InFlight, answering: Answering) -> Self {
         UpstreamResponseBody {
             inner,
             _in_flight: in_flight,
+            answering,
+            held: None,
         }
     }
 }
@@ -79,7 +89,19 @@ impl Body for UpstreamResponseBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        if let Some(error) = self.held.take() {
+            return Poll::Ready(Some(Err(error)));
+        }
+        match ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+            Some(Err(error)) => {
+                self.answering.failed(error.as_ref());
+                // The server flushes what it holds while the body is pending.
+                self.held = Some(error);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            frame => Poll::Ready(frame),
+        }
     }
 
     fn is_end_stream(&self) -> bool {

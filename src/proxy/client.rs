@@ -8,6 +8,8 @@
 //! TLS, timeout) gets a new pool and old connections are not reused.
 
 use std::collections::HashSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use foldhash::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -15,17 +17,22 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::Authority;
-use hyper_util::client::legacy::connect::Connect;
+use http::{header, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::{capture_connection, Connect};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::Notify;
 
 use super::body::UpstreamRequestBody;
 use super::connector::{AlpnOffer, TlsTargetConnector};
+use super::h1client::{MAX_INTERIM_RESPONSES, TRANSFER_CODING_REFUSED, UNASKED_SWITCH};
+use super::headers::is_chunked_alone;
 use super::plain_target::{PlainTarget, PlainTargetError};
 use crate::model::{Id, Protocol, Service};
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
-type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
+pub type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
 
 /// The client one attempt uses.
 #[derive(Clone)]
@@ -41,6 +48,12 @@ pub enum UpstreamError {
     Plain(#[from] PlainTargetError),
     #[error(transparent)]
     Tls(#[from] hyper_util::client::legacy::Error),
+    /// An `https` target's answer that the plain client would refuse too.
+    #[error("{0}")]
+    Refused(&'static str),
+    /// An `https` target sent more interim answers than the plain client takes.
+    #[error("more than {MAX_INTERIM_RESPONSES} interim (1xx) responses")]
+    TooManyInterim,
 }
 
 impl UpstreamError {
@@ -49,6 +62,104 @@ impl UpstreamError {
         match self {
             UpstreamError::Plain(error) => error.is_connect(),
             UpstreamError::Tls(error) => error.is_connect(),
+            UpstreamError::Refused(_) | UpstreamError::TooManyInterim => false,
+        }
+    }
+
+    /// Why the target's response was refused, when it sent one Raahi will not pass on rather
+    /// than breaking the exchange: for `https` targets, also what hyper could not parse.
+    pub fn refused_response(&self) -> Option<String> {
+        match self {
+            UpstreamError::Plain(error) => error.refused_response(),
+            UpstreamError::Refused(_) | UpstreamError::TooManyInterim => Some(self.to_string()),
+            UpstreamError::Tls(error) => {
+                let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
+                while let Some(error) = current {
+                    if let Some(hyper) = error.downcast_ref::<hyper::Error>() {
+                        return hyper.is_parse().then(|| hyper.to_string());
+                    }
+                    current = error.source();
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Sends one request to an `https` target, refusing what the plain client refuses beyond what
+/// hyper does itself: a body framed by a transfer coding other than `chunked` alone (hyper
+/// reads any), a `101` to a request that sent no `Upgrade`, and interim (1xx) answers past
+/// [`MAX_INTERIM_RESPONSES`] (hyper skips them without limit, telling only a callback of each;
+/// the exchange is dropped as soon as one too many comes). A refused answer's connection is
+/// poisoned, so the pool never hands it out again. HTTP/2 connections never get here: the h2
+/// crate refuses a `Transfer-Encoding` and skips interim answers, a `101` among them.
+pub fn send_tls(
+    client: &TlsClient,
+    mut request: Request<UpstreamRequestBody>,
+) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + 'static {
+    let method_is_head = request.method() == Method::HEAD;
+    let upgrade_asked = request.headers().contains_key(header::UPGRADE);
+    let interim = Arc::new(InterimCount::default());
+    let counter = interim.clone();
+    hyper::ext::on_informational(&mut request, move |_| counter.one_more());
+    let connection = capture_connection(&mut request);
+    let exchange = client.request(request);
+    async move {
+        let refused = tokio::select! {
+            biased;
+            response = exchange => {
+                let response = response?;
+                // The final head may come in the same read as interim ones past the limit.
+                if interim.seen.load(Ordering::Relaxed) > MAX_INTERIM_RESPONSES {
+                    UpstreamError::TooManyInterim
+                } else {
+                    match refusal(&response, method_is_head, upgrade_asked) {
+                        None => return Ok(response),
+                        Some(reason) => UpstreamError::Refused(reason),
+                    }
+                }
+            }
+            () = interim.exceeded.notified() => UpstreamError::TooManyInterim,
+        };
+        if let Some(connected) = connection.connection_metadata().as_ref() {
+            if !connected.is_negotiated_h2() {
+                connected.poison();
+            }
+        }
+        Err(refused)
+    }
+}
+
+/// Why hyper's answer must not be passed on, when it must not.
+fn refusal(
+    response: &Response<Incoming>,
+    method_is_head: bool,
+    upgrade_asked: bool,
+) -> Option<&'static str> {
+    let status = response.status();
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        return (!upgrade_asked).then_some(UNASKED_SWITCH);
+    }
+    let bodiless =
+        method_is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let coded = !bodiless
+        && response.headers().contains_key(header::TRANSFER_ENCODING)
+        && !is_chunked_alone(response.headers());
+    coded.then_some(TRANSFER_CODING_REFUSED)
+}
+
+/// Interim answers to one request so far.
+#[derive(Default)]
+struct InterimCount {
+    seen: AtomicUsize,
+    exceeded: Notify,
+}
+
+impl InterimCount {
+    fn one_more(&self) {
+        // `notify_one` keeps its permit for a waiter that comes later.
+        if self.seen.fetch_add(1, Ordering::Relaxed) == MAX_INTERIM_RESPONSES {
+            self.exceeded.notify_one();
         }
     }
 }

@@ -92,7 +92,8 @@ impl ProxyError {
             ProxyError::Upstream(failure) => match failure.kind {
                 UpstreamFailureKind::ConnectFailed { .. }
                 | UpstreamFailureKind::TlsFailed { .. }
-                | UpstreamFailureKind::Failed { .. } => StatusCode::BAD_GATEWAY,
+                | UpstreamFailureKind::Failed { .. }
+                | UpstreamFailureKind::InvalidResponse { .. } => StatusCode::BAD_GATEWAY,
                 UpstreamFailureKind::ConnectTimeout { .. }
                 | UpstreamFailureKind::ResponseTimeout { .. }
                 | UpstreamFailureKind::SendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -293,6 +294,13 @@ mod tests {
                 StatusCode::BAD_GATEWAY,
                 "upstream_failed",
             ),
+            (
+                UpstreamFailureKind::InvalidResponse {
+                    reason: "transfer coding other than chunked".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "upstream_invalid_response",
+            ),
         ];
         for (kind, status, code) in cases {
             let error = upstream(kind);
@@ -396,11 +404,12 @@ mod tests {
     const TARGET: &str = "10.0.0.7:8443";
     const SOURCE: &str = "dns-prod";
     const SOURCE_STATE: &str = "failing";
-    const UPSTREAM_TEXTS: [&str; 4] = [
+    const UPSTREAM_TEXTS: [&str; 5] = [
         "Connection refused (os error 111)",
         "invalid peer certificate: UnknownIssuer",
         "connection reset by peer",
         "/var/spool/raahi: No space left on device",
+        "the transfer coding \"gzip\" is not passed on",
     ];
 
     /// One of each variant (each upstream failure kind too), and its place in `variant` below.
@@ -417,6 +426,9 @@ mod tests {
             UpstreamFailureKind::SendTimeout { timeout_ms: 5 },
             UpstreamFailureKind::Failed {
                 reason: UPSTREAM_TEXTS[2].into(),
+            },
+            UpstreamFailureKind::InvalidResponse {
+                reason: UPSTREAM_TEXTS[4].into(),
             },
         ];
         let mut errors: Vec<ProxyError> = kinds.into_iter().map(upstream).collect();
@@ -483,6 +495,7 @@ mod tests {
                 UpstreamFailureKind::ResponseTimeout { .. } => 3,
                 UpstreamFailureKind::SendTimeout { .. } => 4,
                 UpstreamFailureKind::Failed { .. } => 5,
+                UpstreamFailureKind::InvalidResponse { .. } => 25,
             },
             ProxyError::NoRoute { .. } => 6,
             ProxyError::NoTarget(NoTarget::Unavailable { .. }) => 7,
@@ -511,7 +524,7 @@ mod tests {
         let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen, (0..=24).collect::<Vec<_>>());
+        assert_eq!(seen, (0..=25).collect::<Vec<_>>());
     }
 
     /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.
@@ -555,9 +568,9 @@ mod tests {
             }
             checked += 1;
         }
-        // Six upstream kinds, two kinds of no target, two overloads, too many connections, 501,
-        // a spool failure.
-        assert_eq!(checked, 13);
+        // Seven upstream kinds, two kinds of no target, two overloads, too many connections,
+        // 501, a spool failure.
+        assert_eq!(checked, 14);
     }
 
     /// `proxy.error_details = "full"`: the log line's story, sources and targets included.

@@ -74,6 +74,12 @@ pub enum UpstreamFailureKind {
     Failed {
         reason: String,
     },
+    /// The target answered with a response Raahi will not pass on (unparseable, over a limit,
+    /// framed by a coding it cannot forward, an unasked-for `101`): none of it reaches the
+    /// client, and the connection is closed.
+    InvalidResponse {
+        reason: String,
+    },
 }
 
 /// One target's failure: which service and target, what happened, and whether another target
@@ -151,6 +157,18 @@ impl UpstreamFailure {
         Self::at(service, target, UpstreamFailureKind::Failed { reason })
     }
 
+    pub fn invalid_response(
+        service: &ServiceRuntime,
+        target: &TargetRuntime,
+        reason: String,
+    ) -> Self {
+        Self::at(
+            service,
+            target,
+            UpstreamFailureKind::InvalidResponse { reason },
+        )
+    }
+
     /// Whether another target may be tried: fixed by what happened, so it is known from the
     /// moment the failure is made.
     pub fn retry(&self) -> Retry {
@@ -158,7 +176,10 @@ impl UpstreamFailure {
             UpstreamFailureKind::ConnectFailed { .. }
             | UpstreamFailureKind::ConnectTimeout { .. }
             | UpstreamFailureKind::TlsFailed { .. } => Retry::Any,
-            UpstreamFailureKind::Failed { .. } => Retry::IfIdempotent,
+            // The target saw the request before its answer was refused.
+            UpstreamFailureKind::Failed { .. } | UpstreamFailureKind::InvalidResponse { .. } => {
+                Retry::IfIdempotent
+            }
             UpstreamFailureKind::ResponseTimeout { .. }
             | UpstreamFailureKind::SendTimeout { .. } => Retry::Never,
         }
@@ -192,7 +213,9 @@ impl UpstreamFailure {
             UpstreamFailureKind::ConnectTimeout { .. }
             | UpstreamFailureKind::ResponseTimeout { .. }
             | UpstreamFailureKind::SendTimeout { .. } => FailureCause::Timeout,
-            UpstreamFailureKind::Failed { .. } => FailureCause::ConnectionError,
+            UpstreamFailureKind::Failed { .. } | UpstreamFailureKind::InvalidResponse { .. } => {
+                FailureCause::ConnectionError
+            }
         }
     }
 
@@ -205,6 +228,7 @@ impl UpstreamFailure {
             UpstreamFailureKind::ResponseTimeout { .. } => "upstream_timeout",
             UpstreamFailureKind::SendTimeout { .. } => "upstream_send_timeout",
             UpstreamFailureKind::Failed { .. } => "upstream_failed",
+            UpstreamFailureKind::InvalidResponse { .. } => "upstream_invalid_response",
         }
     }
 
@@ -257,6 +281,12 @@ impl UpstreamFailure {
             UpstreamFailureKind::Failed { reason } => {
                 format!(
                     "{which} of service {service} failed before responding{}",
+                    because(reason)
+                )
+            }
+            UpstreamFailureKind::InvalidResponse { reason } => {
+                format!(
+                    "{which} of service {service} sent an invalid response{}",
                     because(reason)
                 )
             }
@@ -348,6 +378,12 @@ mod tests {
             ),
             (broke(), Retry::IfIdempotent),
             (
+                failure(UpstreamFailureKind::InvalidResponse {
+                    reason: "transfer coding gzip".into(),
+                }),
+                Retry::IfIdempotent,
+            ),
+            (
                 failure(UpstreamFailureKind::ResponseTimeout { timeout_ms: 1 }),
                 Retry::Never,
             ),
@@ -394,6 +430,10 @@ mod tests {
             FailureCause::ConnectFailed
         );
         assert_eq!(broke().ejection_cause(), FailureCause::ConnectionError);
+        let refused = failure(UpstreamFailureKind::InvalidResponse {
+            reason: "an unasked-for 101".into(),
+        });
+        assert_eq!(refused.ejection_cause(), FailureCause::ConnectionError);
         let late = failure(UpstreamFailureKind::ResponseTimeout { timeout_ms: 1 });
         assert_eq!(late.ejection_cause(), FailureCause::Timeout);
         assert!(late.is_timeout());

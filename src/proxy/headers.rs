@@ -79,6 +79,29 @@ fn has_hop_by_hop(headers: &HeaderMap) -> bool {
     })
 }
 
+/// Whether the `Transfer-Encoding` fields, taken as one list (RFC 9110 §5.3), name `chunked`
+/// and nothing else: the only framing of a target's body that Raahi can pass on, since the
+/// field is hop-by-hop and any other coding would reach the client as the body itself. Empty
+/// list elements are not codings (§5.6.1); a field that is not text makes the list unreadable.
+pub fn is_chunked_alone(headers: &HeaderMap) -> bool {
+    let mut chunked = false;
+    for value in headers.get_all(header::TRANSFER_ENCODING) {
+        let Ok(text) = value.to_str() else {
+            return false;
+        };
+        for coding in text.split(',').map(str::trim) {
+            if coding.is_empty() {
+                continue;
+            }
+            if chunked || !coding.eq_ignore_ascii_case("chunked") {
+                return false;
+            }
+            chunked = true;
+        }
+    }
+    chunked
+}
+
 /// An HTTP/1.1 request asking to switch protocols (e.g. WebSocket).
 pub fn is_upgrade_request(version: Version, headers: &HeaderMap) -> bool {
     version == Version::HTTP_11
@@ -407,6 +430,37 @@ mod tests {
         assert_eq!(request_id(&headers), "abc-123");
         headers.insert(&X_REQUEST_ID, HeaderValue::from_static("has space"));
         assert_ne!(request_id(&headers), "has space");
+    }
+
+    #[test]
+    fn only_chunked_alone_frames_a_body_raahi_passes_on() {
+        let coded = |lines: &[&'static str]| {
+            let mut headers = HeaderMap::new();
+            for line in lines {
+                headers.append(header::TRANSFER_ENCODING, HeaderValue::from_static(line));
+            }
+            is_chunked_alone(&headers)
+        };
+        assert!(coded(&["chunked"]));
+        assert!(coded(&["Chunked"]));
+        assert!(coded(&["chunked,"]));
+        assert!(coded(&[" , chunked"]));
+        assert!(coded(&["chunked", ""]));
+        assert!(!coded(&[]));
+        assert!(!coded(&["gzip"]));
+        assert!(!coded(&["gzip, chunked"]));
+        assert!(!coded(&["gzip", "chunked"]));
+        assert!(!coded(&["chunked, gzip"]));
+        assert!(!coded(&["chunked, chunked"]));
+        assert!(!coded(&["chunked", "chunked"]));
+        assert!(!coded(&["identity"]));
+        assert!(!coded(&["chunked;q=1"]));
+        let mut not_text = HeaderMap::new();
+        not_text.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_bytes(b"chunked\xe9").unwrap(),
+        );
+        assert!(!is_chunked_alone(&not_text));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::uri::Authority;
-use http::{Method, Response};
+use http::{header, Method, Response};
 use tokio::net::TcpStream;
 
 use super::body::UpstreamRequestBody;
@@ -44,6 +44,14 @@ impl PlainTargetError {
 
     pub fn is_connect_timeout(&self) -> bool {
         matches!(self, PlainTargetError::ConnectTimeout { .. })
+    }
+
+    /// Why the target's response was refused, when it sent one Raahi will not pass on.
+    pub fn refused_response(&self) -> Option<String> {
+        match self {
+            PlainTargetError::Request(error) => error.refused_response(),
+            _ => None,
+        }
     }
 }
 
@@ -106,17 +114,23 @@ impl PlainTarget {
         finish_if_abandoned: Option<Arc<TargetLoad>>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
+        let upgrade_asked = head.headers.contains_key(header::UPGRADE);
         let (head, framing) = h1client::encode_head(&head, &body);
         let Some(load) = finish_if_abandoned else {
             return self
                 .clone()
-                .exchange(head, framing, method_is_head, body, None)
+                .exchange(head, framing, method_is_head, upgrade_asked, body, None)
                 .await;
         };
         let abandoned = Arc::new(AtomicBool::new(false));
-        let exchange =
-            self.clone()
-                .exchange(head, framing, method_is_head, body, Some(abandoned.clone()));
+        let exchange = self.clone().exchange(
+            head,
+            framing,
+            method_is_head,
+            upgrade_asked,
+            body,
+            Some(abandoned.clone()),
+        );
         FinishOnDrop::new(exchange, Some(abandoned), load).await
     }
 
@@ -125,6 +139,7 @@ impl PlainTarget {
         head: Vec<u8>,
         framing: h1client::RequestFraming,
         method_is_head: bool,
+        upgrade_asked: bool,
         body: UpstreamRequestBody,
         abandoned: Option<Arc<AtomicBool>>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
@@ -154,9 +169,16 @@ impl PlainTarget {
             }
         };
         let home: Arc<dyn ConnectionHome> = self;
-        h1client::finish_exchange(connection, method_is_head, body, framing, home)
-            .await
-            .map_err(PlainTargetError::Request)
+        h1client::finish_exchange(
+            connection,
+            method_is_head,
+            upgrade_asked,
+            body,
+            framing,
+            home,
+        )
+        .await
+        .map_err(PlainTargetError::Request)
     }
 
     async fn connect(&self) -> Result<Box<Connection>, PlainTargetError> {

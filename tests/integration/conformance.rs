@@ -6,6 +6,8 @@
 //! Part 1 is one table: each row sends exact bytes on a fresh connection and states the answer,
 //! whether the connection closes, and what the target may receive. All rows run, and every
 //! failure is reported at the end. Part 2 speaks HTTP/2 (prior knowledge) frame by frame.
+//! Part 3 ("Responses from targets") holds what targets answer to the framing rules, against
+//! raw scripted targets, plain and TLS.
 
 use crate::common;
 use common::*;
@@ -2541,4 +2543,631 @@ async fn escaped_slashes_can_be_refused() {
         .find_map(|line| line.strip_prefix("raahi_requests_refused_total{code=\"invalid_path\"} "))
         .map(|value| value.trim().parse::<f64>().unwrap());
     assert_eq!(refused, Some(3.0), "{metrics}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses from targets
+// ---------------------------------------------------------------------------------------------
+//
+// What a target answers is held to rules too (issue 31): Raahi passes on only a body framed by
+// `chunked` alone or a length, a `101` only to a request that sent an upgrade up, at most 16
+// interim heads, and heads and trailer sections within 64 KiB however their bytes arrive.
+// Anything else is a 502 `upstream_invalid_response` (HAProxy's answer), or, once the answer
+// has begun, a body cut short. The targets here are raw, plain or TLS, writing scripted bytes.
+
+/// The code of a response Raahi will not pass on.
+const INVALID_RESPONSE: &str = "upstream_invalid_response";
+
+/// 16 interim heads (of three kinds), as a target may send before its answer.
+fn interim_heads(count: usize) -> String {
+    (0..count)
+        .map(|at| match at % 3 {
+            0 => "HTTP/1.1 100 Continue\r\n\r\n".to_owned(),
+            1 => "HTTP/1.1 102 Processing\r\n\r\n".to_owned(),
+            _ => format!("HTTP/1.1 103 Early Hints\r\nLink: </{at}.css>; rel=preload\r\n\r\n"),
+        })
+        .collect()
+}
+
+/// A response head of about 120 KiB, past the 64 KiB limit.
+fn huge_head() -> String {
+    format!(
+        "HTTP/1.1 200 OK\r\nX-Pad: {}\r\nContent-Length: 2\r\n\r\nok",
+        "p".repeat(120 * 1024)
+    )
+}
+
+/// A chunked answer whose trailer section (about 70 KiB) is past the limit, after one chunk.
+fn huge_trailer() -> String {
+    format!(
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Trailer: {}\r\n\r\n",
+        "t".repeat(70 * 1024)
+    )
+}
+
+/// How a scripted target writes its answer.
+enum Writes {
+    /// In one write; then the target closes the connection when `close`.
+    Once { bytes: String, close: bool },
+    /// In 1000-byte pieces, yielding to the gateway between them.
+    Trickled(String),
+    /// The same bytes again and again until the gateway closes the connection (at most
+    /// 1,000,000 times).
+    Forever(&'static str),
+}
+
+/// The scripted answer to a request for `path` (its last segment names it).
+fn scripted(path: &str) -> Writes {
+    let name = path.rsplit('/').next().unwrap_or("");
+    let once = |bytes: String| Writes::Once {
+        bytes,
+        close: false,
+    };
+    let once_then_close = |bytes: &str| Writes::Once {
+        bytes: bytes.to_owned(),
+        close: true,
+    };
+    match name {
+        // A gzip member's first bytes: what the client would get as the body if the coding
+        // were dropped with the field.
+        "te-gzip" => once_then_close(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n\x1f\u{8b}\x08\x00coded-bytes",
+        ),
+        "te-gzip-chunked" => once_then_close(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\nb\r\n\x1f\u{8b}\x08coded-by\r\n0\r\n\r\n",
+        ),
+        "te-chunked-twice" => once_then_close(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        ),
+        "switch" => once_then_close(
+            "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n\
+             \u{81}\x05hello",
+        ),
+        "interim-16" => once(
+            interim_heads(16) + "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal",
+        ),
+        "interim-17" => once(
+            interim_heads(17) + "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfinal",
+        ),
+        "interim-forever" => Writes::Forever("HTTP/1.1 100 Continue\r\n\r\n"),
+        "head-burst" => once(huge_head()),
+        "head-trickled" => Writes::Trickled(huge_head()),
+        "big-trailer" => once(huge_trailer()),
+        _ => once("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok".to_owned()),
+    }
+}
+
+/// What a scripted target saw of the gateway.
+#[derive(Default)]
+struct TargetNotes {
+    /// Floods the gateway ended by closing the connection.
+    floods_ended: AtomicU32,
+    /// The answers after which the gateway sent another request on the same connection.
+    reused_after: Mutex<Vec<String>>,
+}
+
+/// A raw target on 127.0.0.1:0, plain or TLS (HTTP/1.1 only), answering each request head with
+/// [`scripted`].
+struct ScriptedTarget {
+    addr: SocketAddr,
+    notes: Arc<TargetNotes>,
+}
+
+impl ScriptedTarget {
+    async fn start(tls: Option<tokio_rustls::TlsAcceptor>) -> ScriptedTarget {
+        let notes = Arc::new(TargetNotes::default());
+        let shared = notes.clone();
+        let (addr, _) = counting_origin(move |stream| {
+            let (tls, noted) = (tls.clone(), shared.clone());
+            async move {
+                let _ = stream.set_nodelay(true);
+                match tls {
+                    None => serve_scripted(stream, noted).await,
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(stream).await {
+                            serve_scripted(stream, noted).await;
+                        }
+                    }
+                }
+            }
+        })
+        .await;
+        ScriptedTarget { addr, notes }
+    }
+
+    fn floods_ended(&self) -> u32 {
+        self.notes.floods_ended.load(Ordering::SeqCst)
+    }
+
+    fn reused_after(&self) -> Vec<String> {
+        self.notes.reused_after.lock().unwrap().clone()
+    }
+}
+
+async fn serve_scripted<S>(mut stream: S, notes: Arc<TargetNotes>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut pending = Vec::new();
+    let mut answered: Option<String> = None;
+    loop {
+        let end = loop {
+            if let Some(end) = find(&pending, b"\r\n\r\n") {
+                break end;
+            }
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => pending.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+        pending.drain(..end + 4);
+        let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+        if let Some(last) = answered.replace(path.clone()) {
+            notes.reused_after.lock().unwrap().push(last);
+        }
+        match scripted(&path) {
+            Writes::Once { bytes, close } => {
+                if stream.write_all(bytes.as_bytes()).await.is_err() {
+                    return;
+                }
+                let _ = stream.flush().await;
+                if close {
+                    let _ = stream.shutdown().await;
+                    return;
+                }
+            }
+            Writes::Trickled(bytes) => {
+                for piece in bytes.as_bytes().chunks(1000) {
+                    if stream.write_all(piece).await.is_err() {
+                        return;
+                    }
+                    let _ = stream.flush().await;
+                    tokio::task::yield_now().await;
+                }
+            }
+            Writes::Forever(bytes) => {
+                for _ in 0..1_000_000 {
+                    if stream.write_all(bytes.as_bytes()).await.is_err()
+                        || stream.flush().await.is_err()
+                    {
+                        notes.floods_ended.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Which client asks.
+#[derive(Clone, Copy, Debug)]
+enum Asker {
+    Http1,
+    Http2,
+}
+
+/// What must come of one request.
+#[derive(Clone, Copy, Debug)]
+enum Outcome {
+    /// 502 `upstream_invalid_response` is the first answer (no `101` or coded body before it).
+    Refused,
+    /// 200 with this body.
+    Passed(&'static str),
+    /// The answer begins (200, the first chunk) and is cut: the HTTP/1.1 connection closes
+    /// before the last chunk, the HTTP/2 stream is reset.
+    Cut,
+}
+
+/// One request to one kind of target, and what must come of it.
+struct TargetRow {
+    path: &'static str,
+    asker: Asker,
+    outcome: Outcome,
+}
+
+fn target_rows() -> Vec<TargetRow> {
+    use Asker::*;
+    use Outcome::*;
+    let row = |path, asker, outcome| TargetRow {
+        path,
+        asker,
+        outcome,
+    };
+    let mut rows = Vec::new();
+    for kind in ["plain", "tls"] {
+        let path = |name: &str| -> &'static str { Box::leak(format!("/{kind}/{name}").into()) };
+        rows.extend([
+            row(path("te-gzip"), Http1, Refused),
+            row(path("te-gzip-chunked"), Http1, Refused),
+            row(path("te-chunked-twice"), Http1, Refused),
+            row(path("te-gzip-chunked"), Http2, Refused),
+            row(path("switch"), Http1, Refused),
+            row(path("switch"), Http2, Refused),
+            row(path("interim-16"), Http1, Passed("final")),
+            row(path("interim-16"), Http2, Passed("final")),
+            row(path("interim-17"), Http1, Refused),
+            row(path("interim-forever"), Http1, Refused),
+            row(path("big-trailer"), Http1, Cut),
+            row(path("big-trailer"), Http2, Cut),
+            row(path("fine"), Http1, Passed("ok")),
+        ]);
+    }
+    // hyper reads an `https` target's heads with limits of its own (see the README).
+    rows.extend([
+        row("/plain/head-burst", Http1, Refused),
+        row("/plain/head-trickled", Http1, Refused),
+        row("/plain/head-burst", Http2, Refused),
+    ]);
+    rows
+}
+
+/// Asks over HTTP/1.1; every problem seen.
+async fn ask_http1(proxy: SocketAddr, row: &TargetRow) -> Vec<String> {
+    let mut client = Client::connect(proxy).await;
+    let until = Instant::now() + STEP;
+    let request = format!("GET {} HTTP/1.1\r\nHost: targets.example\r\n\r\n", row.path);
+    if let Err(error) = client.stream.write_all(request.as_bytes()).await {
+        return vec![format!("write failed: {error}")];
+    }
+    match row.outcome {
+        Outcome::Refused | Outcome::Passed(_) => match client.answer(until).await {
+            Ok(Some(answer)) => {
+                let (status, code, body) = match row.outcome {
+                    Outcome::Refused => (502, Some(INVALID_RESPONSE.to_owned()), None),
+                    Outcome::Passed(body) => (200, None, Some(body)),
+                    Outcome::Cut => unreachable!(),
+                };
+                let wrong = answer.status != status
+                    || code.is_some() && answer.error_code() != code
+                    || body.is_some_and(|body| answer.body != body.as_bytes());
+                if wrong {
+                    vec![format!(
+                        "expected {status} {code:?} {body:?}, got {}",
+                        answer.describe()
+                    )]
+                } else {
+                    Vec::new()
+                }
+            }
+            Ok(None) => vec!["the connection closed without an answer".into()],
+            Err(error) => vec![error],
+        },
+        Outcome::Cut => {
+            let got_all = loop {
+                match client.fill(until).await {
+                    Ok(true) => {}
+                    Ok(false) => break Ok(()),
+                    Err(error) => break Err(error),
+                }
+            };
+            let wire = String::from_utf8_lossy(&client.pending).into_owned();
+            let mut problems = Vec::new();
+            if let Err(error) = got_all {
+                problems.push(format!("{error} (a hang, not a cut)"));
+            }
+            if !wire.starts_with("HTTP/1.1 200") || !wire.contains("\r\n\r\n5\r\nhello\r\n") {
+                problems.push(format!(
+                    "the answer's head and first chunk must arrive, got {}",
+                    short(client.pending.as_slice())
+                ));
+            }
+            if wire.contains("\r\n0\r\n") {
+                problems.push(format!(
+                    "the body ended cleanly instead of cut: {}",
+                    short(client.pending.as_slice())
+                ));
+            }
+            problems
+        }
+    }
+}
+
+/// Asks over HTTP/2 (prior knowledge); every problem seen.
+async fn ask_http2(proxy: SocketAddr, row: &TargetRow) -> Vec<String> {
+    let mut h2 = h2_connect(proxy).await;
+    let fields = request_fields(row.path);
+    let fields: Vec<(&str, &str)> = fields
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_str()))
+        .collect();
+    let headers = frame(HEADERS, END_HEADERS | END_STREAM, 1, &hpack(&fields));
+    if let Err(error) = h2.write.write_all(&headers).await {
+        return vec![format!("write failed: {error}")];
+    }
+    let until = Instant::now() + STEP;
+    let (mut status, mut data, mut end) = (None, Vec::new(), None::<String>);
+    while end.is_none() {
+        match h2.reader.next(until).await {
+            Err(error) => end = Some(error),
+            Ok(None) => end = Some("the connection closed".into()),
+            Ok(Some(frame)) if frame.stream != 1 => {
+                if frame.kind == GOAWAY {
+                    end = Some("GOAWAY".into());
+                }
+            }
+            Ok(Some(frame)) => match frame.kind {
+                HEADERS if status.is_none() => {
+                    status = Some(response_status(&frame.payload));
+                    if frame.flags & END_STREAM != 0 {
+                        end = Some("END_STREAM".into());
+                    }
+                }
+                HEADERS | DATA => {
+                    if frame.kind == DATA {
+                        data.extend_from_slice(&frame.payload);
+                    }
+                    if frame.flags & END_STREAM != 0 {
+                        end = Some("END_STREAM".into());
+                    }
+                }
+                RST_STREAM => end = Some("RST_STREAM".into()),
+                _ => {}
+            },
+        }
+    }
+    let end = end.unwrap_or_default();
+    let body = String::from_utf8_lossy(&data).into_owned();
+    let got = format!("status {status:?}, body {}, then {end}", short(&data));
+    let right = match row.outcome {
+        Outcome::Refused => {
+            status == Some(Some(502)) && body.contains(INVALID_RESPONSE) && end == "END_STREAM"
+        }
+        Outcome::Passed(expected) => {
+            status == Some(Some(200)) && body == expected && end == "END_STREAM"
+        }
+        Outcome::Cut => status == Some(Some(200)) && end == "RST_STREAM",
+    };
+    if right {
+        Vec::new()
+    } else {
+        vec![format!("expected {:?}, got {got}", row.outcome)]
+    }
+}
+
+/// A gateway with two services, `/plain` to a plain scripted target and `/tls` to a TLS one,
+/// with passive ejection off so the table's refusals leave later rows alone.
+async fn targets_gateway() -> (TestGateway, ScriptedTarget, ScriptedTarget) {
+    let gateway = TestGateway::start().await;
+    let plain = ScriptedTarget::start(None).await;
+    let (acceptor, cert_pem) = self_signed_acceptor(&["target.test"]);
+    let tls = ScriptedTarget::start(Some(acceptor)).await;
+    for (name, target, fields) in [
+        ("plain", &plain, json!({"protocol": "http"})),
+        (
+            "tls",
+            &tls,
+            json!({"protocol": "https", "tls_sni": "target.test", "tls_ca_pem": cert_pem}),
+        ),
+    ] {
+        let mut body = json!({"name": format!("targets-{name}"), "ejection": false});
+        for (key, value) in fields.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        let service = gateway.create("/api/v1/services", body).await;
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                json!({"host": "127.0.0.1", "port": target.addr.port(), "weight": 1}),
+            )
+            .await;
+        gateway
+            .create(
+                "/api/v1/routes",
+                json!({"name": name, "path_prefix": format!("/{name}"), "service_id": service}),
+            )
+            .await;
+    }
+    for path in ["/plain/fine", "/tls/fine"] {
+        wait_until("the target routes serve", WAIT_FOR_GATEWAY, || async {
+            gateway.fetch_status(path).await.0 == 200
+        })
+        .await;
+    }
+    (gateway, plain, tls)
+}
+
+#[tokio::test]
+async fn responses_from_targets_table() {
+    let (gateway, plain, tls) = targets_gateway().await;
+    let rows = target_rows();
+    let mut failures = Vec::new();
+    for row in &rows {
+        let problems = match row.asker {
+            Asker::Http1 => ask_http1(gateway.proxy, row).await,
+            Asker::Http2 => ask_http2(gateway.proxy, row).await,
+        };
+        if !problems.is_empty() {
+            failures.push(format!(
+                "{} over {:?}:\n    {}",
+                row.path,
+                row.asker,
+                problems.join("\n    ")
+            ));
+        }
+    }
+    // A target sending interim heads without end is cut off, not read until its timeout.
+    for (name, target) in [("plain", &plain), ("tls", &tls)] {
+        let ended = tokio::time::timeout(STEP, async {
+            while target.floods_ended() == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        if ended.is_err() {
+            failures.push(format!(
+                "{name}: the gateway never closed the connection of a target sending interim \
+                 heads without end"
+            ));
+        }
+    }
+    // A connection that brought an answer Raahi refused, or cut, carries nothing more.
+    for (name, target) in [("plain", &plain), ("tls", &tls)] {
+        let reused: Vec<String> = target
+            .reused_after()
+            .into_iter()
+            .filter(|path| !path.ends_with("/fine") && !path.ends_with("/interim-16"))
+            .collect();
+        if !reused.is_empty() {
+            failures.push(format!(
+                "{name}: connections were used again after refused answers: {reused:?}"
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        rows.len(),
+        failures.join("\n")
+    );
+}
+
+/// An answer that broke off after its head went to the client (here, a trailer section over
+/// the limit) is logged and counted against its target like a broken exchange: with
+/// `failures: 1`, that one ejects it.
+#[tokio::test]
+async fn a_response_cut_after_its_head_counts_against_its_target() {
+    let gateway = TestGateway::start().await;
+    let target = ScriptedTarget::start(None).await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "cut", "ejection": {"failures": 1, "window_ms": 60000}}),
+        )
+        .await;
+    let target_id = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": target.addr.port(), "weight": 1}),
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    wait_until("the route serves", WAIT_FOR_GATEWAY, || async {
+        gateway.fetch_status("/fine").await.0 == 200
+    })
+    .await;
+    let row = TargetRow {
+        path: "/big-trailer",
+        asker: Asker::Http1,
+        outcome: Outcome::Cut,
+    };
+    let problems = ask_http1(gateway.proxy, &row).await;
+    assert!(problems.is_empty(), "{problems:?}");
+    wait_until("the target is ejected", STEP, || async {
+        let (_, view) = gateway
+            .api("GET", &format!("/api/v1/targets/{target_id}"), None)
+            .await;
+        view["ejected_until"].is_string()
+    })
+    .await;
+}
+
+/// Over HTTP/2 a target cannot send `Transfer-Encoding` at all (RFC 9113 §8.2.2): the h2 crate
+/// takes such a response as malformed and resets its stream, so the client gets a 502 and
+/// none of the body. The target is a raw HTTP/2 server over TLS (ALPN `h2`).
+#[tokio::test]
+async fn transfer_encoding_from_an_http2_target_is_a_502() {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let certified = rcgen::generate_simple_self_signed(vec!["h2-target.test".to_owned()])
+        .expect("a self-signed certificate");
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+        certified.signing_key.serialize_der(),
+    ));
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_no_client_auth()
+    .with_single_cert(vec![certified.cert.der().clone()], key)
+    .expect("a server certificate");
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let (addr, _) = counting_origin(move |stream| {
+        let acceptor = acceptor.clone();
+        async move {
+            let Ok(stream) = acceptor.accept(stream).await else {
+                return;
+            };
+            let (mut read, mut write) = tokio::io::split(stream);
+            let mut preface = [0u8; 24];
+            if read.read_exact(&mut preface).await.is_err()
+                || write.write_all(&frame(SETTINGS, 0, 0, &[])).await.is_err()
+            {
+                return;
+            }
+            let mut pending = Vec::new();
+            loop {
+                while pending.len() >= 9 {
+                    let length =
+                        u32::from_be_bytes([0, pending[0], pending[1], pending[2]]) as usize;
+                    if pending.len() < 9 + length {
+                        break;
+                    }
+                    let (kind, flags) = (pending[3], pending[4]);
+                    let stream_id =
+                        u32::from_be_bytes([pending[5], pending[6], pending[7], pending[8]]);
+                    pending.drain(..9 + length);
+                    let reply = match kind {
+                        SETTINGS if flags & ACK == 0 => frame(SETTINGS, ACK, 0, &[]),
+                        HEADERS => {
+                            let mut reply = frame(
+                                HEADERS,
+                                END_HEADERS,
+                                stream_id,
+                                &hpack(&[(":status", "200"), ("transfer-encoding", "gzip")]),
+                            );
+                            reply.extend(frame(DATA, END_STREAM, stream_id, b"coded-bytes"));
+                            reply
+                        }
+                        _ => continue,
+                    };
+                    if write.write_all(&reply).await.is_err() {
+                        return;
+                    }
+                }
+                let mut chunk = [0u8; 4096];
+                match read.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => pending.extend_from_slice(&chunk[..n]),
+                }
+            }
+        }
+    })
+    .await;
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({
+                "name": "h2-target",
+                "protocol": "https",
+                "tls_sni": "h2-target.test",
+                "tls_ca_pem": certified.cert.pem(),
+                "ejection": false,
+            }),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": addr.port(), "weight": 1}),
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    let (status, body) = wait_until("the route answers", WAIT_FOR_GATEWAY, || async {
+        let (status, body) = gateway.fetch_status("/coded").await;
+        (status != 404).then_some((status, body))
+    })
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert!(!body.contains("coded-bytes"), "{body}");
+    // The h2 crate's reset reaches Raahi as a broken exchange: telling it from a target's own
+    // reset would need the h2 crate's error type (not a dependency of Raahi's own).
+    let error: Value = serde_json::from_str(&body).expect("a JSON error");
+    assert_eq!(error["error"]["code"], "upstream_failed", "{body}");
 }

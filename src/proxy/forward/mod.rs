@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use tokio::time::Instant;
 
-use super::accounting::InFlight;
+use super::accounting::{Answering, InFlight};
 use super::body::{UpstreamBody, UpstreamResponseBody};
 use super::error::ProxyError;
 use super::failure::Blame;
@@ -190,11 +190,12 @@ async fn forward(
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
-    let (upstream, in_flight) =
+    let (upstream, in_flight, target) =
         retry::send_with_retries(state, &service, outgoing, exchange).await?;
     Ok(respond(
         upstream,
         in_flight,
+        Answering::new(service, target),
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
     ))
@@ -257,6 +258,7 @@ impl Downstream {
 fn respond(
     upstream: Response<UpstreamBody>,
     in_flight: InFlight,
+    answering: Answering,
     client_upgrade: Option<OnUpgrade>,
     downstream: &Downstream,
 ) -> Response<ProxyBody> {
@@ -283,6 +285,6 @@ fn respond(
     parts.version = Version::default();
     Response::from_parts(
         parts,
-        Either::Left(UpstreamResponseBody::new(body, in_flight)),
+        Either::Left(UpstreamResponseBody::new(body, in_flight, answering)),
     )
 }

@@ -16,7 +16,7 @@ use crate::clock::unix_ms;
 use crate::model::{Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight};
 use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
-use crate::proxy::client::{UpstreamClient, UpstreamError};
+use crate::proxy::client::{send_tls, UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
 use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
@@ -28,10 +28,11 @@ use crate::snapshot::{ServiceRuntime, TargetRuntime};
 /// At most this many targets per request.
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
-/// Sends the request to picked targets until one answers or the failure's [`Retry`] rule
-/// ends it: a connect failure may always go elsewhere (nothing reached the upstream); another
-/// failure before a response only for idempotent methods whose body can still be sent in full;
-/// a response or send timeout never (the time was spent).
+/// Sends the request to picked targets until one answers (with the answering target's id) or
+/// the failure's [`Retry`] rule ends it: a connect failure may always go elsewhere (nothing
+/// reached the upstream); another failure before a response (a response refused included) only
+/// for idempotent methods whose body can still be sent in full; a response or send timeout
+/// never (the time was spent).
 ///
 /// [`Retry`]: crate::proxy::failure::Retry
 pub(super) async fn send_with_retries(
@@ -39,7 +40,7 @@ pub(super) async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
-) -> Result<(Response<UpstreamBody>, InFlight), ProxyError> {
+) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
@@ -91,7 +92,7 @@ pub(super) async fn send_with_retries(
                 let request = tls_request(&mut outgoing, body, target, may_retry_later);
                 let finish_if_abandoned = outgoing.finish_if_abandoned;
                 let sending = async {
-                    let exchange = tls.request(request);
+                    let exchange = send_tls(tls, request);
                     let response = if finish_if_abandoned {
                         FinishOnDrop::new(exchange, None, target.load.clone()).await?
                     } else {
@@ -122,7 +123,7 @@ pub(super) async fn send_with_retries(
                     .contains(&status)
                     .then_some(FailureCause::Status(status));
                 record_outcome(service, target, failure);
-                return Ok((response, in_flight));
+                return Ok((response, in_flight, target.id));
             }
             Ok(Err(error)) => {
                 if let Some(limit) = streaming
@@ -276,6 +277,9 @@ fn classify(
     target: &TargetRuntime,
     error: &UpstreamError,
 ) -> UpstreamFailure {
+    if let Some(reason) = error.refused_response() {
+        return UpstreamFailure::invalid_response(service, target, reason);
+    }
     if !error.is_connect() {
         return UpstreamFailure::failed(service, target, error_chain(error));
     }

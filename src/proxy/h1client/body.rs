@@ -203,9 +203,14 @@ pub(super) fn decode_chunk(
             buffer.advance(2);
             Ok(ChunkStep::Next(ChunkState::Size))
         }
+        // The trailer section is held to the response head's limit, whether it came whole in
+        // one read or not.
         ChunkState::Trailers => {
             let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
             match httparse::parse_headers(buffer, &mut fields) {
+                Ok(httparse::Status::Complete((length, _))) if length > MAX_HEAD_BYTES => {
+                    Err(BodyError::InvalidChunk("trailer section too large"))
+                }
                 Ok(httparse::Status::Complete((length, fields))) => {
                     let trailers = (!fields.is_empty())
                         .then(|| trailer_map(fields))
@@ -213,7 +218,7 @@ pub(super) fn decode_chunk(
                     buffer.advance(length);
                     Ok(ChunkStep::End(trailers))
                 }
-                Ok(httparse::Status::Partial) if buffer.len() > MAX_HEAD_BYTES => {
+                Ok(httparse::Status::Partial) if buffer.len() >= MAX_HEAD_BYTES => {
                     Err(BodyError::InvalidChunk("trailer section too large"))
                 }
                 Ok(httparse::Status::Partial) => Ok(ChunkStep::NeedMore),

@@ -16,17 +16,19 @@ use tokio::sync::oneshot;
 
 use super::body::ResponseBody;
 use super::encode::RequestFraming;
-use super::parse::{response_framing, Framing};
+use super::parse::{invalid, response_framing, Framing, UNASKED_SWITCH};
 use super::{Connection, ConnectionHome, ExchangeError};
 use crate::proxy::body::UpstreamRequestBody;
 
 /// Sends the request body and reads the response head on `connection`, whose request head has
 /// been written. The request body goes up while the head is awaited, since a target may answer
 /// early (e.g. 413); if it does, the rest of the body goes up on a task of its own and the
-/// connection is closed after this exchange.
+/// connection is closed after this exchange. A `101` is an answer only when the request head
+/// carried an `Upgrade` (`upgrade_asked`).
 pub async fn finish_exchange(
     mut connection: Box<Connection>,
     method_is_head: bool,
+    upgrade_asked: bool,
     body: UpstreamRequestBody,
     framing: RequestFraming,
     home: Arc<dyn ConnectionHome>,
@@ -66,6 +68,10 @@ pub async fn finish_exchange(
             .await?
         }
     };
+    let upgraded = head.status == StatusCode::SWITCHING_PROTOCOLS;
+    if upgraded && !upgrade_asked {
+        return Err(invalid(UNASKED_SWITCH));
+    }
     let (mut framing, mut reusable) = response_framing(method_is_head, &head)?;
     if write_failed.is_some() {
         reusable = false;
@@ -82,7 +88,6 @@ pub async fn finish_exchange(
             }
         }
     }
-    let upgraded = head.status == StatusCode::SWITCHING_PROTOCOLS;
     if upgraded {
         framing = Framing::Length(0);
         reusable = false;

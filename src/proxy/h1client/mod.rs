@@ -22,7 +22,6 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::BytesMut;
-use http::StatusCode;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -38,12 +37,19 @@ mod tests;
 pub use body::ResponseBody;
 pub use encode::{encode_head, RequestFraming, RequestHead};
 pub use exchange::finish_exchange;
-use parse::{parse_head, HeadScratch, ResponseHead};
+#[cfg(test)]
+use parse::parse_head;
+use parse::{next_final_head, HeadScratch, ResponseHead};
+pub use parse::{TRANSFER_CODING_REFUSED, UNASKED_SWITCH};
 
 /// At most this many response header fields (hyper's default too).
 const MAX_HEADERS: usize = 100;
-/// A response head (status line, fields) larger than this is refused.
+/// A response head (status line, fields), or a trailer section, larger than this is refused,
+/// however its bytes arrive.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// At most this many interim (1xx other than 101) heads may come before the final one: a
+/// target sending them without end would hold the exchange until its timeout, parsing.
+pub const MAX_INTERIM_RESPONSES: usize = 16;
 /// A chunk-size line longer than this is refused.
 const MAX_CHUNK_LINE_BYTES: usize = 4 * 1024;
 /// Reads start at this size and grow, while they fill the buffer, up to the largest.
@@ -66,12 +72,26 @@ pub enum ExchangeError {
     HeadTooLarge,
     #[error("invalid response from the target: {0}")]
     InvalidResponse(String),
+    #[error("more than {MAX_INTERIM_RESPONSES} interim (1xx) responses")]
+    TooManyInterim,
     #[error("reading the client's request body failed")]
     RequestBody(#[source] crate::proxy::body::ClientBodyError),
     #[error("the request body is longer than its Content-Length")]
     RequestBodyTooLong,
     #[error("the request body ended before its Content-Length")]
     RequestBodyTooShort,
+}
+
+impl ExchangeError {
+    /// Why the response was refused, when the target sent one Raahi will not pass on (rather
+    /// than breaking the exchange).
+    pub fn refused_response(&self) -> Option<String> {
+        match self {
+            ExchangeError::InvalidResponse(reason) => Some(reason.clone()),
+            ExchangeError::HeadTooLarge | ExchangeError::TooManyInterim => Some(self.to_string()),
+            _ => None,
+        }
+    }
 }
 
 /// Why reading a response body failed.
@@ -100,6 +120,8 @@ pub struct Connection {
     buffer: BytesMut,
     read_size: usize,
     head_scratch: HeadScratch,
+    /// Interim heads of the exchange under way so far.
+    interim_heads: usize,
 }
 
 impl Connection {
@@ -111,6 +133,7 @@ impl Connection {
             buffer: BytesMut::new(),
             read_size: FIRST_READ_BYTES,
             head_scratch: HeadScratch::default(),
+            interim_heads: 0,
         })
     }
 
@@ -166,22 +189,16 @@ impl Connection {
         Poll::Ready(Ok(read))
     }
 
-    /// Reads until a final (non-1xx, or 101) response head has been parsed.
+    /// Reads until a final (non-1xx, or 101) response head has been parsed, skipping at most
+    /// [`MAX_INTERIM_RESPONSES`] interim ones.
     fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<ResponseHead, ExchangeError>> {
         loop {
-            if !self.buffer.is_empty() {
-                if let Some(head) = parse_head(&mut self.buffer, &mut self.head_scratch)? {
-                    let informational = head.status.is_informational()
-                        && head.status != StatusCode::SWITCHING_PROTOCOLS;
-                    if !informational {
-                        return Poll::Ready(Ok(head));
-                    }
-                    // 100 Continue and its kind: the real answer follows.
-                    continue;
-                }
-                if self.buffer.len() >= MAX_HEAD_BYTES {
-                    return Poll::Ready(Err(ExchangeError::HeadTooLarge));
-                }
+            if let Some(head) = next_final_head(
+                &mut self.buffer,
+                &mut self.head_scratch,
+                &mut self.interim_heads,
+            )? {
+                return Poll::Ready(Ok(head));
             }
             let had = self.buffer.len();
             if ready!(self.poll_fill(cx)).map_err(ExchangeError::Read)? == 0 {

@@ -7,7 +7,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Version};
 
-use super::{ExchangeError, MAX_HEADERS};
+use super::{ExchangeError, MAX_HEADERS, MAX_HEAD_BYTES, MAX_INTERIM_RESPONSES};
+use crate::proxy::headers::is_chunked_alone;
 
 pub(super) struct ResponseHead {
     pub(super) status: StatusCode,
@@ -20,6 +21,12 @@ pub(super) struct ResponseHead {
     pub(super) transfer_encoding: bool,
     pub(super) content_length: bool,
 }
+
+/// Why a response framed by another transfer coding than `chunked` alone is refused.
+pub const TRANSFER_CODING_REFUSED: &str = "a transfer coding other than chunked";
+/// Why a `101` is refused when the request sent no `Upgrade`: HTTP/1.1 would take what follows
+/// as another protocol, and HTTP/2 has no `101` at all.
+pub const UNASKED_SWITCH: &str = "101 Switching Protocols to a request that asked for no upgrade";
 
 pub(super) fn invalid(reason: impl std::fmt::Display) -> ExchangeError {
     ExchangeError::InvalidResponse(reason.to_string())
@@ -87,7 +94,8 @@ impl HeadScratch {
 }
 
 /// Parses one response head off the front of `buffer`; `None` until it is complete. The values
-/// in the map are views of one copy of the head.
+/// in the map are views of one copy of the head. A head longer than `MAX_HEAD_BYTES` is refused
+/// even when it came whole in one read, so the limit does not depend on how the bytes arrive.
 pub(super) fn parse_head(
     buffer: &mut BytesMut,
     scratch: &mut HeadScratch,
@@ -101,6 +109,9 @@ pub(super) fn parse_head(
         &mut slots,
     );
     let length = match parsed {
+        Ok(httparse::Status::Complete(length)) if length > MAX_HEAD_BYTES => {
+            return Err(ExchangeError::HeadTooLarge)
+        }
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(error) => return Err(invalid(error)),
@@ -168,6 +179,37 @@ pub(super) fn parse_head(
     }))
 }
 
+/// Takes the heads the bytes read so far hold, up to the final one (not 1xx, or 101): `None`
+/// while it has not come whole. Interim heads are skipped, counted in `interim` (the exchange's
+/// so far, set back to 0 with the final head), and the one past [`MAX_INTERIM_RESPONSES`] is
+/// refused as it arrives. A head is refused past `MAX_HEAD_BYTES` whether it came whole or in
+/// pieces: the decision depends on the bytes, never on how the reads cut them.
+pub(super) fn next_final_head(
+    buffer: &mut BytesMut,
+    scratch: &mut HeadScratch,
+    interim: &mut usize,
+) -> Result<Option<ResponseHead>, ExchangeError> {
+    while !buffer.is_empty() {
+        let Some(head) = parse_head(buffer, scratch)? else {
+            // Incomplete and already at the limit: the head is larger.
+            if buffer.len() >= MAX_HEAD_BYTES {
+                return Err(ExchangeError::HeadTooLarge);
+            }
+            return Ok(None);
+        };
+        if !head.status.is_informational() || head.status == StatusCode::SWITCHING_PROTOCOLS {
+            *interim = 0;
+            return Ok(Some(head));
+        }
+        // 100 Continue and its kind: the real answer follows.
+        *interim += 1;
+        if *interim > MAX_INTERIM_RESPONSES {
+            return Err(ExchangeError::TooManyInterim);
+        }
+    }
+    Ok(None)
+}
+
 /// What a `Connection` field value says about keeping the connection.
 pub(super) struct ConnectionTokens {
     close: bool,
@@ -228,15 +270,16 @@ pub(super) fn response_framing(
         return Ok((Framing::Length(0), keep_alive));
     }
     if head.transfer_encoding {
-        let chunked_last = chunked_is_final_coding(headers);
+        // Any other coding would reach the client as the body itself once the field is
+        // removed (it is hop-by-hop), and a coded body cannot be passed on as one: refused, as
+        // HAProxy does.
+        if !is_chunked_alone(headers) {
+            return Err(invalid(TRANSFER_CODING_REFUSED));
+        }
         // With both fields present the message is suspect: read it by Transfer-Encoding, then
         // close (§6.3 rule 3).
         let keep_alive = keep_alive && !head.content_length;
-        return Ok(if chunked_last {
-            (Framing::Chunked(ChunkState::Size), keep_alive)
-        } else {
-            (Framing::UntilClose, false)
-        });
+        return Ok((Framing::Chunked(ChunkState::Size), keep_alive));
     }
     if !head.content_length {
         return Ok((Framing::UntilClose, false));
@@ -263,24 +306,4 @@ pub(super) fn response_framing(
         Some(length) => (Framing::Length(length), keep_alive),
         None => (Framing::UntilClose, false),
     })
-}
-
-/// Whether `chunked` is the final transfer coding across every Transfer-Encoding field. Empty
-/// list elements ("chunked,", an empty field after a "chunked" one) are not codings (RFC 9110
-/// §5.6.1); a field that is not text makes the whole list unreadable, so not chunked.
-fn chunked_is_final_coding(headers: &HeaderMap) -> bool {
-    let mut last = None;
-    for value in headers.get_all(header::TRANSFER_ENCODING) {
-        let Ok(text) = value.to_str() else {
-            return false;
-        };
-        if let Some(coding) = text
-            .split(',')
-            .map(str::trim)
-            .rfind(|coding| !coding.is_empty())
-        {
-            last = Some(coding);
-        }
-    }
-    last.is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"))
 }

@@ -15,7 +15,7 @@ use proptest::test_runner::RngSeed;
 // The module's own items (private ones included), from the files that hold them. The outside
 // types above are named here so that these tests do not lean on the parent's imports.
 use super::body::{decode_chunk, parse_chunk_size, ChunkStep};
-use super::parse::{response_framing, ChunkState, Framing};
+use super::parse::{next_final_head, response_framing, ChunkState, Framing};
 use super::*;
 
 /// The same cases on every run, so CI is deterministic and a failure reproduces with the same
@@ -566,20 +566,19 @@ fn model_framing(
         if !http11 {
             return ModelFraming::FaultyThenClose;
         }
-        // The field values of all lines form one list (RFC 9110 §5.3); its last coding counts.
+        // The field values of all lines form one list (RFC 9110 §5.3). Only `chunked` alone
+        // can be passed on: any other coding (rule 4 would read it to the connection's end)
+        // would reach the client as the body itself, so the answer is refused.
         let codings: Vec<&[u8]> = transfer_encoding
             .iter()
             .flat_map(|value| list_elements(value))
             .collect();
-        let chunked_last = codings
-            .last()
-            .is_some_and(|coding| coding.eq_ignore_ascii_case(b"chunked"));
-        return if chunked_last {
+        let chunked_alone = codings.len() == 1 && codings[0].eq_ignore_ascii_case(b"chunked");
+        return if chunked_alone {
             // Rule 3: with a Content-Length too, read by Transfer-Encoding, then close.
             ModelFraming::Exactly(ModelBody::Chunked, persistent && content_length.is_empty())
         } else {
-            // Rule 4 for a response: read until the server closes.
-            ModelFraming::Exactly(ModelBody::UntilClose, false)
+            ModelFraming::Error
         };
     }
     if content_length.is_empty() {
@@ -1305,7 +1304,7 @@ proptest! {
 fn an_empty_list_element_does_not_hide_chunked() {
     for wire in [
         &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked,\r\n\r\n"[..],
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked ,\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: , chunked ,\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding:\r\n\r\n",
     ] {
         let (parsed, _) = parse_fresh(wire);
@@ -1316,5 +1315,151 @@ fn an_empty_list_element_does_not_hide_chunked() {
             "{:?}",
             String::from_utf8_lossy(wire)
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits and decisions whatever the reads: interim heads, head and trailer sizes
+// ---------------------------------------------------------------------------------------------
+
+/// How reading heads up to the final one went.
+#[derive(Debug, PartialEq)]
+enum HeadsRead {
+    /// The final head's status and its `x-pad` length, and the bytes left after it.
+    Final(u16, usize, Vec<u8>),
+    Incomplete,
+    TooLarge,
+    TooManyInterim,
+    Invalid(String),
+}
+
+/// Feeds `wire` to [`next_final_head`] in pieces ending at `cuts` (then the rest), as the
+/// connection's reads would bring them.
+fn read_heads(wire: &[u8], cuts: &[usize]) -> HeadsRead {
+    let mut ends: Vec<usize> = cuts.iter().map(|&cut| cut.min(wire.len())).collect();
+    ends.push(wire.len());
+    ends.sort_unstable();
+    ends.dedup();
+    let mut buffer = BytesMut::new();
+    let (mut scratch, mut interim, mut fed) = (HeadScratch::default(), 0, 0);
+    for end in ends.into_iter().filter(|&end| end > 0) {
+        buffer.extend_from_slice(&wire[fed..end]);
+        fed = end;
+        match next_final_head(&mut buffer, &mut scratch, &mut interim) {
+            Ok(None) => {}
+            Ok(Some(head)) => {
+                let pad = head.headers.get("x-pad").map_or(0, |value| value.len());
+                let mut rest = buffer.to_vec();
+                rest.extend_from_slice(&wire[fed..]);
+                return HeadsRead::Final(head.status.as_u16(), pad, rest);
+            }
+            Err(ExchangeError::HeadTooLarge) => return HeadsRead::TooLarge,
+            Err(ExchangeError::TooManyInterim) => return HeadsRead::TooManyInterim,
+            Err(error) => return HeadsRead::Invalid(error.to_string()),
+        }
+    }
+    HeadsRead::Incomplete
+}
+
+/// A head of `status` that is `length` bytes long (at least its bare form) by an `x-pad` field.
+fn padded_head(status: u16, length: usize) -> Vec<u8> {
+    let bare = format!("HTTP/1.1 {status} X\r\nx-pad: \r\n\r\n").len();
+    let pad = "p".repeat(length.saturating_sub(bare));
+    format!("HTTP/1.1 {status} X\r\nx-pad: {pad}\r\n\r\n").into_bytes()
+}
+
+/// Lengths around the limit, far over it, and ordinary.
+fn head_length() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        6 => 0..200usize,
+        1 => Just(MAX_HEAD_BYTES),
+        1 => Just(MAX_HEAD_BYTES + 1),
+        1 => (MAX_HEAD_BYTES - 3000)..(MAX_HEAD_BYTES + 3000),
+        1 => Just(120 * 1024),
+    ]
+}
+
+proptest! {
+    #![proptest_config(config(128))]
+
+    /// Interim heads (some large), then a final one (perhaps over the limit), then body bytes:
+    /// fed whole, in arbitrary pieces or in small even ones, the decision is the same, and it
+    /// is the model's: the first head over `MAX_HEAD_BYTES` or the 17th interim head refuses
+    /// the answer, whichever comes first.
+    #[test]
+    fn head_limits_and_interim_counts_hold_for_any_split_of_the_reads(
+        interim in vec((prop::sample::select(&[100u16, 102, 103][..]), head_length()), 0..20),
+        last in (prop::sample::select(&[200u16, 101, 404][..]), head_length()),
+        after in vec(any::<u8>(), 0..32),
+        cuts in vec(any::<Index>(), 0..12),
+        piece in 1000..20_000usize,
+    ) {
+        let mut wire = Vec::new();
+        let mut expected = None;
+        for (count, &(status, length)) in interim.iter().enumerate() {
+            let head = padded_head(status, length);
+            if expected.is_none() {
+                if head.len() > MAX_HEAD_BYTES {
+                    expected = Some(HeadsRead::TooLarge);
+                } else if count + 1 > MAX_INTERIM_RESPONSES {
+                    expected = Some(HeadsRead::TooManyInterim);
+                }
+            }
+            wire.extend_from_slice(&head);
+        }
+        let final_head = padded_head(last.0, last.1);
+        let pad = final_head.len() - padded_head(last.0, 0).len();
+        let expected = expected.unwrap_or(if final_head.len() > MAX_HEAD_BYTES {
+            HeadsRead::TooLarge
+        } else {
+            HeadsRead::Final(last.0, pad, after.clone())
+        });
+        wire.extend_from_slice(&final_head);
+        wire.extend_from_slice(&after);
+        let cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(wire.len() + 1)).collect();
+        let even: Vec<usize> = (piece..wire.len()).step_by(piece).collect();
+        for cuts in [Vec::new(), cuts, even] {
+            prop_assert_eq!(&read_heads(&wire, &cuts), &expected, "cuts {:?}", cuts);
+        }
+    }
+
+    /// A chunked body whose trailer section is ordinary, at the limit or over it, fed in any
+    /// pieces: the trailers arrive whole exactly when the section is within `MAX_HEAD_BYTES`,
+    /// and the body is an error otherwise, however the reads cut it.
+    #[test]
+    fn the_trailer_limit_holds_for_any_split_of_the_reads(
+        lengths in vec(head_length(), 1..4),
+        cuts in vec(any::<Index>(), 0..12),
+        piece in 1000..20_000usize,
+    ) {
+        let mut section = Vec::new();
+        for (at, length) in lengths.iter().enumerate() {
+            let bare = format!("x-t{at}: \r\n").len();
+            section.extend_from_slice(
+                format!("x-t{at}: {}\r\n", "t".repeat(length.saturating_sub(bare))).as_bytes(),
+            );
+        }
+        section.extend_from_slice(b"\r\n");
+        let mut wire = b"5\r\nhello\r\n0\r\n".to_vec();
+        wire.extend_from_slice(&section);
+        let cuts: Vec<usize> = cuts.iter().map(|cut| cut.index(wire.len() + 1)).collect();
+        let even: Vec<usize> = (piece..wire.len()).step_by(piece).collect();
+        for cuts in [Vec::new(), cuts, even] {
+            let (payload, decoded) = decode_pieces(&wire, &cuts);
+            prop_assert_eq!(&payload, b"hello");
+            if section.len() > MAX_HEAD_BYTES {
+                prop_assert_eq!(
+                    &decoded,
+                    &Decoded::Error("invalid chunked response body: trailer section too large".into()),
+                    "cuts {:?}", cuts
+                );
+            } else {
+                let trailers = match &decoded {
+                    Decoded::End { trailers: Some(trailers), rest } if rest.is_empty() => trailers,
+                    other => panic!("expected trailers, got {other:?} (cuts {cuts:?})"),
+                };
+                prop_assert_eq!(trailers.len(), lengths.len());
+            }
+        }
     }
 }

@@ -2,7 +2,9 @@
 
 use super::body::{decode_chunk, ChunkStep};
 use super::encode::RequestFraming;
-use super::parse::{response_framing, ChunkState, Framing, MAX_REMEMBERED_NAME_BYTES};
+use super::parse::{
+    next_final_head, response_framing, ChunkState, Framing, MAX_REMEMBERED_NAME_BYTES,
+};
 use super::*;
 use crate::proxy::body::UpstreamRequestBody;
 use bytes::BytesMut;
@@ -42,24 +44,57 @@ fn chunked_wins_over_a_length_and_then_the_connection_closes() {
     let both = head(
         200,
         Version::HTTP_11,
-        &[
-            ("content-length", "5"),
-            ("transfer-encoding", "gzip, chunked"),
-        ],
+        &[("content-length", "5"), ("transfer-encoding", "chunked")],
     );
     assert_eq!(
         framing_of(Method::GET, &both),
         (Framing::Chunked(ChunkState::Size), false)
     );
-    let not_last = head(
+}
+
+/// Transfer-Encoding is hop-by-hop: a body under any coding but `chunked` alone would reach the
+/// client as the coded bytes themselves, so the answer is refused (HAProxy's 502), whatever
+/// else frames it. A bodiless answer says nothing by it.
+#[test]
+fn a_coding_other_than_chunked_alone_is_refused() {
+    for coding in [
+        "gzip",
+        "gzip, chunked",
+        "chunked, gzip",
+        "chunked, chunked",
+        "identity",
+        "x-custom",
+    ] {
+        let coded = head(200, Version::HTTP_11, &[("transfer-encoding", coding)]);
+        let error = response_framing(false, &coded).expect_err(coding);
+        assert!(
+            matches!(&error, ExchangeError::InvalidResponse(reason) if reason == TRANSFER_CODING_REFUSED),
+            "{coding}: {error}"
+        );
+        assert!(error.refused_response().is_some());
+        let with_length = head(
+            200,
+            Version::HTTP_11,
+            &[("transfer-encoding", coding), ("content-length", "3")],
+        );
+        assert!(response_framing(false, &with_length).is_err(), "{coding}");
+    }
+    let split = head(
         200,
         Version::HTTP_11,
-        &[("transfer-encoding", "chunked, gzip")],
+        &[
+            ("transfer-encoding", "gzip"),
+            ("transfer-encoding", "chunked"),
+        ],
     );
+    assert!(response_framing(false, &split).is_err());
+    let not_modified = head(304, Version::HTTP_11, &[("transfer-encoding", "gzip")]);
     assert_eq!(
-        framing_of(Method::GET, &not_last),
-        (Framing::UntilClose, false)
+        framing_of(Method::GET, &not_modified),
+        (Framing::Length(0), true)
     );
+    let ok = head(200, Version::HTTP_11, &[("transfer-encoding", "gzip")]);
+    assert_eq!(framing_of(Method::HEAD, &ok), (Framing::Length(0), true));
 }
 
 #[test]
@@ -274,4 +309,121 @@ fn heads_keep_the_given_length_or_choose_chunked() {
         wire.starts_with(b"GET /?x=1 HTTP/1.1\r\n"),
         "origin-form starts with '/'"
     );
+}
+
+/// What reading heads off `wire`, fed in pieces of `piece` bytes, comes to: the final head's
+/// status, or the error.
+fn final_head_in_pieces(wire: &[u8], piece: usize) -> Result<Option<StatusCode>, ExchangeError> {
+    let mut buffer = BytesMut::new();
+    let (mut scratch, mut interim) = (HeadScratch::default(), 0);
+    for piece in wire.chunks(piece) {
+        buffer.extend_from_slice(piece);
+        if let Some(head) = next_final_head(&mut buffer, &mut scratch, &mut interim)? {
+            return Ok(Some(head.status));
+        }
+    }
+    Ok(None)
+}
+
+/// A final head of exactly `length` bytes.
+fn head_of_length(length: usize) -> Vec<u8> {
+    let bare = b"HTTP/1.1 200 OK\r\nx-pad: \r\ncontent-length: 0\r\n\r\n".len();
+    format!(
+        "HTTP/1.1 200 OK\r\nx-pad: {}\r\ncontent-length: 0\r\n\r\n",
+        "p".repeat(length - bare)
+    )
+    .into_bytes()
+}
+
+#[test]
+fn a_head_over_the_limit_is_refused_whole_or_in_pieces() {
+    let at_limit = head_of_length(MAX_HEAD_BYTES);
+    assert_eq!(at_limit.len(), MAX_HEAD_BYTES);
+    for piece in [1000, 8 * 1024, at_limit.len()] {
+        assert_eq!(
+            final_head_in_pieces(&at_limit, piece).unwrap(),
+            Some(StatusCode::OK),
+            "pieces of {piece}"
+        );
+    }
+    for length in [MAX_HEAD_BYTES + 1, 120 * 1024] {
+        let over = head_of_length(length);
+        for piece in [1000, 8 * 1024, 64 * 1024, over.len()] {
+            let error = final_head_in_pieces(&over, piece).expect_err("over the limit");
+            assert!(
+                matches!(error, ExchangeError::HeadTooLarge),
+                "{length} bytes in pieces of {piece}: {error}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sixteen_interim_heads_pass_and_the_seventeenth_is_refused() {
+    let interim = |count: usize| {
+        let mut wire = Vec::new();
+        for at in 0..count {
+            let status = [100, 102, 103][at % 3];
+            wire.extend_from_slice(
+                format!("HTTP/1.1 {status} Interim\r\nx-n: {at}\r\n\r\n").as_bytes(),
+            );
+        }
+        wire
+    };
+    let mut sixteen = interim(MAX_INTERIM_RESPONSES);
+    sixteen.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+    let mut seventeen = interim(MAX_INTERIM_RESPONSES + 1);
+    seventeen.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+    for piece in [1, 7, 64, 1 << 20] {
+        assert_eq!(
+            final_head_in_pieces(&sixteen, piece).unwrap(),
+            Some(StatusCode::OK)
+        );
+        let error = final_head_in_pieces(&seventeen, piece).expect_err("17 interim heads");
+        assert!(matches!(error, ExchangeError::TooManyInterim), "{error}");
+        // Refused as the 17th arrives, before any final head.
+        let error = final_head_in_pieces(&interim(17), piece).expect_err("17, nothing after");
+        assert!(matches!(error, ExchangeError::TooManyInterim), "{error}");
+    }
+    // A 101 is final, and the count is the exchange's: the next one may have 16 again.
+    let mut buffer = BytesMut::from(&sixteen[..]);
+    buffer.extend_from_slice(&sixteen);
+    buffer.extend_from_slice(&interim(3));
+    buffer.extend_from_slice(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n\r\n");
+    let (mut scratch, mut count) = (HeadScratch::default(), 0);
+    for expected in [200, 200, 101] {
+        let head = next_final_head(&mut buffer, &mut scratch, &mut count)
+            .unwrap()
+            .unwrap();
+        assert_eq!(head.status, expected);
+        assert_eq!(count, 0);
+    }
+}
+
+#[test]
+fn a_trailer_section_over_the_limit_is_refused_whole_or_in_pieces() {
+    let body = |section: usize| {
+        let bare = b"x-pad: \r\n\r\n".len();
+        format!(
+            "5\r\nhello\r\n0\r\nx-pad: {}\r\n\r\n",
+            "t".repeat(section - bare)
+        )
+        .into_bytes()
+    };
+    let at_limit = body(MAX_HEAD_BYTES);
+    for split in [1000, 8 * 1024, at_limit.len()] {
+        let (payload, trailers) = decode_all(&at_limit, split).unwrap();
+        assert_eq!(payload, b"hello");
+        assert_eq!(trailers.unwrap()["x-pad"].len(), MAX_HEAD_BYTES - 11);
+    }
+    for section in [MAX_HEAD_BYTES + 1, 120 * 1024] {
+        let over = body(section);
+        for split in [1000, 8 * 1024, 64 * 1024, over.len()] {
+            let error = decode_all(&over, split).expect_err("over the limit");
+            assert!(
+                error.to_string().contains("trailer section too large"),
+                "{section} bytes in pieces of {split}: {error}"
+            );
+        }
+    }
 }
