@@ -122,6 +122,13 @@ pub struct Connection {
     head_scratch: HeadScratch,
     /// Interim heads of the exchange under way so far.
     interim_heads: usize,
+    /// The first bytes of `buffer`, found to be an incomplete head: a head can only end at a
+    /// line feed, so the next parse waits for one (a head trickled a byte at a time is parsed
+    /// once per line, not once per byte).
+    incomplete_head: usize,
+    /// Head parses so far, for the tests of the line rule above.
+    #[cfg(test)]
+    head_parses: usize,
 }
 
 impl Connection {
@@ -134,6 +141,9 @@ impl Connection {
             read_size: FIRST_READ_BYTES,
             head_scratch: HeadScratch::default(),
             interim_heads: 0,
+            incomplete_head: 0,
+            #[cfg(test)]
+            head_parses: 0,
         })
     }
 
@@ -193,12 +203,24 @@ impl Connection {
     /// [`MAX_INTERIM_RESPONSES`] interim ones.
     fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<ResponseHead, ExchangeError>> {
         loop {
-            if let Some(head) = next_final_head(
-                &mut self.buffer,
-                &mut self.head_scratch,
-                &mut self.interim_heads,
-            )? {
-                return Poll::Ready(Ok(head));
+            let may_end = self.buffer[self.incomplete_head..].contains(&b'\n');
+            if may_end {
+                #[cfg(test)]
+                {
+                    self.head_parses += 1;
+                }
+                if let Some(head) = next_final_head(
+                    &mut self.buffer,
+                    &mut self.head_scratch,
+                    &mut self.interim_heads,
+                )? {
+                    self.incomplete_head = 0;
+                    return Poll::Ready(Ok(head));
+                }
+                self.incomplete_head = self.buffer.len();
+            } else if self.buffer.len() >= MAX_HEAD_BYTES {
+                // The same answer the parse would give: incomplete at the limit.
+                return Poll::Ready(Err(ExchangeError::HeadTooLarge));
             }
             let had = self.buffer.len();
             if ready!(self.poll_fill(cx)).map_err(ExchangeError::Read)? == 0 {

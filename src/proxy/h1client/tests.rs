@@ -427,3 +427,51 @@ fn a_trailer_section_over_the_limit_is_refused_whole_or_in_pieces() {
         }
     }
 }
+
+/// A head trickled a byte at a time is parsed when a line ends, not for every byte: a target
+/// writing its head slowly costs one parse per line, not one per byte (quadratic in the head).
+#[tokio::test]
+async fn a_head_trickled_a_byte_at_a_time_is_parsed_once_per_line() {
+    use std::task::Poll;
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut target, _) = listener.accept().await.unwrap();
+    let mut connection = Connection::new(client);
+    let mut wire = b"HTTP/1.1 200 OK\r\n".to_vec();
+    for field in 0..50 {
+        wire.extend_from_slice(format!("x-field-{field}: {}\r\n", "v".repeat(100)).as_bytes());
+    }
+    wire.extend_from_slice(b"content-length: 0\r\n\r\n");
+    let lines = 53;
+    let mut head = None;
+    for byte in &wire {
+        // On loopback the byte is in the connection's socket once the write returns; a yield
+        // lets the runtime see it readable: each poll below reads what was written so far.
+        target.write_all(&[*byte]).await.unwrap();
+        tokio::task::yield_now().await;
+        match std::future::poll_fn(|cx| Poll::Ready(connection.poll_head(cx))).await {
+            Poll::Ready(answer) => {
+                head = Some(answer.unwrap());
+                break;
+            }
+            Poll::Pending => {}
+        }
+    }
+    let head = match head {
+        Some(head) => head,
+        None => std::future::poll_fn(|cx| connection.poll_head(cx))
+            .await
+            .unwrap(),
+    };
+    assert_eq!(head.status, StatusCode::OK);
+    assert_eq!(head.headers.len(), 51);
+    assert!(
+        connection.head_parses <= lines,
+        "{} parses for {} bytes in {lines} lines",
+        connection.head_parses,
+        wire.len()
+    );
+}
