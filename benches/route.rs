@@ -1,4 +1,5 @@
-//! Route lookup in a snapshot of 10,000 routes: exact hosts, wildcards and any-host prefixes.
+//! Route lookup in a snapshot of 10,000 routes: exact hosts, wildcards and any-host prefixes;
+//! and the request path's normalisation that comes before it.
 // Benchmarks measure real time, not the paused clock the rule in clippy.toml is for.
 #![allow(clippy::disallowed_methods)]
 
@@ -134,5 +135,23 @@ fn lookups(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, lookups);
+/// What normalising costs a request: nothing to copy for a path already normal (one scan),
+/// and a copy for one that is not.
+fn normalisation(c: &mut Criterion) {
+    use raahi::model::path::{normalize, EscapedSlashes};
+    let mut group = c.benchmark_group("path_normalisation");
+    for (name, path) in [
+        ("normal_short", "/app42/users/7"),
+        ("normal_escaped", "/api/v1/files/report%202026.pdf"),
+        ("dot_segments", "/api/v1/../v2/./items//7"),
+        ("unreserved_escapes", "/%61pi/v1/%7Euser/items"),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| black_box(normalize(black_box(path), EscapedSlashes::Keep).is_ok()))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, lookups, normalisation);
 criterion_main!(benches);
