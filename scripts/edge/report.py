@@ -212,7 +212,8 @@ def main():
             how = ("HTTP/1.1: POST /upload with Content-Length" if attack == "byte-bodies" else
                    "h2c: HEADERS for POST /upload with content-length")
             unit = "one byte per TCP segment" if attack == "byte-bodies" else "one DATA frame of one byte per TCP segment"
-            print(f"{p['uploaders']} clients, {a['seconds']:g} s, over {how}: {p['body_bytes']}, "
+            clients = f"{p['uploaders']} client" + ("s" if p["uploaders"] != 1 else "")
+            print(f"{clients}, {a['seconds']:g} s, over {how}: {p['body_bytes']}, "
                   f"then the body {unit}, {p['byte_rate']:g} bytes a second each, reconnecting "
                   f"whenever cut off; normal client: one {'HTTP/1.1' if p['normal_proto'] == 'http1' else 'h2c'} "
                   f"GET every {p['normal_interval_ms']:g} ms on a new connection\n")
