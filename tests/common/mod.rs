@@ -1003,3 +1003,51 @@ pub fn json_error(status: u16, content_type: &str, body: &str) -> ProxyError {
         .unwrap_or_else(|error| panic!("error answer {status} is not JSON ({error}): {body}"));
     ProxyError::read(&value)
 }
+
+/// An event-stream client (`GET /api/v1/events`) on a socket with a small receive buffer,
+/// which then never reads: what the gateway hands it piles up on the gateway's side.
+pub async fn stuck_event_client(gateway: &TestGateway) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(gateway.admin).await.unwrap();
+    let request = format!(
+        "GET /api/v1/events HTTP/1.1\r\nHost: raahi\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
+         Connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
+/// A service "heavy" with `targets` targets of 15 KB of metadata each, found by one refresh of
+/// a registry (returned: keep it running): an event-stream snapshot of about `targets` × 15 KB.
+pub async fn heavy_discovered_service(
+    gateway: &TestGateway,
+    targets: u16,
+    deadline: Duration,
+) -> registry::Registry {
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "heavy"}))
+        .await;
+    let registry = registry::Registry::start().await;
+    let endpoints: Vec<Value> = (0..targets)
+        .map(|port| {
+            json!({"key": format!("t{port}"), "host": "127.0.0.1", "port": 10_000 + port,
+                   "metadata": {"padding": "x".repeat(15_000)}})
+        })
+        .collect();
+    registry.set_json(Value::Array(endpoints));
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({"name": "heavy", "provider": "http",
+                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 600_000}}),
+        )
+        .await;
+    gateway
+        .wait_source_status(source, "every target found", deadline, |status| {
+            status.endpoints.active == u64::from(targets)
+        })
+        .await;
+    registry
+}

@@ -7,10 +7,12 @@ use crate::common;
 use std::time::Duration;
 
 use common::registry::Registry;
-use common::{ApiError, TestGateway, Upstream, ADMIN_TOKEN};
+use common::{
+    heavy_discovered_service, stuck_event_client, ApiError, TestGateway, Upstream, ADMIN_TOKEN,
+};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::time::Instant;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -308,19 +310,6 @@ async fn a_service_filter_passes_only_that_service() {
     assert_eq!(status, 401);
 }
 
-/// Sends an event-stream request from a socket with a small receive buffer, then never reads.
-async fn stuck_client(gateway: &TestGateway) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stream = socket.connect(gateway.admin).await.unwrap();
-    let request = format!(
-        "GET /api/v1/events HTTP/1.1\r\nHost: raahi\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
-         Connection: close\r\n\r\n"
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    stream
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_client_is_cut_off_while_another_keeps_receiving() {
     let dir = std::sync::Arc::new(tempfile::tempdir().unwrap());
@@ -335,7 +324,7 @@ async fn a_stuck_client_is_cut_off_while_another_keeps_receiving() {
         )
         .await;
 
-    let mut stuck = stuck_client(&gateway).await;
+    let mut stuck = stuck_event_client(&gateway).await;
     let mut reader = Stream::open(&gateway, "", None).await;
     reader.next().await.unwrap();
     // Each change is one event of about 16 KB, 6 MB in all: more than the stuck client's socket
@@ -518,33 +507,6 @@ async fn metric(gateway: &TestGateway, series: &str) -> u64 {
         .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{text}"))
 }
 
-/// A service with `targets` targets of 15 KB of metadata each, found by one refresh of a
-/// registry (kept running): a snapshot of about `targets` × 15 KB.
-async fn heavy_service(gateway: &TestGateway, targets: u16) -> Registry {
-    let service = web_service(gateway, "heavy", json!({})).await;
-    let registry = Registry::start().await;
-    let endpoints: Vec<Value> = (0..targets)
-        .map(|port| {
-            json!({"key": format!("t{port}"), "host": "127.0.0.1", "port": 10_000 + port,
-                   "metadata": {"padding": "x".repeat(15_000)}})
-        })
-        .collect();
-    registry.set_json(Value::Array(endpoints));
-    let source = gateway
-        .create(
-            &format!("/api/v1/services/{service}/discovery-sources"),
-            json!({"name": "heavy", "provider": "http",
-                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 600_000}}),
-        )
-        .await;
-    gateway
-        .wait_source_status(source, "every target found", WAIT, |status| {
-            status.endpoints.active == u64::from(targets)
-        })
-        .await;
-    registry
-}
-
 const SNAPSHOTS_BUILT: &str = "raahi_admin_event_snapshots_built_total";
 const SNAPSHOTS_SHARED: &str = "raahi_admin_event_snapshots_shared_total";
 const STREAMS_OPEN: &str = "raahi_admin_event_streams";
@@ -559,7 +521,7 @@ async fn clients_that_never_read_share_one_snapshot_while_other_calls_answer() {
     // The sharing alone, without the budget cutting anyone off.
     config.admin.event_stream_budget_bytes = 1 << 30;
     let gateway = std::sync::Arc::new(TestGateway::start_with(dir, config).await);
-    let _registry = heavy_service(&gateway, 64).await;
+    let _registry = heavy_discovered_service(&gateway, 64, WAIT).await;
     let built_before = metric(&gateway, SNAPSHOTS_BUILT).await;
     let shared_before = metric(&gateway, SNAPSHOTS_SHARED).await;
 
@@ -567,7 +529,7 @@ async fn clients_that_never_read_share_one_snapshot_while_other_calls_answer() {
     let connecting = {
         let gateway = gateway.clone();
         tokio::spawn(async move {
-            let clients = (0..CLIENTS).map(|_| stuck_client(&gateway));
+            let clients = (0..CLIENTS).map(|_| stuck_event_client(&gateway));
             futures_util::future::join_all(clients).await
         })
     };
@@ -605,10 +567,10 @@ async fn the_event_stream_budget_cuts_off_clients_past_it() {
     let gateway = TestGateway::start_with(dir, config).await;
     // A snapshot of about 6 MB: a stuck client's sockets take a part (about 3 MB on
     // loopback), it holds the rest.
-    let _registry = heavy_service(&gateway, 400).await;
+    let _registry = heavy_discovered_service(&gateway, 400, WAIT).await;
     let mut stuck = Vec::new();
     for _ in 0..8 {
-        stuck.push(stuck_client(&gateway).await);
+        stuck.push(stuck_event_client(&gateway).await);
     }
     common::wait_until("a client cut off for the budget", WAIT, || async {
         metric(&gateway, CUT_FOR_BUDGET).await >= 1

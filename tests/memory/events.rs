@@ -6,9 +6,6 @@ use common::*;
 
 use std::time::Duration;
 
-use serde_json::json;
-use tokio::io::AsyncWriteExt;
-
 const DEADLINE: Duration = Duration::from_secs(30);
 const CLIENTS: u64 = 100;
 const TARGETS: u16 = 400;
@@ -26,18 +23,6 @@ async fn metric(gateway: &TestGateway, series: &str) -> u64 {
         .unwrap_or_else(|| panic!("{series} missing from /metrics:\n{text}"))
 }
 
-/// Asks for the event stream from a socket with a small receive buffer, then never reads.
-async fn stuck_client(gateway: &TestGateway) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stream = socket.connect(gateway.admin).await.unwrap();
-    let request = format!(
-        "GET /api/v1/events HTTP/1.1\r\nHost: raahi\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    stream
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_clients_that_never_read_share_their_snapshot() {
     let _alone = crate::ALONE.lock().await;
@@ -48,38 +33,16 @@ async fn event_clients_that_never_read_share_their_snapshot() {
     let gateway = TestGateway::start_with(dir, config).await;
     // A snapshot of about 6 MB, twice what a loopback socket takes in: each client that never
     // reads leaves hyper holding the rest.
-    let service = gateway
-        .create("/api/v1/services", json!({"name": "heavy"}))
-        .await;
-    let registry = common::registry::Registry::start().await;
-    let endpoints: Vec<serde_json::Value> = (0..TARGETS)
-        .map(|port| {
-            json!({"key": format!("t{port}"), "host": "127.0.0.1", "port": 10_000 + port,
-                   "metadata": {"padding": "x".repeat(15_000)}})
-        })
-        .collect();
-    registry.set_json(serde_json::Value::Array(endpoints));
-    let source = gateway
-        .create(
-            &format!("/api/v1/services/{service}/discovery-sources"),
-            json!({"name": "heavy", "provider": "http",
-                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 600_000}}),
-        )
-        .await;
-    gateway
-        .wait_source_status(source, "every target found", DEADLINE, |status| {
-            status.endpoints.active == u64::from(TARGETS)
-        })
-        .await;
+    let _registry = heavy_discovered_service(&gateway, TARGETS, DEADLINE).await;
     // One client first, so what every connection costs anyway is in the baseline's allocator.
-    let mut clients = vec![stuck_client(&gateway).await];
+    let mut clients = vec![stuck_event_client(&gateway).await];
     wait_until("the first stream open", DEADLINE, || async {
         metric(&gateway, "raahi_admin_event_streams").await == 1
     })
     .await;
 
     let before = rss_kib();
-    let connecting = (1..CLIENTS).map(|_| stuck_client(&gateway));
+    let connecting = (1..CLIENTS).map(|_| stuck_event_client(&gateway));
     clients.extend(futures_util::future::join_all(connecting).await);
     // While the gateway serves them, other admin calls are answered.
     let slowest = std::cell::Cell::new(Duration::ZERO);
