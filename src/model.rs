@@ -15,6 +15,8 @@ pub enum Protocol {
     #[default]
     Http,
     Https,
+    /// HTTP/2 with prior knowledge over TCP (gRPC inside a cluster).
+    H2c,
     Tcp,
     Tls,
 }
@@ -69,7 +71,7 @@ macro_rules! text_enum {
     };
 }
 
-text_enum!(Protocol { Http => "http", Https => "https", Tcp => "tcp", Tls => "tls" });
+text_enum!(Protocol { Http => "http", Https => "https", H2c => "h2c", Tcp => "tcp", Tls => "tls" });
 
 impl Protocol {
     /// The service's targets speak TLS (`https` terminates it upstream, `tls` passes it through),
@@ -109,6 +111,9 @@ pub enum HealthCheckKind {
     /// A TCP connect and a full TLS handshake with the service's server name, verification and
     /// CA, then an orderly close; only for `https` and `tls` services.
     Tls,
+    /// `grpc.health.v1.Health/Check` for `grpc_service`, healthy only when `SERVING`; only for
+    /// `h2c` and `https` services (over TLS for `https`).
+    Grpc,
 }
 
 /// Active health checks of a service's targets, run by the control plane.
@@ -135,6 +140,9 @@ pub struct HealthCheck {
     /// `Host` of the check request; null: the service's `upstream_authority`, else the target.
     #[serde(default)]
     pub host: Option<String>,
+    /// For `type: "grpc"`: the service name asked about; null or `""`: the server as a whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_service: Option<String>,
 }
 
 impl HealthCheck {
@@ -270,6 +278,11 @@ pub struct Timeouts {
     /// How long an unused pooled upstream connection is kept.
     #[serde(default = "Timeouts::default_idle_ms")]
     pub idle_ms: u64,
+    /// HTTP/2 upstream connections: a PING when a connection with open streams has received
+    /// nothing for this long, failed when no answer comes within `connect_ms`. Null: off (idle
+    /// connections are never pinged either way: gRPC servers punish frequent pings).
+    #[serde(default)]
+    pub keepalive_ms: Option<u64>,
 }
 
 impl Timeouts {
@@ -290,6 +303,7 @@ impl Default for Timeouts {
             connect_ms: Self::default_connect_ms(),
             response_header_ms: Self::default_response_header_ms(),
             idle_ms: Self::default_idle_ms(),
+            keepalive_ms: None,
         }
     }
 }
@@ -338,6 +352,10 @@ pub struct UpstreamLimits {
     /// How long a request waits for room at a full target.
     #[serde(default = "UpstreamLimits::default_queue_timeout_ms")]
     pub queue_timeout_ms: u64,
+    /// HTTP/2 upstream connections (`h2c`, `https` by ALPN): streams at once on one connection,
+    /// also bounded by the target's own `SETTINGS_MAX_CONCURRENT_STREAMS`.
+    #[serde(default = "UpstreamLimits::default_max_streams_per_connection")]
+    pub max_streams_per_connection: u32,
 }
 
 impl UpstreamLimits {
@@ -347,6 +365,9 @@ impl UpstreamLimits {
     fn default_queue_timeout_ms() -> u64 {
         5_000
     }
+    fn default_max_streams_per_connection() -> u32 {
+        100
+    }
 }
 
 impl Default for UpstreamLimits {
@@ -355,6 +376,7 @@ impl Default for UpstreamLimits {
             max_connections_per_target: None,
             max_pending_requests: Self::default_max_pending_requests(),
             queue_timeout_ms: Self::default_queue_timeout_ms(),
+            max_streams_per_connection: Self::default_max_streams_per_connection(),
         }
     }
 }

@@ -70,7 +70,7 @@ fn server_name(field: &str, value: &str) -> Result<String, ValidationError> {
 
 /// Protocols an HTTP route can send to.
 pub fn serves_http(protocol: Protocol) -> bool {
-    matches!(protocol, Protocol::Http | Protocol::Https)
+    matches!(protocol, Protocol::Http | Protocol::Https | Protocol::H2c)
 }
 
 pub fn stream_route(mut spec: StreamRouteSpec) -> Result<StreamRouteSpec, ValidationError> {
@@ -211,6 +211,9 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
             ));
         }
     }
+    if let Some(keepalive_ms) = spec.timeouts.keepalive_ms {
+        in_range("timeouts.keepalive_ms", keepalive_ms, 100, MAX_TIMEOUT_MS)?;
+    }
     if let Some(check) = &spec.health_check {
         health_check(check, spec.protocol)?;
     }
@@ -245,6 +248,12 @@ fn upstream_limits(limits: &crate::model::UpstreamLimits) -> Result<(), Validati
         limits.queue_timeout_ms,
         1,
         MAX_TIMEOUT_MS,
+    )?;
+    in_range(
+        "limits.max_streams_per_connection",
+        limits.max_streams_per_connection.into(),
+        1,
+        10_000,
     )
 }
 
@@ -277,6 +286,29 @@ fn health_check(
                 protocol.as_str()
             ),
         ));
+    }
+    if check.kind == HealthCheckKind::Grpc && !matches!(protocol, Protocol::H2c | Protocol::Https) {
+        return Err(ValidationError::new(
+            "health_check.type",
+            format!(
+                "a grpc health check needs an h2c or https service; this one is {}",
+                protocol.as_str()
+            ),
+        ));
+    }
+    if check.grpc_service.is_some() && check.kind != HealthCheckKind::Grpc {
+        return Err(ValidationError::new(
+            "health_check.grpc_service",
+            "health_check.grpc_service applies only to type \"grpc\"",
+        ));
+    }
+    if let Some(name) = &check.grpc_service {
+        if name.len() > 1024 || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(ValidationError::new(
+                "health_check.grpc_service",
+                "health_check.grpc_service must be a service name of at most 1024 characters without spaces",
+            ));
+        }
     }
     if !check.path.starts_with('/')
         || check

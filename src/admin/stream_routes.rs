@@ -170,7 +170,7 @@ async fn checked(
                 ),
             ))
         }
-        (Protocol::Http | Protocol::Https, _) => {
+        (Protocol::Http | Protocol::Https | Protocol::H2c, _) => {
             return Err(ApiError::validation(
                 "service_id",
                 format!(
@@ -238,7 +238,7 @@ pub(super) fn check_protocol_change(
         let fits = match protocol {
             Protocol::Tls => true,
             Protocol::Tcp => route.sni.is_none() && !shares_address(),
-            Protocol::Http | Protocol::Https => false,
+            Protocol::Http | Protocol::Https | Protocol::H2c => false,
         };
         if !fits {
             return Err(ApiError::Conflict {

@@ -300,6 +300,7 @@ impl ServiceChecker {
                 }
                 HealthCheckKind::Http => self.http_check(target).await,
                 HealthCheckKind::Tls => self.tls_check(target).await,
+                HealthCheckKind::Grpc => Err("grpc health checks are not built yet".to_owned()),
             }
         };
         let timeout = Duration::from_millis(check.timeout_ms);

@@ -43,6 +43,7 @@ pub(super) struct ServiceRow {
     connect_timeout_ms: i64,
     response_header_timeout_ms: i64,
     idle_timeout_ms: i64,
+    keepalive_ms: Option<i64>,
     max_attempts: i64,
     health_check: Option<String>,
     ejection: Option<String>,
@@ -71,6 +72,10 @@ impl TryFrom<ServiceRow> for Service {
                     "response timeout",
                 )?,
                 idle_ms: non_negative(row.idle_timeout_ms, "idle timeout")?,
+                keepalive_ms: row
+                    .keepalive_ms
+                    .map(|ms| non_negative(ms, "keepalive"))
+                    .transpose()?,
             },
             max_attempts: u32::try_from(row.max_attempts)
                 .map_err(|_| StoreError::Corrupt(format!("max_attempts {}", row.max_attempts)))?,

@@ -38,8 +38,8 @@ impl Store {
         let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
                 lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
-                max_attempts, health_check, ejection, limits, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+                max_attempts, health_check, ejection, limits, created_at, updated_at, keepalive_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
              RETURNING id",
         )
         .bind(&spec.name)
@@ -58,6 +58,7 @@ impl Store {
         .bind(json_value(&spec.limits))
         .bind(now)
         .bind(now)
+        .bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
         .fetch_one(pool)
         .await)
         .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
@@ -69,7 +70,7 @@ impl Store {
             "UPDATE services SET name = $1, protocol = $2, upstream_authority = $3, tls_sni = $4,
                 tls_verify = $5, tls_ca_pem = $6, lb_policy = $7, connect_timeout_ms = $8, response_header_timeout_ms = $9,
                 idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13,
-                limits = $14, updated_at = $15
+                limits = $14, updated_at = $15, keepalive_ms = $17
              WHERE id = $16",
         )
         .bind(&spec.name)
@@ -88,6 +89,7 @@ impl Store {
         .bind(json_value(&spec.limits))
         .bind(now_ms())
         .bind(id)
+        .bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
         .execute(pool)
         .await
 .map(|done| done.rows_affected()))
