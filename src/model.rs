@@ -342,7 +342,8 @@ pub struct Service {
 #[serde(deny_unknown_fields)]
 pub struct UpstreamLimits {
     /// Requests in flight to one target at once: over HTTP/1.1 (plain targets), one connection
-    /// each; for a `tcp` or `tls` service, connections. Null: no limit.
+    /// each; for a `tcp` or `tls` service, connections; for an `h2c` service, connections,
+    /// each carrying up to `max_streams_per_connection` requests. Null: no limit.
     #[serde(default)]
     pub max_connections_per_target: Option<u32>,
     /// Requests of the service that may wait for room at a full target; more are refused at

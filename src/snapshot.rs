@@ -50,6 +50,13 @@ pub struct ServiceCounters {
     pub queued: AtomicU64,
     /// Requests refused for want of room: the queue was full or its timeout ran out.
     pub overloaded: AtomicU64,
+    /// HTTP/2 connections open now to the service's targets.
+    pub h2_connections: AtomicU64,
+    /// HTTP/2 streams open now to the service's targets.
+    pub h2_streams: AtomicU64,
+    /// HTTP/2 streams the targets never processed (`REFUSED_STREAM`, above a GOAWAY's last
+    /// stream id): each may be retried whatever its method.
+    pub h2_unprocessed: AtomicU64,
 }
 
 /// Gateway-wide counters of the data path (for metrics).

@@ -32,8 +32,16 @@ impl InFlight {
         target: &TargetRuntime,
     ) -> Result<InFlight, Overloaded> {
         let limits = &service.service.limits;
-        let Some(max) = limits.max_connections_per_target else {
+        let Some(connections) = limits.max_connections_per_target else {
             return Ok(InFlight::start(&target.load));
+        };
+        // Over HTTP/2 a connection carries many requests: the limit counts connections, and
+        // requests wait only once every stream of every connection is taken.
+        let max = match service.service.protocol {
+            crate::model::Protocol::H2c => {
+                connections.saturating_mul(limits.max_streams_per_connection)
+            }
+            _ => connections,
         };
         let load = &target.load;
         // Requests already waiting go first: a newcomer does not take the room they wait for.

@@ -15,6 +15,7 @@ use tokio::sync::{oneshot, Notify};
 use super::accounting::{Answering, InFlight};
 use super::budget::Reservation;
 use super::h1client::ResponseBody;
+use super::h2client::H2ResponseBody;
 use super::spool::{SpoolReader, SpooledBody};
 use crate::clock::unix_ms;
 
@@ -23,6 +24,7 @@ use crate::clock::unix_ms;
 pub enum UpstreamBody {
     Hyper(Incoming),
     Pooled(ResponseBody),
+    H2(H2ResponseBody),
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -38,6 +40,7 @@ impl Body for UpstreamBody {
         match self.get_mut() {
             UpstreamBody::Hyper(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
             UpstreamBody::Pooled(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            UpstreamBody::H2(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
         }
     }
 
@@ -45,6 +48,7 @@ impl Body for UpstreamBody {
         match self {
             UpstreamBody::Hyper(body) => body.is_end_stream(),
             UpstreamBody::Pooled(body) => body.is_end_stream(),
+            UpstreamBody::H2(body) => body.is_end_stream(),
         }
     }
 
@@ -52,6 +56,7 @@ impl Body for UpstreamBody {
         match self {
             UpstreamBody::Hyper(body) => body.size_hint(),
             UpstreamBody::Pooled(body) => body.size_hint(),
+            UpstreamBody::H2(body) => body.size_hint(),
         }
     }
 }

@@ -27,6 +27,7 @@ use tokio::sync::Notify;
 use super::body::UpstreamRequestBody;
 use super::connector::{AlpnOffer, TlsTargetConnector};
 use super::h1client::{MAX_INTERIM_RESPONSES, TRANSFER_CODING_REFUSED, UNASKED_SWITCH};
+use super::h2client::{H2Error, H2Settings, H2Target};
 use super::headers::is_chunked_alone;
 use super::plain_target::{PlainTarget, PlainTargetError};
 use crate::model::{Id, Protocol, Service};
@@ -39,6 +40,8 @@ pub type TlsClient = Client<TlsTargetConnector, UpstreamRequestBody>;
 pub enum UpstreamClient {
     Plain(Arc<PlainTarget>),
     Tls(Arc<TlsClient>),
+    /// `h2c` targets: HTTP/2 with prior knowledge, multiplexed.
+    H2(Arc<H2Target>),
 }
 
 /// Why one attempt got no response.
@@ -48,6 +51,8 @@ pub enum UpstreamError {
     Plain(#[from] PlainTargetError),
     #[error(transparent)]
     Tls(#[from] hyper_util::client::legacy::Error),
+    #[error(transparent)]
+    H2(#[from] H2Error),
     /// An `https` target's answer that the plain client would refuse too.
     #[error("{0}")]
     Refused(&'static str),
@@ -62,7 +67,17 @@ impl UpstreamError {
         match self {
             UpstreamError::Plain(error) => error.is_connect(),
             UpstreamError::Tls(error) => error.is_connect(),
+            UpstreamError::H2(error) => error.is_connect(),
             UpstreamError::Refused(_) | UpstreamError::TooManyInterim => false,
+        }
+    }
+
+    /// The target declined to process the request (an HTTP/2 stream refused or above a
+    /// GOAWAY's last stream id): it may go elsewhere whatever its method.
+    pub fn unprocessed(&self) -> Option<String> {
+        match self {
+            UpstreamError::H2(error) if error.is_unprocessed() => Some(error.to_string()),
+            _ => None,
         }
     }
 
@@ -71,6 +86,7 @@ impl UpstreamError {
     pub fn refused_response(&self) -> Option<String> {
         match self {
             UpstreamError::Plain(error) => error.refused_response(),
+            UpstreamError::H2(_) => None,
             UpstreamError::Refused(_) | UpstreamError::TooManyInterim => Some(self.to_string()),
             UpstreamError::Tls(error) => {
                 let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
@@ -256,6 +272,7 @@ pub struct UpstreamClients {
     // foldhash, not SipHash: looked up on every request, keyed by our own ids.
     plain: ArcSwap<HashMap<(Id, Id), Arc<PlainTarget>>>,
     tls: ArcSwap<HashMap<(Id, Id), Arc<TlsTargetPools>>>,
+    h2: ArcSwap<HashMap<(Id, Id), Arc<H2Target>>>,
 }
 
 impl UpstreamClients {
@@ -269,6 +286,12 @@ impl UpstreamClients {
     ) -> UpstreamClient {
         let settings = &service.service;
         let key = (settings.id, target.id);
+        if settings.protocol == Protocol::H2c {
+            return UpstreamClient::H2(match self.h2.load().get(&key) {
+                Some(pool) if h2_matches(pool, settings, &target.authority) => pool.clone(),
+                _ => self.new_h2_pool(key, service, &target.authority),
+            });
+        }
         if settings.protocol != Protocol::Https {
             return UpstreamClient::Plain(match self.plain.load().get(&key) {
                 Some(pool) if pool.matches(settings, &target.authority) => pool.clone(),
@@ -342,6 +365,55 @@ impl UpstreamClients {
         });
         chosen
     }
+}
+
+impl UpstreamClients {
+    fn new_h2_pool(
+        &self,
+        key: (Id, Id),
+        runtime: &ServiceRuntime,
+        target: &Authority,
+    ) -> Arc<H2Target> {
+        let service = &runtime.service;
+        let live_targets: HashSet<Id> = runtime.targets.iter().map(|target| target.id).collect();
+        let created = Arc::new(H2Target::new(
+            target.to_string(),
+            h2_settings(service),
+            runtime.counters.clone(),
+        ));
+        let mut chosen = created.clone();
+        self.h2.rcu(|current| {
+            let mut next = HashMap::clone(current);
+            // As for the other pools: a miss is the moment to forget the pools of gone targets.
+            next.retain(|(service_id, target_id), _| {
+                *service_id != key.0 || live_targets.contains(target_id)
+            });
+            let entry = next.entry(key).or_insert_with(|| created.clone());
+            if !h2_matches(entry, service, target) {
+                *entry = created.clone();
+            }
+            chosen = entry.clone();
+            next
+        });
+        chosen
+    }
+}
+
+fn h2_settings(service: &Service) -> H2Settings {
+    H2Settings {
+        connect_timeout: Duration::from_millis(service.timeouts.connect_ms),
+        idle_timeout: Duration::from_millis(service.timeouts.idle_ms),
+        keepalive: service.timeouts.keepalive_ms.map(Duration::from_millis),
+        max_streams_per_connection: service.limits.max_streams_per_connection as usize,
+        max_connections: service
+            .limits
+            .max_connections_per_target
+            .map(|max| max as usize),
+    }
+}
+
+fn h2_matches(pool: &H2Target, service: &Service, target: &Authority) -> bool {
+    pool.address() == target.as_str() && *pool.settings() == h2_settings(service)
 }
 
 fn tls_client(

@@ -61,6 +61,10 @@ pub enum ProxyError {
         service: String,
         reason: super::accounting::Overloaded,
     },
+    /// The request asks to switch protocols and its service's targets speak HTTP/2, which
+    /// cannot carry an HTTP/1.1 `Upgrade`.
+    #[error("service {service} speaks HTTP/2 (h2c) to its targets, which cannot carry an Upgrade")]
+    UpgradeNotSupported { service: String },
     /// A body too large for memory could not be held in the spool.
     #[error(transparent)]
     Spool(#[from] SpoolError),
@@ -75,7 +79,8 @@ impl ProxyError {
             | ProxyError::InvalidHost { .. }
             | ProxyError::InvalidFraming { .. }
             | ProxyError::InvalidPath { .. } => StatusCode::BAD_REQUEST,
-            ProxyError::UnsupportedTransferCoding { .. } => StatusCode::NOT_IMPLEMENTED,
+            ProxyError::UnsupportedTransferCoding { .. }
+            | ProxyError::UpgradeNotSupported { .. } => StatusCode::NOT_IMPLEMENTED,
             ProxyError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
             ProxyError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::BodyTooLarge { .. }
@@ -97,6 +102,7 @@ impl ProxyError {
                 UpstreamFailureKind::ConnectTimeout { .. }
                 | UpstreamFailureKind::ResponseTimeout { .. }
                 | UpstreamFailureKind::SendTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+                UpstreamFailureKind::Unprocessed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             },
         }
     }
@@ -113,6 +119,7 @@ impl ProxyError {
             ProxyError::InvalidFraming { .. } => "invalid_framing",
             ProxyError::InvalidPath { .. } => "invalid_path",
             ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
+            ProxyError::UpgradeNotSupported { .. } => "upgrade_not_supported",
             ProxyError::UriTooLong { .. } => "uri_too_long",
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
             ProxyError::BodyTooLarge { .. }
@@ -141,7 +148,8 @@ impl ProxyError {
             | ProxyError::UriTooLong { .. }
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::BodyTooLarge { .. }
-            | ProxyError::Spool(SpoolError::TooLarge { .. }) => Blame::Client,
+            | ProxyError::Spool(SpoolError::TooLarge { .. })
+            | ProxyError::UpgradeNotSupported { .. } => Blame::Client,
             ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) => Blame::Upstream,
@@ -166,6 +174,8 @@ impl ProxyError {
             | ProxyError::NoTarget(_)
             | ProxyError::Upstream(_)
             | ProxyError::UpstreamOverloaded { .. } => false,
+            // Refused before the body was read: where the next request starts is unknown.
+            ProxyError::UpgradeNotSupported { .. } => true,
             ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
@@ -430,6 +440,9 @@ mod tests {
             UpstreamFailureKind::InvalidResponse {
                 reason: UPSTREAM_TEXTS[4].into(),
             },
+            UpstreamFailureKind::Unprocessed {
+                reason: UPSTREAM_TEXTS[2].into(),
+            },
         ];
         let mut errors: Vec<ProxyError> = kinds.into_iter().map(upstream).collect();
         errors.extend([
@@ -480,6 +493,9 @@ mod tests {
             ProxyError::InvalidPath {
                 reason: "climbs above the root",
             },
+            ProxyError::UpgradeNotSupported {
+                service: "grpc".into(),
+            },
         ]);
         errors
     }
@@ -496,6 +512,7 @@ mod tests {
                 UpstreamFailureKind::SendTimeout { .. } => 4,
                 UpstreamFailureKind::Failed { .. } => 5,
                 UpstreamFailureKind::InvalidResponse { .. } => 25,
+                UpstreamFailureKind::Unprocessed { .. } => 26,
             },
             ProxyError::NoRoute { .. } => 6,
             ProxyError::NoTarget(NoTarget::Unavailable { .. }) => 7,
@@ -516,6 +533,7 @@ mod tests {
             ProxyError::Spool(SpoolError::Full { .. }) => 22,
             ProxyError::Spool(SpoolError::Io(_)) => 23,
             ProxyError::InvalidPath { .. } => 24,
+            ProxyError::UpgradeNotSupported { .. } => 27,
         }
     }
 
@@ -524,7 +542,7 @@ mod tests {
         let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen, (0..=25).collect::<Vec<_>>());
+        assert_eq!(seen, (0..=27).collect::<Vec<_>>());
     }
 
     /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.

@@ -80,6 +80,11 @@ pub enum UpstreamFailureKind {
     InvalidResponse {
         reason: String,
     },
+    /// The target did not process the request (an HTTP/2 stream it refused, or one above the
+    /// last stream id of its GOAWAY): it is shedding load or going away, not failing.
+    Unprocessed {
+        reason: String,
+    },
 }
 
 /// One target's failure: which service and target, what happened, and whether another target
@@ -169,13 +174,18 @@ impl UpstreamFailure {
         )
     }
 
+    pub fn unprocessed(service: &ServiceRuntime, target: &TargetRuntime, reason: String) -> Self {
+        Self::at(service, target, UpstreamFailureKind::Unprocessed { reason })
+    }
+
     /// Whether another target may be tried: fixed by what happened, so it is known from the
     /// moment the failure is made.
     pub fn retry(&self) -> Retry {
         match self.kind {
             UpstreamFailureKind::ConnectFailed { .. }
             | UpstreamFailureKind::ConnectTimeout { .. }
-            | UpstreamFailureKind::TlsFailed { .. } => Retry::Any,
+            | UpstreamFailureKind::TlsFailed { .. }
+            | UpstreamFailureKind::Unprocessed { .. } => Retry::Any,
             // The target saw the request before its answer was refused.
             UpstreamFailureKind::Failed { .. } | UpstreamFailureKind::InvalidResponse { .. } => {
                 Retry::IfIdempotent
@@ -204,9 +214,11 @@ impl UpstreamFailure {
         )
     }
 
-    /// What passive ejection counts this failure as.
-    pub fn ejection_cause(&self) -> FailureCause {
-        match self.kind {
+    /// What passive ejection counts this failure as; nothing for a request the target declined
+    /// to process (it said so: it works as it should).
+    pub fn ejection_cause(&self) -> Option<FailureCause> {
+        Some(match self.kind {
+            UpstreamFailureKind::Unprocessed { .. } => return None,
             UpstreamFailureKind::ConnectFailed { .. } | UpstreamFailureKind::TlsFailed { .. } => {
                 FailureCause::ConnectFailed
             }
@@ -216,7 +228,7 @@ impl UpstreamFailure {
             UpstreamFailureKind::Failed { .. } | UpstreamFailureKind::InvalidResponse { .. } => {
                 FailureCause::ConnectionError
             }
-        }
+        })
     }
 
     /// The machine-readable code, the same in HTTP error bodies and the L4 access log.
@@ -229,6 +241,7 @@ impl UpstreamFailure {
             UpstreamFailureKind::SendTimeout { .. } => "upstream_send_timeout",
             UpstreamFailureKind::Failed { .. } => "upstream_failed",
             UpstreamFailureKind::InvalidResponse { .. } => "upstream_invalid_response",
+            UpstreamFailureKind::Unprocessed { .. } => "upstream_refused",
         }
     }
 
@@ -287,6 +300,12 @@ impl UpstreamFailure {
             UpstreamFailureKind::InvalidResponse { reason } => {
                 format!(
                     "{which} of service {service} sent an invalid response{}",
+                    because(reason)
+                )
+            }
+            UpstreamFailureKind::Unprocessed { reason } => {
+                format!(
+                    "{which} of service {service} did not process the request{}",
                     because(reason)
                 )
             }
@@ -427,15 +446,30 @@ mod tests {
     fn ejection_counts_each_failure_by_what_happened() {
         assert_eq!(
             connect_failed().ejection_cause(),
-            FailureCause::ConnectFailed
+            Some(FailureCause::ConnectFailed)
         );
-        assert_eq!(broke().ejection_cause(), FailureCause::ConnectionError);
+        assert_eq!(
+            broke().ejection_cause(),
+            Some(FailureCause::ConnectionError)
+        );
         let refused = failure(UpstreamFailureKind::InvalidResponse {
             reason: "an unasked-for 101".into(),
         });
-        assert_eq!(refused.ejection_cause(), FailureCause::ConnectionError);
+        assert_eq!(
+            refused.ejection_cause(),
+            Some(FailureCause::ConnectionError)
+        );
         let late = failure(UpstreamFailureKind::ResponseTimeout { timeout_ms: 1 });
-        assert_eq!(late.ejection_cause(), FailureCause::Timeout);
+        assert_eq!(late.ejection_cause(), Some(FailureCause::Timeout));
+        let unprocessed = failure(UpstreamFailureKind::Unprocessed {
+            reason: "REFUSED_STREAM".into(),
+        });
+        assert_eq!(
+            unprocessed.ejection_cause(),
+            None,
+            "a target that declines a stream is not failing"
+        );
+        assert_eq!(unprocessed.retry(), Retry::Any);
         assert!(late.is_timeout());
         assert!(!broke().is_timeout());
     }

@@ -176,8 +176,13 @@ async fn forward(
     let service = route.service.clone();
     exchange.route = Some(route.clone());
 
-    let upgrade = upgrade_passed(&mut request, &route)
-        .map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
+    let upgrade_asked = upgrade_passed(&mut request, &route);
+    if upgrade_asked.is_some() && service.service.protocol == crate::model::Protocol::H2c {
+        return Err(ProxyError::UpgradeNotSupported {
+            service: service.service.name.clone(),
+        });
+    }
+    let upgrade = upgrade_asked.map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
     let (parts, body) = request.into_parts();
     let body =
         request_body::read_request_body(body, &parts.headers, &route.route, &state.bodies).await?;

@@ -9,7 +9,7 @@ use http::Response;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::rewrite::{tls_request, Outgoing, PendingBody};
+use super::rewrite::{h2_request, tls_request, Outgoing, PendingBody};
 use super::Exchange;
 use crate::balance::FailureCause;
 use crate::clock::unix_ms;
@@ -102,6 +102,16 @@ pub(super) async fn send_with_retries(
                 };
                 await_response(sending, streaming.as_ref(), response_timeout).await
             }
+            UpstreamClient::H2(h2) => {
+                // A client that goes away resets the upstream stream: on HTTP/2 that costs the
+                // target no connection, so nothing is left to finish on its own.
+                let request = h2_request(&mut outgoing, target, may_retry_later);
+                let sending = async {
+                    let response = h2.send(request, body).await?;
+                    Ok::<_, UpstreamError>(response.map(UpstreamBody::H2))
+                };
+                await_response(sending, streaming.as_ref(), response_timeout).await
+            }
         };
         exchange.upstream_elapsed = Some(started.elapsed());
         if matches!(
@@ -156,7 +166,11 @@ pub(super) async fn send_with_retries(
             }) => UpstreamFailure::send_timeout(service, target),
             Err(NoResponse::HeadersLate) => UpstreamFailure::response_timeout(service, target),
         };
-        record_outcome(service, target, Some(failure.ejection_cause()));
+        // A target that declined the request (an HTTP/2 stream it never processed) is neither
+        // failing nor proven well: its health is left as it is.
+        if let Some(cause) = failure.ejection_cause() {
+            record_outcome(service, target, Some(cause));
+        }
         drop(in_flight);
         if let Some(streaming) = streaming {
             outgoing.body = reclaim(streaming.returned);
@@ -280,13 +294,20 @@ fn classify(
     if let Some(reason) = error.refused_response() {
         return UpstreamFailure::invalid_response(service, target, reason);
     }
+    if let Some(reason) = error.unprocessed() {
+        return UpstreamFailure::unprocessed(service, target, reason);
+    }
     if !error.is_connect() {
         return UpstreamFailure::failed(service, target, error_chain(error));
     }
     if let Some(tls) = UpstreamTlsError::find_in(error) {
         return UpstreamFailure::tls_failed(service, target, tls.detail());
     }
-    let plain_timeout = matches!(error, UpstreamError::Plain(plain) if plain.is_connect_timeout());
+    let plain_timeout = match error {
+        UpstreamError::Plain(plain) => plain.is_connect_timeout(),
+        UpstreamError::H2(h2) => h2.is_connect_timeout(),
+        _ => false,
+    };
     if plain_timeout || is_timeout(error) {
         return UpstreamFailure::connect_timeout(service, target);
     }

@@ -260,6 +260,40 @@ pub(super) fn tls_request(
     request
 }
 
+/// The per-attempt request head for an HTTP/2 (`h2c`) target: the chosen Host travels as
+/// `:authority` (h2 sends no Host field), and a gRPC request says it takes trailers, as gRPC
+/// servers expect (`TE` is hop-by-hop, so the client's was removed).
+pub(super) fn h2_request(
+    outgoing: &mut Outgoing,
+    target: &TargetRuntime,
+    may_retry_later: bool,
+) -> Request<()> {
+    let mut headers = if may_retry_later {
+        outgoing.headers.clone()
+    } else {
+        std::mem::take(&mut outgoing.headers)
+    };
+    let authority = match headers.remove(header::HOST) {
+        Some(host) if !outgoing.host_from_target => {
+            Authority::try_from(host.as_bytes()).unwrap_or_else(|_| target.authority.clone())
+        }
+        _ => target.authority.clone(),
+    };
+    if crate::proxy::grpc::is_grpc(&headers) {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTP);
+    uri.authority = Some(authority);
+    uri.path_and_query = Some(outgoing.path_and_query.clone());
+    let mut request = Request::new(());
+    *request.method_mut() = outgoing.method.clone();
+    *request.version_mut() = Version::HTTP_2;
+    *request.uri_mut() = Uri::from_parts(uri).expect("scheme, authority and path make a URI");
+    *request.headers_mut() = headers;
+    request
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

@@ -66,7 +66,8 @@ pub(super) fn switch_protocols(
                     already_read,
                 })
         }
-        (None, UpstreamBody::Hyper(_)) => None,
+        // HTTP/2 targets never switch protocols: a 101 there is malformed, and h2 refuses it.
+        (None, UpstreamBody::Hyper(_) | UpstreamBody::H2(_)) => None,
     };
     match (upstream_upgrade, handoff) {
         (Some(upstream_upgrade), Some(handoff)) => handoff.put(upstream_upgrade, in_flight),

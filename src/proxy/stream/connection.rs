@@ -327,7 +327,7 @@ async fn connect_upstream(
             .counters
             .connect_errors
             .fetch_add(1, Ordering::Relaxed);
-        record_outcome(service, target, Some(failure.ejection_cause()));
+        record_outcome(service, target, failure.ejection_cause());
         tracing::debug!(target = %target.authority, attempt, error = %failure, "stream connect attempt failed");
         // Nothing of a connection reaches a target before its connect succeeds, so every
         // connect failure may go elsewhere; a rule that says otherwise ends the attempts.
