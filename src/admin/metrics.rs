@@ -161,6 +161,8 @@ struct ServiceSample {
     timeouts: u64,
     queued: u64,
     overloaded: u64,
+    /// HTTP/2 connections, streams and unprocessed streams, for services that speak it.
+    h2: Option<[u64; 3]>,
 }
 
 #[derive(Debug)]
@@ -299,6 +301,13 @@ async fn gather(state: &AdminState) -> Scrape {
             timeouts: counters.timeouts.load(Ordering::Relaxed),
             queued: counters.queued.load(Ordering::Relaxed),
             overloaded: counters.overloaded.load(Ordering::Relaxed),
+            h2: (service.service.protocol == crate::model::Protocol::H2c).then(|| {
+                [
+                    counters.h2_connections.load(Ordering::Relaxed),
+                    counters.h2_streams.load(Ordering::Relaxed),
+                    counters.h2_unprocessed.load(Ordering::Relaxed),
+                ]
+            }),
         });
         for target in &service.targets {
             scrape.targets.push(TargetSample {
@@ -707,6 +716,32 @@ impl Collector for Scrape {
                     i64::try_from(service.queued).unwrap_or(i64::MAX),
                 )
             }),
+        )?;
+        let h2 = |index: usize| {
+            self.services.iter().filter_map(move |service| {
+                service
+                    .h2
+                    .map(|values| (service.labels.clone(), values[index]))
+            })
+        };
+        gauge(
+            &mut encoder,
+            "raahi_upstream_h2_connections",
+            "HTTP/2 connections open now to the targets of each h2c service.",
+            h2(0).map(|(labels, value)| (labels, i64::try_from(value).unwrap_or(i64::MAX))),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_upstream_h2_streams",
+            "HTTP/2 streams open now to the targets of each h2c service.",
+            h2(1).map(|(labels, value)| (labels, i64::try_from(value).unwrap_or(i64::MAX))),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_upstream_h2_unprocessed_streams",
+            "HTTP/2 streams a target never processed (REFUSED_STREAM, or above the last stream \
+             id of its GOAWAY): retried on another connection or target whatever the method.",
+            h2(2),
         )?;
         counter(
             &mut encoder,

@@ -63,6 +63,47 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// gRPC's own trailer fields: an HTTP/2 gRPC server announces none of them in `Trailer`.
+const GRPC_TRAILERS: &str = "grpc-status, grpc-message, grpc-status-details-bin";
+
+/// The trailer fields a response announces (`Trailer`, hop-by-hop: read before stripping).
+pub fn trailer_names(headers: &HeaderMap) -> Option<HeaderValue> {
+    let mut names = headers.get_all(header::TRAILER).iter();
+    let first = names.next()?.clone();
+    // Several lines are one list (RFC 9110 §5.3).
+    Some(names.fold(first, |joined, next| {
+        let mut line = joined.as_bytes().to_vec();
+        line.extend_from_slice(b", ");
+        line.extend_from_slice(next.as_bytes());
+        HeaderValue::from_bytes(&line).unwrap_or(joined)
+    }))
+}
+
+/// For an HTTP/1.1 client: hyper's HTTP/1.1 writer sends only the trailer fields a chunked
+/// response announces in `Trailer` (and only to a client that sent `TE: trailers`), so the
+/// announcement the target made goes on, and a gRPC response announces gRPC's status fields,
+/// which HTTP/2 servers never announce. A response framed by length carries no trailers.
+pub fn announce_trailers(headers: &mut HeaderMap, announced: Option<HeaderValue>) {
+    if headers.contains_key(header::CONTENT_LENGTH) {
+        return;
+    }
+    let grpc = headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"));
+    let value = match (announced, grpc) {
+        (Some(announced), true) => {
+            let mut line = announced.as_bytes().to_vec();
+            line.extend_from_slice(b", ");
+            line.extend_from_slice(GRPC_TRAILERS.as_bytes());
+            HeaderValue::from_bytes(&line).unwrap_or(announced)
+        }
+        (Some(announced), false) => announced,
+        (None, true) => HeaderValue::from_static(GRPC_TRAILERS),
+        (None, false) => return,
+    };
+    headers.insert(header::TRAILER, value);
+}
+
 fn has_hop_by_hop(headers: &HeaderMap) -> bool {
     // By name: comparing against `HOP_BY_HOP` builds (and drops) that array at every call.
     headers.keys().any(|name| {

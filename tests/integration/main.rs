@@ -43,3 +43,4 @@ mod tls;
 mod toolchain;
 mod upload_stalls;
 mod upstream_h1;
+mod upstream_h2;

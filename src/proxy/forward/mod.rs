@@ -158,6 +158,7 @@ async fn forward(
     exchange: &mut Exchange,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     checks::check_request(&request, &state.limits)?;
+    let client_http1 = request.version() <= Version::HTTP_11;
     // Routed, and sent upstream, in its normal form: the target must serve what the route
     // was chosen for. The access log keeps what the client sent.
     rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
@@ -203,6 +204,7 @@ async fn forward(
         Answering::new(service, target),
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
+        client_http1,
     ))
 }
 
@@ -266,6 +268,7 @@ fn respond(
     answering: Answering,
     client_upgrade: Option<OnUpgrade>,
     downstream: &Downstream,
+    client_http1: bool,
 ) -> Response<ProxyBody> {
     if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_upgrade) = client_upgrade {
@@ -284,7 +287,11 @@ fn respond(
     if parts.headers.contains_key(header::TRANSFER_ENCODING) {
         parts.headers.remove(header::CONTENT_LENGTH);
     }
+    let trailers_announced = client_http1.then(|| headers::trailer_names(&parts.headers));
     headers::strip_hop_by_hop(&mut parts.headers);
+    if let Some(announced) = trailers_announced {
+        headers::announce_trailers(&mut parts.headers, announced);
+    }
     headers::add_via(&mut parts.headers, parts.version);
     // The client connection keeps its own protocol whatever the upstream spoke.
     parts.version = Version::default();
