@@ -301,7 +301,11 @@ async fn gather(state: &AdminState) -> Scrape {
             timeouts: counters.timeouts.load(Ordering::Relaxed),
             queued: counters.queued.load(Ordering::Relaxed),
             overloaded: counters.overloaded.load(Ordering::Relaxed),
-            h2: (service.service.protocol == crate::model::Protocol::H2c).then(|| {
+            h2: matches!(
+                service.service.protocol,
+                crate::model::Protocol::H2c | crate::model::Protocol::Https
+            )
+            .then(|| {
                 [
                     counters.h2_connections.load(Ordering::Relaxed),
                     counters.h2_streams.load(Ordering::Relaxed),
@@ -727,13 +731,13 @@ impl Collector for Scrape {
         gauge(
             &mut encoder,
             "raahi_upstream_h2_connections",
-            "HTTP/2 connections open now to the targets of each h2c service.",
+            "HTTP/2 connections open now to the targets of each h2c service (and https, by ALPN).",
             h2(0).map(|(labels, value)| (labels, i64::try_from(value).unwrap_or(i64::MAX))),
         )?;
         gauge(
             &mut encoder,
             "raahi_upstream_h2_streams",
-            "HTTP/2 streams open now to the targets of each h2c service.",
+            "HTTP/2 streams open now to the targets of each h2c service (and https, by ALPN).",
             h2(1).map(|(labels, value)| (labels, i64::try_from(value).unwrap_or(i64::MAX))),
         )?;
         counter(

@@ -9,7 +9,7 @@
 
 use std::collections::HashSet;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use foldhash::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -25,9 +25,10 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::Notify;
 
 use super::body::UpstreamRequestBody;
-use super::connector::{AlpnOffer, TlsTargetConnector};
+use super::connector::UpstreamTlsError;
+use super::connector::{AlpnChoice, AlpnOffer, TlsTargetConnector};
 use super::h1client::{MAX_INTERIM_RESPONSES, TRANSFER_CODING_REFUSED, UNASKED_SWITCH};
-use super::h2client::{H2Error, H2Settings, H2Target};
+use super::h2client::{Dial, DialError, DialFuture, H2Error, H2Settings, H2Target, Transport};
 use super::headers::is_chunked_alone;
 use super::plain_target::{PlainTarget, PlainTargetError};
 use crate::model::{Id, Protocol, Service};
@@ -233,33 +234,62 @@ fn server_name<'a>(service: &'a Service, target: &'a Authority) -> &'a str {
 /// One target's TLS pools: the usual one, and one offering only HTTP/1.1 (made on first need)
 /// for requests that switch protocols (an HTTP/2 connection cannot carry an HTTP/1.1 `Upgrade`)
 /// or carry a client's own Host (see `forward::Outgoing::host_from_client`).
+///
+/// Requests that need no HTTP/1.1 go first to Raahi's own multiplexed HTTP/2 pool (`h2`), whose
+/// connections offer both protocols too: while the target chooses `h2` they stay there; when a
+/// connection chooses HTTP/1.1, the attempt goes on unsent over hyper's client, and so do later
+/// requests until one of its connections chooses `h2` again.
 struct TlsTargetPools {
     settings: TlsPoolSettings,
     config: Result<Arc<rustls::ClientConfig>, String>,
     main: Arc<TlsClient>,
     upgrade: OnceLock<Arc<TlsClient>>,
+    /// What ALPN chose last on a connection offering both protocols (an [`AlpnChoice`]).
+    chose_h2: Arc<AtomicU8>,
+    h2: Arc<H2Target>,
 }
 
 impl TlsTargetPools {
-    fn new(settings: TlsPoolSettings) -> TlsTargetPools {
+    fn new(
+        settings: TlsPoolSettings,
+        h2_settings: H2Settings,
+        counters: Arc<crate::snapshot::ServiceCounters>,
+    ) -> TlsTargetPools {
         let config = crate::tls::client_config(settings.verify, settings.ca_pem.as_deref())
             .map_err(|error| error.to_string());
-        let main = Arc::new(tls_client(&settings, &config, AlpnOffer::Http2AndHttp1));
+        let chose_h2 = Arc::new(AtomicU8::new(AlpnChoice::Unknown as u8));
+        let main = Arc::new(build_client(
+            tls_connector(&settings, &config, AlpnOffer::Http2AndHttp1)
+                .telling_alpn(chose_h2.clone()),
+            settings.idle_ms,
+        ));
+        let dial = TlsDial {
+            connector: tls_connector(&settings, &config, AlpnOffer::Http2AndHttp1)
+                .telling_alpn(chose_h2.clone()),
+            timeout_ms: settings.connect_ms,
+        };
+        let h2 = Arc::new(H2Target::with_dial(
+            settings.target.to_string(),
+            Box::new(dial),
+            h2_settings,
+            counters,
+        ));
         TlsTargetPools {
             settings,
             config,
             main,
             upgrade: OnceLock::new(),
+            chose_h2,
+            h2,
         }
     }
 
     fn http1_client(&self) -> Arc<TlsClient> {
         self.upgrade
             .get_or_init(|| {
-                Arc::new(tls_client(
-                    &self.settings,
-                    &self.config,
-                    AlpnOffer::Http1Only,
+                Arc::new(build_client(
+                    tls_connector(&self.settings, &self.config, AlpnOffer::Http1Only),
+                    self.settings.idle_ms,
                 ))
             })
             .clone()
@@ -276,13 +306,16 @@ pub struct UpstreamClients {
 }
 
 impl UpstreamClients {
-    /// The client for one attempt at `target` of `service`. `http1_only`: the request must go
-    /// over HTTP/1.1 (it switches protocols, or carries a Host the client chose).
+    /// The client for one attempt at `target` of `service`. An `upgrade` must go over
+    /// HTTP/1.1; so must a request with the client's own Host (`host_from_client`) on hyper's
+    /// pool, which would keep an HTTP/2 connection per `:authority` (Raahi's own HTTP/2 pool
+    /// sends any authority on its connections).
     pub fn for_target(
         &self,
         service: &ServiceRuntime,
         target: &TargetRuntime,
-        http1_only: bool,
+        upgrade: bool,
+        host_from_client: bool,
     ) -> UpstreamClient {
         let settings = &service.service;
         let key = (settings.id, target.id);
@@ -299,10 +332,19 @@ impl UpstreamClients {
             });
         }
         let pools = match self.tls.load().get(&key) {
-            Some(pools) if pools.settings.matches(settings, &target.authority) => pools.clone(),
+            Some(pools)
+                if pools.settings.matches(settings, &target.authority)
+                    && *pools.h2.settings() == h2_settings(settings) =>
+            {
+                pools.clone()
+            }
             _ => self.new_tls_pools(key, service, &target.authority),
         };
-        UpstreamClient::Tls(if http1_only {
+        // Until a connection tells, the HTTP/2 pool dials and learns (falling back unsent).
+        if !upgrade && pools.chose_h2.load(Ordering::Relaxed) != AlpnChoice::Http1 as u8 {
+            return UpstreamClient::H2(pools.h2.clone());
+        }
+        UpstreamClient::Tls(if upgrade || host_from_client {
             pools.http1_client()
         } else {
             pools.main.clone()
@@ -317,7 +359,11 @@ impl UpstreamClients {
     ) -> Arc<TlsTargetPools> {
         let service = &runtime.service;
         let live_targets: HashSet<Id> = runtime.targets.iter().map(|target| target.id).collect();
-        let created = Arc::new(TlsTargetPools::new(TlsPoolSettings::of(service, target)));
+        let created = Arc::new(TlsTargetPools::new(
+            TlsPoolSettings::of(service, target),
+            h2_settings(service),
+            runtime.counters.clone(),
+        ));
         let mut chosen = created.clone();
         self.tls.rcu(|current| {
             let mut next = HashMap::clone(current);
@@ -327,7 +373,9 @@ impl UpstreamClients {
                 *service_id != key.0 || live_targets.contains(target_id)
             });
             let entry = next.entry(key).or_insert_with(|| created.clone());
-            if !entry.settings.matches(service, target) {
+            if !entry.settings.matches(service, target)
+                || *entry.h2.settings() != h2_settings(service)
+            {
                 *entry = created.clone();
             }
             chosen = entry.clone();
@@ -416,19 +464,51 @@ fn h2_matches(pool: &H2Target, service: &Service, target: &Authority) -> bool {
     pool.address() == target.as_str() && *pool.settings() == h2_settings(service)
 }
 
-fn tls_client(
+fn tls_connector(
     settings: &TlsPoolSettings,
     config: &Result<Arc<rustls::ClientConfig>, String>,
     alpn: AlpnOffer,
-) -> TlsClient {
-    let connector = TlsTargetConnector::new(
+) -> TlsTargetConnector {
+    TlsTargetConnector::new(
         settings.target.clone(),
         &settings.server_name,
         config.clone(),
         alpn,
         Duration::from_millis(settings.connect_ms),
-    );
-    build_client(connector, settings.idle_ms)
+    )
+}
+
+/// TLS connections for the HTTP/2 pool of an `https` target: usable only when ALPN chose `h2`.
+struct TlsDial {
+    connector: TlsTargetConnector,
+    timeout_ms: u64,
+}
+
+impl Dial for TlsDial {
+    fn dial(&self) -> DialFuture {
+        let dialling = self.connector.clone().dial_tls();
+        let timeout_ms = self.timeout_ms;
+        Box::pin(async move {
+            let stream = dialling.await.map_err(|error| {
+                if let Some(tls) = UpstreamTlsError::find_in(error.as_ref()) {
+                    return DialError::Tls {
+                        detail: tls.detail(),
+                    };
+                }
+                match error.downcast::<std::io::Error>() {
+                    Ok(io) if io.kind() == std::io::ErrorKind::TimedOut => {
+                        DialError::Timeout { timeout_ms }
+                    }
+                    Ok(io) => DialError::Connect(Arc::new(*io)),
+                    Err(other) => DialError::Connect(Arc::new(std::io::Error::other(other))),
+                }
+            })?;
+            if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+                return Err(DialError::NotH2);
+            }
+            Ok(Box::new(stream) as Box<dyn Transport>)
+        })
+    }
 }
 
 fn build_client<C: Connect + Clone>(connector: C, idle_ms: u64) -> Client<C, UpstreamRequestBody> {

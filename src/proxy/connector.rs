@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -52,6 +53,16 @@ impl UpstreamTlsError {
     }
 }
 
+/// What a target's last TLS connection chose by ALPN, as kept in an `AtomicU8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum AlpnChoice {
+    /// No connection made yet.
+    Unknown = 0,
+    Http2 = 1,
+    Http1 = 2,
+}
+
 /// Which protocols the connector offers by ALPN.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AlpnOffer {
@@ -77,6 +88,8 @@ pub struct TlsTargetConnector {
     /// The server name and client config, or why they could not be built (reported per connect).
     tls: Result<(ServerName<'static>, Arc<rustls::ClientConfig>), String>,
     server_name_text: String,
+    /// Told what ALPN chose on each connection (an [`AlpnChoice`]).
+    chose_h2: Option<Arc<AtomicU8>>,
 }
 
 impl TlsTargetConnector {
@@ -116,7 +129,14 @@ impl TlsTargetConnector {
             connect_timeout,
             tls,
             server_name_text: server_name.to_string(),
+            chose_h2: None,
         }
+    }
+
+    /// Records in `flag`, on each connection made, what ALPN chose.
+    pub fn telling_alpn(mut self, flag: Arc<AtomicU8>) -> Self {
+        self.chose_h2 = Some(flag);
+        self
     }
 
     fn tls_error(&self, reason: String) -> UpstreamTlsError {
@@ -149,9 +169,25 @@ impl tower::Service<Uri> for TlsTargetConnector {
     }
 
     fn call(&mut self, _request_uri: Uri) -> Self::Future {
-        let connector = self.clone();
-        let connecting = self.tcp.call(self.dial.clone());
+        let dialling = self.dial_tls();
         Box::pin(async move {
+            let stream = dialling.await?;
+            Ok(TlsConnection {
+                inner: TokioIo::new(stream),
+            })
+        })
+    }
+}
+
+impl TlsTargetConnector {
+    /// TCP to the target and the TLS handshake, within the connect timeout: for hyper's client
+    /// (through `call`) and for the HTTP/2 pool, which reads the ALPN outcome itself.
+    pub fn dial_tls(
+        &mut self,
+    ) -> impl Future<Output = Result<TlsStream<TcpStream>, BoxError>> + Send + 'static {
+        let connector = self.clone();
+        let connecting = tower::Service::call(&mut self.tcp, self.dial.clone());
+        async move {
             let (server_name, config) = match &connector.tls {
                 Ok(tls) => tls.clone(),
                 Err(reason) => return Err(connector.tls_error(reason.clone()).into()),
@@ -164,9 +200,16 @@ impl tower::Service<Uri> for TlsTargetConnector {
                     .map_err(|error| BoxError::from(connector.tls_error(handshake_reason(&error))))
             };
             match tokio::time::timeout(connector.connect_timeout, connect_and_handshake).await {
-                Ok(Ok(stream)) => Ok(TlsConnection {
-                    inner: TokioIo::new(stream),
-                }),
+                Ok(Ok(stream)) => {
+                    if let Some(flag) = &connector.chose_h2 {
+                        let choice = match stream.get_ref().1.alpn_protocol() {
+                            Some(b"h2") => AlpnChoice::Http2,
+                            _ => AlpnChoice::Http1,
+                        };
+                        flag.store(choice as u8, Ordering::Relaxed);
+                    }
+                    Ok(stream)
+                }
                 Ok(Err(error)) => Err(error),
                 // TimedOut is what the pool's classification reads as a connect timeout.
                 Err(_) => Err(io::Error::new(
@@ -179,7 +222,7 @@ impl tower::Service<Uri> for TlsTargetConnector {
                 )
                 .into()),
             }
-        })
+        }
     }
 }
 

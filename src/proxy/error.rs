@@ -494,7 +494,7 @@ mod tests {
                 reason: "climbs above the root",
             },
             ProxyError::UpgradeNotSupported {
-                service: "grpc".into(),
+                service: "web".into(),
             },
         ]);
         errors
@@ -586,9 +586,9 @@ mod tests {
             }
             checked += 1;
         }
-        // Seven upstream kinds, two kinds of no target, two overloads, too many connections,
-        // 501, a spool failure.
-        assert_eq!(checked, 14);
+        // Eight upstream kinds, two kinds of no target, two overloads, too many connections,
+        // two 501s, a spool failure.
+        assert_eq!(checked, 16);
     }
 
     /// `proxy.error_details = "full"`: the log line's story, sources and targets included.

@@ -68,50 +68,79 @@ pub(super) async fn send_with_retries(
                 reason,
             })?;
         let may_retry_later = attempt < attempts;
-        let client = state
-            .clients
-            .for_target(service, target, outgoing.http1_only());
-        let (body, streaming) = take_body(&mut outgoing);
-        let outcome = match &client {
-            UpstreamClient::Plain(plain) => {
-                // Written straight from the request kept for retries: no copy of its fields.
-                let head = RequestHead {
-                    method: &outgoing.method,
-                    path_and_query: outgoing.path_and_query.as_str(),
-                    headers: &outgoing.headers,
-                    host: outgoing.host_from_target.then_some(&target.host_header),
-                };
-                let finish_if_abandoned = outgoing.finish_if_abandoned.then(|| target.load.clone());
-                let sending = async {
-                    let response = plain.send(head, body, finish_if_abandoned).await?;
-                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
-                };
-                await_response(sending, streaming.as_ref(), response_timeout).await
-            }
-            UpstreamClient::Tls(tls) => {
-                let request = tls_request(&mut outgoing, body, target, may_retry_later);
-                let finish_if_abandoned = outgoing.finish_if_abandoned;
-                let sending = async {
-                    let exchange = send_tls(tls, request);
-                    let response = if finish_if_abandoned {
-                        FinishOnDrop::new(exchange, None, target.load.clone()).await?
-                    } else {
-                        exchange.await?
+        let mut client =
+            state
+                .clients
+                .for_target(service, target, outgoing.upgrade, outgoing.host_from_client);
+        let mut fell_back = false;
+        let (outcome, streaming) = loop {
+            let (body, streaming) = take_body(&mut outgoing);
+            let outcome = match &client {
+                UpstreamClient::Plain(plain) => {
+                    // Written straight from the request kept for retries: no copy of its fields.
+                    let head = RequestHead {
+                        method: &outgoing.method,
+                        path_and_query: outgoing.path_and_query.as_str(),
+                        headers: &outgoing.headers,
+                        host: outgoing.host_from_target.then_some(&target.host_header),
                     };
-                    Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
-                };
-                await_response(sending, streaming.as_ref(), response_timeout).await
+                    let finish_if_abandoned =
+                        outgoing.finish_if_abandoned.then(|| target.load.clone());
+                    let sending = async {
+                        let response = plain.send(head, body, finish_if_abandoned).await?;
+                        Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
+                    };
+                    await_response(sending, streaming.as_ref(), response_timeout).await
+                }
+                UpstreamClient::Tls(tls) => {
+                    let request = tls_request(&mut outgoing, body, target, may_retry_later);
+                    let finish_if_abandoned = outgoing.finish_if_abandoned;
+                    let sending = async {
+                        let exchange = send_tls(tls, request);
+                        let response = if finish_if_abandoned {
+                            FinishOnDrop::new(exchange, None, target.load.clone()).await?
+                        } else {
+                            exchange.await?
+                        };
+                        Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
+                    };
+                    await_response(sending, streaming.as_ref(), response_timeout).await
+                }
+                UpstreamClient::H2(h2) => {
+                    // A client that goes away resets the upstream stream: on HTTP/2 that costs the
+                    // target no connection, so nothing is left to finish on its own.
+                    let scheme = match service.service.protocol {
+                        crate::model::Protocol::Https => http::uri::Scheme::HTTPS,
+                        _ => http::uri::Scheme::HTTP,
+                    };
+                    // An `https` target may turn out to choose HTTP/1.1: the request then goes on
+                    // hyper's client, whole.
+                    let keep = may_retry_later || scheme == http::uri::Scheme::HTTPS;
+                    let request = h2_request(&mut outgoing, target, keep, scheme);
+                    let sending = async {
+                        let response = h2.send(request, body).await?;
+                        Ok::<_, UpstreamError>(response.map(UpstreamBody::H2))
+                    };
+                    await_response(sending, streaming.as_ref(), response_timeout).await
+                }
+            };
+            if let Ok(Err(UpstreamError::H2(error))) = &outcome {
+                if error.alpn_chose_http1() && !fell_back {
+                    // Nothing was sent: the same attempt goes over HTTP/1.1.
+                    fell_back = true;
+                    if let Some(streaming) = streaming {
+                        outgoing.body = reclaim(streaming.returned);
+                    }
+                    client = state.clients.for_target(
+                        service,
+                        target,
+                        outgoing.upgrade,
+                        outgoing.host_from_client,
+                    );
+                    continue;
+                }
             }
-            UpstreamClient::H2(h2) => {
-                // A client that goes away resets the upstream stream: on HTTP/2 that costs the
-                // target no connection, so nothing is left to finish on its own.
-                let request = h2_request(&mut outgoing, target, may_retry_later);
-                let sending = async {
-                    let response = h2.send(request, body).await?;
-                    Ok::<_, UpstreamError>(response.map(UpstreamBody::H2))
-                };
-                await_response(sending, streaming.as_ref(), response_timeout).await
-            }
+            break (outcome, streaming);
         };
         exchange.upstream_elapsed = Some(started.elapsed());
         if matches!(
@@ -302,6 +331,11 @@ fn classify(
     }
     if let Some(tls) = UpstreamTlsError::find_in(error) {
         return UpstreamFailure::tls_failed(service, target, tls.detail());
+    }
+    if let UpstreamError::H2(h2) = error {
+        if let Some(detail) = h2.tls_failure() {
+            return UpstreamFailure::tls_failed(service, target, detail.to_owned());
+        }
     }
     let plain_timeout = match error {
         UpstreamError::Plain(plain) => plain.is_connect_timeout(),

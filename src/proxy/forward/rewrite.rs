@@ -260,13 +260,14 @@ pub(super) fn tls_request(
     request
 }
 
-/// The per-attempt request head for an HTTP/2 (`h2c`) target: the chosen Host travels as
+/// The per-attempt request head for an HTTP/2 target (`h2c`, or `https` by ALPN): the chosen Host travels as
 /// `:authority` (h2 sends no Host field), and a gRPC request says it takes trailers, as gRPC
 /// servers expect (`TE` is hop-by-hop, so the client's was removed).
 pub(super) fn h2_request(
     outgoing: &mut Outgoing,
     target: &TargetRuntime,
     may_retry_later: bool,
+    scheme: Scheme,
 ) -> Request<()> {
     let mut headers = if may_retry_later {
         outgoing.headers.clone()
@@ -283,7 +284,7 @@ pub(super) fn h2_request(
         headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
     let mut uri = http::uri::Parts::default();
-    uri.scheme = Some(Scheme::HTTP);
+    uri.scheme = Some(scheme);
     uri.authority = Some(authority);
     uri.path_and_query = Some(outgoing.path_and_query.clone());
     let mut request = Request::new(());

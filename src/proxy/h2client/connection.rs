@@ -32,12 +32,53 @@ pub enum DialError {
     Connect(Arc<io::Error>),
     #[error("connecting took longer than {timeout_ms} ms")]
     Timeout { timeout_ms: u64 },
+    /// The TLS handshake failed (the detail names the server name).
+    #[error("TLS failed: {detail}")]
+    Tls { detail: String },
+    /// The target chose another protocol than HTTP/2 by ALPN: nothing was sent.
+    #[error("the target did not choose h2 by ALPN")]
+    NotH2,
     #[error("the HTTP/2 handshake failed: {0}")]
     Handshake(String),
 }
 
 pub trait Transport: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Transport for T {}
+
+pub type DialFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Box<dyn Transport>, DialError>> + Send>,
+>;
+
+/// How a target's connections are made: plain TCP (`h2c`), or TLS that chose `h2` by ALPN.
+pub trait Dial: Send + Sync + 'static {
+    /// Within the connect timeout.
+    fn dial(&self) -> DialFuture;
+}
+
+/// TCP with prior knowledge.
+pub struct TcpDial {
+    pub address: String,
+    pub timeout: Duration,
+}
+
+impl Dial for TcpDial {
+    fn dial(&self) -> DialFuture {
+        let address = self.address.clone();
+        let timeout = self.timeout;
+        Box::pin(async move {
+            let timeout_ms = timeout.as_millis() as u64;
+            let stream =
+                match tokio::time::timeout(timeout, TcpStream::connect(address.as_str())).await {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(error)) => return Err(DialError::Connect(Arc::new(error))),
+                    Err(_) => return Err(DialError::Timeout { timeout_ms }),
+                };
+            // Small frames (headers, window updates, gRPC messages) must not wait for Nagle.
+            let _ = stream.set_nodelay(true);
+            Ok(Box::new(stream) as Box<dyn Transport>)
+        })
+    }
+}
 
 #[derive(Debug)]
 pub struct H2Connection {
@@ -152,18 +193,7 @@ async fn dial(
 ) -> Result<SendRequest<Bytes>, DialError> {
     let settings = &target.settings;
     let timeout_ms = settings.connect_timeout.as_millis() as u64;
-    let stream = match tokio::time::timeout(
-        settings.connect_timeout,
-        TcpStream::connect(target.address.as_str()),
-    )
-    .await
-    {
-        Ok(Ok(stream)) => stream,
-        Ok(Err(error)) => return Err(DialError::Connect(Arc::new(error))),
-        Err(_) => return Err(DialError::Timeout { timeout_ms }),
-    };
-    // Small frames (headers, window updates, gRPC messages) must not wait for Nagle.
-    let _ = stream.set_nodelay(true);
+    let stream = target.dial.dial().await?;
     let transport = Sniffed::new(stream, connection.seen.clone());
     let handshake = h2::client::Builder::new()
         .initial_max_send_streams(target.learned_max_streams())

@@ -24,8 +24,8 @@ use std::time::Duration;
 use http::{Request, Response};
 
 pub use body::H2ResponseBody;
-pub use connection::DialError;
 use connection::{mark_closed, H2Connection};
+pub use connection::{Dial, DialError, DialFuture, TcpDial, Transport};
 
 use super::body::UpstreamRequestBody;
 use crate::snapshot::ServiceCounters;
@@ -69,15 +69,33 @@ impl H2Error {
         matches!(self, H2Error::Dial(DialError::Timeout { .. }))
     }
 
+    /// An `https` target chose HTTP/1.1 by ALPN: nothing was sent, and the request may go to it
+    /// over HTTP/1.1 in the same attempt.
+    pub fn alpn_chose_http1(&self) -> bool {
+        matches!(self, H2Error::Dial(DialError::NotH2))
+    }
+
+    /// The TLS handshake failed, with its detail.
+    pub fn tls_failure(&self) -> Option<&str> {
+        match self {
+            H2Error::Dial(DialError::Tls { detail }) => Some(detail),
+            _ => None,
+        }
+    }
+
     /// The target did not act on the request: it may go anywhere else, whatever its method.
     pub fn is_unprocessed(&self) -> bool {
-        matches!(self, H2Error::Unprocessed { .. })
+        matches!(
+            self,
+            H2Error::Unprocessed { .. } | H2Error::Dial(DialError::NotH2)
+        )
     }
 }
 
 pub struct H2Target {
     /// `host:port` dialled.
     address: String,
+    dial: Box<dyn Dial>,
     settings: H2Settings,
     counters: Arc<ServiceCounters>,
     /// Oldest first.
@@ -87,9 +105,24 @@ pub struct H2Target {
 }
 
 impl H2Target {
+    /// A target dialled over plain TCP (`h2c`).
     pub fn new(address: String, settings: H2Settings, counters: Arc<ServiceCounters>) -> Self {
+        let dial = TcpDial {
+            address: address.clone(),
+            timeout: settings.connect_timeout,
+        };
+        Self::with_dial(address, Box::new(dial), settings, counters)
+    }
+
+    pub fn with_dial(
+        address: String,
+        dial: Box<dyn Dial>,
+        settings: H2Settings,
+        counters: Arc<ServiceCounters>,
+    ) -> Self {
         H2Target {
             address,
+            dial,
             settings,
             counters,
             connections: Mutex::new(Vec::new()),
