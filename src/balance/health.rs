@@ -35,6 +35,8 @@ pub enum FailureCause {
     Timeout,
     /// The connection broke during the exchange.
     ConnectionError,
+    /// A gRPC answer ended with `grpc-status` 14 (UNAVAILABLE): gRPC's 503.
+    GrpcUnavailable,
 }
 
 impl std::fmt::Display for FailureCause {
@@ -44,6 +46,7 @@ impl std::fmt::Display for FailureCause {
             FailureCause::ConnectFailed => f.write_str("connect failed"),
             FailureCause::Timeout => f.write_str("timed out"),
             FailureCause::ConnectionError => f.write_str("connection error"),
+            FailureCause::GrpcUnavailable => f.write_str("grpc-status 14 (UNAVAILABLE)"),
         }
     }
 }
@@ -55,6 +58,7 @@ impl FailureCause {
             FailureCause::ConnectFailed => 1,
             FailureCause::Timeout => 2,
             FailureCause::ConnectionError => 3,
+            FailureCause::GrpcUnavailable => 4,
         }
     }
 
@@ -64,6 +68,7 @@ impl FailureCause {
             1 => Some(FailureCause::ConnectFailed),
             2 => Some(FailureCause::Timeout),
             3 => Some(FailureCause::ConnectionError),
+            4 => Some(FailureCause::GrpcUnavailable),
             status => u16::try_from(status).ok().map(FailureCause::Status),
         }
     }

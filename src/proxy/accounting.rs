@@ -130,6 +130,18 @@ impl Answering {
         Answering { service, target }
     }
 
+    /// The answer ended with `grpc-status` 14: gRPC's 503, counted like one.
+    pub fn grpc_unavailable(&self) {
+        let service = &self.service;
+        if let Some(target) = service
+            .targets
+            .iter()
+            .find(|target| target.id == self.target)
+        {
+            record_outcome(service, target, Some(FailureCause::GrpcUnavailable));
+        }
+    }
+
     pub fn failed(&self, error: &(dyn std::error::Error + 'static)) {
         let service = &self.service;
         let Some(target) = service

@@ -68,21 +68,49 @@ impl Body for UpstreamBody {
 /// poll late: hyper's HTTP/1.1 server drops what it has buffered when a body fails, so without
 /// a pause in between, a head and data read together with the failure would never reach the
 /// client, which would lose an answer already begun rather than get it cut short.
+///
+/// A gRPC answer's trailers are read on the way: `grpc-status` 14 (UNAVAILABLE) counts against
+/// the target like a 503, and whoever waits for the end (the access line) is told the status.
 pub struct UpstreamResponseBody {
     inner: UpstreamBody,
     _in_flight: InFlight,
     answering: Answering,
     held: Option<BoxError>,
+    grpc: bool,
+    grpc_status: Option<u16>,
+    at_end: Option<AtEnd>,
 }
 
+/// Told the answer's `grpc-status` (from its trailers) once the body ends or is dropped.
+pub type AtEnd = Box<dyn FnOnce(Option<u16>) + Send + Sync>;
+
 impl UpstreamResponseBody {
-    pub fn new(inner: UpstreamBody, in_flight: InFlight, answering: Answering) -> Self {
+    pub fn new(inner: UpstreamBody, in_flight: InFlight, answering: Answering, grpc: bool) -> Self {
         UpstreamResponseBody {
             inner,
             _in_flight: in_flight,
             answering,
             held: None,
+            grpc,
+            grpc_status: None,
+            at_end: None,
         }
+    }
+
+    pub fn at_end(&mut self, at_end: AtEnd) {
+        self.at_end = Some(at_end);
+    }
+
+    fn ended(&mut self) {
+        if let Some(at_end) = self.at_end.take() {
+            at_end(self.grpc_status);
+        }
+    }
+}
+
+impl Drop for UpstreamResponseBody {
+    fn drop(&mut self) {
+        self.ended();
     }
 }
 
@@ -105,7 +133,21 @@ impl Body for UpstreamResponseBody {
                 cx.waker().wake_by_ref();
                 Poll::Pending
             }
-            frame => Poll::Ready(frame),
+            Some(Ok(frame)) => {
+                if self.grpc {
+                    if let Some(trailers) = frame.trailers_ref() {
+                        self.grpc_status = super::grpc::status_in(trailers);
+                        if self.grpc_status == Some(super::grpc::UNAVAILABLE) {
+                            self.answering.grpc_unavailable();
+                        }
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            None => {
+                self.ended();
+                Poll::Ready(None)
+            }
         }
     }
 

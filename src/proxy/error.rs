@@ -61,6 +61,11 @@ pub enum ProxyError {
         service: String,
         reason: super::accounting::Overloaded,
     },
+    /// The gRPC deadline the client set (`grpc-timeout`) passed before the target answered.
+    #[error(
+        "the gRPC deadline of {timeout_ms} ms (grpc-timeout) passed before the target answered"
+    )]
+    GrpcTimeout { timeout_ms: u64 },
     /// The request asks to switch protocols and its service's targets speak HTTP/2, which
     /// cannot carry an HTTP/1.1 `Upgrade`.
     #[error("service {service} speaks HTTP/2 (h2c) to its targets, which cannot carry an Upgrade")]
@@ -91,6 +96,7 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::ClientHeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::GrpcTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::NoTarget(_)
             | ProxyError::TooManyConnections { .. }
             | ProxyError::UpstreamOverloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -120,6 +126,7 @@ impl ProxyError {
             ProxyError::InvalidPath { .. } => "invalid_path",
             ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
             ProxyError::UpgradeNotSupported { .. } => "upgrade_not_supported",
+            ProxyError::GrpcTimeout { .. } => "grpc_timeout",
             ProxyError::UriTooLong { .. } => "uri_too_long",
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
             ProxyError::BodyTooLarge { .. }
@@ -149,7 +156,8 @@ impl ProxyError {
             | ProxyError::HeadersTooLarge { .. }
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::Spool(SpoolError::TooLarge { .. })
-            | ProxyError::UpgradeNotSupported { .. } => Blame::Client,
+            | ProxyError::UpgradeNotSupported { .. }
+            | ProxyError::GrpcTimeout { .. } => Blame::Client,
             ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) => Blame::Upstream,
@@ -173,7 +181,8 @@ impl ProxyError {
             ProxyError::NoRoute { .. }
             | ProxyError::NoTarget(_)
             | ProxyError::Upstream(_)
-            | ProxyError::UpstreamOverloaded { .. } => false,
+            | ProxyError::UpstreamOverloaded { .. }
+            | ProxyError::GrpcTimeout { .. } => false,
             // Refused before the body was read: where the next request starts is unknown.
             ProxyError::UpgradeNotSupported { .. } => true,
             ProxyError::ClientHeaderTimeout { .. }
@@ -496,6 +505,7 @@ mod tests {
             ProxyError::UpgradeNotSupported {
                 service: "web".into(),
             },
+            ProxyError::GrpcTimeout { timeout_ms: 200 },
         ]);
         errors
     }
@@ -534,6 +544,7 @@ mod tests {
             ProxyError::Spool(SpoolError::Io(_)) => 23,
             ProxyError::InvalidPath { .. } => 24,
             ProxyError::UpgradeNotSupported { .. } => 27,
+            ProxyError::GrpcTimeout { .. } => 28,
         }
     }
 
@@ -542,7 +553,7 @@ mod tests {
         let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen, (0..=27).collect::<Vec<_>>());
+        assert_eq!(seen, (0..=28).collect::<Vec<_>>());
     }
 
     /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.
@@ -580,6 +591,7 @@ mod tests {
                 ProxyError::TooManyConnections { .. }
                     | ProxyError::UnsupportedTransferCoding { .. }
                     | ProxyError::Spool(_)
+                    | ProxyError::GrpcTimeout { .. }
             );
             if has_service {
                 assert!(message.contains("service web"), "{message}");
@@ -587,8 +599,8 @@ mod tests {
             checked += 1;
         }
         // Eight upstream kinds, two kinds of no target, two overloads, too many connections,
-        // two 501s, a spool failure.
-        assert_eq!(checked, 16);
+        // two 501s, a spool failure, a spent gRPC deadline.
+        assert_eq!(checked, 17);
     }
 
     /// `proxy.error_details = "full"`: the log line's story, sources and targets included.

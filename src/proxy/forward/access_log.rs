@@ -1,11 +1,15 @@
 //! The access log line of one HTTP request.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
+use http::uri::Authority;
 use http::{header, HeaderValue, Method, Request, Response, Uri, Version};
+use tokio::time::Instant;
 
 use super::{rewrite, Exchange, ProxyBody};
+use crate::snapshot::RouteEntry;
 use crate::telemetry::access;
 
 /// The request line, kept only while the access log is on. Cloning a request's URI and Host
@@ -32,41 +36,82 @@ impl RequestLine {
     }
 }
 
-pub(super) fn write(
-    line: &RequestLine,
-    request_id: &HeaderValue,
+/// One request's access line, made when the answer's head is ready and written then, or, for a
+/// gRPC answer, when its body ends: its `grpc-status` comes in the trailers, and the time a
+/// streaming call took is its whole length.
+pub(super) struct Entry {
+    line: RequestLine,
+    request_id: HeaderValue,
     client: SocketAddr,
-    exchange: &Exchange,
-    response: &Response<ProxyBody>,
-    elapsed: Duration,
-) {
-    let route = exchange.route.as_ref();
-    let bytes = response
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
-    access::write(|fields| {
-        fields.str("request_id", request_id.to_str().unwrap_or(""));
-        fields.ip("client", client.ip());
-        fields.str("method", line.method.as_str());
-        fields.str("host", &line.host());
-        fields.str("path", line.uri.path());
-        fields.str("protocol", protocol(line.version));
-        fields.opt_str("route", route.map(|route| route.route.name.as_str()));
-        fields.opt_str(
-            "service",
-            route.map(|route| route.service.service.name.as_str()),
-        );
-        fields.opt_str(
-            "target",
-            exchange.target.as_ref().map(|target| target.as_str()),
-        );
-        fields.u64("status", u64::from(response.status().as_u16()));
-        fields.opt_u64("bytes", bytes);
-        fields.millis("duration_ms", elapsed);
-        fields.opt_millis("upstream_ms", exchange.upstream_elapsed);
-    });
+    route: Option<Arc<RouteEntry>>,
+    target: Option<Authority>,
+    upstream_elapsed: Option<Duration>,
+    status: u16,
+    bytes: Option<u64>,
+    started: Instant,
+    /// `grpc-status` in the head (a trailers-only answer).
+    grpc_status: Option<u16>,
+    grpc: bool,
+}
+
+impl Entry {
+    pub fn new(
+        line: RequestLine,
+        request_id: &HeaderValue,
+        client: SocketAddr,
+        exchange: &Exchange,
+        response: &Response<ProxyBody>,
+        started: Instant,
+        grpc: bool,
+    ) -> Entry {
+        let headers = response.headers();
+        Entry {
+            line,
+            request_id: request_id.clone(),
+            client,
+            route: exchange.route.clone(),
+            target: exchange.target.clone(),
+            upstream_elapsed: exchange.upstream_elapsed,
+            status: response.status().as_u16(),
+            bytes: headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.parse::<u64>().ok()),
+            started,
+            grpc_status: grpc
+                .then(|| crate::proxy::grpc::status_in(headers))
+                .flatten(),
+            grpc,
+        }
+    }
+
+    /// Writes the line; `trailer_status` is the `grpc-status` of the answer's trailers.
+    pub fn write(self, trailer_status: Option<u16>) {
+        let route = self.route.as_ref();
+        let line = &self.line;
+        let grpc_status = trailer_status.or(self.grpc_status);
+        access::write(|fields| {
+            fields.str("request_id", self.request_id.to_str().unwrap_or(""));
+            fields.ip("client", self.client.ip());
+            fields.str("method", line.method.as_str());
+            fields.str("host", &line.host());
+            fields.str("path", line.uri.path());
+            fields.str("protocol", protocol(line.version));
+            fields.opt_str("route", route.map(|route| route.route.name.as_str()));
+            fields.opt_str(
+                "service",
+                route.map(|route| route.service.service.name.as_str()),
+            );
+            fields.opt_str("target", self.target.as_ref().map(|target| target.as_str()));
+            fields.u64("status", u64::from(self.status));
+            if self.grpc {
+                fields.opt_u64("grpc_status", grpc_status.map(u64::from));
+            }
+            fields.opt_u64("bytes", self.bytes);
+            fields.millis("duration_ms", self.started.elapsed());
+            fields.opt_millis("upstream_ms", self.upstream_elapsed);
+        });
+    }
 }
 
 fn protocol(version: Version) -> &'static str {

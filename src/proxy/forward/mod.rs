@@ -89,6 +89,7 @@ pub async fn handle(
 ) -> Response<ProxyBody> {
     let started = Instant::now();
     let request_id = headers::request_id(request.headers());
+    let grpc = super::grpc::is_grpc(request.headers());
     let http1 = request.version() <= Version::HTTP_11;
     let request_line =
         crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
@@ -126,14 +127,19 @@ pub async fn handle(
         }
     }
     if let Some(line) = request_line {
-        access_log::write(
-            &line,
+        let entry = access_log::Entry::new(
+            line,
             &request_id,
             downstream.client,
             &exchange,
             &response,
-            elapsed,
+            started,
+            grpc,
         );
+        match response.body_mut() {
+            Either::Left(body) if grpc => body.at_end(Box::new(move |status| entry.write(status))),
+            _ => entry.write(None),
+        }
     }
     // Never indexed in HPACK (HTTP/1.1 ignores the flag): a value unique to each response would
     // only churn the connection's dynamic table, evicting the entries that do repeat.
@@ -159,6 +165,7 @@ async fn forward(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     checks::check_request(&request, &state.limits)?;
     let client_http1 = request.version() <= Version::HTTP_11;
+    let grpc = super::grpc::is_grpc(request.headers());
     // Routed, and sent upstream, in its normal form: the target must serve what the route
     // was chosen for. The access log keeps what the client sent.
     rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
@@ -205,6 +212,7 @@ async fn forward(
         upgrade.map(|(on_upgrade, _)| on_upgrade),
         downstream,
         client_http1,
+        grpc,
     ))
 }
 
@@ -269,6 +277,7 @@ fn respond(
     client_upgrade: Option<OnUpgrade>,
     downstream: &Downstream,
     client_http1: bool,
+    grpc: bool,
 ) -> Response<ProxyBody> {
     if upstream.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client_upgrade) = client_upgrade {
@@ -297,6 +306,6 @@ fn respond(
     parts.version = Version::default();
     Response::from_parts(
         parts,
-        Either::Left(UpstreamResponseBody::new(body, in_flight, answering)),
+        Either::Left(UpstreamResponseBody::new(body, in_flight, answering, grpc)),
     )
 }

@@ -25,6 +25,8 @@ use crate::proxy::h1client::RequestHead;
 use crate::proxy::ProxyState;
 use crate::snapshot::{ServiceRuntime, TargetRuntime};
 
+static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
+
 /// At most this many targets per request.
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
@@ -44,8 +46,17 @@ pub(super) async fn send_with_retries(
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
-    let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms);
+    let service_response_timeout =
+        Duration::from_millis(service.service.timeouts.response_header_ms);
     let mut tried = Tried::default();
+    let grpc = crate::proxy::grpc::is_grpc(&outgoing.headers);
+    // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
+    // what is left of it.
+    let grpc_deadline = grpc
+        .then(|| outgoing.headers.get(&GRPC_TIMEOUT))
+        .flatten()
+        .and_then(crate::proxy::grpc::parse_timeout)
+        .map(|timeout| (started + timeout, timeout));
     let mut last_failure = None;
 
     for attempt in 1..=attempts {
@@ -68,6 +79,24 @@ pub(super) async fn send_with_retries(
                 reason,
             })?;
         let may_retry_later = attempt < attempts;
+        let mut response_timeout = service_response_timeout;
+        let mut deadline_binds = false;
+        if let Some((deadline, timeout)) = grpc_deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ProxyError::GrpcTimeout {
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            outgoing.headers.insert(
+                GRPC_TIMEOUT.clone(),
+                crate::proxy::grpc::encode_timeout(left),
+            );
+            if left < response_timeout {
+                response_timeout = left;
+                deadline_binds = true;
+            }
+        }
         let mut client =
             state
                 .clients
@@ -143,13 +172,15 @@ pub(super) async fn send_with_retries(
             break (outcome, streaming);
         };
         exchange.upstream_elapsed = Some(started.elapsed());
-        if matches!(
-            outcome,
-            Err(NoResponse::HeadersLate)
-                | Err(NoResponse::BodyStalled {
-                    client_stalled: false
-                })
-        ) {
+        if !deadline_binds
+            && matches!(
+                outcome,
+                Err(NoResponse::HeadersLate)
+                    | Err(NoResponse::BodyStalled {
+                        client_stalled: false
+                    })
+            )
+        {
             counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         let failure = match outcome {
@@ -160,7 +191,14 @@ pub(super) async fn send_with_retries(
                     .ejection
                     .failure_statuses
                     .contains(&status)
-                    .then_some(FailureCause::Status(status));
+                    .then_some(FailureCause::Status(status))
+                    .or_else(|| {
+                        // A trailers-only gRPC answer carries its status in the head.
+                        let unavailable = grpc
+                            && crate::proxy::grpc::status_in(response.headers())
+                                == Some(crate::proxy::grpc::UNAVAILABLE);
+                        unavailable.then_some(FailureCause::GrpcUnavailable)
+                    });
                 record_outcome(service, target, failure);
                 return Ok((response, in_flight, target.id));
             }
@@ -182,6 +220,13 @@ pub(super) async fn send_with_retries(
                     });
                 }
                 classify(service, target, &error)
+            }
+            // The client's own deadline passed: no fault of the target's, and no time left.
+            Err(NoResponse::HeadersLate | NoResponse::BodyStalled { .. }) if deadline_binds => {
+                drop(in_flight);
+                return Err(ProxyError::GrpcTimeout {
+                    timeout_ms: grpc_deadline.map_or(0, |(_, timeout)| timeout.as_millis() as u64),
+                });
             }
             Err(NoResponse::BodyStalled {
                 client_stalled: true,
