@@ -229,6 +229,18 @@ impl ProxyError {
         response
     }
 
+    /// The answer for a gRPC request: HTTP 200, trailers-only, the status TRAFFIC.md §2 maps
+    /// the failure to, the client's message, and the code in `x-raahi-error`.
+    pub fn to_grpc_response(&self, details: ErrorDetails) -> Response<Full<Bytes>> {
+        let status = super::grpc::status_for_failure(self.code(), self.status());
+        let mut response = super::grpc::trailers_only(status, &self.client_message(details));
+        response.headers_mut().insert(
+            super::grpc::RAAHI_ERROR,
+            HeaderValue::from_static(self.code()),
+        );
+        response
+    }
+
     /// The same answer as [`ProxyError::to_response`], as HTTP/1.1 bytes that end the
     /// connection: for a connection no HTTP state serves any more.
     pub fn to_http1_close(&self, details: ErrorDetails) -> Vec<u8> {

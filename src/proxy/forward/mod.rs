@@ -110,7 +110,12 @@ pub async fn handle(
             if let Some(refusal) = error.refusal() {
                 state.counters.requests_refused[refusal].fetch_add(1, Ordering::Relaxed);
             }
-            let mut response = error.to_response(state.error_details).map(Either::Right);
+            let mut response = if grpc {
+                error.to_grpc_response(state.error_details)
+            } else {
+                error.to_response(state.error_details)
+            }
+            .map(Either::Right);
             if http1 && error.ends_connection() {
                 response
                     .headers_mut()
@@ -289,6 +294,17 @@ fn respond(
                 downstream.slot.clone(),
             );
         }
+    }
+    if grpc && !super::grpc::is_grpc(upstream.headers()) {
+        // A gRPC client reads an answer that is not gRPC as an opaque failure: tell it what
+        // happened in its own terms (the target's body, an HTML or JSON page, is dropped).
+        let status = upstream.status();
+        let message = format!(
+            "the target answered HTTP {} instead of gRPC",
+            status.as_u16()
+        );
+        return super::grpc::trailers_only(super::grpc::status_for_http(status), &message)
+            .map(Either::Right);
     }
     let (mut parts, body) = upstream.into_parts();
     // A length beside a transfer coding is wrong, and the body was read by the coding; passed
