@@ -29,6 +29,8 @@ use crate::snapshot::SnapshotHandle;
 use crate::store::{ChangeSet, Store};
 use crate::tls;
 
+mod grpc;
+
 /// Checks running at once across all services.
 const MAX_CONCURRENT_CHECKS: usize = 64;
 const JITTER_FRACTION: f64 = 0.10;
@@ -67,6 +69,8 @@ struct CheckSettings {
     upstream_authority: Option<String>,
     /// The targets speak TLS (`https`, `tls`): HTTP checks go over TLS, as traffic does.
     targets_speak_tls: bool,
+    /// The targets speak HTTP/2 with prior knowledge (`h2c`): so do HTTP checks.
+    h2c: bool,
     tls_sni: Option<String>,
     tls_verify: bool,
     tls_ca_pem: Option<String>,
@@ -78,6 +82,7 @@ impl CheckSettings {
             check: service.health_check.clone()?,
             upstream_authority: service.upstream_authority.clone(),
             targets_speak_tls: service.protocol.targets_speak_tls(),
+            h2c: service.protocol == crate::model::Protocol::H2c,
             tls_sni: service.tls_sni.clone(),
             tls_verify: service.tls_verify,
             tls_ca_pem: service.tls_ca_pem.clone(),
@@ -298,9 +303,10 @@ impl ServiceChecker {
                 HealthCheckKind::Http if self.settings.targets_speak_tls => {
                     self.https_check(target).await
                 }
+                HealthCheckKind::Http if self.settings.h2c => self.h2c_http_check(target).await,
                 HealthCheckKind::Http => self.http_check(target).await,
                 HealthCheckKind::Tls => self.tls_check(target).await,
-                HealthCheckKind::Grpc => Err("grpc health checks are not built yet".to_owned()),
+                HealthCheckKind::Grpc => self.grpc_check(target).await,
             }
         };
         let timeout = Duration::from_millis(check.timeout_ms);
@@ -354,6 +360,56 @@ impl ServiceChecker {
             &self.settings.check,
             response.status().as_u16(),
         ))
+    }
+
+    /// An `http` check of an `h2c` service: HTTP/2 with prior knowledge, as its traffic.
+    async fn h2c_http_check(&self, target: &Authority) -> Result<(bool, String), String> {
+        let stream = tokio::net::TcpStream::connect(target.as_str())
+            .await
+            .map_err(|error| format!("connect: {error}"))?;
+        let probe = grpc::H2Probe {
+            scheme: Scheme::HTTP,
+            authority: self.settings.host(target),
+            timeout_ms: self.settings.check.timeout_ms,
+        };
+        let status = grpc::http2_status(stream, probe, &self.settings.check.path).await?;
+        Ok(status_verdict(&self.settings.check, status))
+    }
+
+    /// `grpc.health.v1.Health/Check`: over HTTP/2 with prior knowledge for `h2c` services,
+    /// over TLS (ALPN `h2`, the traffic's server name and trust) for `https` ones.
+    async fn grpc_check(&self, target: &Authority) -> Result<(bool, String), String> {
+        let service = self.settings.check.grpc_service.as_deref().unwrap_or("");
+        let authority = self.settings.host(target);
+        let timeout_ms = self.settings.check.timeout_ms;
+        if !self.settings.targets_speak_tls {
+            let stream = tokio::net::TcpStream::connect(target.as_str())
+                .await
+                .map_err(|error| format!("connect: {error}"))?;
+            let probe = grpc::H2Probe {
+                scheme: Scheme::HTTP,
+                authority,
+                timeout_ms,
+            };
+            return grpc::grpc_check(stream, probe, service).await;
+        }
+        let stream = self
+            .tls_connector(target, AlpnOffer::Http2AndHttp1)
+            .dial_tls()
+            .await
+            .map_err(|error| match UpstreamTlsError::find_in(&*error) {
+                Some(tls) => handshake_detail(tls),
+                None => format!("connect: {}", error_text(&*error)),
+            })?;
+        if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
+            return Err("the target did not choose h2 by ALPN: gRPC needs HTTP/2".to_owned());
+        }
+        let probe = grpc::H2Probe {
+            scheme: Scheme::HTTPS,
+            authority,
+            timeout_ms,
+        };
+        grpc::grpc_check(stream, probe, service).await
     }
 
     /// A TCP connect and a full TLS handshake, then an orderly close.
