@@ -29,6 +29,7 @@ mod discovery_safety;
 mod edge_admin;
 mod edge_limits;
 mod events;
+mod grpc;
 mod health;
 mod health_tls;
 mod kubernetes_fake;

@@ -162,7 +162,7 @@ async fn an_http2_client_reaches_an_h2c_target_with_trailers_both_ways() {
         sender
     })
     .unwrap();
-    let request = Request::post(format!("http://shop.test/api/items"))
+    let request = Request::post("http://shop.test/api/items")
         .body(StreamBody::new(futures_util::stream::iter(frames)))
         .unwrap();
     let response = tokio::time::timeout(STEP, sender.send_request(request))
