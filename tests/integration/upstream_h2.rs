@@ -348,3 +348,133 @@ async fn the_api_refuses_h2c_settings_that_cannot_work() {
     assert_eq!(body["timeouts"]["keepalive_ms"], 20000);
     assert_eq!(body["limits"]["max_streams_per_connection"], 50);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Targets that break HTTP/2: each fails its own calls only.
+// ---------------------------------------------------------------------------------------------
+
+/// An origin speaking HTTP/2 through the h2 crate's server, answering each stream with
+/// `answer`.
+async fn h2_crate_origin<F>(answer: F) -> SocketAddr
+where
+    F: Fn(h2::server::SendResponse<Bytes>) + Clone + Send + Sync + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((socket, _)) = listener.accept().await else {
+                return;
+            };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let Ok(mut connection) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_request, respond))) = connection.accept().await {
+                    answer(respond);
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A raw origin that answers the client preface with a frame no HTTP/2 peer may send.
+async fn malformed_frame_origin() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut preface = [0u8; 24];
+                let _ = socket.read_exact(&mut preface).await;
+                // An empty SETTINGS, then DATA on stream 0 (a connection error: PROTOCOL_ERROR).
+                let _ = socket.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                let _ = socket
+                    .write_all(&[0, 0, 2, 0, 0, 0, 0, 0, 0, b'h', b'i'])
+                    .await;
+                let mut sink = vec![0u8; 4096];
+                while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    addr
+}
+
+/// A gateway with one h2c service per broken origin (routes by path) and a healthy one at `/`.
+async fn gateway_with_broken_targets(broken: &[(&str, SocketAddr)]) -> (TestGateway, H2Origin) {
+    let gateway = TestGateway::start().await;
+    let good = h2_origin().await;
+    let service = h2c_service(&gateway, &good, json!({})).await;
+    gateway.route_all_to(service).await;
+    for (name, addr) in broken {
+        let service = gateway
+            .create(
+                "/api/v1/services",
+                json!({"name": name, "protocol": "h2c", "max_attempts": 1, "ejection": false}),
+            )
+            .await;
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                json!({"host": "127.0.0.1", "port": addr.port()}),
+            )
+            .await;
+        gateway
+            .create(
+                "/api/v1/routes",
+                json!({"name": name, "path_prefix": format!("/{name}"), "service_id": service}),
+            )
+            .await;
+    }
+    (gateway, good)
+}
+
+#[tokio::test]
+async fn targets_that_break_http2_fail_their_own_calls_only() {
+    let malformed = malformed_frame_origin().await;
+    let oversized = h2_crate_origin(|mut respond| {
+        let response = http::Response::builder()
+            .header("x-huge", "v".repeat(100 * 1024))
+            .body(())
+            .unwrap();
+        let _ = respond.send_response(response, true);
+    })
+    .await;
+    let resetting =
+        h2_crate_origin(|mut respond| respond.send_reset(h2::Reason::INTERNAL_ERROR)).await;
+    let (gateway, _good) = gateway_with_broken_targets(&[
+        ("malformed", malformed),
+        ("oversized", oversized),
+        ("resetting", resetting),
+    ])
+    .await;
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    for broken in ["malformed", "oversized", "resetting"] {
+        // A storm of calls, all at once: each fails on its own, none hangs.
+        let calls: Vec<_> = (0..50)
+            .map(|_| {
+                let client = client.clone();
+                let url = gateway.proxy_url(&format!("/{broken}/x"));
+                tokio::spawn(async move { client.get(url).send().await.unwrap() })
+            })
+            .collect();
+        for call in calls {
+            let response = tokio::time::timeout(STEP, call).await.unwrap().unwrap();
+            assert_eq!(response.status(), 502, "{broken}");
+            let body = response.text().await.unwrap();
+            assert!(body.contains("upstream_"), "{broken}: {body}");
+        }
+        // The gateway and its other targets are unharmed.
+        let response = client.get(gateway.proxy_url("/fine")).send().await.unwrap();
+        assert_eq!(response.status(), 200, "after {broken}");
+        assert_eq!(response.text().await.unwrap(), "got 0");
+    }
+}
