@@ -1080,6 +1080,16 @@ function activitySection(serviceId) {
       a.reason ? h('span', { class: 'activity-reason' }, a.reason) : null))));
 }
 
+// What a service's health check asks, as its traffic speaks: gRPC's Health/Check for a
+// service name ("the server" when none), HTTP/2 GETs for h2c services.
+function checkKind(check, service) {
+  if (check.type === 'grpc') return `gRPC Health/Check ${check.grpc_service || '(the server)'}`;
+  if (check.type === 'http' || !check.type) {
+    return `${service.protocol === 'h2c' ? 'HTTP/2 ' : 'HTTP '}GET ${check.path}`;
+  }
+  return check.type.toUpperCase();
+}
+
 function servicePage(id) {
   const service = state.services.get(id);
   if (!service) return notFoundView(`There is no service ${id} (it may have been deleted).`);
@@ -1089,9 +1099,7 @@ function servicePage(id) {
   const sources = servicesSources(id);
   const c = counts(targets, now);
   const check = service.health_check;
-  const checkText = check
-    ? `${check.type === 'http' || !check.type ? `HTTP GET ${check.path}` : check.type.toUpperCase()} every ${spanText(check.interval_ms)}`
-    : 'none';
+  const checkText = check ? `${checkKind(check, service)} every ${spanText(check.interval_ms)}` : 'none';
   const ejection = service.ejection;
   const ejectionText = ejection && ejection.enabled
     ? `after ${ejection.failures} failures in ${spanText(ejection.window_ms)}` : 'off';

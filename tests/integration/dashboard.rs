@@ -1015,3 +1015,39 @@ async fn a_discovery_change_and_an_ejection_show_live_with_their_reasons() {
     browser.screenshot("ejection").await;
     browser.close().await;
 }
+
+/// An `h2c` service names its protocol, and its gRPC health check says what it asks.
+#[tokio::test]
+async fn an_h2c_service_shows_its_protocol_and_grpc_check() {
+    let gateway = TestGateway::start().await;
+    let grpc = gateway
+        .create(
+            "/api/v1/services",
+            json!({
+                "name": "carts",
+                "protocol": "h2c",
+                "health_check": {"type": "grpc", "grpc_service": "shop.Carts", "interval_ms": 2000}
+            }),
+        )
+        .await;
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{grpc}")))
+        .await;
+    let shown = browser
+        .wait_for(
+            "the service page with its check",
+            WAIT,
+            "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+             if (!page) return null; \
+             const proto = page.querySelector('h1 .b-proto'); \
+             const check = [...page.querySelectorAll('.stat')] \
+               .find(s => s.querySelector('dt').textContent === 'Health checks'); \
+             return proto && check ? [proto.textContent, check.querySelector('dd').textContent] : null;",
+        )
+        .await;
+    assert_eq!(shown[0], "h2c");
+    assert_eq!(shown[1], "gRPC Health/Check shop.Carts every 2 s");
+    browser.close().await;
+}
