@@ -205,6 +205,11 @@ impl UpstreamFailure {
         )
     }
 
+    /// The target declined the request without processing it.
+    pub fn is_unprocessed(&self) -> bool {
+        matches!(self.kind, UpstreamFailureKind::Unprocessed { .. })
+    }
+
     pub fn is_timeout(&self) -> bool {
         matches!(
             self.kind,

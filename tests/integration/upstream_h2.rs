@@ -478,3 +478,58 @@ async fn targets_that_break_http2_fail_their_own_calls_only() {
         assert_eq!(response.text().await.unwrap(), "got 0");
     }
 }
+
+/// A stream the target refused was never processed: it goes again, on another connection of
+/// the same target, even for a POST, and holds nothing against the target.
+#[tokio::test]
+async fn a_refused_stream_is_retried_whatever_the_method() {
+    let streams = Arc::new(AtomicU64::new(0));
+    let counted = streams.clone();
+    let origin = h2_crate_origin(move |mut respond| {
+        // Every other stream is refused, the first one included.
+        if counted.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+            respond.send_reset(h2::Reason::REFUSED_STREAM);
+            return;
+        }
+        let response = http::Response::builder().status(201).body(()).unwrap();
+        let _ = respond.send_response(response, true);
+    })
+    .await;
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "orders", "protocol": "h2c", "max_attempts": 2}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": origin.port()}),
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    for order in 0..5 {
+        let response = gateway
+            .http
+            .post(gateway.proxy_url("/orders"))
+            .body(format!("order {order}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201, "order {order}");
+    }
+    assert_eq!(
+        streams.load(Ordering::SeqCst),
+        10,
+        "each POST was refused once"
+    );
+    assert!(
+        gateway
+            .metric("raahi_upstream_h2_unprocessed_streams_total{service=\"orders\"}")
+            .await
+            >= 5
+    );
+    let target = &gateway.targets(service).await[0];
+    assert!(target.ejected_until.is_none());
+}

@@ -255,6 +255,11 @@ pub(super) async fn send_with_retries(
         let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
         tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
         let retry_allowed = failure.retry().allows(&outgoing.method, body_repeatable);
+        if failure.is_unprocessed() {
+            // The target declined only this stream (it was going away, or full): another of
+            // its connections may take it, so it stays a candidate for the next attempt.
+            tried.forget(target.id);
+        }
         last_failure = Some(failure);
         if !retry_allowed {
             break;
@@ -321,6 +326,13 @@ struct Tried {
 impl Tried {
     fn contains(&self, id: Id) -> bool {
         self.ids[..self.len].contains(&id)
+    }
+
+    fn forget(&mut self, id: Id) {
+        if let Some(at) = self.ids[..self.len].iter().position(|tried| *tried == id) {
+            self.ids.copy_within(at + 1..self.len, at);
+            self.len -= 1;
+        }
     }
 
     fn push(&mut self, id: Id) {
