@@ -339,3 +339,48 @@ path_prefix = "/"
         .await;
     assert_eq!(after["items"][0]["config"]["wait_ms"], 10_000, "{after}");
 }
+
+/// An `h2c` service with a gRPC health check, declared in the file, carries real gRPC.
+#[tokio::test]
+async fn a_declared_h2c_service_carries_grpc() {
+    let origin = common::grpc::GrpcOrigin::start("declared").await;
+    let text = format!(
+        r#"
+[[services]]
+name = "carts"
+protocol = "h2c"
+timeouts = {{ keepalive_ms = 20000 }}
+limits = {{ max_streams_per_connection = 50 }}
+health_check = {{ type = "grpc", grpc_service = "raahi.test.Echo", interval_ms = 200 }}
+
+  [[services.targets]]
+  host = "127.0.0.1"
+  port = {port}
+
+[[routes]]
+name = "grpc"
+service = "carts"
+"#,
+        port = origin.addr.port()
+    );
+    let (gateway, _path) = start_with_file(&text).await;
+    let (_, service) = gateway.api("GET", "/api/v1/services/1", None).await;
+    assert_eq!(service["protocol"], "h2c", "{service}");
+    assert_eq!(service["health_check"]["type"], "grpc", "{service}");
+    assert_eq!(service["limits"]["max_streams_per_connection"], 50);
+    let target = gateway.targets(1).await.remove(0);
+    wait_target(&gateway, target.id, "healthy by gRPC", |t| {
+        t.health == api::Health::Healthy
+    })
+    .await;
+    let mut client = common::grpc::client(gateway.proxy).await;
+    let reply = client
+        .unary(common::grpc::EchoRequest {
+            text: "from the file".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.origin, "declared");
+}

@@ -487,7 +487,7 @@ async fn a_refused_stream_is_retried_whatever_the_method() {
     let counted = streams.clone();
     let origin = h2_crate_origin(move |mut respond| {
         // Every other stream is refused, the first one included.
-        if counted.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+        if counted.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) {
             respond.send_reset(h2::Reason::REFUSED_STREAM);
             return;
         }
@@ -532,4 +532,52 @@ async fn a_refused_stream_is_retried_whatever_the_method() {
     );
     let target = &gateway.targets(service).await[0];
     assert!(target.ejected_until.is_none());
+}
+
+/// A target that takes the request and then goes silent (no answer, no PING answer) is caught
+/// by the keep-alive PING well before the response timeout.
+#[tokio::test]
+async fn a_silent_target_is_caught_by_keepalive_pings() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                // An empty SETTINGS, then nothing more: everything sent is read and ignored.
+                let _ = socket.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                let mut sink = vec![0u8; 4096];
+                while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "silent", "protocol": "h2c", "max_attempts": 1,
+                   "timeouts": {"keepalive_ms": 300, "connect_ms": 300, "response_header_ms": 30000}}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": silent.port()}),
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    let started = std::time::Instant::now();
+    let response = tokio::time::timeout(STEP, gateway.get("/waits"))
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert_eq!(response.status(), 502);
+    assert!(
+        waited >= Duration::from_millis(550) && waited < Duration::from_secs(3),
+        "keepalive_ms + its timeout, not the 30 s response timeout: {waited:?}"
+    );
+    let body = response.text().await.unwrap();
+    assert!(body.contains("upstream_failed"), "{body}");
 }
