@@ -1048,7 +1048,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(created["lb_policy"], "round_robin");
     assert_eq!(
         created["timeouts"],
-        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000})
+        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000, "keepalive_ms": null})
     );
     assert_eq!(created["max_attempts"], 3);
     assert_eq!(created["tls_verify"], true);
@@ -1082,7 +1082,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(patched["lb_policy"], "random");
     assert_eq!(
         patched["timeouts"],
-        json!({"connect_ms": 1000, "response_header_ms": 30000, "idle_ms": 60000})
+        json!({"connect_ms": 1000, "response_header_ms": 30000, "idle_ms": 60000, "keepalive_ms": null})
     );
     assert_eq!(patched["upstream_authority"], "shop.example:8443");
     assert_eq!(patched["max_attempts"], 3);
@@ -1102,7 +1102,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(reset["lb_policy"], "round_robin");
     assert_eq!(
         reset["timeouts"],
-        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000})
+        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000, "keepalive_ms": null})
     );
     assert_eq!(gateway.get_ok(&path).await, reset);
 
@@ -1143,7 +1143,7 @@ async fn services_round_trip_with_defaults_put_and_merge_patch() {
     assert_eq!(replaced["tls_verify"], true);
     assert_eq!(
         replaced["timeouts"],
-        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000})
+        json!({"connect_ms": 5000, "response_header_ms": 30000, "idle_ms": 60000, "keepalive_ms": null})
     );
     assert_eq!(replaced["created_at"], created["created_at"]);
     assert_eq!(gateway.get_ok(&path).await, replaced);
