@@ -28,6 +28,27 @@ pub(super) fn start_upload(
     cancel
 }
 
+/// Sends a body held whole in memory; a stream that broke meanwhile fails its response, which
+/// is where the caller learns of it.
+pub(super) fn send_whole(
+    mut upload: SendStream<Bytes>,
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+) {
+    let last_frame_is_data = trailers.is_none();
+    if let Some(data) = data {
+        if upload.send_data(data, last_frame_is_data).is_err() {
+            return;
+        }
+    } else if last_frame_is_data {
+        let _ = upload.send_data(Bytes::new(), true);
+        return;
+    }
+    if let Some(trailers) = trailers {
+        let _ = upload.send_trailers(trailers);
+    }
+}
+
 async fn upload_body(
     body: UpstreamRequestBody,
     mut upload: SendStream<Bytes>,

@@ -160,7 +160,16 @@ impl H2Target {
             .send_request(request, ends_at_headers)
             .map_err(|error| unsent(&connection, error))?;
         let stream_id = u32::from(response.stream_id());
-        let cancel = (!ends_at_headers).then(|| body::start_upload(body, upload));
+        let cancel = match body {
+            UpstreamRequestBody::Empty => None,
+            // Already whole in memory: handed to h2 at once (it holds the same bytes, and
+            // sends them as the target's window opens), with no task of its own.
+            UpstreamRequestBody::Buffered { data, trailers, .. } => {
+                body::send_whole(upload, data, trailers);
+                None
+            }
+            streamed => Some(body::start_upload(streamed, upload)),
+        };
         match response.await {
             Ok(response) => Ok(response.map(|stream| H2ResponseBody::new(stream, slot, cancel))),
             Err(error) => Err(self.failed(&connection, stream_id, error)),
