@@ -94,7 +94,9 @@ pub async fn handle(
     let request_line =
         crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
     let mut exchange = Exchange::default();
-    let mut response = match forward(state, request, downstream, &request_id, &mut exchange).await {
+    let mut response = match forward(state, request, downstream, &request_id, &mut exchange, grpc)
+        .await
+    {
         Ok(response) => response,
         Err(error) => {
             // Upstream and gateway failures are what an operator must see; a client's own
@@ -167,10 +169,10 @@ async fn forward(
     downstream: &Downstream,
     request_id: &HeaderValue,
     exchange: &mut Exchange,
+    grpc: bool,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     checks::check_request(&request, &state.limits)?;
     let client_http1 = request.version() <= Version::HTTP_11;
-    let grpc = super::grpc::is_grpc(request.headers());
     // Routed, and sent upstream, in its normal form: the target must serve what the route
     // was chosen for. The access log keeps what the client sent.
     rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
@@ -209,7 +211,7 @@ async fn forward(
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
     let (upstream, in_flight, target) =
-        retry::send_with_retries(state, &service, outgoing, exchange).await?;
+        retry::send_with_retries(state, &service, outgoing, exchange, grpc).await?;
     Ok(respond(
         upstream,
         in_flight,
@@ -312,7 +314,9 @@ fn respond(
     if parts.headers.contains_key(header::TRANSFER_ENCODING) {
         parts.headers.remove(header::CONTENT_LENGTH);
     }
-    let trailers_announced = client_http1.then(|| headers::trailer_names(&parts.headers));
+    // Only a body framed by chunks can carry trailers to an HTTP/1.1 client.
+    let trailers_announced = (client_http1 && !parts.headers.contains_key(header::CONTENT_LENGTH))
+        .then(|| headers::trailer_names(&parts.headers));
     headers::strip_hop_by_hop(&mut parts.headers);
     if let Some(announced) = trailers_announced {
         headers::announce_trailers(&mut parts.headers, announced);

@@ -42,6 +42,7 @@ pub(super) async fn send_with_retries(
     service: &ServiceRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
+    grpc: bool,
 ) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
     let started = Instant::now();
     let counters = &service.counters;
@@ -49,7 +50,6 @@ pub(super) async fn send_with_retries(
     let service_response_timeout =
         Duration::from_millis(service.service.timeouts.response_header_ms);
     let mut tried = Tried::default();
-    let grpc = crate::proxy::grpc::is_grpc(&outgoing.headers);
     // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
     // what is left of it.
     let grpc_deadline = grpc
