@@ -169,6 +169,11 @@ impl Write for EventWriter<'_> {
 /// buffer, and on stop writes what is left.
 fn write_batches(shared: &Shared, mut destination: impl Write) {
     let mut batch = Vec::new();
+    // A wake-up sent before this thread first parked may have been spent by the channel that
+    // handed it the handle: lines already waiting get it back.
+    if has_unwritten_lines(shared) {
+        thread::current().unpark();
+    }
     loop {
         let stopping = shared.stopping.load(Ordering::SeqCst);
         if !stopping {
@@ -202,6 +207,12 @@ fn write_batches(shared: &Shared, mut destination: impl Write) {
             return;
         }
     }
+}
+
+fn has_unwritten_lines(shared: &Shared) -> bool {
+    lock(&shared.shards)
+        .iter()
+        .any(|shard| !lock(&shard.bytes).is_empty())
 }
 
 /// A panic while holding a buffer leaves whole lines behind at worst; logging goes on.
