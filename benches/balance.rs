@@ -77,6 +77,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         .map(|(i, load)| {
             let authority = format!("127.0.0.1:{}", 10_000 + i);
             TargetRuntime {
+                spec: Default::default(),
                 id: i as i64,
                 host_header: HeaderValue::from_str(&authority).unwrap(),
                 authority: Authority::try_from(authority).unwrap(),

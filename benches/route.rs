@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use http::Method;
 use raahi::balance::Balancer;
 use raahi::model::{LbPolicy, Protocol, Route, Service, Timeouts};
-use raahi::snapshot::{ServiceRuntime, Snapshot};
+use raahi::snapshot::{RequestView, ServiceRuntime, Snapshot};
 
 fn service() -> ServiceRuntime {
     ServiceRuntime {
@@ -45,18 +45,14 @@ fn route(id: i64, hosts: Vec<String>, prefix: String) -> Route {
         id,
         name: format!("r{id}"),
         hosts,
-        path_prefix: prefix,
-        methods: Vec::new(),
-        service_id: 1,
-        preserve_host: false,
-        strip_prefix: false,
-        priority: 0,
-        max_request_body_bytes: None,
+        path_prefix: Some(prefix),
+        service_id: Some(1),
+        backends: vec![raahi::model::Backend::whole(1)],
         request_buffer_bytes: raahi::model::DEFAULT_REQUEST_BUFFER_BYTES,
         upgrades: raahi::model::default_upgrades(),
-        managed_by: None,
         created_at: Utc::now(),
         updated_at: Utc::now(),
+        ..Route::default()
     }
 }
 
@@ -95,13 +91,19 @@ fn snapshot() -> Snapshot {
 
 fn lookups(c: &mut Criterion) {
     let snapshot = snapshot();
+    let headers = http::HeaderMap::new();
+    let view = RequestView {
+        method: &Method::GET,
+        headers: &headers,
+        query: None,
+    };
     let mut group = c.benchmark_group("route_lookup_10000_routes");
     group.bench_function("exact_host", |b| {
         b.iter(|| {
             black_box(snapshot.find_route(
                 black_box("host17.example.com"),
                 black_box("/app42/users/7"),
-                &Method::GET,
+                &view,
             ))
         })
     });
@@ -110,7 +112,7 @@ fn lookups(c: &mut Criterion) {
             black_box(snapshot.find_route(
                 black_box("edge.eu.zone3.test"),
                 black_box("/api/v17/items"),
-                &Method::GET,
+                &view,
             ))
         })
     });
@@ -119,7 +121,7 @@ fn lookups(c: &mut Criterion) {
             black_box(snapshot.find_route(
                 black_box("unknown.test"),
                 black_box("/svc4321/v1/orders/12"),
-                &Method::GET,
+                &view,
             ))
         })
     });
@@ -128,7 +130,7 @@ fn lookups(c: &mut Criterion) {
             black_box(snapshot.find_route(
                 black_box("unknown.test"),
                 black_box("/nothing/here/at/all"),
-                &Method::GET,
+                &view,
             ))
         })
     });

@@ -37,18 +37,14 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
             id: service_id,
             name: format!("r{service_id}"),
             hosts: vec![format!("s{service_id}.test")],
-            path_prefix: "/".into(),
-            methods: Vec::new(),
-            service_id,
-            preserve_host: false,
-            strip_prefix: false,
-            priority: 0,
-            max_request_body_bytes: None,
+            path_prefix: Some("/".into()),
+            service_id: Some(service_id),
+            backends: vec![raahi::model::Backend::whole(service_id)],
             request_buffer_bytes: raahi::model::DEFAULT_REQUEST_BUFFER_BYTES,
             upgrades: raahi::model::default_upgrades(),
-            managed_by: None,
             created_at: now,
             updated_at: now,
+            ..Route::default()
         });
         for index in 0..targets_per_service {
             let id = service_id * 1_000_000 + index;

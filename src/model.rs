@@ -5,6 +5,13 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 pub mod path;
+mod route_rules;
+
+pub use route_rules::{
+    parse_template, Backend, Condition, ConditionTest, Cors, HeaderFilter, Mirror, Redirect,
+    Rewrite, RouteTimeouts, TemplatePart, Variable, DEFAULT_BACKEND_WEIGHT, MAX_BACKEND_WEIGHT,
+};
+pub use route_rules::{whole_value_regex, REGEX_SIZE_LIMIT};
 
 /// Every stored object is addressed by an integer id.
 pub type Id = i64;
@@ -382,7 +389,7 @@ impl Default for UpstreamLimits {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Target {
     pub id: Id,
     pub service_id: Id,
@@ -429,16 +436,27 @@ impl Target {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Route {
     pub id: Id,
     pub name: String,
     /// Exact host names or `*.suffix` wildcards; empty matches any host.
     pub hosts: Vec<String>,
-    pub path_prefix: String,
+    /// One of `path_prefix` (on whole segments), `path_exact` and `path_regex` (the whole
+    /// path); a route that gives none has the prefix `/`.
+    pub path_prefix: Option<String>,
+    pub path_exact: Option<String>,
+    pub path_regex: Option<String>,
     /// Empty allows every method.
     pub methods: Vec<String>,
-    pub service_id: Id,
+    /// Conditions that must all hold, beside the host, path and method.
+    pub headers: Vec<Condition>,
+    pub query: Vec<Condition>,
+    pub cookies: Vec<Condition>,
+    /// The first backend's service (the one-backend shorthand); null for a redirect.
+    pub service_id: Option<Id>,
+    /// Where requests go, one per request by weight (smooth weighted round robin).
+    pub backends: Vec<Backend>,
     pub preserve_host: bool,
     pub strip_prefix: bool,
     /// Among routes equally specific by host and path, the higher value wins.
@@ -453,6 +471,14 @@ pub struct Route {
     /// The `Upgrade` protocols (e.g. `websocket`) the route passes to its targets; any other
     /// upgrade is forwarded as a plain request. `h2c` is never passed (RFC 9113 §3.1).
     pub upgrades: Vec<String>,
+    pub request_headers: Option<HeaderFilter>,
+    pub response_headers: Option<HeaderFilter>,
+    /// Answered by Raahi; such a route has no backend.
+    pub redirect: Option<Redirect>,
+    pub rewrite: Option<Rewrite>,
+    pub mirror: Option<Mirror>,
+    pub cors: Option<Cors>,
+    pub timeouts: RouteTimeouts,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -828,17 +854,32 @@ pub struct TargetSpec {
     pub metadata: serde_json::Value,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteSpec {
     pub name: String,
     #[serde(default)]
     pub hosts: Vec<String>,
-    #[serde(default = "default_path_prefix")]
-    pub path_prefix: String,
+    /// At most one of the three; none: the prefix `/`.
+    #[serde(default)]
+    pub path_prefix: Option<String>,
+    #[serde(default)]
+    pub path_exact: Option<String>,
+    #[serde(default)]
+    pub path_regex: Option<String>,
     #[serde(default)]
     pub methods: Vec<String>,
-    pub service_id: Id,
+    #[serde(default)]
+    pub headers: Vec<Condition>,
+    #[serde(default)]
+    pub query: Vec<Condition>,
+    #[serde(default)]
+    pub cookies: Vec<Condition>,
+    /// Shorthand for `backends: [{"service_id": ...}]`; give one or the other.
+    #[serde(default)]
+    pub service_id: Option<Id>,
+    #[serde(default)]
+    pub backends: Vec<Backend>,
     #[serde(default)]
     pub preserve_host: bool,
     #[serde(default)]
@@ -851,6 +892,20 @@ pub struct RouteSpec {
     pub request_buffer_bytes: u64,
     #[serde(default = "default_upgrades")]
     pub upgrades: Vec<String>,
+    #[serde(default)]
+    pub request_headers: Option<HeaderFilter>,
+    #[serde(default)]
+    pub response_headers: Option<HeaderFilter>,
+    #[serde(default)]
+    pub redirect: Option<Redirect>,
+    #[serde(default)]
+    pub rewrite: Option<Rewrite>,
+    #[serde(default)]
+    pub mirror: Option<Mirror>,
+    #[serde(default)]
+    pub cors: Option<Cors>,
+    #[serde(default)]
+    pub timeouts: RouteTimeouts,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -886,9 +941,6 @@ fn default_request_buffer_bytes() -> u64 {
 /// WebSocket passes unless a route says otherwise, as it does through HAProxy and Traefik.
 pub fn default_upgrades() -> Vec<String> {
     vec!["websocket".to_owned()]
-}
-fn default_path_prefix() -> String {
-    "/".to_owned()
 }
 fn default_stale_after_ms() -> u64 {
     DEFAULT_STALE_AFTER_MS
@@ -943,19 +995,41 @@ impl StreamRoute {
 }
 
 impl Route {
+    /// Every service the route sends requests to: its backends', then its mirror's.
+    pub fn service_ids(&self) -> impl Iterator<Item = Id> + '_ {
+        self.backends
+            .iter()
+            .map(|backend| backend.service_id)
+            .chain(self.mirror.as_ref().map(|mirror| mirror.service_id))
+    }
+
     pub fn spec(&self) -> RouteSpec {
         RouteSpec {
             name: self.name.clone(),
             hosts: self.hosts.clone(),
             path_prefix: self.path_prefix.clone(),
+            path_exact: self.path_exact.clone(),
+            path_regex: self.path_regex.clone(),
             methods: self.methods.clone(),
-            service_id: self.service_id,
+            headers: self.headers.clone(),
+            query: self.query.clone(),
+            cookies: self.cookies.clone(),
+            // Backends say it all; `service_id` is only the shorthand a writer may use.
+            service_id: None,
+            backends: self.backends.clone(),
             preserve_host: self.preserve_host,
             strip_prefix: self.strip_prefix,
             priority: self.priority,
             max_request_body_bytes: self.max_request_body_bytes,
             request_buffer_bytes: self.request_buffer_bytes,
             upgrades: self.upgrades.clone(),
+            request_headers: self.request_headers.clone(),
+            response_headers: self.response_headers.clone(),
+            redirect: self.redirect.clone(),
+            rewrite: self.rewrite.clone(),
+            mirror: self.mirror.clone(),
+            cors: self.cors.clone(),
+            timeouts: self.timeouts,
         }
     }
 }

@@ -72,9 +72,37 @@ struct DeclaredService {
 }
 
 struct DeclaredRoute {
-    service: String,
-    /// `service_id` is filled in once services exist.
+    /// The service of each backend, by name, in order.
+    backend_services: Vec<String>,
+    mirror_service: Option<String>,
+    /// Service ids are filled in once services exist.
     spec: RouteSpec,
+}
+
+impl DeclaredRoute {
+    fn service_names(&self) -> impl Iterator<Item = &String> {
+        self.backend_services.iter().chain(&self.mirror_service)
+    }
+}
+
+/// Takes the `service` name out of a table that names a service (a backend, a mirror), leaving
+/// a placeholder `service_id` for validation.
+fn take_service_name(
+    file: &str,
+    location: &str,
+    table: &mut toml::Table,
+) -> Result<String, ResourcesError> {
+    match table.remove("service") {
+        Some(toml::Value::String(name)) => {
+            table.insert("service_id".to_owned(), toml::Value::Integer(0));
+            Ok(name)
+        }
+        _ => Err(invalid(
+            file,
+            format!("{location}service"),
+            "the name of a service (a string) is required",
+        )),
+    }
 }
 
 /// A parsed and validated resources file.
@@ -243,24 +271,50 @@ pub fn parse(file: &str, text: &str) -> Result<Resources, ResourcesError> {
     let mut route_names = HashSet::new();
     for (index, mut table) in route_tables.into_iter().enumerate() {
         let location = format!("routes[{index}].");
-        let service = match table.remove("service") {
-            Some(toml::Value::String(name)) => name,
-            _ => {
+        // A route names its services by name: `service` (one backend), each of `backends`,
+        // and its `mirror`; a redirect names none.
+        let mut backend_services = Vec::new();
+        match table.remove("backends") {
+            Some(toml::Value::Array(backends)) => {
+                let mut resolved = Vec::with_capacity(backends.len());
+                for (position, backend) in backends.into_iter().enumerate() {
+                    let at = format!("{location}backends[{position}].");
+                    let toml::Value::Table(mut backend) = backend else {
+                        return Err(invalid(file, at, "a backend is a table with a service"));
+                    };
+                    backend_services.push(take_service_name(file, &at, &mut backend)?);
+                    resolved.push(toml::Value::Table(backend));
+                }
+                table.insert("backends".to_owned(), toml::Value::Array(resolved));
+            }
+            Some(_) => {
                 return Err(invalid(
                     file,
-                    format!("{location}service"),
-                    "the name of a service (a string) is required",
+                    format!("{location}backends"),
+                    "a list of tables, each with a service",
                 ))
             }
+            None if table.contains_key("redirect") && !table.contains_key("service") => {}
+            None => backend_services.push(take_service_name(file, &location, &mut table)?),
+        }
+        let mirror_service = match table.get_mut("mirror") {
+            Some(toml::Value::Table(mirror)) => Some(take_service_name(
+                file,
+                &format!("{location}mirror."),
+                mirror,
+            )?),
+            _ => None,
         };
-        // Validated with a placeholder id: the service is resolved by name when applying.
-        table.insert("service_id".to_owned(), toml::Value::Integer(0));
         let spec = validate::route(read(file, &location, table)?)
             .map_err(|error| field_invalid(file, &location, error))?;
         if !route_names.insert(spec.name.clone()) {
             return Err(invalid(file, format!("{location}name"), "declared twice"));
         }
-        routes.push(DeclaredRoute { service, spec });
+        routes.push(DeclaredRoute {
+            backend_services,
+            mirror_service,
+            spec,
+        });
     }
     Ok(Resources { services, routes })
 }
@@ -315,18 +369,17 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         .collect();
     // Every reference must resolve before anything is written.
     for route in &resources.routes {
-        let declared = resources
-            .services
-            .iter()
-            .any(|s| s.spec.name == route.service);
-        if !declared && !service_ids.contains_key(&route.service) {
-            return Err(StoreError::InvalidReference {
-                field: "service",
-                message: format!(
-                    "route {:?} names service {:?}, which is neither declared nor stored",
-                    route.spec.name, route.service
-                ),
-            });
+        for service in route.service_names() {
+            let declared = resources.services.iter().any(|s| &s.spec.name == service);
+            if !declared && !service_ids.contains_key(service) {
+                return Err(StoreError::InvalidReference {
+                    field: "service".into(),
+                    message: format!(
+                        "route {:?} names service {:?}, which is neither declared nor stored",
+                        route.spec.name, service
+                    ),
+                });
+            }
         }
     }
 
@@ -445,19 +498,25 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
 
     for declared in &resources.routes {
         let label = format!("route {}", declared.spec.name);
-        let Some(&service_id) = service_ids.get(&declared.service) else {
-            return Err(StoreError::InvalidReference {
-                field: "service",
-                message: format!(
-                    "route {:?} names service {:?}, which is neither declared nor stored",
-                    declared.spec.name, declared.service
-                ),
-            });
+        let id_of = |service: &String| {
+            service_ids
+                .get(service)
+                .copied()
+                .ok_or_else(|| StoreError::InvalidReference {
+                    field: "service".into(),
+                    message: format!(
+                        "route {:?} names service {:?}, which is neither declared nor stored",
+                        declared.spec.name, service
+                    ),
+                })
         };
-        let spec = RouteSpec {
-            service_id,
-            ..declared.spec.clone()
-        };
+        let mut spec = declared.spec.clone();
+        for (backend, service) in spec.backends.iter_mut().zip(&declared.backend_services) {
+            backend.service_id = id_of(service)?;
+        }
+        if let (Some(mirror), Some(service)) = (&mut spec.mirror, &declared.mirror_service) {
+            mirror.service_id = id_of(service)?;
+        }
         match current.routes.iter().find(|r| r.name == spec.name) {
             None => {
                 let new = store.create_route(&spec).await?;

@@ -18,9 +18,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::balance::{Admission, Balancer, TargetHealth, TargetLoad, Trial};
 use crate::clock::unix_ms;
 use crate::model::path::{self, EscapedSlashes};
-use crate::model::{Id, Route, Service, StreamRoute};
+use crate::model::{Id, Route, Service, StreamRoute, Target};
 
+mod backends;
+mod header_filter;
+mod route_match;
 mod stream;
+
+pub use backends::{BackendRuntime, Backends, Subset};
+pub use header_filter::{CompiledHeaderFilter, Variables};
+pub use route_match::{cookie_value, query_value, Conditions, RequestView};
 pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
 
 /// One target that may take new traffic, as the data path needs it.
@@ -35,6 +42,8 @@ pub struct TargetRuntime {
     pub load: Arc<TargetLoad>,
     /// Health-check verdict and ejection, carried by target id like `load`.
     pub health: Arc<TargetHealth>,
+    /// The stored target: weight, priority and the metadata subsets select by.
+    pub spec: Arc<Target>,
 }
 
 /// Per-service counters, carried across snapshots by service id.
@@ -128,9 +137,41 @@ pub struct RouteStats {
     /// Per bucket of [`LATENCY_BUCKETS`] (not cumulative).
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_sum_micros: AtomicU64,
+    /// Where the route's weighted backend schedule is.
+    backend_cursor: Arc<AtomicU64>,
+    /// Requests per backend label; only the control task locks it, to hand the counters out.
+    backend_requests: std::sync::Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
+    /// Requests answered by the route's redirect.
+    pub redirects: AtomicU64,
+    pub mirror: MirrorStats,
+}
+
+/// Copies of a route's requests sent to its mirror.
+#[derive(Debug, Default)]
+pub struct MirrorStats {
+    /// Requests considered for a copy (`percent` counts them).
+    pub seen: AtomicU64,
+    pub sent: AtomicU64,
+    /// Copies not made: too many out at once, or a body that streams.
+    pub dropped: AtomicU64,
+    pub in_flight: AtomicU64,
 }
 
 impl RouteStats {
+    /// The counter of requests sent to the backend `label`, the same one every snapshot.
+    pub fn backend_requests(&self, label: &str) -> Arc<AtomicU64> {
+        let mut counters = self
+            .backend_requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(counter) = counters.get(label) {
+            return counter.clone();
+        }
+        let counter = Arc::new(AtomicU64::new(0));
+        counters.insert(label.into(), counter.clone());
+        counter
+    }
+
     /// One answered request: its status and the time to its response headers.
     pub fn record(&self, status: u16, elapsed: std::time::Duration) {
         let class = usize::from((status / 100).clamp(1, 5)) - 1;
@@ -222,6 +263,43 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
+        self.pick_in(None, skip, allow_panic)
+    }
+
+    /// Whether some target (of `subset`, when given) is available now. Moves no cursor.
+    pub fn has_available(&self, subset: Option<&Subset>) -> bool {
+        let now_ms = std::cell::Cell::new(0);
+        let clock = || {
+            if now_ms.get() == 0 {
+                now_ms.set(unix_ms());
+            }
+            now_ms.get()
+        };
+        let (balancer, members) = self.members(subset);
+        balancer
+            .pick_random(|index| {
+                !self.targets[target_index(members, index)]
+                    .health
+                    .is_available(clock)
+            })
+            .is_some()
+    }
+
+    fn members<'a>(&'a self, subset: Option<&'a Subset>) -> (&'a Balancer, Option<&'a [u32]>) {
+        match subset {
+            Some(subset) => (&subset.balancer, Some(&subset.members)),
+            None => (&self.balancer, None),
+        }
+    }
+
+    /// [`ServiceRuntime::pick`] among the targets of `subset` (all targets when None).
+    pub fn pick_in(
+        &self,
+        subset: Option<&Subset>,
+        skip: impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
+    ) -> Option<Pick<'_>> {
+        let (balancer, members) = self.members(subset);
         // Read the clock at most once per pick, and only when some target has an ejection.
         let now_ms = std::cell::Cell::new(0);
         let clock = || {
@@ -231,13 +309,13 @@ impl ServiceRuntime {
             now_ms.get()
         };
         for _ in 0..TRIAL_RACES {
-            let Some(index) = self.balancer.pick(|index| {
-                let target = &self.targets[index];
+            let Some(index) = balancer.pick(|index| {
+                let target = &self.targets[target_index(members, index)];
                 skip(target) || !target.health.is_available(clock)
             }) else {
                 break;
             };
-            let target = &self.targets[index];
+            let target = &self.targets[target_index(members, index)];
             let trial = match target.health.admit(clock) {
                 Admission::Open => None,
                 Admission::Trial(trial) => Some(trial),
@@ -252,53 +330,167 @@ impl ServiceRuntime {
         if !allow_panic {
             return None;
         }
-        let index = self
-            .balancer
-            .pick_random(|index| skip(&self.targets[index]))?;
+        let index =
+            balancer.pick_random(|index| skip(&self.targets[target_index(members, index)]))?;
         self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
         Some(Pick {
-            target: &self.targets[index],
+            target: &self.targets[target_index(members, index)],
             kind: PickKind::Panic,
             trial: None,
         })
     }
 }
 
-/// A route with its service resolved.
+/// A balancer member's index as an index into the service's targets.
+fn target_index(members: Option<&[u32]>, index: usize) -> usize {
+    match members {
+        Some(members) => members[index] as usize,
+        None => index,
+    }
+}
+
+/// A route with its services resolved and its conditions compiled.
 pub struct RouteEntry {
     pub route: Route,
-    pub service: Arc<ServiceRuntime>,
+    pub backends: Backends,
+    /// Where copies go, when the route has a mirror.
+    pub mirror: Option<BackendRuntime>,
     pub stats: Arc<RouteStats>,
+    compiled: Arc<CompiledRoute>,
+}
+
+/// What a route tests and does, compiled once and shared by every rebuild of its entry.
+struct CompiledRoute {
     methods: Vec<Method>,
+    conditions: Conditions,
+    path_regex: Option<regex::Regex>,
+    request_headers: Option<CompiledHeaderFilter>,
+    response_headers: Option<CompiledHeaderFilter>,
 }
 
 impl RouteEntry {
-    /// The same route and statistics, sending to `service` (a newer build of its service).
-    fn with_service(&self, service: Arc<ServiceRuntime>) -> RouteEntry {
-        RouteEntry {
-            route: self.route.clone(),
-            service,
-            stats: self.stats.clone(),
-            methods: self.methods.clone(),
+    /// Resolves the route's services in `services`; None when one is missing (the store
+    /// forbids it, so only a route outliving its service in a rebuild).
+    fn resolve(
+        route: Route,
+        compiled: Arc<CompiledRoute>,
+        services: &HashMap<Id, Arc<ServiceRuntime>>,
+        stats: Arc<RouteStats>,
+    ) -> Option<RouteEntry> {
+        let mut backends = Vec::with_capacity(route.backends.len());
+        for backend in &route.backends {
+            let service = services.get(&backend.service_id)?.clone();
+            backends.push(BackendRuntime::new(service, backend, |label| {
+                stats.backend_requests(label)
+            }));
         }
+        let mirror = match &route.mirror {
+            Some(mirror) => Some(BackendRuntime::new(
+                services.get(&mirror.service_id)?.clone(),
+                &crate::model::Backend::whole(mirror.service_id),
+                |_| Arc::default(),
+            )),
+            None => None,
+        };
+        Some(RouteEntry {
+            backends: Backends::new(backends, stats.backend_cursor.clone()),
+            mirror,
+            compiled,
+            stats,
+            route,
+        })
     }
 
-    fn accepts(&self, method: &Method) -> bool {
-        self.methods.is_empty() || self.methods.contains(method)
+    /// The same route and statistics, resolved again in `services` (some of its services
+    /// were rebuilt).
+    fn with_services(&self, services: &HashMap<Id, Arc<ServiceRuntime>>) -> Option<RouteEntry> {
+        RouteEntry::resolve(
+            self.route.clone(),
+            self.compiled.clone(),
+            services,
+            self.stats.clone(),
+        )
+    }
+
+    /// The first backend's service: the route's own when it has one backend.
+    pub fn service(&self) -> Option<&Arc<ServiceRuntime>> {
+        self.backends.first().map(|backend| &backend.service)
+    }
+
+    pub fn request_headers(&self) -> Option<&CompiledHeaderFilter> {
+        self.compiled.request_headers.as_ref()
+    }
+
+    pub fn response_headers(&self) -> Option<&CompiledHeaderFilter> {
+        self.compiled.response_headers.as_ref()
+    }
+
+    /// The method and every header, query and cookie condition hold.
+    fn accepts(&self, request: &RequestView<'_>) -> bool {
+        (self.compiled.methods.is_empty() || self.compiled.methods.contains(request.method))
+            && self.compiled.conditions.hold_for(request)
+    }
+
+    /// Among routes equal by host and path, the first by this key wins (TRAFFIC.md §3).
+    fn precedence(&self) -> impl Ord {
+        (
+            std::cmp::Reverse(self.route.priority),
+            std::cmp::Reverse(!self.compiled.methods.is_empty()),
+            std::cmp::Reverse(self.compiled.conditions.header_and_cookie_count()),
+            std::cmp::Reverse(self.compiled.conditions.query_count()),
+            self.route.id,
+        )
     }
 
     /// The upstream path after `strip_prefix`, always starting with `/`.
     pub fn upstream_path<'a>(&self, path: &'a str) -> std::borrow::Cow<'a, str> {
-        if !self.route.strip_prefix {
+        let Some(prefix) = self
+            .route
+            .path_prefix
+            .as_deref()
+            .filter(|_| self.route.strip_prefix)
+        else {
             return path.into();
-        }
-        let prefix = self.route.path_prefix.trim_end_matches('/');
+        };
+        let prefix = prefix.trim_end_matches('/');
         let rest = path.get(prefix.len()..).unwrap_or("");
         if rest.starts_with('/') {
             rest.into()
         } else {
             format!("/{rest}").into()
         }
+    }
+}
+
+impl CompiledRoute {
+    fn compile(route: &Route) -> Result<CompiledRoute, String> {
+        let path_regex = route
+            .path_regex
+            .as_deref()
+            .map(|pattern| {
+                crate::model::whole_value_regex(pattern)
+                    .map_err(|reason| format!("path_regex: {reason}"))
+            })
+            .transpose()?;
+        Ok(CompiledRoute {
+            methods: route
+                .methods
+                .iter()
+                .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
+                .collect(),
+            conditions: Conditions::compile(route)?,
+            path_regex,
+            request_headers: route
+                .request_headers
+                .as_ref()
+                .map(CompiledHeaderFilter::compile)
+                .transpose()?,
+            response_headers: route
+                .response_headers
+                .as_ref()
+                .map(CompiledHeaderFilter::compile)
+                .transpose()?,
+        })
     }
 }
 
@@ -313,33 +505,43 @@ pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
     }
 }
 
-/// The routes of one host class, by exact path prefix. A lookup tries the request path's own
-/// prefixes at segment boundaries, longest first, so it costs O(path segments) hash lookups
-/// however many routes there are.
+/// The routes of one host class by path: exact paths, then prefixes, then regexes (TRAFFIC.md
+/// §3). A lookup tries the exact path, then the request path's own prefixes at segment
+/// boundaries, longest first, so it costs O(path segments) hash lookups however many routes
+/// there are, plus the regex routes of the host class when nothing else matched.
 #[derive(Default)]
-struct PrefixIndex {
-    /// Positions in the snapshot's route entries; each list ordered by route priority (highest
-    /// first), then id.
+struct PathIndex {
+    /// Positions in the snapshot's route entries; each list in precedence order.
     // foldhash, not SipHash: every request hashes its host and each prefix of its path. The
     // keys are the operator's; a client only chooses what is looked up.
+    exact: HashMap<String, Vec<u32>>,
     by_prefix: HashMap<String, Vec<u32>>,
+    regex: Vec<u32>,
 }
 
-impl PrefixIndex {
+impl PathIndex {
     fn insert(&mut self, position: u32, route: &Route) {
-        self.by_prefix
-            .entry(route.path_prefix.clone())
-            .or_default()
-            .push(position);
+        if let Some(exact) = &route.path_exact {
+            self.exact.entry(exact.clone()).or_default().push(position);
+        } else if route.path_regex.is_some() {
+            self.regex.push(position);
+        } else if let Some(prefix) = &route.path_prefix {
+            self.by_prefix
+                .entry(prefix.clone())
+                .or_default()
+                .push(position);
+        }
     }
 
     fn sort(&mut self, entries: &[Arc<RouteEntry>]) {
-        let key = |position: &u32| {
-            let route = &entries[*position as usize].route;
-            (std::cmp::Reverse(route.priority), route.id)
-        };
-        for list in self.by_prefix.values_mut() {
-            list.sort_by_key(key);
+        let key = |position: &u32| entries[*position as usize].precedence();
+        for list in self
+            .exact
+            .values_mut()
+            .chain(self.by_prefix.values_mut())
+            .chain(std::iter::once(&mut self.regex))
+        {
+            list.sort_by_cached_key(key);
         }
     }
 
@@ -347,18 +549,37 @@ impl PrefixIndex {
         &self,
         entries: &'a [Arc<RouteEntry>],
         path: &str,
-        method: &Method,
+        request: &RequestView<'_>,
     ) -> Option<&'a Arc<RouteEntry>> {
-        if self.by_prefix.is_empty() {
-            return None;
-        }
-        prefix_candidates(path).find_map(|prefix| {
-            self.by_prefix
-                .get(prefix)?
+        let first_accepting = |positions: &[u32]| {
+            positions
                 .iter()
                 .filter_map(|position| entries.get(*position as usize))
-                .find(|entry| entry.accepts(method))
-        })
+                .find(|entry| entry.accepts(request))
+        };
+        if !self.exact.is_empty() {
+            if let Some(found) = self.exact.get(path).and_then(|list| first_accepting(list)) {
+                return Some(found);
+            }
+        }
+        if !self.by_prefix.is_empty() {
+            let found = prefix_candidates(path)
+                .find_map(|prefix| first_accepting(self.by_prefix.get(prefix)?));
+            if found.is_some() {
+                return found;
+            }
+        }
+        self.regex
+            .iter()
+            .filter_map(|position| entries.get(*position as usize))
+            .find(|entry| {
+                entry
+                    .compiled
+                    .path_regex
+                    .as_ref()
+                    .is_some_and(|regex| regex.is_match(path))
+                    && entry.accepts(request)
+            })
     }
 }
 
@@ -383,10 +604,10 @@ fn prefix_candidates(path: &str) -> impl Iterator<Item = &str> {
 /// before and only swaps the entries of the services that changed.
 #[derive(Default)]
 struct RouteTable {
-    exact: HashMap<String, PrefixIndex>,
+    exact: HashMap<String, PathIndex>,
     /// Keyed by the suffix with its dot: `*.example.com` → `.example.com`.
-    wildcard: HashMap<String, PrefixIndex>,
-    any_host: PrefixIndex,
+    wildcard: HashMap<String, PathIndex>,
+    any_host: PathIndex,
     /// The positions of each service's routes, to re-resolve them when the service changes.
     by_service: HashMap<Id, Vec<u32>>,
 }
@@ -397,11 +618,12 @@ impl RouteTable {
         for (position, entry) in entries.iter().enumerate() {
             let position = u32::try_from(position).expect("fewer than 2^32 routes");
             let route = &entry.route;
-            table
-                .by_service
-                .entry(route.service_id)
-                .or_default()
-                .push(position);
+            let mut services: Vec<Id> = route.service_ids().collect();
+            services.sort_unstable();
+            services.dedup();
+            for service in services {
+                table.by_service.entry(service).or_default().push(position);
+            }
             if route.hosts.is_empty() {
                 table.any_host.insert(position, route);
             }
@@ -434,12 +656,12 @@ impl RouteTable {
         entries: &'a [Arc<RouteEntry>],
         host: &str,
         path: &str,
-        method: &Method,
+        request: &RequestView<'_>,
     ) -> Option<&'a Arc<RouteEntry>> {
         if let Some(found) = self
             .exact
             .get(host)
-            .and_then(|index| index.find(entries, path, method))
+            .and_then(|index| index.find(entries, path, request))
         {
             return Some(found);
         }
@@ -453,13 +675,13 @@ impl RouteTable {
                 if let Some(found) = self
                     .wildcard
                     .get(suffix)
-                    .and_then(|index| index.find(entries, path, method))
+                    .and_then(|index| index.find(entries, path, request))
                 {
                     return Some(found);
                 }
             }
         }
-        self.any_host.find(entries, path, method)
+        self.any_host.find(entries, path, request)
     }
 }
 
@@ -560,18 +782,19 @@ impl Snapshot {
             None => {
                 let mut entries = self.route_entries.clone();
                 let mut orphaned = false;
-                for id in &changed {
-                    let positions = self
-                        .routes
-                        .by_service
-                        .get(id)
-                        .map_or(&[][..], Vec::as_slice);
-                    for &position in positions {
-                        let slot = &mut entries[position as usize];
-                        match services.get(id) {
-                            Some(service) => *slot = Arc::new(slot.with_service(service.clone())),
-                            None => orphaned = true,
-                        }
+                let mut positions: Vec<u32> = changed
+                    .iter()
+                    .filter_map(|id| self.routes.by_service.get(id))
+                    .flatten()
+                    .copied()
+                    .collect();
+                positions.sort_unstable();
+                positions.dedup();
+                for position in positions {
+                    let slot = &mut entries[position as usize];
+                    match slot.with_services(&services) {
+                        Some(entry) => *slot = Arc::new(entry),
+                        None => orphaned = true,
                     }
                 }
                 if orphaned {
@@ -624,8 +847,13 @@ impl Snapshot {
     }
 
     /// `host` must be lower case and without port.
-    pub fn find_route(&self, host: &str, path: &str, method: &Method) -> Option<&Arc<RouteEntry>> {
-        self.routes.find(&self.route_entries, host, path, method)
+    pub fn find_route(
+        &self,
+        host: &str,
+        path: &str,
+        request: &RequestView<'_>,
+    ) -> Option<&Arc<RouteEntry>> {
+        self.routes.find(&self.route_entries, host, path, request)
     }
 
     pub fn service(&self, id: Id) -> Option<&Arc<ServiceRuntime>> {
@@ -642,7 +870,8 @@ impl Snapshot {
     }
 }
 
-/// Resolves each route's service (leaving out routes whose service is missing), in id order.
+/// Resolves each route's services and compiles its conditions, in id order; a route whose
+/// service is missing, or that cannot be compiled, is left out.
 fn resolve_routes(
     mut routes: Vec<Route>,
     services: &HashMap<Id, Arc<ServiceRuntime>>,
@@ -652,21 +881,18 @@ fn resolve_routes(
     routes
         .into_iter()
         .filter_map(|mut route| {
-            let service = services.get(&route.service_id)?.clone();
             if !normalize_prefix(&mut route) {
                 return None;
             }
-            let methods = route
-                .methods
-                .iter()
-                .filter_map(|m| Method::from_bytes(m.as_bytes()).ok())
-                .collect();
-            Some(Arc::new(RouteEntry {
-                stats: stats_of(route.id),
-                route,
-                service,
-                methods,
-            }))
+            let compiled = match CompiledRoute::compile(&route) {
+                Ok(compiled) => Arc::new(compiled),
+                Err(reason) => {
+                    tracing::warn!(route = route.id, name = %route.name, "route left out: {reason}");
+                    return None;
+                }
+            };
+            let stats = stats_of(route.id);
+            RouteEntry::resolve(route, compiled, services, stats).map(Arc::new)
         })
         .collect()
 }
@@ -676,17 +902,20 @@ fn resolve_routes(
 /// one that has no normal form (it climbs above the root, or has a malformed escape) could
 /// match no request: the route is left out, and said so.
 fn normalize_prefix(route: &mut Route) -> bool {
-    match path::normalize(&route.path_prefix, EscapedSlashes::Keep) {
+    let Some(prefix) = &route.path_prefix else {
+        return true;
+    };
+    match path::normalize(prefix, EscapedSlashes::Keep) {
         Ok(Cow::Borrowed(_)) => true,
         Ok(Cow::Owned(normal)) => {
-            route.path_prefix = normal;
+            route.path_prefix = Some(normal);
             true
         }
         Err(error) => {
             tracing::warn!(
                 route = route.id,
                 name = %route.name,
-                path_prefix = %route.path_prefix,
+                path_prefix = %prefix,
                 "route left out: its path_prefix {}",
                 error.reason()
             );
@@ -734,11 +963,14 @@ pub fn authority_text(host: &str, port: u16) -> String {
 }
 
 #[cfg(test)]
+mod precedence_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::{LbPolicy, Protocol, Timeouts};
 
-    fn service(id: Id) -> ServiceRuntime {
+    pub(super) fn service(id: Id) -> ServiceRuntime {
         ServiceRuntime {
             service: Service {
                 limits: crate::model::UpstreamLimits::default(),
@@ -766,29 +998,44 @@ mod tests {
         }
     }
 
-    fn route(id: Id, hosts: &[&str], prefix: &str, methods: &[&str], priority: i32) -> Route {
+    pub(super) fn route(
+        id: Id,
+        hosts: &[&str],
+        prefix: &str,
+        methods: &[&str],
+        priority: i32,
+    ) -> Route {
         Route {
             id,
             name: format!("r{id}"),
             hosts: hosts.iter().map(|h| h.to_string()).collect(),
-            path_prefix: prefix.to_owned(),
+            path_prefix: Some(prefix.to_owned()),
             methods: methods.iter().map(|m| m.to_string()).collect(),
-            service_id: 1,
-            preserve_host: false,
-            strip_prefix: false,
+            service_id: Some(1),
+            backends: vec![crate::model::Backend::whole(1)],
             priority,
-            max_request_body_bytes: None,
             request_buffer_bytes: crate::model::DEFAULT_REQUEST_BUFFER_BYTES,
             upgrades: crate::model::default_upgrades(),
-            managed_by: None,
             created_at: crate::clock::now(),
             updated_at: crate::clock::now(),
+            ..Route::default()
+        }
+    }
+
+    /// A request with no header or query conditions to meet.
+    pub(super) fn plain(method: &Method) -> RequestView<'_> {
+        static NO_HEADERS: std::sync::LazyLock<http::HeaderMap> =
+            std::sync::LazyLock::new(http::HeaderMap::new);
+        RequestView {
+            method,
+            headers: &NO_HEADERS,
+            query: None,
         }
     }
 
     fn found(snapshot: &Snapshot, host: &str, path: &str, method: Method) -> Option<Id> {
         snapshot
-            .find_route(host, path, &method)
+            .find_route(host, path, &plain(&method))
             .map(|entry| entry.route.id)
     }
 
@@ -845,7 +1092,7 @@ mod tests {
         let prefixes: Vec<&str> = snapshot
             .routes()
             .iter()
-            .map(|entry| entry.route.path_prefix.as_str())
+            .map(|entry| entry.route.path_prefix.as_deref().unwrap_or(""))
             .collect();
         assert_eq!(prefixes, ["/api/v1"], "no normal form, no route");
     }
@@ -884,12 +1131,13 @@ mod tests {
 
     fn routed_to(snapshot: &Snapshot, host: &str) -> Option<Arc<ServiceRuntime>> {
         snapshot
-            .find_route(host, "/", &Method::GET)
-            .map(|entry| entry.service.clone())
+            .find_route(host, "/", &plain(&Method::GET))
+            .and_then(|entry| entry.service().cloned())
     }
 
     fn to_service(mut route: Route, service_id: Id) -> Route {
-        route.service_id = service_id;
+        route.service_id = Some(service_id);
+        route.backends = vec![crate::model::Backend::whole(service_id)];
         route
     }
 
@@ -929,7 +1177,7 @@ mod tests {
         ));
         let stats = |snapshot: &Snapshot| {
             snapshot
-                .find_route("two.test", "/", &Method::GET)
+                .find_route("two.test", "/", &plain(&Method::GET))
                 .unwrap()
                 .stats
                 .clone()
@@ -1028,7 +1276,8 @@ mod tests {
     #[test]
     fn route_to_missing_service_is_left_out() {
         let mut orphan = route(1, &[], "/", &[], 0);
-        orphan.service_id = 99;
+        orphan.service_id = Some(99);
+        orphan.backends = vec![crate::model::Backend::whole(99)];
         let snapshot = Snapshot::new(1, vec![service(1)], vec![orphan]);
         assert_eq!(found(&snapshot, "h", "/", Method::GET), None);
     }
@@ -1038,13 +1287,17 @@ mod tests {
         let mut stripped = route(1, &[], "/api", &[], 0);
         stripped.strip_prefix = true;
         let snapshot = Snapshot::new(1, vec![service(1)], vec![stripped]);
-        let entry = snapshot.find_route("h", "/api/x", &Method::GET).unwrap();
+        let entry = snapshot
+            .find_route("h", "/api/x", &plain(&Method::GET))
+            .unwrap();
         assert_eq!(entry.upstream_path("/api/x"), "/x");
         assert_eq!(entry.upstream_path("/api"), "/");
         let mut slash = route(2, &[], "/api/", &[], 0);
         slash.strip_prefix = true;
         let snapshot = Snapshot::new(1, vec![service(1)], vec![slash]);
-        let entry = snapshot.find_route("h", "/api/x", &Method::GET).unwrap();
+        let entry = snapshot
+            .find_route("h", "/api/x", &plain(&Method::GET))
+            .unwrap();
         assert_eq!(entry.upstream_path("/api/x"), "/x");
     }
 
@@ -1080,6 +1333,7 @@ mod tests {
             .map(|id| {
                 let authority = format!("127.0.0.1:{}", 10_000 + id);
                 TargetRuntime {
+                    spec: Default::default(),
                     id,
                     host_header: HeaderValue::from_str(&authority).unwrap(),
                     authority: Authority::try_from(authority).unwrap(),

@@ -3,22 +3,22 @@
 //! upper-case methods). The admin API and the resources file both validate here, and each maps
 //! a [`ValidationError`] to its own answer once.
 
-use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::uri::Authority;
 
 use crate::discovery;
-use crate::model::path::{self, EscapedSlashes};
 use crate::model::{
-    CertificateSpec, DiscoverySourceSpec, HealthCheckKind, Protocol, RemovalGuard, RouteSpec,
-    ServiceSpec, StreamRouteSpec, TargetSpec, TokenSpec, MAX_ATTEMPTS, MAX_WEIGHT,
+    CertificateSpec, DiscoverySourceSpec, HealthCheckKind, Protocol, RemovalGuard, ServiceSpec,
+    StreamRouteSpec, TargetSpec, TokenSpec, MAX_ATTEMPTS, MAX_WEIGHT,
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
 mod json;
+mod route;
 
 pub use json::from_value;
+pub use route::{route, MAX_REQUEST_BUFFER_BYTES};
 
 /// A field an operator wrote that cannot be accepted, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,12 +41,6 @@ impl ValidationError {
 const MAX_NAME_LEN: usize = 100;
 const MAX_TIMEOUT_MS: u64 = 3_600_000;
 const MAX_METADATA_BYTES: usize = 16 * 1024;
-const MAX_HOSTS: usize = 100;
-const MAX_METHODS: usize = 16;
-const MAX_PATH_PREFIX_LEN: usize = 1024;
-/// Most a route may buffer of one request body: larger bodies stream.
-pub const MAX_REQUEST_BUFFER_BYTES: u64 = 64 * 1024 * 1024;
-const MAX_UPGRADES: usize = 16;
 /// A certificate chain, key or CA bundle larger than this is a mistake, not a PEM.
 const MAX_PEM_BYTES: usize = 1024 * 1024;
 const MAX_SNIS: usize = 100;
@@ -440,120 +434,6 @@ pub fn target(spec: TargetSpec) -> Result<TargetSpec, ValidationError> {
     Ok(spec)
 }
 
-pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
-    name("name", &spec.name)?;
-    if spec.hosts.len() > MAX_HOSTS {
-        return Err(ValidationError::new(
-            "hosts",
-            format!("at most {MAX_HOSTS} hosts"),
-        ));
-    }
-    for (index, host) in spec.hosts.iter_mut().enumerate() {
-        *host = host.to_ascii_lowercase();
-        let plain = host.strip_prefix("*.").unwrap_or(host);
-        if !is_host_name(plain) && plain.parse::<IpAddr>().is_err() {
-            return Err(ValidationError::new(
-                format!("hosts[{index}]"),
-                format!("{host:?} is not a host name, an IP address or a *.suffix wildcard"),
-            ));
-        }
-    }
-    spec.hosts.sort();
-    spec.hosts.dedup();
-    let prefix = &spec.path_prefix;
-    if !prefix.starts_with('/')
-        || prefix.len() > MAX_PATH_PREFIX_LEN
-        || prefix
-            .chars()
-            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '?' | '#'))
-    {
-        return Err(ValidationError::new(
-            "path_prefix",
-            "path_prefix must start with '/' and contain no spaces, '?' or '#'",
-        ));
-    }
-    // Stored in the normal form request paths are routed in, or it could never match. An
-    // escaped slash is kept: whether requests may carry one is the listener's setting.
-    let normal = match path::normalize(prefix, EscapedSlashes::Keep) {
-        Ok(Cow::Borrowed(_)) => None,
-        Ok(Cow::Owned(normal)) => Some(normal),
-        Err(error) => {
-            return Err(ValidationError::new(
-                "path_prefix",
-                format!("path_prefix {}", error.reason()),
-            ))
-        }
-    };
-    if let Some(normal) = normal {
-        spec.path_prefix = normal;
-    }
-    if spec.methods.len() > MAX_METHODS {
-        return Err(ValidationError::new(
-            "methods",
-            format!("at most {MAX_METHODS} methods"),
-        ));
-    }
-    for (index, method) in spec.methods.iter_mut().enumerate() {
-        *method = method.to_ascii_uppercase();
-        if method.is_empty() || !method.chars().all(|c| c.is_ascii_alphabetic()) {
-            return Err(ValidationError::new(
-                format!("methods[{index}]"),
-                format!("{method:?} is not an HTTP method"),
-            ));
-        }
-    }
-    spec.methods.sort();
-    spec.methods.dedup();
-    if spec.max_request_body_bytes == Some(0) {
-        return Err(ValidationError::new(
-            "max_request_body_bytes",
-            "must be at least 1, or null for no limit",
-        ));
-    }
-    if spec.request_buffer_bytes > MAX_REQUEST_BUFFER_BYTES {
-        return Err(ValidationError::new(
-            "request_buffer_bytes",
-            format!("at most {MAX_REQUEST_BUFFER_BYTES} (larger bodies stream)"),
-        ));
-    }
-    route_upgrades(&mut spec.upgrades)?;
-    Ok(spec)
-}
-
-/// Upgrade protocol names are tokens (RFC 9110 §7.8), kept in lower case; `h2c` is refused, as
-/// HTTP/2 over a tunnelled upgrade would bypass every route rule (RFC 9113 §3.1 removed it).
-fn route_upgrades(upgrades: &mut Vec<String>) -> Result<(), ValidationError> {
-    if upgrades.len() > MAX_UPGRADES {
-        return Err(ValidationError::new(
-            "upgrades",
-            format!("at most {MAX_UPGRADES} protocols"),
-        ));
-    }
-    for (index, protocol) in upgrades.iter_mut().enumerate() {
-        *protocol = protocol.to_ascii_lowercase();
-        let is_token = !protocol.is_empty()
-            && protocol.len() <= 64
-            && protocol
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
-        if !is_token {
-            return Err(ValidationError::new(
-                format!("upgrades[{index}]"),
-                format!("{protocol:?} is not a protocol name such as \"websocket\""),
-            ));
-        }
-        if protocol == "h2c" {
-            return Err(ValidationError::new(
-                format!("upgrades[{index}]"),
-                "h2c is never passed: HTTP/2 goes to targets through Raahi, not through a tunnel",
-            ));
-        }
-    }
-    upgrades.sort();
-    upgrades.dedup();
-    Ok(())
-}
-
 const MAX_STALE_AFTER_MS: u64 = 30 * 24 * 3_600_000;
 const MAX_REMOVAL_GRACE_MS: u64 = 24 * 3_600_000;
 const MIN_GUARD_CONFIRM_MS: u64 = 100;
@@ -618,7 +498,7 @@ pub fn token(spec: TokenSpec) -> Result<TokenSpec, ValidationError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{LbPolicy, Role, Timeouts};
+    use crate::model::{LbPolicy, Role, RouteSpec, Timeouts};
 
     fn service_spec() -> ServiceSpec {
         ServiceSpec {
@@ -776,15 +656,12 @@ mod tests {
         let spec = RouteSpec {
             name: "r".into(),
             hosts: vec!["API.Example.com".into(), "*.example.com".into()],
-            path_prefix: "/api".into(),
+            path_prefix: Some("/api".into()),
             methods: vec!["get".into()],
-            service_id: 1,
-            preserve_host: false,
-            strip_prefix: false,
-            priority: 0,
-            max_request_body_bytes: None,
+            service_id: Some(1),
             request_buffer_bytes: 1024,
             upgrades: vec!["WebSocket".into(), "websocket".into()],
+            ..RouteSpec::default()
         };
         let accepted = route(spec.clone()).unwrap();
         assert_eq!(accepted.upgrades, vec!["websocket"]);
@@ -831,7 +708,7 @@ mod tests {
         );
         assert_eq!(
             field_of(route(RouteSpec {
-                path_prefix: "api".into(),
+                path_prefix: Some("api".into()),
                 ..spec.clone()
             })),
             "path_prefix"
@@ -844,15 +721,15 @@ mod tests {
             ("/api", "/api"),
         ] {
             let accepted = route(RouteSpec {
-                path_prefix: written.into(),
+                path_prefix: Some(written.into()),
                 ..spec.clone()
             })
             .unwrap();
-            assert_eq!(accepted.path_prefix, stored, "{written}");
+            assert_eq!(accepted.path_prefix.as_deref(), Some(stored), "{written}");
         }
         for climbs_or_malformed in ["/../x", "/a/../..", "/a%2", "/a%zz"] {
             let error = route(RouteSpec {
-                path_prefix: climbs_or_malformed.into(),
+                path_prefix: Some(climbs_or_malformed.into()),
                 ..spec.clone()
             })
             .unwrap_err();

@@ -136,7 +136,7 @@ impl From<StoreError> for ApiError {
                 message,
             },
             StoreError::InvalidReference { field, message } => ApiError::Validation {
-                field: field.to_owned(),
+                field: field.into_owned(),
                 message,
             },
             StoreError::Corrupt(_)

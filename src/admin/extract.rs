@@ -95,6 +95,16 @@ impl MergePatch {
         json_patch::merge(&mut document, &serde_json::Value::Object(self.0));
         from_value(document)
     }
+
+    /// The patch names `field`, as a value or as null.
+    pub fn names(&self, field: &str) -> bool {
+        self.0.contains_key(field)
+    }
+
+    /// The patch gives `field` a value (not null).
+    pub fn names_value_for(&self, field: &str) -> bool {
+        self.0.get(field).is_some_and(|value| !value.is_null())
+    }
 }
 
 /// An `{id}` path segment.

@@ -148,6 +148,13 @@ impl AdminSample {
 #[derive(Debug)]
 struct RouteSample {
     labels: Labels,
+    name: String,
+    /// Requests per backend label.
+    backends: Vec<(String, u64)>,
+    redirects: u64,
+    mirrored: u64,
+    mirror_dropped: u64,
+    has_mirror: bool,
     responses: [u64; 5],
     buckets: Vec<(f64, u64)>,
     latency_sum: f64,
@@ -328,8 +335,41 @@ async fn gather(state: &AdminState) -> Scrape {
     for route in snapshot.routes() {
         let (buckets, latency_sum) = route.stats.latency();
         scrape.routes.push(RouteSample {
+            name: route.route.name.clone(),
+            backends: route
+                .backends
+                .list()
+                .iter()
+                .map(|backend| {
+                    (
+                        backend.label.to_string(),
+                        backend.requests.load(std::sync::atomic::Ordering::Relaxed),
+                    )
+                })
+                .collect(),
+            redirects: route
+                .stats
+                .redirects
+                .load(std::sync::atomic::Ordering::Relaxed),
+            mirrored: route
+                .stats
+                .mirror
+                .sent
+                .load(std::sync::atomic::Ordering::Relaxed),
+            mirror_dropped: route
+                .stats
+                .mirror
+                .dropped
+                .load(std::sync::atomic::Ordering::Relaxed),
+            has_mirror: route.mirror.is_some(),
             labels: vec![
-                ("service", route.service.service.name.clone()),
+                (
+                    "service",
+                    route
+                        .service()
+                        .map(|service| service.service.name.clone())
+                        .unwrap_or_default(),
+                ),
                 ("route", route.route.name.clone()),
             ],
             responses: route.stats.responses(),
@@ -650,6 +690,45 @@ impl Collector for Scrape {
                         (with(&route.labels, ("class", class.to_string())), count)
                     })
             }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_route_requests",
+            "Requests each route sent to each of its backends (service, or service{subset}).",
+            self.routes.iter().flat_map(|route| {
+                route.backends.iter().map(|(backend, count)| {
+                    let labels: Labels =
+                        vec![("route", route.name.clone()), ("backend", backend.clone())];
+                    (labels, *count)
+                })
+            }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_route_redirects",
+            "Requests answered with a route's redirect.",
+            self.routes
+                .iter()
+                .filter(|route| route.redirects > 0)
+                .map(|route| (vec![("route", route.name.clone())], route.redirects)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_route_mirrored",
+            "Copies of a route's requests sent to its mirror.",
+            self.routes
+                .iter()
+                .filter(|route| route.has_mirror)
+                .map(|route| (vec![("route", route.name.clone())], route.mirrored)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_route_mirror_dropped",
+            "Copies for a route's mirror not made: too many out at once, or a streaming body.",
+            self.routes
+                .iter()
+                .filter(|route| route.has_mirror)
+                .map(|route| (vec![("route", route.name.clone())], route.mirror_dropped)),
         )?;
         {
             let mut metric = encoder.encode_descriptor(

@@ -213,7 +213,7 @@ pub(super) fn check_protocol_change(
         if let Some(route) = snapshot
             .routes()
             .into_iter()
-            .find(|entry| entry.route.service_id == service_id)
+            .find(|entry| entry.route.service_ids().any(|id| id == service_id))
         {
             return Err(ApiError::Conflict {
                 field: Some("protocol".to_owned()),

@@ -191,6 +191,7 @@ fn build_service(
             host_header,
             load,
             health,
+            spec: target.clone(),
         });
     }
     let upstream_host = service

@@ -66,6 +66,9 @@ pub enum ProxyError {
         "the gRPC deadline of {timeout_ms} ms (grpc-timeout) passed before the target answered"
     )]
     GrpcTimeout { timeout_ms: u64 },
+    /// The route's `timeouts.request_ms` passed before a target answered, retries included.
+    #[error("route {route} answered nothing within its request timeout of {timeout_ms} ms")]
+    RequestTimeout { route: String, timeout_ms: u64 },
     /// The request asks to switch protocols and its service's targets speak HTTP/2, which
     /// cannot carry an HTTP/1.1 `Upgrade`.
     #[error("service {service} speaks HTTP/2 (h2c) to its targets, which cannot carry an Upgrade")]
@@ -96,7 +99,9 @@ impl ProxyError {
             ProxyError::ClientBodyTimeout { .. }
             | ProxyError::ClientBodyTooSlow { .. }
             | ProxyError::ClientHeaderTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::GrpcTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::GrpcTimeout { .. } | ProxyError::RequestTimeout { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
             ProxyError::NoTarget(_)
             | ProxyError::TooManyConnections { .. }
             | ProxyError::UpstreamOverloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -127,6 +132,7 @@ impl ProxyError {
             ProxyError::UnsupportedTransferCoding { .. } => "unsupported_transfer_coding",
             ProxyError::UpgradeNotSupported { .. } => "upgrade_not_supported",
             ProxyError::GrpcTimeout { .. } => "grpc_timeout",
+            ProxyError::RequestTimeout { .. } => "request_timeout",
             ProxyError::UriTooLong { .. } => "uri_too_long",
             ProxyError::HeadersTooLarge { .. } => "request_headers_too_large",
             ProxyError::BodyTooLarge { .. }
@@ -160,7 +166,7 @@ impl ProxyError {
             | ProxyError::GrpcTimeout { .. } => Blame::Client,
             ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
-            ProxyError::Upstream(_) => Blame::Upstream,
+            ProxyError::Upstream(_) | ProxyError::RequestTimeout { .. } => Blame::Upstream,
             ProxyError::TooManyConnections { .. } | ProxyError::UpstreamOverloaded { .. } => {
                 Blame::Gateway
             }
@@ -182,7 +188,8 @@ impl ProxyError {
             | ProxyError::NoTarget(_)
             | ProxyError::Upstream(_)
             | ProxyError::UpstreamOverloaded { .. }
-            | ProxyError::GrpcTimeout { .. } => false,
+            | ProxyError::GrpcTimeout { .. }
+            | ProxyError::RequestTimeout { .. } => false,
             // Refused before the body was read: where the next request starts is unknown.
             ProxyError::UpgradeNotSupported { .. } => true,
             ProxyError::ClientHeaderTimeout { .. }
@@ -518,6 +525,10 @@ mod tests {
                 service: "web".into(),
             },
             ProxyError::GrpcTimeout { timeout_ms: 200 },
+            ProxyError::RequestTimeout {
+                route: "api".into(),
+                timeout_ms: 300,
+            },
         ]);
         errors
     }
@@ -557,6 +568,7 @@ mod tests {
             ProxyError::InvalidPath { .. } => 24,
             ProxyError::UpgradeNotSupported { .. } => 27,
             ProxyError::GrpcTimeout { .. } => 28,
+            ProxyError::RequestTimeout { .. } => 29,
         }
     }
 
@@ -565,7 +577,7 @@ mod tests {
         let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen, (0..=28).collect::<Vec<_>>());
+        assert_eq!(seen, (0..=29).collect::<Vec<_>>());
     }
 
     /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.
@@ -604,6 +616,7 @@ mod tests {
                     | ProxyError::UnsupportedTransferCoding { .. }
                     | ProxyError::Spool(_)
                     | ProxyError::GrpcTimeout { .. }
+                    | ProxyError::RequestTimeout { .. }
             );
             if has_service {
                 assert!(message.contains("service web"), "{message}");
@@ -611,8 +624,8 @@ mod tests {
             checked += 1;
         }
         // Eight upstream kinds, two kinds of no target, two overloads, too many connections,
-        // two 501s, a spool failure, a spent gRPC deadline.
-        assert_eq!(checked, 17);
+        // two 501s, a spool failure, a spent gRPC deadline, a route's request timeout.
+        assert_eq!(checked, 18);
     }
 
     /// `proxy.error_details = "full"`: the log line's story, sources and targets included.

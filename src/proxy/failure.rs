@@ -340,6 +340,16 @@ impl NoTarget {
         }
     }
 
+    /// Like [`NoTarget::of`], naming the subset (`web{version=v2}`) when the backend has one.
+    pub fn of_backend(service: &ServiceRuntime, label: &str) -> NoTarget {
+        match NoTarget::of(service) {
+            NoTarget::Unavailable { .. } => NoTarget::Unavailable {
+                service: label.to_owned(),
+            },
+            discovery => discovery,
+        }
+    }
+
     pub fn blame(&self) -> Blame {
         match self {
             NoTarget::Unavailable { .. } => Blame::Gateway,

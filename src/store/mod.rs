@@ -64,7 +64,7 @@ pub enum StoreError {
     },
     #[error("{message}")]
     InvalidReference {
-        field: &'static str,
+        field: std::borrow::Cow<'static, str>,
         message: String,
     },
     #[error("stored data is corrupt: {0}")]

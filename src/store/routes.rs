@@ -1,11 +1,95 @@
-//! HTTP routes: hosts, a path prefix and methods sent to a service.
+//! HTTP routes: hosts, a path, methods and conditions sent to weighted backends. The rules
+//! beyond the original columns are one JSON document (`rules`); `route_services` lists every
+//! service a route sends to (backends and mirror) so that one in use cannot be deleted.
 
-use super::rows::RouteRow;
+use super::rows::{RouteRow, RouteRules};
 use super::{
     convert_all, foreign_key, found, json_text, now_ms, unique_name_conflict, Page, Store,
     StoreError,
 };
 use crate::model::{Id, Route, RouteSpec};
+
+/// Stores a route's columns and its `route_services` in one transaction; `$id` None inserts.
+/// Gives the route's id, or None when the route to update does not exist.
+macro_rules! write_route {
+    ($pool:ident, $spec:expr, $id:expr, $services:expr) => {{
+        let spec: &RouteSpec = $spec;
+        let now = now_ms();
+        let mut transaction = $pool.begin().await?;
+        let rules =
+            serde_json::to_string(&RouteRules::of(spec)).expect("route rules always serialise");
+        let first_service = spec.backends.first().map(|backend| backend.service_id);
+        let id: i64 = match $id {
+            None => {
+                sqlx::query_scalar::<_, i64>(
+                    "INSERT INTO routes (name, hosts, path_prefix, methods, service_id,
+                        preserve_host, strip_prefix, priority, max_request_body_bytes,
+                        request_buffer_bytes, upgrades, rules, created_at, updated_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13)
+                     RETURNING id",
+                )
+                .bind(&spec.name)
+                .bind(json_text(&spec.hosts))
+                .bind(&spec.path_prefix)
+                .bind(json_text(&spec.methods))
+                .bind(first_service)
+                .bind(spec.preserve_host)
+                .bind(spec.strip_prefix)
+                .bind(i64::from(spec.priority))
+                .bind(spec.max_request_body_bytes.map(stored_size))
+                .bind(stored_size(spec.request_buffer_bytes))
+                .bind(json_text(&spec.upgrades))
+                .bind(&rules)
+                .bind(now)
+                .fetch_one(&mut *transaction)
+                .await?
+            }
+            Some(id) => {
+                let affected = sqlx::query(
+                    "UPDATE routes SET name = $1, hosts = $2, path_prefix = $3, methods = $4,
+                        service_id = $5, preserve_host = $6, strip_prefix = $7, priority = $8,
+                        max_request_body_bytes = $9, request_buffer_bytes = $10, upgrades = $11,
+                        rules = $12, updated_at = $13
+                     WHERE id = $14",
+                )
+                .bind(&spec.name)
+                .bind(json_text(&spec.hosts))
+                .bind(&spec.path_prefix)
+                .bind(json_text(&spec.methods))
+                .bind(first_service)
+                .bind(spec.preserve_host)
+                .bind(spec.strip_prefix)
+                .bind(i64::from(spec.priority))
+                .bind(spec.max_request_body_bytes.map(stored_size))
+                .bind(stored_size(spec.request_buffer_bytes))
+                .bind(json_text(&spec.upgrades))
+                .bind(&rules)
+                .bind(now)
+                .bind(id)
+                .execute(&mut *transaction)
+                .await?
+                .rows_affected();
+                if affected == 0 {
+                    return Ok(None);
+                }
+                sqlx::query("DELETE FROM route_services WHERE route_id = $1")
+                    .bind(id)
+                    .execute(&mut *transaction)
+                    .await?;
+                id
+            }
+        };
+        for service_id in $services {
+            sqlx::query("INSERT INTO route_services (route_id, service_id) VALUES ($1, $2)")
+                .bind(id)
+                .bind(service_id)
+                .execute(&mut *transaction)
+                .await?;
+        }
+        transaction.commit().await?;
+        Ok::<Option<i64>, sqlx::Error>(Some(id))
+    }};
+}
 
 impl Store {
     pub async fn list_routes(&self, page: Page) -> Result<Vec<Route>, StoreError> {
@@ -31,77 +115,46 @@ impl Store {
     }
 
     pub async fn create_route(&self, spec: &RouteSpec) -> Result<Route, StoreError> {
-        self.require_service_for_route(spec.service_id).await?;
-        let now = now_ms();
-        let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
-            "INSERT INTO routes (name, hosts, path_prefix, methods, service_id, preserve_host,
-                strip_prefix, priority, max_request_body_bytes, request_buffer_bytes, upgrades,
-                created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) RETURNING id",
-        )
-        .bind(&spec.name)
-        .bind(json_text(&spec.hosts))
-        .bind(&spec.path_prefix)
-        .bind(json_text(&spec.methods))
-        .bind(spec.service_id)
-        .bind(spec.preserve_host)
-        .bind(spec.strip_prefix)
-        .bind(i64::from(spec.priority))
-        .bind(spec.max_request_body_bytes.map(stored_size))
-        .bind(stored_size(spec.request_buffer_bytes))
-        .bind(json_text(&spec.upgrades))
-        .bind(now)
-        .bind(now)
-        .fetch_one(pool)
-        .await)
-        .map_err(|e| unique_name_conflict(e, "route", &spec.name))
-        .map_err(|e| match e {
-            StoreError::Database(error) => foreign_key(
-                error,
-                "service_id",
-                format!("service {} was deleted", spec.service_id),
-            ),
-            other => other,
-        })?;
+        let services = self.require_services_for_route(spec).await?;
+        let id = self.write_route(spec, None, &services).await?;
         self.get_route(id).await
     }
 
     pub async fn update_route(&self, id: Id, spec: &RouteSpec) -> Result<Route, StoreError> {
-        self.require_service_for_route(spec.service_id).await?;
-        let affected = on_pool!(self, |pool| sqlx::query(
-            "UPDATE routes SET name = $1, hosts = $2, path_prefix = $3, methods = $4, service_id = $5,
-                preserve_host = $6, strip_prefix = $7, priority = $8,
-                max_request_body_bytes = $9, request_buffer_bytes = $10, upgrades = $11,
-                updated_at = $12
-             WHERE id = $13",
-        )
-        .bind(&spec.name)
-        .bind(json_text(&spec.hosts))
-        .bind(&spec.path_prefix)
-        .bind(json_text(&spec.methods))
-        .bind(spec.service_id)
-        .bind(spec.preserve_host)
-        .bind(spec.strip_prefix)
-        .bind(i64::from(spec.priority))
-        .bind(spec.max_request_body_bytes.map(stored_size))
-        .bind(stored_size(spec.request_buffer_bytes))
-        .bind(json_text(&spec.upgrades))
-        .bind(now_ms())
-        .bind(id)
-        .execute(pool)
-        .await
-.map(|done| done.rows_affected()))
-        .map_err(|e| unique_name_conflict(e, "route", &spec.name))
-        .map_err(|e| match e {
-            StoreError::Database(error) => foreign_key(
-                error,
-                "service_id",
-                format!("service {} was deleted", spec.service_id),
-            ),
-            other => other,
-        })?;
-        found(affected, "route", id)?;
+        let services = self.require_services_for_route(spec).await?;
+        self.write_route(spec, Some(id), &services).await?;
         self.get_route(id).await
+    }
+
+    async fn write_route(
+        &self,
+        spec: &RouteSpec,
+        id: Option<Id>,
+        services: &[Id],
+    ) -> Result<Id, StoreError> {
+        let written = async {
+            on_pool!(self, |pool| write_route!(
+                pool,
+                spec,
+                id,
+                services.iter().copied()
+            ))
+        };
+        match written.await {
+            Ok(Some(written)) => Ok(written),
+            Ok(None) => Err(StoreError::NotFound {
+                kind: "route",
+                id: id.unwrap_or_default(),
+            }),
+            Err(error) => Err(match unique_name_conflict(error, "route", &spec.name) {
+                StoreError::Database(error) => foreign_key(
+                    error,
+                    "backends",
+                    "a service the route sends to was deleted".to_owned(),
+                ),
+                other => other,
+            }),
+        }
     }
 
     pub async fn delete_route(&self, id: Id) -> Result<(), StoreError> {
@@ -114,15 +167,34 @@ impl Store {
         Ok(())
     }
 
-    async fn require_service_for_route(&self, service_id: Id) -> Result<(), StoreError> {
-        match self.get_service(service_id).await {
-            Ok(_) => Ok(()),
-            Err(StoreError::NotFound { .. }) => Err(StoreError::InvalidReference {
-                field: "service_id",
-                message: format!("service {service_id} does not exist"),
-            }),
-            Err(other) => Err(other),
+    /// Every service the route names must exist; returns them once each, backends first.
+    async fn require_services_for_route(&self, spec: &RouteSpec) -> Result<Vec<Id>, StoreError> {
+        let mut named: Vec<(String, Id)> = spec
+            .backends
+            .iter()
+            .enumerate()
+            .map(|(index, backend)| (format!("backends[{index}].service_id"), backend.service_id))
+            .collect();
+        if let Some(mirror) = &spec.mirror {
+            named.push(("mirror.service_id".to_owned(), mirror.service_id));
         }
+        let mut services: Vec<Id> = Vec::with_capacity(named.len());
+        for (field, service_id) in named {
+            if services.contains(&service_id) {
+                continue;
+            }
+            match self.get_service(service_id).await {
+                Ok(_) => services.push(service_id),
+                Err(StoreError::NotFound { .. }) => {
+                    return Err(StoreError::InvalidReference {
+                        field: field.into(),
+                        message: format!("service {service_id} does not exist"),
+                    })
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Ok(services)
     }
 }
 

@@ -4,7 +4,8 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::StoreError;
 use crate::model::{
-    DiscoverySource, Health, LbPolicy, Protocol, ProviderKind, Role, Route, Service,
+    Backend, Condition, Cors, DiscoverySource, HeaderFilter, Health, LbPolicy, Mirror, Protocol,
+    ProviderKind, Redirect, Rewrite, Role, Route, RouteSpec, RouteTimeouts, Service,
     SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
 };
 
@@ -164,15 +165,16 @@ pub(super) struct RouteRow {
     id: i64,
     name: String,
     hosts: String,
-    path_prefix: String,
+    path_prefix: Option<String>,
     methods: String,
-    service_id: i64,
+    service_id: Option<i64>,
     preserve_host: bool,
     strip_prefix: bool,
     priority: i64,
     max_request_body_bytes: Option<i64>,
     request_buffer_bytes: i64,
     upgrades: String,
+    rules: String,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -181,13 +183,33 @@ pub(super) struct RouteRow {
 impl TryFrom<RouteRow> for Route {
     type Error = StoreError;
     fn try_from(row: RouteRow) -> Result<Self, StoreError> {
+        let rules: RouteRules = serde_json::from_str(&row.rules)
+            .map_err(|e| StoreError::Corrupt(format!("route {} rules: {e}", row.id)))?;
+        // Routes stored before backends existed name their one service in the column.
+        let backends = match (rules.backends.is_empty(), row.service_id) {
+            (true, Some(service_id)) => vec![Backend::whole(service_id)],
+            _ => rules.backends,
+        };
         Ok(Route {
             id: row.id,
             name: row.name,
             hosts: string_list(&row.hosts, "route hosts")?,
             path_prefix: row.path_prefix,
+            path_exact: rules.path_exact,
+            path_regex: rules.path_regex,
             methods: string_list(&row.methods, "route methods")?,
-            service_id: row.service_id,
+            headers: rules.headers,
+            query: rules.query,
+            cookies: rules.cookies,
+            service_id: backends.first().map(|backend| backend.service_id),
+            backends,
+            request_headers: rules.request_headers,
+            response_headers: rules.response_headers,
+            redirect: rules.redirect,
+            rewrite: rules.rewrite,
+            mirror: rules.mirror,
+            cors: rules.cors,
+            timeouts: rules.timeouts,
             preserve_host: row.preserve_host,
             strip_prefix: row.strip_prefix,
             priority: i32::try_from(row.priority)
@@ -336,4 +358,56 @@ impl TryFrom<SourceRow> for DiscoverySource {
 
 fn size(bytes: i64, what: &str) -> Result<u64, StoreError> {
     u64::try_from(bytes).map_err(|_| StoreError::Corrupt(format!("{what} {bytes}")))
+}
+
+/// The parts of a route kept as one JSON document in `routes.rules`; every field optional, so
+/// routes stored before them read as `{}`.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub(super) struct RouteRules {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path_exact: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path_regex: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<Condition>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub query: Vec<Condition>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cookies: Vec<Condition>,
+    pub backends: Vec<Backend>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_headers: Option<HeaderFilter>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_headers: Option<HeaderFilter>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redirect: Option<Redirect>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rewrite: Option<Rewrite>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<Mirror>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cors: Option<Cors>,
+    #[serde(skip_serializing_if = "RouteTimeouts::is_empty")]
+    pub timeouts: RouteTimeouts,
+}
+
+impl RouteRules {
+    pub fn of(spec: &RouteSpec) -> RouteRules {
+        RouteRules {
+            path_exact: spec.path_exact.clone(),
+            path_regex: spec.path_regex.clone(),
+            headers: spec.headers.clone(),
+            query: spec.query.clone(),
+            cookies: spec.cookies.clone(),
+            backends: spec.backends.clone(),
+            request_headers: spec.request_headers.clone(),
+            response_headers: spec.response_headers.clone(),
+            redirect: spec.redirect.clone(),
+            rewrite: spec.rewrite.clone(),
+            mirror: spec.mirror.clone(),
+            cors: spec.cors.clone(),
+            timeouts: spec.timeouts,
+        }
+    }
 }

@@ -100,12 +100,15 @@ impl Store {
 
     /// Deletes a service and its targets; refused while a route still sends traffic to it.
     pub async fn delete_service(&self, id: Id) -> Result<(), StoreError> {
-        let route_names: Vec<(String,)> = on_pool!(self, |pool| sqlx::query_as(
-            "SELECT name FROM routes WHERE service_id = $1 ORDER BY id LIMIT 5"
+        let route_names: Vec<(String,)> = on_pool!(self, |pool| {
+            sqlx::query_as(
+            "SELECT name FROM routes WHERE id IN (SELECT route_id FROM route_services WHERE service_id = $1)
+             ORDER BY id LIMIT 5"
         )
         .bind(id)
         .fetch_all(pool)
-        .await)?;
+        .await
+        })?;
         if !route_names.is_empty() {
             let names: Vec<String> = route_names.into_iter().map(|(name,)| name).collect();
             return Err(StoreError::Conflict {

@@ -51,7 +51,7 @@ fn duplicate_route(error: sqlx::Error, spec: &StreamRouteSpec) -> StoreError {
         },
         sqlx::Error::Database(db) if db.is_foreign_key_violation() => {
             StoreError::InvalidReference {
-                field: "service_id",
+                field: "service_id".into(),
                 message: format!("service {} does not exist", spec.service_id),
             }
         }

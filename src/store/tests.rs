@@ -89,15 +89,16 @@ fn route_spec(name: &str, service_id: Id) -> RouteSpec {
     RouteSpec {
         name: name.to_owned(),
         hosts: vec!["a.test".into()],
-        path_prefix: "/api".into(),
+        path_prefix: Some("/api".into()),
         methods: vec!["GET".into()],
-        service_id,
+        backends: vec![crate::model::Backend::whole(service_id)],
         preserve_host: true,
         strip_prefix: false,
         priority: 3,
         max_request_body_bytes: Some(4096),
         request_buffer_bytes: 0,
         upgrades: vec!["websocket".into(), "x-custom".into()],
+        ..RouteSpec::default()
     }
 }
 
@@ -163,10 +164,7 @@ async fn route_needs_an_existing_service_and_blocks_its_deletion(kind: Kind) {
     let dangling = store.create_route(&route_spec("r", 42)).await.unwrap_err();
     assert!(matches!(
         dangling,
-        StoreError::InvalidReference {
-            field: "service_id",
-            ..
-        }
+        StoreError::InvalidReference { ref field, .. } if field == "backends[0].service_id"
     ));
     let service = store.create_service(&service_spec("web")).await.unwrap();
     let route = store
@@ -507,10 +505,7 @@ async fn stream_routes_and_certificates_conflict_the_same_way(kind: Kind) {
     };
     assert!(matches!(
         store.create_stream_route(&dangling).await.unwrap_err(),
-        StoreError::InvalidReference {
-            field: "service_id",
-            ..
-        }
+        StoreError::InvalidReference { ref field, .. } if field == "service_id"
     ));
     assert!(matches!(
         store.delete_service(service.id).await.unwrap_err(),

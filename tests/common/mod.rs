@@ -294,6 +294,7 @@ pub fn target(upstream: &Upstream, weight: u32, priority: i32) -> Value {
 pub struct Seen {
     pub method: String,
     pub path: String,
+    pub query: Option<String>,
     pub headers: BTreeMap<String, Vec<String>>,
     pub body_len: usize,
 }
@@ -423,6 +424,7 @@ async fn answer(
             .push(value.to_str().unwrap_or("").to_owned());
     }
     let method = request.method().to_string();
+    let query = request.uri().query().map(str::to_owned);
 
     if path == "/ws" {
         return Ok(upgrade_echo(request));
@@ -442,6 +444,7 @@ async fn answer(
     }
     seen.lock().unwrap().push(Seen {
         method,
+        query,
         path: path.clone(),
         headers,
         body_len,

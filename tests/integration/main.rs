@@ -38,6 +38,7 @@ mod operability;
 mod proxy;
 mod registration;
 mod request_spool;
+mod route_rules;
 mod smoke;
 mod stream_routes;
 mod tls;

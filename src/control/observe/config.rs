@@ -77,7 +77,7 @@ impl Observer {
             self.report_sources(&previous_sources, &sources, entries);
             if let Some(routes) = &routes {
                 self.report_plain(ConfigKind::Route, &self.routes, routes, |route| {
-                    (Some(route.service_id), Some(route.name.clone()))
+                    (route.service_id, Some(route.name.clone()))
                 });
             }
             if let Some(stream_routes) = &stream_routes {

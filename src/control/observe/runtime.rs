@@ -137,6 +137,7 @@ mod tests {
 
     fn runtime() -> TargetRuntime {
         TargetRuntime {
+            spec: Default::default(),
             id: 1,
             authority: "10.0.0.1:80".parse().unwrap(),
             host_header: http::HeaderValue::from_static("10.0.0.1:80"),

@@ -44,6 +44,7 @@ pub(super) struct Entry {
     request_id: HeaderValue,
     client: SocketAddr,
     route: Option<Arc<RouteEntry>>,
+    backend: Option<Arc<str>>,
     target: Option<Authority>,
     upstream_elapsed: Option<Duration>,
     status: u16,
@@ -70,6 +71,7 @@ impl Entry {
             request_id: request_id.clone(),
             client,
             route: exchange.route.clone(),
+            backend: exchange.backend.clone(),
             target: exchange.target.clone(),
             upstream_elapsed: exchange.upstream_elapsed,
             status: response.status().as_u16(),
@@ -98,10 +100,13 @@ impl Entry {
             fields.str("path", line.uri.path());
             fields.str("protocol", protocol(line.version));
             fields.opt_str("route", route.map(|route| route.route.name.as_str()));
+            // The backend's label is its service's name, then its subset's labels if any.
+            let backend = self.backend.as_deref();
             fields.opt_str(
                 "service",
-                route.map(|route| route.service.service.name.as_str()),
+                backend.map(|label| label.split('{').next().unwrap_or(label)),
             );
+            fields.opt_str("backend", backend);
             fields.opt_str("target", self.target.as_ref().map(|target| target.as_str()));
             fields.u64("status", u64::from(self.status));
             if self.grpc {

@@ -5,6 +5,7 @@
 
 mod access_log;
 mod checks;
+mod mirror;
 mod request_body;
 mod retry;
 mod rewrite;
@@ -29,7 +30,7 @@ use super::error::ProxyError;
 use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
-use crate::snapshot::RouteEntry;
+use crate::snapshot::{RequestView, RouteEntry, Variables};
 
 pub use request_body::BodySettings;
 pub use upgrade::{tunnel, UpgradeHandoff};
@@ -76,6 +77,8 @@ impl<G: Unpin> http_body::Body for GuardedBody<G> {
 #[derive(Default)]
 pub(super) struct Exchange {
     pub route: Option<Arc<RouteEntry>>,
+    /// The route's backend the request went to (its metrics label).
+    pub backend: Option<Arc<str>>,
     /// The target of the last attempt.
     pub target: Option<Authority>,
     /// From the first attempt's start to the upstream's response headers (or the failure).
@@ -83,7 +86,7 @@ pub(super) struct Exchange {
 }
 
 pub async fn handle(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     request: Request<Incoming>,
     downstream: &Downstream,
 ) -> Response<ProxyBody> {
@@ -164,7 +167,7 @@ pub async fn handle(
 }
 
 async fn forward(
-    state: &ProxyState,
+    state: &Arc<ProxyState>,
     mut request: Request<Incoming>,
     downstream: &Downstream,
     request_id: &HeaderValue,
@@ -176,20 +179,38 @@ async fn forward(
     // Routed, and sent upstream, in its normal form: the target must serve what the route
     // was chosen for. The access log keeps what the client sent.
     rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
-    let route = {
-        let snapshot = state.snapshots.load();
-        let host = rewrite::request_host(&request);
-        let path = request.uri().path();
-        snapshot
-            .find_route(&host, path, request.method())
-            .cloned()
-            .ok_or_else(|| ProxyError::NoRoute {
-                host: host.into_owned(),
-                path: path.to_owned(),
-            })?
-    };
-    let service = route.service.clone();
+    let preflight = super::cors::is_preflight(request.method(), request.headers());
+    let route = find_route(state, &request, preflight)?;
     exchange.route = Some(route.clone());
+    if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
+        return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));
+    }
+    if let Some(redirect) = &route.route.redirect {
+        route.stats.redirects.fetch_add(1, Ordering::Relaxed);
+        let host = rewrite::request_host(&request);
+        let requested = super::redirect::Requested {
+            uri: request.uri(),
+            host: &host,
+            port: rewrite::request_port(&request),
+            over_tls: downstream.over_tls,
+        };
+        return Ok(super::redirect::answer(redirect, &route.route, &requested).map(Either::Right));
+    }
+    let Some(backend) = route.backends.choose() else {
+        // Validation gives every route without a redirect a backend.
+        return Err(ProxyError::NoRoute {
+            host: rewrite::request_host(&request).into_owned(),
+            path: request.uri().path().to_owned(),
+        });
+    };
+    backend.requests.fetch_add(1, Ordering::Relaxed);
+    let service = backend.service.clone();
+    exchange.backend = Some(backend.label.clone());
+    let origin = route
+        .route
+        .cors
+        .as_ref()
+        .and_then(|_| request.headers().get(header::ORIGIN).cloned());
 
     let upgrade_asked = upgrade_passed(&mut request, &route);
     if upgrade_asked.is_some() && service.service.protocol == crate::model::Protocol::H2c {
@@ -198,6 +219,12 @@ async fn forward(
         });
     }
     let upgrade = upgrade_asked.map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
+    let response_variables = route.response_headers().map(|_| {
+        (
+            rewrite::request_host(&request).into_owned(),
+            downstream.client.ip(),
+        )
+    });
     let (parts, body) = request.into_parts();
     let body =
         request_body::read_request_body(body, &parts.headers, &route.route, &state.bodies).await?;
@@ -210,9 +237,23 @@ async fn forward(
         request_id,
         upgrade.as_ref().and_then(|(_, p)| p.clone()),
     );
-    let (upstream, in_flight, target) =
-        retry::send_with_retries(state, &service, outgoing, exchange, grpc).await?;
-    Ok(respond(
+    if route.mirror.is_some() && !outgoing.upgrade {
+        mirror::maybe_copy(state, &route, &outgoing);
+    }
+    let timeouts = route.route.timeouts;
+    let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
+    let sending =
+        retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout);
+    let (upstream, in_flight, target) = match timeouts.request_ms {
+        None => sending.await?,
+        Some(timeout_ms) => tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
+            .await
+            .map_err(|_| ProxyError::RequestTimeout {
+                route: route.route.name.clone(),
+                timeout_ms,
+            })??,
+    };
+    let mut response = respond(
         upstream,
         in_flight,
         Answering::new(service, target),
@@ -220,7 +261,57 @@ async fn forward(
         downstream,
         client_http1,
         grpc,
-    ))
+    );
+    if let (Some(filter), Some((host, client_ip))) = (route.response_headers(), &response_variables)
+    {
+        filter.apply(
+            response.headers_mut(),
+            &Variables {
+                client_ip: *client_ip,
+                request_id,
+                host,
+                scheme: if downstream.over_tls { "https" } else { "http" },
+            },
+        );
+    }
+    if let Some(cors) = &route.route.cors {
+        super::cors::decorate(cors, origin.as_ref(), response.headers_mut());
+    }
+    Ok(response)
+}
+
+/// The route for `request`. A CORS preflight is matched by the method it asks about when the
+/// route its own `OPTIONS` finds does not answer preflights.
+fn find_route(
+    state: &ProxyState,
+    request: &Request<Incoming>,
+    preflight: bool,
+) -> Result<Arc<RouteEntry>, ProxyError> {
+    let snapshot = state.snapshots.load();
+    let host = rewrite::request_host(request);
+    let path = request.uri().path();
+    let view = |method| RequestView {
+        method,
+        headers: request.headers(),
+        query: request.uri().query(),
+    };
+    let found = snapshot.find_route(&host, path, &view(request.method()));
+    let found = match found {
+        Some(route) if !preflight || route.route.cors.is_some() => Some(route),
+        other if preflight => {
+            let asked = super::cors::requested_method(request.headers());
+            asked
+                .as_ref()
+                .and_then(|method| snapshot.find_route(&host, path, &view(method)))
+                .filter(|route| route.route.cors.is_some())
+                .or(other)
+        }
+        other => other,
+    };
+    found.cloned().ok_or_else(|| ProxyError::NoRoute {
+        host: host.into_owned(),
+        path: path.to_owned(),
+    })
 }
 
 /// The `Upgrade` a request asks for when its route passes it. An upgrade the route does not

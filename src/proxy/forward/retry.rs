@@ -23,7 +23,7 @@ use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
 use crate::proxy::ProxyState;
-use crate::snapshot::{ServiceRuntime, TargetRuntime};
+use crate::snapshot::{BackendRuntime, ServiceRuntime, TargetRuntime};
 
 static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 
@@ -39,16 +39,20 @@ const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 /// [`Retry`]: crate::proxy::failure::Retry
 pub(super) async fn send_with_retries(
     state: &ProxyState,
-    service: &ServiceRuntime,
+    backend: &BackendRuntime,
     mut outgoing: Outgoing,
     exchange: &mut Exchange,
     grpc: bool,
+    attempt_timeout: Option<Duration>,
 ) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
+    let service: &ServiceRuntime = &backend.service;
     let started = Instant::now();
     let counters = &service.counters;
     let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
+    // A route's per-attempt timeout shortens the service's, never lengthens it.
     let service_response_timeout =
-        Duration::from_millis(service.service.timeouts.response_header_ms);
+        Duration::from_millis(service.service.timeouts.response_header_ms)
+            .min(attempt_timeout.unwrap_or(Duration::MAX));
     let mut tried = Tried::default();
     // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
     // what is left of it.
@@ -65,8 +69,11 @@ pub(super) async fn send_with_retries(
         let first_attempt = attempt == 1;
         // Held to the end of the attempt, past its recorded outcome: a half-open trial must
         // not pass to the next request before its verdict.
-        let Some(pick) = service.pick(|candidate| tried.contains(candidate.id), first_attempt)
-        else {
+        let Some(pick) = service.pick_in(
+            backend.subset.as_ref(),
+            |candidate| tried.contains(candidate.id),
+            first_attempt,
+        ) else {
             break;
         };
         let target = pick.target;
@@ -267,7 +274,7 @@ pub(super) async fn send_with_retries(
     }
     Err(match last_failure {
         Some(failure) => ProxyError::Upstream(failure),
-        None => ProxyError::NoTarget(NoTarget::of(service)),
+        None => ProxyError::NoTarget(NoTarget::of_backend(service, &backend.label)),
     })
 }
 

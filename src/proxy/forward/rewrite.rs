@@ -11,7 +11,7 @@ use crate::model::path::{self, EscapedSlashes};
 use crate::proxy::body::{BufferedBody, ClientBody, UpstreamRequestBody};
 use crate::proxy::error::ProxyError;
 use crate::proxy::headers::{self, X_REQUEST_ID};
-use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime};
+use crate::snapshot::{RouteEntry, ServiceRuntime, TargetRuntime, Variables};
 
 /// The host a request is for: lower case, without port.
 pub(super) fn request_host<B>(request: &Request<B>) -> Cow<'_, str> {
@@ -32,6 +32,20 @@ pub(super) fn host_of<'a>(uri: &'a Uri, host_header: Option<&'a HeaderValue>) ->
     } else {
         Cow::Borrowed(host)
     }
+}
+
+/// The port the client named in the request's authority or Host, if any.
+pub(super) fn request_port<B>(request: &Request<B>) -> Option<u16> {
+    let raw = request
+        .uri()
+        .authority()
+        .map(|authority| authority.as_str())
+        .or_else(|| request.headers().get(header::HOST)?.to_str().ok())?;
+    let after_host = match raw.strip_prefix('[') {
+        Some(rest) => rest.split_once(']')?.1,
+        None => raw,
+    };
+    after_host.rsplit_once(':')?.1.parse().ok()
 }
 
 fn strip_port(authority: &str) -> &str {
@@ -101,6 +115,27 @@ pub(super) struct Outgoing {
 }
 
 impl Outgoing {
+    /// A copy to send elsewhere as well, when the body is already read whole (or there is
+    /// none): a streaming body cannot be copied without holding the request back.
+    pub fn try_clone(&self) -> Option<Outgoing> {
+        let body = match &self.body {
+            PendingBody::Empty => PendingBody::Empty,
+            PendingBody::Buffered(body) => PendingBody::Buffered(body.clone()),
+            PendingBody::Streaming(_) | PendingBody::Consumed => return None,
+        };
+        Some(Outgoing {
+            method: self.method.clone(),
+            path_and_query: self.path_and_query.clone(),
+            headers: self.headers.clone(),
+            host_from_target: self.host_from_target,
+            upgrade: self.upgrade,
+            host_from_client: self.host_from_client,
+            finish_if_abandoned: false,
+            body_limit: self.body_limit,
+            body,
+        })
+    }
+
     /// The request must not ride an HTTP/2 connection keyed by its Host.
     pub fn http1_only(&self) -> bool {
         self.upgrade || self.host_from_client
@@ -128,6 +163,10 @@ pub(super) fn prepare(
     upgrade_protocol: Option<HeaderValue>,
 ) -> Outgoing {
     let mut headers = parts.headers;
+    // Only a filter with variables needs the host the client asked for.
+    let request_host = route
+        .request_headers()
+        .map(|_| host_of(&parts.uri, headers.get(header::HOST)).into_owned());
     // hyper sized the map for the client's fields: make room once for the ones added below
     // (X-Forwarded-*, Via, X-Request-Id, Host), rather than growing it field by field.
     headers.reserve(6);
@@ -155,10 +194,29 @@ pub(super) fn prepare(
         headers.insert(header::UPGRADE, protocol);
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
-    let (chosen_host, host_from_client) = match (route.route.preserve_host, &original_host) {
-        (true, Some(host)) => (Some(host.clone()), true),
-        _ => (service.upstream_host.clone(), false),
-    };
+    let rewritten_host = route
+        .route
+        .rewrite
+        .as_ref()
+        .and_then(|rewrite| rewrite.hostname.as_deref())
+        .and_then(|hostname| HeaderValue::from_str(hostname).ok());
+    let (chosen_host, host_from_client) =
+        match (rewritten_host, route.route.preserve_host, &original_host) {
+            (Some(rewritten), _, _) => (Some(rewritten), false),
+            (None, true, Some(host)) => (Some(host.clone()), true),
+            _ => (service.upstream_host.clone(), false),
+        };
+    if let Some(filter) = route.request_headers() {
+        filter.apply(
+            &mut headers,
+            &Variables {
+                client_ip: downstream.client.ip(),
+                request_id,
+                host: request_host.as_deref().unwrap_or(""),
+                scheme: if downstream.over_tls { "https" } else { "http" },
+            },
+        );
+    }
     let host_from_target = chosen_host.is_none();
     // Without a chosen Host the client's stays in the map: each attempt replaces it with its
     // target's authority, so removing it here would only cost a hashed removal per request.
@@ -200,10 +258,19 @@ fn upstream_path_and_query(route: &RouteEntry, uri: &Uri) -> PathAndQuery {
         .path_and_query()
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    if !route.route.strip_prefix {
-        return original;
-    }
-    let path = route.upstream_path(original.path());
+    let rewrite = route.route.rewrite.as_ref();
+    let path = match (
+        rewrite.and_then(|rewrite| rewrite.path.as_deref()),
+        rewrite.and_then(|rewrite| rewrite.prefix.as_deref()),
+        route.route.path_prefix.as_deref(),
+    ) {
+        (Some(whole), _, _) => Cow::Borrowed(whole),
+        (None, Some(replacement), Some(matched)) => Cow::Owned(
+            crate::proxy::redirect::replace_prefix(original.path(), matched, replacement),
+        ),
+        _ if route.route.strip_prefix => route.upstream_path(original.path()),
+        _ => return original,
+    };
     let rewritten = match original.query() {
         Some(query) => format!("{path}?{query}"),
         None => path.into_owned(),
@@ -347,22 +414,29 @@ mod tests {
             id: 7,
             name: "api".into(),
             hosts: Vec::new(),
-            path_prefix: "/api".into(),
-            methods: Vec::new(),
-            service_id: 1,
+            path_prefix: Some("/api".into()),
+            service_id: Some(1),
+            backends: vec![crate::model::Backend::whole(1)],
             preserve_host: rule.preserve_host,
             strip_prefix: rule.strip_prefix,
-            priority: 0,
-            max_request_body_bytes: None,
             request_buffer_bytes: crate::model::DEFAULT_REQUEST_BUFFER_BYTES,
             upgrades: crate::model::default_upgrades(),
-            managed_by: None,
             created_at: crate::clock::now(),
             updated_at: crate::clock::now(),
+            ..Route::default()
         };
         let snapshot = Snapshot::new(1, vec![service], vec![route]);
+        let headers = http::HeaderMap::new();
         snapshot
-            .find_route("shop.example", "/api", &Method::GET)
+            .find_route(
+                "shop.example",
+                "/api",
+                &crate::snapshot::RequestView {
+                    method: &Method::GET,
+                    headers: &headers,
+                    query: None,
+                },
+            )
             .cloned()
             .expect("the route matches")
     }
@@ -373,7 +447,7 @@ mod tests {
         let (parts, ()) = request.into_parts();
         prepare(
             &route,
-            &route.service,
+            route.service().unwrap(),
             parts,
             PendingBody::Empty,
             &downstream,
@@ -555,7 +629,7 @@ mod tests {
             .into_parts();
         let outgoing = prepare(
             &route,
-            &route.service,
+            route.service().unwrap(),
             parts,
             PendingBody::Empty,
             &downstream,
