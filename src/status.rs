@@ -1,7 +1,8 @@
 //! `raahi status`: what discovery did, read from the admin API of a running gateway.
 //!
-//! [`fetch`] walks every service, its targets and its discovery sources (following pagination)
-//! and the status of each source; [`render_text`] turns the result into one block per service.
+//! [`fetch`] walks every service, its targets and its discovery sources (following pagination),
+//! the status of each source, and every route; [`render_text`] turns the result into one block
+//! per service, then one line per route.
 //! Only the admin API is used: no configuration file, no database.
 
 use std::time::Duration;
@@ -11,7 +12,10 @@ use futures_util::stream::{self, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{EndpointCounts, Health, Id, SourceState, TargetState, WatchProgress};
+use crate::model::{
+    Backend, Condition, ConditionTest, EndpointCounts, Health, Id, Mirror, Redirect, RouteTimeouts,
+    SourceState, TargetState, WatchProgress,
+};
 
 /// Largest page the admin API serves; fewer round trips for big gateways.
 const PAGE_LIMIT: u32 = 1000;
@@ -28,6 +32,24 @@ pub struct StatusReport {
     /// What `/readyz` said; None when it could not be read.
     pub gateway: Option<GatewayReport>,
     pub services: Vec<ServiceReport>,
+    pub routes: Vec<RouteReport>,
+}
+
+/// One route as an operator reads it: what it takes and where it sends.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RouteReport {
+    pub id: Id,
+    pub name: String,
+    /// `any host`, or the hosts joined with commas.
+    pub hosts: String,
+    /// `prefix /api`, `exact /login` or `regex /items/[0-9]+`.
+    pub path: String,
+    /// Header, query and cookie conditions, e.g. `header x-canary = 1`.
+    pub conditions: Vec<String>,
+    /// Each backend as `service 90 %` or `service{version=v2} 10 %`; empty for a redirect.
+    pub backends: Vec<String>,
+    /// Filters in force: `redirect https://... (301)`, `rewrite`, `mirror shadow 10 %`...
+    pub filters: Vec<String>,
 }
 
 /// The gateway's health indicator, as `/readyz` answers it.
@@ -151,6 +173,12 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
     };
     let fetched_at = crate::clock::now();
     let services: Vec<ApiService> = api.list("/api/v1/services").await?;
+    let routes: Vec<ApiRoute> = api.list("/api/v1/routes").await?;
+    let names: std::collections::HashMap<Id, String> = services
+        .iter()
+        .map(|service| (service.id, service.name.clone()))
+        .collect();
+    let routes = routes.iter().map(|route| route.report(&names)).collect();
     let gateway = api.readiness().await;
     let reports: Vec<Option<ServiceReport>> = stream::iter(services)
         .map(|service| api.service(service))
@@ -162,6 +190,7 @@ pub async fn fetch(admin_url: &str, token: Option<&str>) -> Result<StatusReport,
         fetched_at,
         gateway,
         services: reports.into_iter().flatten().collect(),
+        routes,
     })
 }
 
@@ -189,7 +218,28 @@ pub fn render_text(report: &StatusReport) -> String {
             out.push('\n');
         }
     }
+    if !report.routes.is_empty() {
+        out.push('\n');
+    }
+    for route in &report.routes {
+        out.push_str(&route_line(route));
+        out.push('\n');
+    }
     out
+}
+
+/// `route split (id 3): any host, prefix /api, header x-canary = 1 -> web 90 %, web{tag=v2} 10 %; mirror shadow 5 %`
+fn route_line(route: &RouteReport) -> String {
+    let mut takes = vec![route.hosts.clone(), route.path.clone()];
+    takes.extend(route.conditions.iter().cloned());
+    let mut line = format!("route {} (id {}): {}", route.name, route.id, takes.join(", "));
+    if !route.backends.is_empty() {
+        line.push_str(&format!(" -> {}", route.backends.join(", ")));
+    }
+    if !route.filters.is_empty() {
+        line.push_str(&format!("; {}", route.filters.join(", ")));
+    }
+    line
 }
 
 /// `gateway ready; degraded: ...`, then the registration, if any.
@@ -347,6 +397,150 @@ struct Page<T> {
 struct ApiService {
     id: Id,
     name: String,
+}
+
+/// A route as the CLI reads it: the model's route, each rule optional so an older gateway's
+/// answer reads too.
+#[derive(Deserialize)]
+struct ApiRoute {
+    id: Id,
+    name: String,
+    #[serde(default)]
+    hosts: Vec<String>,
+    #[serde(default)]
+    path_prefix: Option<String>,
+    #[serde(default)]
+    path_exact: Option<String>,
+    #[serde(default)]
+    path_regex: Option<String>,
+    #[serde(default)]
+    headers: Vec<Condition>,
+    #[serde(default)]
+    query: Vec<Condition>,
+    #[serde(default)]
+    cookies: Vec<Condition>,
+    #[serde(default)]
+    service_id: Option<Id>,
+    #[serde(default)]
+    backends: Vec<Backend>,
+    #[serde(default)]
+    redirect: Option<Redirect>,
+    #[serde(default)]
+    rewrite: Option<serde_json::Value>,
+    #[serde(default)]
+    mirror: Option<Mirror>,
+    #[serde(default)]
+    cors: Option<serde_json::Value>,
+    #[serde(default)]
+    request_headers: Option<serde_json::Value>,
+    #[serde(default)]
+    response_headers: Option<serde_json::Value>,
+    #[serde(default)]
+    timeouts: Option<RouteTimeouts>,
+}
+
+impl ApiRoute {
+    fn report(&self, names: &std::collections::HashMap<Id, String>) -> RouteReport {
+        let name_of = |id: Id| {
+            names
+                .get(&id)
+                .cloned()
+                .unwrap_or_else(|| format!("service {id}"))
+        };
+        let path = match (&self.path_exact, &self.path_regex, &self.path_prefix) {
+            (Some(exact), _, _) => format!("exact {exact}"),
+            (None, Some(regex), _) => format!("regex {regex}"),
+            (None, None, prefix) => format!("prefix {}", prefix.as_deref().unwrap_or("/")),
+        };
+        let mut conditions = Vec::new();
+        for (kind, list) in [
+            ("header", &self.headers),
+            ("query", &self.query),
+            ("cookie", &self.cookies),
+        ] {
+            for condition in list {
+                conditions.push(match condition.test() {
+                    ConditionTest::Value(value) => format!("{kind} {} = {value}", condition.name),
+                    ConditionTest::Regex(regex) => format!("{kind} {} ~ {regex}", condition.name),
+                    ConditionTest::Present(true) => format!("{kind} {} present", condition.name),
+                    ConditionTest::Present(false) => format!("{kind} {} absent", condition.name),
+                });
+            }
+        }
+        let backends: Vec<Backend> = match (&self.backends[..], self.service_id) {
+            ([], Some(service_id)) => vec![Backend::whole(service_id)],
+            (backends, _) => backends.to_vec(),
+        };
+        let total: u64 = backends.iter().map(|b| u64::from(b.weight)).sum();
+        let backends = backends
+            .iter()
+            .map(|backend| {
+                let mut label = name_of(backend.service_id);
+                if !backend.subset.is_empty() {
+                    let pairs: Vec<String> =
+                        backend.subset.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    label.push_str(&format!("{{{}}}", pairs.join(",")));
+                }
+                if total > 0 && backends.len() > 1 {
+                    let percent = u64::from(backend.weight) as f64 * 100.0 / total as f64;
+                    label.push_str(&format!(" {} %", (percent * 10.0).round() / 10.0));
+                }
+                label
+            })
+            .collect();
+        let mut filters = Vec::new();
+        if let Some(redirect) = &self.redirect {
+            let mut to = Vec::new();
+            if let Some(scheme) = &redirect.scheme {
+                to.push(format!("scheme {scheme}"));
+            }
+            if let Some(hostname) = &redirect.hostname {
+                to.push(format!("host {hostname}"));
+            }
+            if let Some(port) = redirect.port {
+                to.push(format!("port {port}"));
+            }
+            if let Some(path) = &redirect.path {
+                to.push(format!("path {path}"));
+            }
+            if let Some(prefix) = &redirect.prefix {
+                to.push(format!("prefix {prefix}"));
+            }
+            filters.push(format!("redirect {} ({})", to.join(" "), redirect.status));
+        }
+        let present = [
+            ("rewrite", self.rewrite.is_some()),
+            ("request headers", self.request_headers.is_some()),
+            ("response headers", self.response_headers.is_some()),
+            ("cors", self.cors.is_some()),
+            (
+                "timeouts",
+                self.timeouts.is_some_and(|timeouts| !timeouts.is_empty()),
+            ),
+        ];
+        filters.extend(
+            present
+                .iter()
+                .filter(|(_, present)| *present)
+                .map(|(name, _)| (*name).to_owned()),
+        );
+        if let Some(mirror) = &self.mirror {
+            filters.push(format!("mirror {} {} %", name_of(mirror.service_id), mirror.percent));
+        }
+        RouteReport {
+            id: self.id,
+            name: self.name.clone(),
+            hosts: if self.hosts.is_empty() {
+                "any host".to_owned()
+            } else {
+                self.hosts.join(",")
+            },
+            path,
+            conditions,
+            backends,
+            filters,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -599,6 +793,7 @@ mod tests {
                 },
                 sources,
             }],
+            routes: Vec::new(),
         }
     }
 
@@ -697,6 +892,22 @@ mod tests {
                 "gateway draining: shutting down; degraded: 2 targets ejected\n  registration consul raahi/gw-1 at 10.0.0.7:8080: withdrawn since 2023-11-14T22:13:17Z (3s ago), last heartbeat 2023-11-14T22:13:16Z (4s ago)\n"
             ),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_redirect_route_shows_where_it_sends() {
+        let route: ApiRoute = serde_json::from_value(serde_json::json!({
+            "id": 4, "name": "to-https", "hosts": ["shop.test"], "path_exact": "/login",
+            "service_id": null, "backends": [],
+            "redirect": {"scheme": "https", "port": 8443, "status": 301},
+            "query": [{"name": "next", "present": false}],
+        }))
+        .unwrap();
+        let line = route_line(&route.report(&Default::default()));
+        assert_eq!(
+            line,
+            "route to-https (id 4): shop.test, exact /login, query next absent; redirect scheme https port 8443 (301)"
         );
     }
 

@@ -122,6 +122,22 @@ fn admin_url(gateway: &TestGateway) -> String {
 async fn text_shows_service_targets_and_source_lifecycle() {
     let world = world().await;
     let url = admin_url(&world.gateway);
+    let shadow = world
+        .gateway
+        .create("/api/v1/services", json!({"name": "shadow"}))
+        .await;
+    let route = world
+        .gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "split", "path_prefix": "/api",
+                   "headers": [{"name": "x-canary", "value": "1"}],
+                   "backends": [{"service_id": world.service, "weight": 3},
+                                {"service_id": world.service, "weight": 1, "subset": {"tag": "v2"}}],
+                   "mirror": {"service_id": shadow, "percent": 5},
+                   "cors": {"allow_origins": ["https://app.test"]}}),
+        )
+        .await;
     // A configuration file that does not exist proves `status` never loads one.
     let output = raahi_status(
         &["--admin-url", &url, "--token", ADMIN_TOKEN],
@@ -147,6 +163,10 @@ async fn text_shows_service_targets_and_source_lifecycle() {
     );
     assert!(source_line.contains(", next refresh "), "{source_line}");
     assert!(!source_line.contains("last error"), "{source_line}");
+    let route_line = format!(
+        "route split (id {route}): any host, prefix /api, header x-canary = 1 -> web 75 %, web{{tag=v2}} 25 %; cors, mirror shadow 5 %"
+    );
+    assert!(text.contains(&route_line), "{text}");
 }
 
 #[tokio::test]
@@ -285,6 +305,12 @@ async fn paging_admin() -> (String, Arc<Mutex<Vec<String>>>) {
                         (path, _) if path.ends_with("/discovery-sources") => {
                             json!({"items": [], "next": null})
                         }
+                        ("/api/v1/routes", None) => {
+                            json!({"items": [{"id": 7, "name": "r7", "service_id": 1}], "next": 7})
+                        }
+                        ("/api/v1/routes", Some(7)) => {
+                            json!({"items": [{"id": 8, "name": "r8", "service_id": 2}], "next": null})
+                        }
                         _ => json!({"error": {"code": "not_found", "message": "no such page"}}),
                     };
                     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body.to_string()))))
@@ -327,4 +353,10 @@ async fn every_page_of_services_and_targets_is_read() {
             .any(|p| p.starts_with("/api/v1/services/2/targets?") && p.contains("after=2")),
         "{asked:?}"
     );
+    for line in [
+        "route r7 (id 7): any host, prefix / -> a",
+        "route r8 (id 8): any host, prefix / -> b",
+    ] {
+        assert!(text.contains(line), "{text}");
+    }
 }

@@ -384,3 +384,96 @@ service = "carts"
         .into_inner();
     assert_eq!(reply.origin, "declared");
 }
+
+/// Routes in the file name their backends' and mirror's services by name, with the API's
+/// rule fields; applying again changes nothing, and a bad rule names its place.
+#[tokio::test]
+async fn declared_route_rules_name_services_and_apply_once() {
+    let stable = Upstream::start("stable").await;
+    let canary = Upstream::start("canary").await;
+    let text = format!(
+        r#"
+[[services]]
+name = "stable"
+  [[services.targets]]
+  host = "127.0.0.1"
+  port = {stable}
+
+[[services]]
+name = "canary"
+  [[services.targets]]
+  host = "127.0.0.1"
+  port = {canary}
+  metadata = {{ tags = ["v2"] }}
+
+[[routes]]
+name = "split"
+path_prefix = "/api"
+backends = [{{ service = "stable", weight = 3 }}, {{ service = "canary", weight = 1, subset = {{ tag = "v2" }} }}]
+mirror = {{ service = "canary", percent = 50 }}
+request_headers = {{ set = {{ "x-client" = "${{client_ip}}" }} }}
+
+[[routes]]
+name = "old"
+path_prefix = "/old"
+redirect = {{ path = "/api", status = 308 }}
+"#,
+        stable = stable.addr.port(),
+        canary = canary.addr.port()
+    );
+    let (gateway, path) = start_with_file(&text).await;
+    let (_, routes) = gateway.api("GET", "/api/v1/routes", None).await;
+    let split = &routes["items"][0];
+    assert_eq!(split["backends"][0]["weight"], 3, "{split}");
+    assert_eq!(split["backends"][1]["subset"]["tag"], "v2", "{split}");
+    assert_eq!(split["mirror"]["percent"], 50, "{split}");
+    assert_eq!(routes["items"][1]["redirect"]["status"], 308);
+    for _ in 0..8 {
+        assert_eq!(gateway.get("/api/x").await.status(), 200);
+    }
+    assert_eq!(stable.hits(), 6);
+    assert_eq!(stable.last_seen().header("x-client"), Some("127.0.0.1"));
+    let redirected = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .get(gateway.proxy_url("/old/x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(redirected.status(), 308);
+
+    let report = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.changed.len(), 0, "{report:?}");
+
+    let broken = text.replace("weight = 1,", "weight = 2000000,");
+    std::fs::write(&path, broken).unwrap();
+    let error = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("routes[0].backends[1].weight"), "{error}");
+    std::fs::write(&path, text.replace("service = \"canary\", percent", "service = \"nope\", percent")).unwrap();
+    let error = gateway
+        .gateway
+        .as_ref()
+        .unwrap()
+        .reload_resources()
+        .await
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("\"nope\""), "{error}");
+}
