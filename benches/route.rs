@@ -1,5 +1,6 @@
-//! Route lookup in a snapshot of 10,000 routes: exact hosts, wildcards and any-host prefixes;
-//! and the request path's normalisation that comes before it.
+//! Route lookup in a snapshot of 10,000 routes: exact hosts (some with header conditions),
+//! wildcards, any-host prefixes and regexes; building that table; and the request path's
+//! normalisation that comes before the lookup.
 // Benchmarks measure real time, not the paused clock the rule in clippy.toml is for.
 #![allow(clippy::disallowed_methods)]
 
@@ -9,7 +10,7 @@ use chrono::Utc;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::Method;
 use raahi::balance::Balancer;
-use raahi::model::{LbPolicy, Protocol, Route, Service, Timeouts};
+use raahi::model::{Condition, LbPolicy, Protocol, Route, Service, Timeouts};
 use raahi::snapshot::{RequestView, ServiceRuntime, Snapshot};
 
 fn service() -> ServiceRuntime {
@@ -56,9 +57,10 @@ fn route(id: i64, hosts: Vec<String>, prefix: String) -> Route {
     }
 }
 
-/// 4,000 exact-host routes (40 hosts × 100 prefixes), 1,000 wildcard routes (10 suffixes ×
-/// 100 prefixes), 5,000 any-host prefixes.
-fn snapshot() -> Snapshot {
+/// 5,000 exact-host routes (40 hosts × 100 prefixes, and for 25 of each host's prefixes a twin
+/// that also wants `x-canary: 1`), 1,000 wildcard routes (10 suffixes × 100 prefixes), 3,990
+/// any-host prefixes and 10 any-host regexes.
+fn routes() -> Vec<Route> {
     let mut routes = Vec::new();
     let mut id = 0;
     let mut next = || {
@@ -67,11 +69,19 @@ fn snapshot() -> Snapshot {
     };
     for host in 0..40 {
         for prefix in 0..100 {
-            routes.push(route(
-                next(),
-                vec![format!("host{host}.example.com")],
-                format!("/app{prefix}"),
-            ));
+            let hosts = vec![format!("host{host}.example.com")];
+            routes.push(route(next(), hosts.clone(), format!("/app{prefix}")));
+            if prefix < 25 {
+                routes.push(Route {
+                    headers: vec![Condition {
+                        name: "x-canary".into(),
+                        value: Some("1".into()),
+                        regex: None,
+                        present: None,
+                    }],
+                    ..route(next(), hosts, format!("/app{prefix}"))
+                });
+            }
         }
     }
     for suffix in 0..10 {
@@ -83,58 +93,105 @@ fn snapshot() -> Snapshot {
             ));
         }
     }
-    for prefix in 0..5_000 {
+    for prefix in 0..3_990 {
         routes.push(route(next(), Vec::new(), format!("/svc{prefix}/v1")));
     }
-    Snapshot::new(1, vec![service()], routes)
+    for regex in 0..10 {
+        routes.push(Route {
+            path_prefix: None,
+            path_regex: Some(format!("/items{regex}/[0-9]+(/[a-z]+)?")),
+            ..route(next(), Vec::new(), String::new())
+        });
+    }
+    assert_eq!(routes.len(), 10_000);
+    routes
+}
+
+fn snapshot() -> Snapshot {
+    Snapshot::new(1, vec![service()], routes())
 }
 
 fn lookups(c: &mut Criterion) {
     let snapshot = snapshot();
-    let headers = http::HeaderMap::new();
-    let view = RequestView {
+    let plain = http::HeaderMap::new();
+    let mut canary = http::HeaderMap::new();
+    canary.insert("x-canary", http::HeaderValue::from_static("1"));
+    let get = |headers| RequestView {
         method: &Method::GET,
-        headers: &headers,
+        headers,
         query: None,
     };
     let mut group = c.benchmark_group("route_lookup_10000_routes");
-    group.bench_function("exact_host", |b| {
-        b.iter(|| {
-            black_box(snapshot.find_route(
-                black_box("host17.example.com"),
-                black_box("/app42/users/7"),
-                &view,
-            ))
-        })
-    });
-    group.bench_function("wildcard_host", |b| {
-        b.iter(|| {
-            black_box(snapshot.find_route(
-                black_box("edge.eu.zone3.test"),
-                black_box("/api/v17/items"),
-                &view,
-            ))
-        })
-    });
-    group.bench_function("any_host_prefix", |b| {
-        b.iter(|| {
-            black_box(snapshot.find_route(
-                black_box("unknown.test"),
-                black_box("/svc4321/v1/orders/12"),
-                &view,
-            ))
-        })
-    });
-    group.bench_function("miss", |b| {
-        b.iter(|| {
-            black_box(snapshot.find_route(
-                black_box("unknown.test"),
-                black_box("/nothing/here/at/all"),
-                &view,
-            ))
-        })
-    });
+    for (name, host, path, headers, expected) in [
+        (
+            "exact_host",
+            "host17.example.com",
+            "/app42/users/7",
+            &plain,
+            true,
+        ),
+        (
+            "exact_host_header_match",
+            "host17.example.com",
+            "/app7/users/7",
+            &canary,
+            true,
+        ),
+        (
+            "exact_host_header_fallthrough",
+            "host17.example.com",
+            "/app7/users/7",
+            &plain,
+            true,
+        ),
+        (
+            "wildcard_host",
+            "edge.eu.zone3.test",
+            "/api/v17/items",
+            &plain,
+            true,
+        ),
+        (
+            "any_host_prefix",
+            "unknown.test",
+            "/svc3210/v1/orders/12",
+            &plain,
+            true,
+        ),
+        (
+            "any_host_regex",
+            "unknown.test",
+            "/items7/12345/detail",
+            &plain,
+            true,
+        ),
+        (
+            "miss",
+            "unknown.test",
+            "/nothing/here/at/all",
+            &plain,
+            false,
+        ),
+    ] {
+        let request = get(headers);
+        // The case finds what it is named for.
+        assert_eq!(
+            snapshot.find_route(host, path, &request).is_some(),
+            expected,
+            "{name}"
+        );
+        group.bench_function(name, |b| {
+            b.iter(|| black_box(snapshot.find_route(black_box(host), black_box(path), &request)))
+        });
+    }
     group.finish();
+    let routes = routes();
+    let mut build = c.benchmark_group("route_table_build");
+    build.sample_size(10);
+    build.bench_function("10000_routes", |b| {
+        b.iter(|| black_box(Snapshot::new(1, vec![service()], routes.clone())))
+    });
+    build.finish();
 }
 
 /// What normalising costs a request: nothing to copy for a path already normal (one scan),
