@@ -268,6 +268,49 @@ async fn the_access_log_has_one_json_line_per_request() {
     assert!(entry["timestamp"].is_string());
 }
 
+/// A route with weighted backends names, per request, the backend that served it.
+#[tokio::test]
+async fn the_access_log_names_the_route_and_its_backend() {
+    let upstream = Upstream::start("zoned").await;
+    let mut process = RaahiProcess::serve(&[
+        ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("RAAHI_LOG_FORMAT", "json"),
+    ])
+    .await;
+    let service = process
+        .create("/api/v1/services", serde_json::json!({"name": "web"}))
+        .await["id"]
+        .as_i64()
+        .unwrap();
+    let mut zoned = target(&upstream, 1, 0);
+    zoned["metadata"] = serde_json::json!({"zone": "a"});
+    process
+        .create(&format!("/api/v1/services/{service}/targets"), zoned)
+        .await;
+    process
+        .create(
+            "/api/v1/routes",
+            serde_json::json!({"name": "zonal", "backends": [
+                {"service_id": service, "weight": 1, "subset": {"zone": "a"}}]}),
+        )
+        .await;
+    let response = reqwest::Client::new()
+        .get(format!("http://{}/x", process.proxy))
+        .header("x-request-id", "backend-named")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let line = process
+        .stderr_line(|line| line.contains("raahi::access") && line.contains("backend-named"))
+        .await;
+    let entry: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+    let fields = &entry["fields"];
+    assert_eq!(fields["route"], "zonal", "{line}");
+    assert_eq!(fields["service"], "web", "{line}");
+    assert_eq!(fields["backend"], "web{zone=a}", "{line}");
+}
+
 /// A log collector that stops reading stderr never slows a request: once the gateway's log
 /// buffers are full, lines are dropped and counted, and logging resumes when stderr drains.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -493,3 +493,151 @@ async fn a_backend_request_timeout_bounds_each_attempt() {
     assert_eq!(body["error"]["code"], "upstream_timeout");
     assert!(started.elapsed() < std::time::Duration::from_secs(2));
 }
+
+/// Targets found by Consul (tags, `Service.Meta`) and by an HTTP registry (labels) are chosen by
+/// subsets as they come and go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subsets_select_consul_tagged_and_registry_labelled_targets() {
+    use crate::common::consul::{ConsulFake, Instance};
+    use crate::common::registry::Registry;
+    use crate::common::{wait_status, wait_until};
+    use std::time::Duration;
+
+    let gateway = TestGateway::start().await;
+    let blue = Upstream::start("blue").await;
+    let green = Upstream::start("green").await;
+    let fake = ConsulFake::start().await;
+    let mut tagged = Instance::new("web", blue.addr.port());
+    tagged.tags = vec!["blue".into()];
+    fake.register(tagged);
+    let mut other = Instance::new("web", green.addr.port());
+    other.tags = vec!["green".into()];
+    other.meta.insert("version".into(), "v2".into());
+    fake.register(other);
+    let consul = gateway
+        .create("/api/v1/services", json!({"name": "consul-web"}))
+        .await;
+    let consul_source = gateway
+        .create(
+            &format!("/api/v1/services/{consul}/discovery-sources"),
+            json!({"name": "consul", "provider": "consul",
+                   "config": {"address": fake.url(), "service": "web", "wait_ms": 10_000,
+                              "timeout_ms": 500}}),
+        )
+        .await;
+    wait_status(&gateway, consul_source, "two instances", |status| {
+        status.endpoints.active == 2
+    })
+    .await;
+
+    let registry = Registry::start().await;
+    registry.set_json(json!([
+        {"key": "b", "host": "127.0.0.1", "port": blue.addr.port(),
+         "metadata": {"labels": {"track": "stable"}}},
+        {"key": "g", "host": "127.0.0.1", "port": green.addr.port(),
+         "metadata": {"labels": {"track": "canary"}}},
+    ]));
+    let registered = gateway
+        .create("/api/v1/services", json!({"name": "registry-web"}))
+        .await;
+    let registry_source = gateway
+        .create(
+            &format!("/api/v1/services/{registered}/discovery-sources"),
+            json!({"name": "registry", "provider": "http",
+                   "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 200,
+                              "timeout_ms": 500}}),
+        )
+        .await;
+    wait_status(&gateway, registry_source, "two endpoints", |status| {
+        status.endpoints.active == 2
+    })
+    .await;
+
+    for (name, prefix, backend) in [
+        (
+            "tag-blue",
+            "/blue",
+            json!({"service_id": consul, "subset": {"tag": "blue"}}),
+        ),
+        (
+            "meta-v2",
+            "/v2",
+            json!({"service_id": consul, "subset": {"version": "v2"}}),
+        ),
+        (
+            "canary",
+            "/canary",
+            json!({"service_id": registered, "subset": {"track": "canary"}}),
+        ),
+    ] {
+        gateway
+            .create(
+                "/api/v1/routes",
+                json!({"name": name, "path_prefix": prefix, "backends": [backend]}),
+            )
+            .await;
+    }
+    for _ in 0..6 {
+        assert_eq!(body_of(gateway.get("/blue/x").await).await, "blue");
+        assert_eq!(body_of(gateway.get("/v2/x").await).await, "green");
+        assert_eq!(body_of(gateway.get("/canary/x").await).await, "green");
+    }
+
+    // The registry moves the canary label to the other target: the subset follows.
+    registry.set_json(json!([
+        {"key": "b", "host": "127.0.0.1", "port": blue.addr.port(),
+         "metadata": {"labels": {"track": "canary"}}},
+        {"key": "g", "host": "127.0.0.1", "port": green.addr.port(),
+         "metadata": {"labels": {"track": "stable"}}},
+    ]));
+    wait_until(
+        "the canary subset to follow the labels",
+        Duration::from_secs(10),
+        || async { body_of(gateway.get("/canary/x").await).await == "blue" },
+    )
+    .await;
+}
+
+/// Patterns that backtrack exponentially in a backtracking engine (PCRE) run in linear time.
+#[tokio::test]
+async fn a_regex_that_would_backtrack_exponentially_stays_linear() {
+    let gateway = TestGateway::start().await;
+    let (_stable, stable, _canary, canary) = two_services(&gateway).await;
+    gateway.route_all_to(stable).await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "evil", "service_id": canary, "path_prefix": "/x",
+                   "headers": [{"name": "x-token", "regex": "(a+)+b"}]}),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "evil-path", "service_id": canary, "hosts": ["evil.test"],
+                   "path_regex": "/(a|aa)+c"}),
+        )
+        .await;
+    let attack = "a".repeat(4000);
+    let http = reqwest::Client::new();
+    let started = std::time::Instant::now();
+    for _ in 0..20 {
+        let by_header = http
+            .get(gateway.proxy_url("/x"))
+            .header("x-token", format!("{attack}!"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(body_of(by_header).await, "stable");
+        let by_path = http
+            .get(gateway.proxy_url(&format!("/{attack}")))
+            .header("host", "evil.test")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(body_of(by_path).await, "stable");
+    }
+    // A backtracking engine needs about 2^4000 steps for one of these; this is a deadline for
+    // a hang, not a speed goal.
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
