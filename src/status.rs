@@ -232,7 +232,12 @@ pub fn render_text(report: &StatusReport) -> String {
 fn route_line(route: &RouteReport) -> String {
     let mut takes = vec![route.hosts.clone(), route.path.clone()];
     takes.extend(route.conditions.iter().cloned());
-    let mut line = format!("route {} (id {}): {}", route.name, route.id, takes.join(", "));
+    let mut line = format!(
+        "route {} (id {}): {}",
+        route.name,
+        route.id,
+        takes.join(", ")
+    );
     if !route.backends.is_empty() {
         line.push_str(&format!(" -> {}", route.backends.join(", ")));
     }
@@ -477,8 +482,11 @@ impl ApiRoute {
             .map(|backend| {
                 let mut label = name_of(backend.service_id);
                 if !backend.subset.is_empty() {
-                    let pairs: Vec<String> =
-                        backend.subset.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    let pairs: Vec<String> = backend
+                        .subset
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect();
                     label.push_str(&format!("{{{}}}", pairs.join(",")));
                 }
                 if total > 0 && backends.len() > 1 {
@@ -525,7 +533,11 @@ impl ApiRoute {
                 .map(|(name, _)| (*name).to_owned()),
         );
         if let Some(mirror) = &self.mirror {
-            filters.push(format!("mirror {} {} %", name_of(mirror.service_id), mirror.percent));
+            filters.push(format!(
+                "mirror {} {} %",
+                name_of(mirror.service_id),
+                mirror.percent
+            ));
         }
         RouteReport {
             id: self.id,

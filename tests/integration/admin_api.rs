@@ -1745,6 +1745,41 @@ async fn the_openapi_document_lists_every_resource() {
             );
         }
     }
+    // Route rules are described down to their parts.
+    let schemas = &document["components"]["schemas"];
+    let spec = &schemas["RouteSpec"]["properties"];
+    for field in [
+        "path_exact",
+        "path_regex",
+        "headers",
+        "query",
+        "cookies",
+        "backends",
+        "request_headers",
+        "response_headers",
+        "redirect",
+        "rewrite",
+        "mirror",
+        "cors",
+        "timeouts",
+    ] {
+        assert!(
+            spec.get(field).is_some(),
+            "RouteSpec documents {field}: {spec}"
+        );
+    }
+    for schema in [
+        "Backend",
+        "Condition",
+        "Cors",
+        "HeaderFilter",
+        "Mirror",
+        "Redirect",
+        "Rewrite",
+        "RouteTimeouts",
+    ] {
+        assert!(schemas.get(schema).is_some(), "components has {schema}");
+    }
 }
 
 // ----- 7. health -----

@@ -465,7 +465,14 @@ redirect = {{ path = "/api", status = 308 }}
         .unwrap_err()
         .to_string();
     assert!(error.contains("routes[0].backends[1].weight"), "{error}");
-    std::fs::write(&path, text.replace("service = \"canary\", percent", "service = \"nope\", percent")).unwrap();
+    std::fs::write(
+        &path,
+        text.replace(
+            "service = \"canary\", percent",
+            "service = \"nope\", percent",
+        ),
+    )
+    .unwrap();
     let error = gateway
         .gateway
         .as_ref()
