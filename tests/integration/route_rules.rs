@@ -641,3 +641,24 @@ async fn a_regex_that_would_backtrack_exponentially_stays_linear() {
     // a hang, not a speed goal.
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
 }
+
+#[tokio::test]
+async fn backends_that_all_lack_a_target_answer_no_available_target() {
+    let gateway = TestGateway::start().await;
+    let (stable, stable_id, canary, canary_id) = two_services(&gateway).await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "empty", "backends": [
+                {"service_id": stable_id, "subset": {"version": "v8"}},
+                {"service_id": canary_id, "subset": {"version": "v9"}}]}),
+        )
+        .await;
+    let response = gateway.get("/").await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "no_available_target", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("{version=v"), "{message}");
+    assert_eq!(stable.hits() + canary.hits(), 0);
+}
