@@ -1,9 +1,12 @@
-// Raahi dashboard: sign-in, the live event stream, an overview of every service and a page per
-// service. Plain JavaScript (an ES module), no build step, nothing fetched from elsewhere.
+// Raahi dashboard: sign-in, the live event stream, an overview of every service, a page per
+// service and a page of HTTP routes. Plain JavaScript (an ES module), no build step, nothing
+// fetched from elsewhere.
 //
 // The token is kept in sessionStorage only and travels in the Authorization header; the event
 // stream is read with fetch() for that reason (EventSource cannot send headers). Every event is
-// applied as an upsert of full objects, so applying one twice is harmless.
+// applied as an upsert of full objects, so applying one twice is harmless. Routes are not in the
+// stream's snapshot and their events carry no object: the list is read from the API when a page
+// that shows routes opens, and again whenever a route event (or a fresh snapshot) arrives.
 
 const API = new URL('../api/v1/', document.baseURI);
 const TOKEN_KEY = 'raahi.token';
@@ -14,6 +17,8 @@ const STREAM_SILENCE_MS = 45000;
 const RUNTIME_POLL_MS = 2000;
 const ACTIVITY_MAX = 40;
 const HISTORY_MAX = 50;
+// Routes read per request (the API's largest page); more pages follow `next`.
+const ROUTES_PAGE = 1000;
 
 const state = {
   token: null,
@@ -21,6 +26,8 @@ const state = {
   services: new Map(),
   targets: new Map(),
   sources: new Map(),
+  routes: emptyRoutes(), // HTTP routes, read from the API (not part of the event stream)
+  revealRoute: null, // a route id to scroll into view once its row is drawn
   loaded: false, // a snapshot has arrived
   lastId: null,
   stream: { state: 'idle', detail: '', retryAt: 0 },
@@ -34,6 +41,10 @@ const state = {
   // The legend starts folded on a phone's width.
   legendOpen: window.matchMedia('(min-width: 641px)').matches,
 };
+
+function emptyRoutes() {
+  return { items: [], loaded: false, loading: false, again: false, error: '' };
+}
 
 // ---------------------------------------------------------------------------------------------
 // Small helpers
@@ -409,6 +420,8 @@ function applySnapshot(snapshot) {
   const open = state.openTarget;
   state.history.clear();
   if (open !== null) loadHistory(open);
+  // Route events may have been missed too.
+  if (routesShown()) loadRoutes();
 }
 
 function remember(entry) {
@@ -472,11 +485,16 @@ function applyConfig(event) {
       const known = state.sources.get(event.object.id);
       state.sources.set(event.object.id, { ...event.object, status: event.object.status ?? known?.status });
     }
+  } else if (event.kind === 'route') {
+    // A route event names the route but carries no object: read the list again (also when no
+    // page shows it now, so that the list kept for later is not out of date).
+    if (routesShown() || state.routes.loaded) loadRoutes();
   }
   const kind = event.kind.replace('_', ' ');
   remember({
     id: event.id,
     at: event.at,
+    kind: event.kind,
     service_id: event.service_id,
     what: `${kind}${event.name ? ` ${event.name}` : ` ${event.object_id}`} ${event.change}`,
     reason: '',
@@ -543,6 +561,73 @@ function toggleHistory(id) {
     loadHistory(id);
   }
   scheduleRender();
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP routes: read from the API, as the event stream carries no route objects
+// ---------------------------------------------------------------------------------------------
+
+/** Whether the page on screen shows routes (the routes page, or a service's routes). */
+function routesShown() {
+  if (!state.session) return false;
+  const name = currentRoute().name;
+  return name === 'routes' || name === 'service';
+}
+
+/**
+ * Reads every route (following `next` past the first page). Calls made while a read is under
+ * way are folded into one more read after it, so a burst of events costs at most two.
+ */
+async function loadRoutes() {
+  const routes = state.routes;
+  if (routes.loading) {
+    routes.again = true;
+    return;
+  }
+  routes.loading = true;
+  const generation = state.generation;
+  scheduleRender();
+  try {
+    do {
+      routes.again = false;
+      const items = [];
+      let after = null;
+      let failure = '';
+      for (;;) {
+        const query = after === null ? '' : `&after=${encodeURIComponent(after)}`;
+        const answer = await api('GET', `routes?limit=${ROUTES_PAGE}${query}`);
+        if (generation !== state.generation) return;
+        if (!answer.ok) {
+          failure = `Cannot read the routes: ${errorMessage(answer.status, answer.data)}`;
+          break;
+        }
+        items.push(...(answer.data?.items ?? []));
+        const next = answer.data?.next ?? null;
+        if (next === null || (after !== null && next <= after)) break;
+        after = next;
+      }
+      if (failure) {
+        routes.error = failure;
+      } else {
+        routes.items = items;
+        routes.loaded = true;
+        routes.error = '';
+      }
+    } while (routes.again);
+  } catch (error) {
+    if (error instanceof SignedOut || generation !== state.generation) return;
+    routes.error = `Cannot reach the gateway: ${error.message}`;
+  } finally {
+    if (generation === state.generation) {
+      routes.loading = false;
+      scheduleRender();
+    }
+  }
+}
+
+/** Reads the routes when the page opened shows them. */
+function syncRoutes() {
+  if (routesShown()) loadRoutes();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -621,10 +706,13 @@ function enter(token, session) {
   state.history.clear();
   state.errors.clear();
   state.openTarget = null;
+  state.routes = emptyRoutes();
+  state.revealRoute = currentRoute().routeId;
   renderHeader();
   render();
   streamLoop(state.generation);
   syncPolling();
+  syncRoutes();
 }
 
 function signOut(message = '') {
@@ -636,6 +724,8 @@ function signOut(message = '') {
   state.services = new Map();
   state.targets = new Map();
   state.sources = new Map();
+  state.routes = emptyRoutes();
+  state.revealRoute = null;
   state.loaded = false;
   state.lastId = null;
   state.activity = [];
@@ -688,9 +778,14 @@ function scheduleRender() {
 function currentRoute() {
   const hash = location.hash.replace(/^#/, '') || '/';
   const service = /^\/services\/(\d+)\/?$/.exec(hash);
-  if (service) return { name: 'service', service: Number(service[1]) };
-  if (hash === '/' || hash === '') return { name: 'overview', service: null };
-  return { name: 'unknown', service: null };
+  if (service) return { name: 'service', service: Number(service[1]), routeId: null };
+  // `#/routes/7`: the routes page with route 7 picked out.
+  const routes = /^\/routes(?:\/(\d+))?\/?$/.exec(hash);
+  if (routes) {
+    return { name: 'routes', service: null, routeId: routes[1] ? Number(routes[1]) : null };
+  }
+  if (hash === '/' || hash === '') return { name: 'overview', service: null, routeId: null };
+  return { name: 'unknown', service: null, routeId: null };
 }
 
 /** The key that pairs an old node with its new version while morphing (elements only). */
@@ -760,6 +855,7 @@ function render() {
   let view;
   if (!state.loaded) view = loadingView();
   else if (route.name === 'service') view = servicePage(route.service);
+  else if (route.name === 'routes') view = routesPage(route.routeId);
   else if (route.name === 'overview') view = overviewPage();
   else view = notFoundView('There is no such page.');
   const shown = main.firstElementChild;
@@ -775,6 +871,38 @@ function render() {
     state.revealHistory = false;
     const panel = main.querySelector('#history');
     if (panel) panel.scrollIntoView({ block: 'nearest' });
+  }
+  revealRouteRow();
+  renderNav();
+}
+
+/** Scrolls the route picked out by `#/routes/{id}` into view, once its row is drawn. */
+function revealRouteRow() {
+  const id = state.revealRoute;
+  if (id === null) return;
+  const row = document.querySelector(`#main [data-route-id="${id}"]`);
+  if (row) {
+    state.revealRoute = null;
+    row.scrollIntoView({ block: 'center' });
+  } else if (state.routes.loaded && !state.routes.loading) {
+    state.revealRoute = null; // no such route
+  }
+}
+
+/** The header's links: the section shown is marked (the page itself with aria-current). */
+function renderNav() {
+  const nav = document.getElementById('nav');
+  if (!nav) return;
+  nav.hidden = !state.session;
+  const page = currentRoute().name;
+  for (const link of nav.querySelectorAll('a[data-section]')) {
+    const section = link.getAttribute('data-section');
+    const inside = section === 'routes' ? page === 'routes'
+      : page === 'overview' || page === 'service';
+    const here = section === 'routes' ? page === 'routes' : page === 'overview';
+    link.classList.toggle('active', inside);
+    if (here) link.setAttribute('aria-current', 'page');
+    else link.removeAttribute('aria-current');
   }
 }
 
@@ -796,6 +924,7 @@ function renderHeader() {
     out.hidden = true;
     pill.hidden = true;
   }
+  renderNav();
 }
 
 function renderStreamStatus() {
@@ -1061,9 +1190,11 @@ function overviewPage() {
     activitySection(null));
 }
 
-function activitySection(serviceId) {
-  const items = state.activity.filter((a) => serviceId === null || a.service_id === serviceId)
-    .slice(0, serviceId === null ? 15 : 10);
+/** Recent changes: all, a service's (`serviceId`), or those of one configuration `kind`. */
+function activitySection(serviceId, kind = null) {
+  const items = state.activity.filter((a) => (serviceId === null || a.service_id === serviceId)
+    && (kind === null || a.kind === kind))
+    .slice(0, serviceId === null && kind === null ? 15 : 10);
   return h('section', { class: 'activity', 'aria-labelledby': 'activity-title',
     'data-testid': 'activity' },
   h('h2', { id: 'activity-title' }, 'Recent changes'),
@@ -1073,11 +1204,282 @@ function activitySection(serviceId) {
       class: `tone-${a.tone}`, 'data-key': `event-${a.id}`,
     },
       h('span', { class: 'activity-time' }, absTime(a.at)),
-      serviceId === null && a.service_id !== null && state.services.get(a.service_id)
+      serviceId === null && a.service_id != null && state.services.get(a.service_id)
         ? h('a', { class: 'activity-service', href: `#/services/${a.service_id}` },
           state.services.get(a.service_id).name) : null,
       h('span', { class: 'activity-what' }, a.what),
       a.reason ? h('span', { class: 'activity-reason' }, a.reason) : null))));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The routes page (`#/routes`, `#/routes/{id}`) and a service's routes
+// ---------------------------------------------------------------------------------------------
+
+/** `90 %`, `33.3 %`: a share to one decimal, a whole number without one. */
+function percentText(value) {
+  return `${Math.round(value * 10) / 10} %`;
+}
+
+/** Each backend's share of the route's requests, in percent of the total weight. */
+function backendShares(route) {
+  const backends = route.backends ?? [];
+  const total = backends.reduce((sum, b) => sum + Number(b.weight ?? 0), 0);
+  return backends.map((b) => (total > 0 ? (Number(b.weight ?? 0) * 100) / total : 0));
+}
+
+function serviceName(id) {
+  return state.services.get(id)?.name ?? `service ${id}`;
+}
+
+function serviceRef(id) {
+  return h('a', { href: `#/services/${id}`, class: 'service-ref', 'data-service-id': id },
+    serviceName(id));
+}
+
+/** `['prefix', '/api']`, `['exact', '/login']` or `['regex', '/items/[0-9]+']`. */
+function pathForm(route) {
+  if (route.path_exact !== null && route.path_exact !== undefined) return ['exact', route.path_exact];
+  if (route.path_regex !== null && route.path_regex !== undefined) return ['regex', route.path_regex];
+  return ['prefix', route.path_prefix ?? '/'];
+}
+
+function subsetChips(subset) {
+  const pairs = Object.entries(subset ?? {});
+  if (pairs.length === 0) return null;
+  return h('span', { class: 'labels', 'aria-label': 'Subset' },
+    pairs.map(([key, value]) => [' ', h('code', { class: 'label-chip', 'data-label': key },
+      `${key}=${value}`)]));
+}
+
+const CONDITION_KINDS = [['headers', 'header'], ['query', 'query'], ['cookies', 'cookie']];
+
+/** `header x-canary = 1`, `query v ~ v[2-9]`, `cookie beta present`. */
+function conditionLine(word, condition) {
+  let test;
+  if (condition.value !== null && condition.value !== undefined) {
+    test = ['= ', h('code', null, condition.value)];
+  } else if (condition.regex !== null && condition.regex !== undefined) {
+    test = [h('span', { title: 'matches the whole value' }, '~'), ' ', h('code', null, condition.regex)];
+  } else {
+    test = condition.present === false ? 'absent' : 'present';
+  }
+  return h('li', { class: 'condition', 'data-condition-kind': word },
+    h('span', { class: 'cond-kind' }, word), ' ', h('code', null, condition.name), ' ', test);
+}
+
+function routeConditions(route) {
+  const lines = CONDITION_KINDS.flatMap(([field, word]) => (route[field] ?? [])
+    .map((c) => conditionLine(word, c)));
+  return lines.length ? h('ul', { class: 'conditions' }, lines)
+    : h('span', { class: 'muted' }, 'none');
+}
+
+function routeMatch(route) {
+  const [form, path] = pathForm(route);
+  const hosts = route.hosts ?? [];
+  const methods = route.methods ?? [];
+  return h('div', { class: 'match' },
+    h('div', { class: 'match-hosts' }, hosts.length
+      ? hosts.map((host, i) => [i ? ', ' : '', h('code', null, host)])
+      : h('span', { class: 'muted' }, 'any host')),
+    h('div', { class: 'match-path' },
+      h('span', { class: 'path-form', 'data-form': form }, form), ' ', h('code', null, path)),
+    h('div', { class: 'match-methods' }, methods.length
+      ? h('code', null, methods.join(' '))
+      : h('span', { class: 'muted' }, 'any method')));
+}
+
+function routeBackends(route) {
+  const backends = route.backends ?? [];
+  if (backends.length === 0) {
+    return h('span', { class: 'muted' }, route.redirect ? 'none: Raahi answers' : 'none');
+  }
+  const shares = backendShares(route);
+  return h('ul', { class: 'backends' }, backends.map((b, i) => h('li', {
+    class: 'backend', 'data-key': `backend-${i}`, 'data-testid': `route-${route.id}-backend-${i}`,
+    'data-service-id': b.service_id, 'data-share': String(Math.round(shares[i] * 10) / 10),
+  },
+  h('span', { class: 'backend-head' },
+    serviceRef(b.service_id), ' ',
+    h('span', { class: 'share', title: `weight ${b.weight}` }, percentText(shares[i]))),
+  subsetChips(b.subset),
+  h('meter', { class: 'share-bar', min: 0, max: 100, value: shares[i], 'aria-hidden': 'true' }))));
+}
+
+/** Where a redirect sends, `…` standing for what is kept from the request (host, path). */
+function redirectTarget(redirect) {
+  const scheme = redirect.scheme ? `${redirect.scheme}://` : '';
+  const host = redirect.hostname ?? (scheme || redirect.port ? '…' : '');
+  const port = redirect.port ? `:${redirect.port}` : '';
+  let path = redirect.path ?? (redirect.prefix ? `${redirect.prefix}…` : '…');
+  if (path === '…' && host === '…' && !port) path = '';
+  return `${scheme}${host}${port}${path}`;
+}
+
+function headerFilterText(filter) {
+  const parts = [];
+  const set = Object.keys(filter.set ?? {});
+  const add = Object.keys(filter.add ?? {});
+  if (set.length) parts.push(`set ${set.join(', ')}`);
+  if (add.length) parts.push(`add ${add.join(', ')}`);
+  if ((filter.remove ?? []).length) parts.push(`remove ${filter.remove.join(', ')}`);
+  return parts.join('; ');
+}
+
+function filterBadge(key, label, title = null) {
+  return h('span', { class: `badge filter f-${key}`, 'data-filter': key, title }, label);
+}
+
+/** A badge per filter the route has, each saying briefly what it does. */
+function routeFilters(route) {
+  const out = [];
+  const r = route.redirect;
+  if (r) {
+    const status = r.status ?? 302;
+    out.push(filterBadge('redirect', `redirect → ${redirectTarget(r)} · ${status}`,
+      `Answered by Raahi with ${status}; what the target does not name is kept from the request, the query string included`));
+  }
+  const w = route.rewrite;
+  if (w && (w.hostname || w.path || w.prefix)) {
+    const parts = [];
+    if (w.path) parts.push(`path ${w.path}`);
+    if (w.prefix) parts.push(`prefix ${w.prefix}`);
+    if (w.hostname) parts.push(`host ${w.hostname}`);
+    out.push(filterBadge('rewrite', `rewrite ${parts.join(' · ')}`));
+  }
+  const m = route.mirror;
+  if (m) {
+    out.push(filterBadge('mirror', `mirror → ${serviceName(m.service_id)} ${percentText(m.percent ?? 100)}`,
+      'A copy of these requests is sent there; its answers are dropped'));
+  }
+  const c = route.cors;
+  if (c) {
+    const origins = c.allow_origins ?? [];
+    out.push(filterBadge('cors', 'cors', origins.length ? `Origins: ${origins.join(', ')}`
+      : 'No origin allowed'));
+  }
+  for (const [field, label] of [['request_headers', 'request headers'],
+    ['response_headers', 'response headers']]) {
+    const text = route[field] ? headerFilterText(route[field]) : '';
+    if (text) out.push(filterBadge(field.replace('_', '-'), label, text));
+  }
+  const t = route.timeouts ?? {};
+  if (t.request_ms != null || t.backend_request_ms != null) {
+    const parts = [];
+    if (t.request_ms != null) parts.push(`request ${spanText(t.request_ms)}`);
+    if (t.backend_request_ms != null) parts.push(`attempt ${spanText(t.backend_request_ms)}`);
+    out.push(filterBadge('timeouts', 'timeouts', parts.join(' · ')));
+  }
+  return out;
+}
+
+function routeRow(route, picked) {
+  const filters = routeFilters(route);
+  const notes = [];
+  if (route.priority) notes.push(`priority ${route.priority}`);
+  if (route.strip_prefix) notes.push('strips its prefix');
+  if (route.preserve_host) notes.push('keeps the Host');
+  if (route.managed_by) notes.push(`managed by ${route.managed_by}`);
+  return h('tr', {
+    class: picked ? 'route-row selected' : 'route-row',
+    'data-key': `route-${route.id}`,
+    'data-testid': `route-row-${route.id}`,
+    'data-route-id': route.id,
+    'data-route-name': route.name,
+    'aria-current': picked ? 'true' : null,
+  },
+  h('th', { scope: 'row', class: 'route-name' },
+    h('span', { 'data-testid': `route-name-${route.id}` }, route.name),
+    notes.length ? h('div', { class: 'muted small' }, notes.join(' · ')) : null),
+  h('td', null, routeMatch(route)),
+  h('td', null, routeConditions(route)),
+  h('td', null, routeBackends(route)),
+  h('td', null, filters.length ? h('div', { class: 'filters' }, filters)
+    : h('span', { class: 'muted' }, 'none')));
+}
+
+function routesPage(picked) {
+  document.title = 'Routes · Raahi';
+  const list = state.routes;
+  const routes = [...list.items].sort(byName);
+  const redirects = routes.filter((r) => r.redirect).length;
+  const summary = list.loaded
+    ? `${plural(routes.length, 'route')}${redirects ? ` · ${plural(redirects, 'redirect')}` : ''}`
+    : 'Reading the routes…';
+  let body;
+  if (!list.loaded) {
+    body = list.error ? null : h('p', { class: 'muted' }, 'Loading…');
+  } else if (routes.length === 0) {
+    body = h('p', { class: 'empty-note' }, 'No routes yet. Create one through the admin API.');
+  } else {
+    body = h('div', { class: 'table-wrap', 'data-scroll': 'routes' },
+      h('table', { class: 'grid routes', 'data-testid': 'routes-table' },
+        h('caption', { class: 'sr-only' },
+          'HTTP routes by name: what each matches, its conditions, where it sends and its filters.'),
+        h('thead', null, h('tr', null,
+          h('th', { scope: 'col' }, 'Route'),
+          h('th', { scope: 'col' }, 'Match'),
+          h('th', { scope: 'col' }, 'Conditions'),
+          h('th', { scope: 'col' }, 'Backends'),
+          h('th', { scope: 'col' }, 'Filters'))),
+        h('tbody', null, routes.map((r) => routeRow(r, r.id === picked)))));
+  }
+  return h('div', { class: 'page', 'data-testid': 'routes-page', 'data-key': 'routes',
+    'data-loaded': String(list.loaded) },
+  h('div', { class: 'page-head' },
+    h('div', null,
+      h('h1', null, 'Routes'),
+      h('p', { class: 'muted', 'data-testid': 'routes-summary' }, summary))),
+  list.error ? h('p', { class: 'error-box', role: 'alert', 'data-testid': 'routes-error' },
+    list.error) : null,
+  h('section', { class: 'panel', 'aria-label': 'HTTP routes' }, body),
+  activitySection(null, 'route'));
+}
+
+/** What a route sends to service `id`: each backend's share (with its subset) and the mirror. */
+function serviceRoles(route, id) {
+  const shares = backendShares(route);
+  const roles = [];
+  (route.backends ?? []).forEach((b, i) => {
+    if (b.service_id !== id) return;
+    roles.push(h('span', { class: 'role-line' }, badge('backend', `backend ${percentText(shares[i])}`),
+      subsetChips(b.subset)));
+  });
+  if (route.mirror && route.mirror.service_id === id) {
+    roles.push(h('span', { class: 'role-line' },
+      badge('mirror', `mirror ${percentText(route.mirror.percent ?? 100)}`)));
+  }
+  return roles;
+}
+
+/** The routes that send to service `id`, as a backend or a mirror. */
+function serviceRoutesSection(id) {
+  const list = state.routes;
+  const routes = list.items.filter((r) => (r.backends ?? []).some((b) => b.service_id === id)
+    || (r.mirror && r.mirror.service_id === id)).sort(byName);
+  let body;
+  if (!list.loaded) body = list.error ? null : h('p', { class: 'muted small' }, 'Loading…');
+  else if (routes.length === 0) body = h('p', { class: 'muted' }, 'No route sends requests here.');
+  else {
+    body = h('ul', { class: 'service-routes' }, routes.map((route) => {
+      const [form, path] = pathForm(route);
+      const hosts = route.hosts ?? [];
+      return h('li', { 'data-key': `service-route-${route.id}`,
+        'data-testid': `service-route-${route.id}`, 'data-route-id': route.id },
+      h('a', { href: `#/routes/${route.id}`, class: 'route-link',
+        'data-testid': `service-route-link-${route.id}` }, route.name),
+      serviceRoles(route, id).map((role) => [' ', role]),
+      h('span', { class: 'muted small route-where' },
+        `${hosts.length ? hosts.join(', ') : 'any host'} · ${form} `, h('code', null, path)));
+    }));
+  }
+  return h('section', { class: 'panel', 'aria-labelledby': 'service-routes-title',
+    'data-testid': 'service-routes', 'data-loaded': String(list.loaded) },
+  h('div', { class: 'panel-head' },
+    h('h2', { id: 'service-routes-title' }, 'Routes'),
+    h('a', { href: '#/routes', class: 'small' }, 'All routes')),
+  list.error ? h('p', { class: 'error-box', role: 'alert' }, list.error) : null,
+  body);
 }
 
 // What a service's health check asks, as its traffic speaks: gRPC's Health/Check for a
@@ -1128,6 +1530,7 @@ function servicePage(id) {
       sources.length
         ? h('div', { class: 'source-cards' }, sources.map((s) => sourceCard(s, now)))
         : h('p', { class: 'muted' }, 'None: this service\u2019s targets are added through the API.')),
+    serviceRoutesSection(id),
     activitySection(id));
 }
 
@@ -1386,6 +1789,8 @@ function start() {
   main.addEventListener('toggle', onMainToggle, true);
   window.addEventListener('hashchange', () => {
     state.openTarget = null;
+    state.revealRoute = null;
+    syncRoutes();
     render();
     syncPolling();
     const heading = document.querySelector('#main h1');
@@ -1394,6 +1799,11 @@ function start() {
       heading.focus({ preventScroll: true });
     }
     window.scrollTo(0, 0);
+    // `#/routes/{id}`: that route's row instead of the top (now, or once the list is read).
+    if (state.session) {
+      state.revealRoute = currentRoute().routeId;
+      revealRouteRow();
+    }
   });
   document.addEventListener('keydown', (event) => {
     if (event.key === 'Escape' && state.openTarget !== null) {

@@ -2,7 +2,9 @@
 //! the overview, a service page that follows the event stream without a reload (a target
 //! disabled through the API, a health check that starts failing and its history), admin buttons
 //! for admins only, a 401 that returns to the sign-in form, and the stream status while the
-//! gateway is down and after it is back. Screenshots go to `<target>/dashboard-artifacts/`.
+//! gateway is down and after it is back, and the routes page (rules, shares, filters) with the
+//! routes a service page lists, both following route changes live. Screenshots go to
+//! `<target>/dashboard-artifacts/`.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
 //! them the browser tests fail saying so.
@@ -1049,5 +1051,379 @@ async fn an_h2c_service_shows_its_protocol_and_grpc_check() {
         .await;
     assert_eq!(shown[0], "h2c");
     assert_eq!(shown[1], "gRPC Health/Check shop.Carts every 2 s");
+    browser.close().await;
+}
+
+/// The routes page (`#/routes`, linked from the header): every HTTP route by name, with its
+/// hosts, path form, methods and conditions, its backends' shares of the weight (with their
+/// subsets, each linking to its service) and badges for its filters (a redirect with its
+/// target and status, a mirror with its service and percent). A route created or changed
+/// through the API shows without a reload, on the routes page and on the pages of the services
+/// it sends to, which list the routes that reach them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routes_page_shows_route_rules_and_follows_changes_live() {
+    let gateway = TestGateway::start().await;
+    let web = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    let next = gateway
+        .create("/api/v1/services", json!({"name": "web-next"}))
+        .await;
+    let split = gateway
+        .create(
+            "/api/v1/routes",
+            json!({
+                "name": "shop-split",
+                "hosts": ["shop.example.com"],
+                "path_prefix": "/shop",
+                "methods": ["GET", "POST"],
+                "headers": [{"name": "x-canary", "value": "1"}],
+                "query": [{"name": "v", "regex": "v[2-9]"}],
+                "cookies": [{"name": "beta", "present": true}],
+                "backends": [
+                    {"service_id": web, "weight": 90},
+                    {"service_id": next, "weight": 10, "subset": {"version": "v2"}},
+                ],
+                "mirror": {"service_id": next, "percent": 25},
+                "request_headers": {"set": {"x-client": "${client_ip}"}},
+                "timeouts": {"request_ms": 3000},
+            }),
+        )
+        .await;
+    let redirect = gateway
+        .create(
+            "/api/v1/routes",
+            json!({
+                "name": "to-https",
+                "hosts": ["shop.example.com"],
+                "path_exact": "/login",
+                "redirect": {"scheme": "https", "status": 301},
+            }),
+        )
+        .await;
+    let (status, shown) = gateway
+        .api("GET", &format!("/api/v1/routes/{redirect}"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    assert_eq!(
+        (&shown["backends"], &shown["service_id"]),
+        (&json!([]), &Value::Null),
+        "a redirect has no backend: {shown}"
+    );
+
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .eval(
+            "window.cspViolations = []; document.addEventListener('securitypolicyviolation', \
+               (e) => window.cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`)); \
+             return true;",
+        )
+        .await;
+    browser
+        .wait_for(
+            "the overview with the header's Routes link",
+            WAIT,
+            &format!(
+                "const link = document.querySelector('[data-testid=\"nav-routes\"]'); \
+                 return link !== null && link.offsetParent !== null \
+                   && document.querySelector('[data-testid=\"service-card-{web}\"]') !== null;"
+            ),
+        )
+        .await;
+
+    // The routes page, reached from the header the way the overview is.
+    browser
+        .by_test_id("nav-routes")
+        .await
+        .click()
+        .await
+        .expect("open the routes page");
+    let names = browser
+        .wait_for(
+            "both routes listed",
+            WAIT,
+            "const rows = [...document.querySelectorAll('[data-testid=\"routes-table\"] tbody tr')]; \
+             return rows.length === 2 ? rows.map(r => r.getAttribute('data-route-name')) : null;",
+        )
+        .await;
+    assert_eq!(names, json!(["shop-split", "to-https"]), "sorted by name");
+    assert!(browser
+        .eval("return location.hash;")
+        .await
+        .as_str()
+        .unwrap()
+        .ends_with("/routes"));
+    assert_eq!(
+        browser
+            .test_id_attr("nav-routes", "aria-current")
+            .await
+            .as_deref(),
+        Some("page")
+    );
+
+    // What the split route matches, where it sends and what it does on the way.
+    let row = browser
+        .eval(&format!(
+            "const row = document.querySelector('[data-testid=\"route-row-{split}\"]'); \
+             const text = (el) => el.textContent.replace(/\\s+/g, ' ').trim(); \
+             return {{ \
+               name: text(row.querySelector('.route-name')), \
+               hosts: text(row.querySelector('.match-hosts')), \
+               path: text(row.querySelector('.match-path')), \
+               methods: text(row.querySelector('.match-methods')), \
+               conditions: [...row.querySelectorAll('.condition')].map(text), \
+               backends: [...row.querySelectorAll('.backend')].map(b => [ \
+                 text(b.querySelector('.service-ref')), \
+                 b.querySelector('.service-ref').getAttribute('href'), \
+                 text(b.querySelector('.share')), \
+                 [...b.querySelectorAll('.label-chip')].map(text)]), \
+               filters: [...row.querySelectorAll('[data-filter]')].map(f => \
+                 [f.getAttribute('data-filter'), text(f)]), \
+               all: text(row) }};"
+        ))
+        .await;
+    assert_eq!(row["name"], "shop-split", "{row}");
+    assert_eq!(row["hosts"], "shop.example.com", "{row}");
+    assert_eq!(row["path"], "prefix /shop", "{row}");
+    assert_eq!(row["methods"], "GET POST", "{row}");
+    assert_eq!(
+        row["conditions"],
+        json!([
+            "header x-canary = 1",
+            "query v ~ v[2-9]",
+            "cookie beta present"
+        ]),
+        "{row}"
+    );
+    assert_eq!(
+        row["backends"],
+        json!([
+            ["web", format!("#/services/{web}"), "90 %", []],
+            [
+                "web-next",
+                format!("#/services/{next}"),
+                "10 %",
+                ["version=v2"]
+            ],
+        ]),
+        "{row}"
+    );
+    assert_eq!(
+        row["filters"],
+        json!([
+            ["mirror", "mirror → web-next 25 %"],
+            ["request-headers", "request headers"],
+            ["timeouts", "timeouts"],
+        ]),
+        "{row}"
+    );
+    // The redirect: its badge with target and status, and no backend.
+    let redirect_row = browser
+        .eval(&format!(
+            "const row = document.querySelector('[data-testid=\"route-row-{redirect}\"]'); \
+             const text = (el) => el.textContent.replace(/\\s+/g, ' ').trim(); \
+             return [text(row.querySelector('.match-path')), \
+               text(row.querySelector('[data-filter=\"redirect\"]')), \
+               row.querySelectorAll('.backend').length, \
+               text(row.querySelectorAll('td')[2])];"
+        ))
+        .await;
+    assert_eq!(
+        redirect_row,
+        json!([
+            "exact /login",
+            "redirect → https://… · 301",
+            0,
+            "none: Raahi answers"
+        ])
+    );
+    let routes_shot = browser.screenshot("routes").await;
+    assert!(std::fs::metadata(&routes_shot).unwrap().len() > 10_000);
+
+    // A route created through the API appears in its place by name, without a reload.
+    browser
+        .eval("document.documentElement.dataset.unreloaded = 'yes'; return true;")
+        .await;
+    let asked = Instant::now();
+    let beta = gateway
+        .create(
+            "/api/v1/routes",
+            json!({
+                "name": "beta-users",
+                "path_prefix": "/beta",
+                "cookies": [{"name": "beta", "present": true}],
+                "service_id": web,
+            }),
+        )
+        .await;
+    let names = browser
+        .wait_for(
+            "the new route listed",
+            Duration::from_secs(5),
+            &format!(
+                "const rows = [...document.querySelectorAll('[data-testid=\"routes-table\"] tbody tr')]; \
+                 return rows.some(r => r.getAttribute('data-testid') === 'route-row-{beta}') \
+                   ? rows.map(r => r.getAttribute('data-route-name')) : null;"
+            ),
+        )
+        .await;
+    eprintln!("the new route showed {:?} after the POST", asked.elapsed());
+    assert_eq!(names, json!(["beta-users", "shop-split", "to-https"]));
+    assert_eq!(
+        browser
+            .eval(&format!(
+                "const b = document.querySelector('[data-testid=\"route-{beta}-backend-0\"]'); \
+                 return b.textContent.replace(/\\s+/g, ' ').trim();"
+            ))
+            .await,
+        "web 100 %"
+    );
+    assert_eq!(
+        browser
+            .eval("return document.documentElement.dataset.unreloaded;")
+            .await,
+        "yes",
+        "the page was not reloaded"
+    );
+
+    // A backend's service link opens that service's page, which lists the routes sending to
+    // it: as a backend (with the share and subset) and as a mirror.
+    browser
+        .client
+        .find(fantoccini::Locator::Css(&format!(
+            "[data-testid=\"route-{split}-backend-1\"] a"
+        )))
+        .await
+        .expect("web-next's link in the split route")
+        .click()
+        .await
+        .expect("open web-next's page");
+    let listed = browser
+        .wait_for(
+            "web-next's routes",
+            WAIT,
+            &format!(
+                "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+                 const section = document.querySelector('[data-testid=\"service-routes\"]'); \
+                 if (!page || page.getAttribute('data-service-id') !== '{next}' || !section \
+                   || section.getAttribute('data-loaded') !== 'true') return null; \
+                 return [...section.querySelectorAll('li')].map(li => \
+                   [li.getAttribute('data-route-id'), li.textContent.replace(/\\s+/g, ' ').trim()]);"
+            ),
+        )
+        .await;
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0][0], split.to_string());
+    let text = listed[0][1].as_str().unwrap();
+    for needle in [
+        "shop-split",
+        "backend 10 %",
+        "version=v2",
+        "mirror 25 %",
+        "shop.example.com",
+    ] {
+        assert!(text.contains(needle), "{needle:?} in {text:?}");
+    }
+    // Live there too: the new route starts mirroring to web-next.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/routes/{beta}"),
+            Some(json!({"mirror": {"service_id": next, "percent": 5}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let mirrored = browser
+        .wait_for(
+            "beta-users listed on web-next's page",
+            Duration::from_secs(5),
+            &format!(
+                "const li = document.querySelector('[data-testid=\"service-route-{beta}\"]'); \
+                 return li ? li.textContent.replace(/\\s+/g, ' ').trim() : null;"
+            ),
+        )
+        .await;
+    assert!(
+        mirrored.as_str().unwrap().contains("mirror 5 %"),
+        "{mirrored}"
+    );
+
+    // web's page lists both routes that send to it, by name.
+    browser
+        .eval(&format!("location.hash = '#/services/{web}'; return true;"))
+        .await;
+    let listed = browser
+        .wait_for(
+            "web's routes",
+            WAIT,
+            &format!(
+                "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+                 const section = document.querySelector('[data-testid=\"service-routes\"]'); \
+                 if (!page || page.getAttribute('data-service-id') !== '{web}' || !section \
+                   || section.querySelectorAll('li').length !== 2) return null; \
+                 return [...section.querySelectorAll('li')].map(li => \
+                   li.textContent.replace(/\\s+/g, ' ').trim());"
+            ),
+        )
+        .await;
+    let listed: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        listed[0].starts_with("beta-users") && listed[0].contains("backend 100 %"),
+        "{listed:?}"
+    );
+    assert!(
+        listed[1].starts_with("shop-split") && listed[1].contains("backend 90 %"),
+        "{listed:?}"
+    );
+    browser.screenshot("service-routes").await;
+
+    // Its link leads back to the routes page with that route picked out.
+    browser
+        .by_test_id(&format!("service-route-link-{split}"))
+        .await
+        .click()
+        .await
+        .expect("follow the route's link");
+    browser
+        .wait_for(
+            "the split route picked out on the routes page",
+            WAIT,
+            &format!(
+                "const row = document.querySelector('[data-testid=\"route-row-{split}\"]'); \
+                 return row !== null && row.classList.contains('selected') \
+                   && row.getAttribute('aria-current') === 'true';"
+            ),
+        )
+        .await;
+
+    // A phone's width: the page does not overflow sideways (the table scrolls in its box).
+    browser.resize(390, 844).await;
+    let widths = browser
+        .wait_for(
+            "the narrow routes page",
+            WAIT,
+            "const wrap = document.querySelector('[data-testid=\"routes-table\"]'); \
+             return window.innerWidth === 390 && wrap ? [document.documentElement.scrollWidth, \
+               window.innerWidth] : null;",
+        )
+        .await;
+    assert!(
+        widths[0].as_u64() <= widths[1].as_u64(),
+        "the routes page overflows a phone's width: {widths}"
+    );
+    browser.eval("window.scrollTo(0, 0); return true;").await;
+    browser.screenshot("routes-phone").await;
+    assert_eq!(
+        browser.eval("return window.cspViolations;").await,
+        json!([]),
+        "the page broke its own Content-Security-Policy"
+    );
     browser.close().await;
 }
