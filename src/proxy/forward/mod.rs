@@ -242,16 +242,29 @@ async fn forward(
     }
     let timeouts = route.route.timeouts;
     let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
-    let sending =
-        retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout);
     let (upstream, in_flight, target) = match timeouts.request_ms {
-        None => sending.await?,
-        Some(timeout_ms) => tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
-            .await
-            .map_err(|_| ProxyError::RequestTimeout {
-                route: route.route.name.clone(),
-                timeout_ms,
-            })??,
+        None => {
+            retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout)
+                .await?
+        }
+        // Boxed: the exchange's future is kilobytes, and a second copy of it inline (inside
+        // the timeout) would grow every request's future, which is moved as a whole.
+        Some(timeout_ms) => {
+            let sending = Box::pin(retry::send_with_retries(
+                state,
+                backend,
+                outgoing,
+                exchange,
+                grpc,
+                attempt_timeout,
+            ));
+            tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
+                .await
+                .map_err(|_| ProxyError::RequestTimeout {
+                    route: route.route.name.clone(),
+                    timeout_ms,
+                })??
+        }
     };
     let mut response = respond(
         upstream,
