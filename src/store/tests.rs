@@ -785,3 +785,71 @@ async fn changes_to_more_services_than_one_query_binds_are_all_read(kind: Kind) 
         .filter(|part| created.contains(&part.id))
         .all(|part| part.service.as_ref().map(|service| service.id) == Some(part.id)));
 }
+
+/// A store written before route rules (migration 0011 rebuilds SQLite's routes table): its
+/// routes keep their ids, fields and service, and new routes never reuse an old id.
+#[tokio::test]
+async fn routes_stored_before_route_rules_survive_the_migration() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePool};
+    use std::str::FromStr;
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/raahi.db", dir.path().display());
+    {
+        let options = SqliteConnectOptions::from_str(&url)
+            .unwrap()
+            .create_if_missing(true)
+            .foreign_keys(true);
+        let pool = SqlitePool::connect_with(options).await.unwrap();
+        let mut before = sqlx::migrate!("./migrations/sqlite");
+        let kept: Vec<_> = before
+            .migrations
+            .iter()
+            .filter(|migration| migration.version < 11)
+            .cloned()
+            .collect();
+        before.migrations = kept.into();
+        before.run(&pool).await.unwrap();
+        sqlx::query(
+            "INSERT INTO services (id, name, protocol, tls_verify, lb_policy, connect_timeout_ms,
+                response_header_timeout_ms, idle_timeout_ms, max_attempts, created_at, updated_at)
+             VALUES (5, 'web', 'http', 1, 'round_robin', 1000, 15000, 60000, 3, 0, 0)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        for (id, name, prefix) in [(7, "old", "/old"), (9, "gone", "/gone")] {
+            sqlx::query(
+                "INSERT INTO routes (id, name, hosts, path_prefix, methods, service_id,
+                    preserve_host, strip_prefix, priority, created_at, updated_at, upgrades)
+                 VALUES ($1, $2, '[\"a.test\"]', $3, '[\"GET\"]', 5, 0, 1, 4, 0, 0, '[]')",
+            )
+            .bind(id)
+            .bind(name)
+            .bind(prefix)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        sqlx::query("DELETE FROM routes WHERE id = 9")
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+    let store = Store::connect_as(&url, "instance-a").await.unwrap();
+    let old = store.get_route(7).await.unwrap();
+    assert_eq!(old.path_prefix.as_deref(), Some("/old"));
+    assert_eq!(old.hosts, vec!["a.test"]);
+    assert_eq!(old.methods, vec!["GET"]);
+    assert!(old.strip_prefix);
+    assert_eq!(old.priority, 4);
+    assert_eq!(old.service_id, Some(5));
+    assert_eq!(old.backends, vec![crate::model::Backend::whole(5)]);
+    let new = store.create_route(&route_spec("new", 5)).await.unwrap();
+    assert!(new.id > 9, "route ids are never reused: {}", new.id);
+    assert!(matches!(
+        store.delete_service(5).await.unwrap_err(),
+        StoreError::Conflict { .. }
+    ));
+}
