@@ -43,6 +43,8 @@ pub struct Config {
     pub cluster: ClusterConfig,
     #[serde(default)]
     pub registration: RegistrationConfig,
+    #[serde(default)]
+    pub tracing: TracingConfig,
 }
 
 /// Where this gateway registers itself (DESIGN §10). Unset: nowhere.
@@ -461,6 +463,115 @@ impl Default for AdminConfig {
     }
 }
 
+/// Distributed tracing (W3C trace context, spans over OTLP/HTTP). Without `otlp_endpoint`
+/// nothing is recorded and trace headers pass through untouched.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingConfig {
+    /// The collector's base URL (`http://collector:4318`); `/v1/traces` is appended.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
+    /// Requests arriving without a trace context that start a recorded trace, in percent.
+    /// Requests with one follow their caller's sampled flag.
+    #[serde(default)]
+    pub sample_percent: f64,
+    /// `service.name` of the exported spans.
+    #[serde(default = "TracingConfig::default_service_name")]
+    pub service_name: String,
+    /// Finished requests whose spans wait for the exporter; past it spans are dropped and
+    /// counted (`raahi_trace_spans_dropped_total`).
+    #[serde(default = "TracingConfig::default_queue_requests")]
+    pub queue_requests: usize,
+    /// Requests per export call.
+    #[serde(default = "TracingConfig::default_batch_requests")]
+    pub batch_requests: usize,
+    /// How long the first request of a batch waits for others.
+    #[serde(default = "TracingConfig::default_batch_delay_ms")]
+    pub batch_delay_ms: u64,
+    /// An export call that takes longer fails and its spans are counted lost.
+    #[serde(default = "TracingConfig::default_export_timeout_ms")]
+    pub export_timeout_ms: u64,
+}
+
+impl TracingConfig {
+    fn default_service_name() -> String {
+        "raahi".to_owned()
+    }
+
+    fn default_queue_requests() -> usize {
+        2_048
+    }
+
+    fn default_batch_requests() -> usize {
+        256
+    }
+
+    fn default_batch_delay_ms() -> u64 {
+        1_000
+    }
+
+    fn default_export_timeout_ms() -> u64 {
+        10_000
+    }
+}
+
+impl TracingConfig {
+    fn validate(&self, file: &str) -> Result<(), ConfigError> {
+        let invalid = |key: &str, reason: &str| ConfigError::InvalidKey {
+            file: file.to_owned(),
+            key: format!("tracing.{key}"),
+            reason: reason.to_owned(),
+        };
+        if let Some(endpoint) = &self.otlp_endpoint {
+            let uri = endpoint.parse::<http::Uri>().ok();
+            let usable = uri.as_ref().is_some_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https"))
+                    && uri.host().is_some()
+                    && uri.query().is_none()
+            });
+            if !usable {
+                return Err(invalid(
+                    "otlp_endpoint",
+                    "expected the collector's base URL, http(s)://HOST:PORT[/PATH]",
+                ));
+            }
+        }
+        if !(0.0..=100.0).contains(&self.sample_percent) {
+            return Err(invalid("sample_percent", "must be between 0 and 100"));
+        }
+        if !(1..=1_000_000).contains(&self.queue_requests) {
+            return Err(invalid("queue_requests", "must be between 1 and 1000000"));
+        }
+        if !(1..=self.queue_requests).contains(&self.batch_requests) {
+            return Err(invalid(
+                "batch_requests",
+                "must be between 1 and tracing.queue_requests",
+            ));
+        }
+        if !(1..=60_000).contains(&self.batch_delay_ms) {
+            return Err(invalid("batch_delay_ms", "must be between 1 and 60000"));
+        }
+        if !(1..=300_000).contains(&self.export_timeout_ms) {
+            return Err(invalid("export_timeout_ms", "must be between 1 and 300000"));
+        }
+        Ok(())
+    }
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            otlp_endpoint: None,
+            sample_percent: 0.0,
+            service_name: Self::default_service_name(),
+            queue_requests: Self::default_queue_requests(),
+            batch_requests: Self::default_batch_requests(),
+            batch_delay_ms: Self::default_batch_delay_ms(),
+            export_timeout_ms: Self::default_export_timeout_ms(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
@@ -622,6 +733,16 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_CLUSTER_RESYNC_MS", "cluster.resync_ms"),
     ("RAAHI_RESOURCES_FILE", "resources.file"),
     ("RAAHI_LOG_FORMAT", "log.format"),
+    ("RAAHI_TRACING_OTLP_ENDPOINT", "tracing.otlp_endpoint"),
+    ("RAAHI_TRACING_SAMPLE_PERCENT", "tracing.sample_percent"),
+    ("RAAHI_TRACING_SERVICE_NAME", "tracing.service_name"),
+    ("RAAHI_TRACING_QUEUE_REQUESTS", "tracing.queue_requests"),
+    ("RAAHI_TRACING_BATCH_REQUESTS", "tracing.batch_requests"),
+    ("RAAHI_TRACING_BATCH_DELAY_MS", "tracing.batch_delay_ms"),
+    (
+        "RAAHI_TRACING_EXPORT_TIMEOUT_MS",
+        "tracing.export_timeout_ms",
+    ),
     ("RUST_LOG", "log.level"),
 ];
 
@@ -783,6 +904,7 @@ impl Config {
         if let Some(consul) = &self.registration.consul {
             self.validate_consul_registration(consul, file)?;
         }
+        self.tracing.validate(file)?;
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             return Err(invalid(
                 "log.level",
@@ -886,7 +1008,12 @@ const COUNT_KEYS: &[&str] = &[
     "proxy.request_spool_bytes",
     "proxy.request_spool_budget_bytes",
     "proxy.listen_backlog",
+    "tracing.queue_requests",
+    "tracing.batch_requests",
 ];
+
+/// Keys whose environment value is a decimal number.
+const DECIMAL_KEYS: &[&str] = &["tracing.sample_percent"];
 
 /// Environment values are strings; durations (`*_ms` keys), ports and counts are stored as
 /// integers so they can be overridden too.
@@ -903,6 +1030,11 @@ fn set_key(table: &mut toml::Table, dotted: &str, value: &str) {
                 {
                     toml::Value::Integer(number)
                 }
+                _ if DECIMAL_KEYS.contains(&dotted) => match value.trim().parse::<f64>() {
+                    Ok(number) => toml::Value::Float(number),
+                    // Left a string: the key's type check names it.
+                    Err(_) => toml::Value::String(value.to_owned()),
+                },
                 // A list in one variable: comma-separated, blanks dropped.
                 _ if part == "tags" => toml::Value::Array(
                     value
@@ -1118,6 +1250,60 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.starts_with("conf.toml: admin.listen: "), "{error}");
+    }
+
+    #[test]
+    fn tracing_comes_from_the_file_or_the_environment_and_is_checked() {
+        let config = Config::from_parts(
+            "conf.toml",
+            Some("[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\nsample_percent = 1\n"),
+            &env(&[
+                ("RAAHI_TRACING_SAMPLE_PERCENT", "2.5"),
+                ("RAAHI_TRACING_SERVICE_NAME", "edge-eu"),
+                ("RAAHI_TRACING_BATCH_DELAY_MS", "50"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            config.tracing.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4318")
+        );
+        assert_eq!(config.tracing.sample_percent, 2.5);
+        assert_eq!(config.tracing.service_name, "edge-eu");
+        assert_eq!(config.tracing.batch_delay_ms, 50);
+        assert_eq!(Config::default().tracing.otlp_endpoint, None);
+        for (text, key) in [
+            (
+                "otlp_endpoint = \"collector:4318\"",
+                "tracing.otlp_endpoint",
+            ),
+            ("sample_percent = 101", "tracing.sample_percent"),
+            ("sample_percent = -1", "tracing.sample_percent"),
+            ("queue_requests = 0", "tracing.queue_requests"),
+            (
+                "queue_requests = 10\nbatch_requests = 11",
+                "tracing.batch_requests",
+            ),
+        ] {
+            let error = Config::from_parts("conf.toml", Some(&format!("[tracing]\n{text}\n")), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.starts_with(&format!("conf.toml: {key}: ")),
+                "{text}: {error}"
+            );
+        }
+        let error = Config::from_parts(
+            "conf.toml",
+            None,
+            &env(&[("RAAHI_TRACING_SAMPLE_PERCENT", "lots")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.starts_with("conf.toml: tracing.sample_percent: "),
+            "{error}"
+        );
     }
 
     #[test]

@@ -51,6 +51,8 @@ pub enum StartError {
     Registration(#[from] RegistrationError),
     #[error("proxy.request_spool_dir: cannot make spool files in {dir}: {source}")]
     SpoolDir { dir: String, source: std::io::Error },
+    #[error("{0}")]
+    Tracing(#[from] crate::telemetry::trace::TraceError),
 }
 
 /// A started gateway. Dropping it does not stop the proxy (only the registration's heartbeats);
@@ -72,6 +74,8 @@ pub struct Gateway {
     /// Set when the shutdown sequence starts: `/readyz` answers 503 `draining`.
     draining: Arc<AtomicBool>,
     proxy_state: Arc<ProxyState>,
+    /// The span exporter, flushed once requests have finished.
+    tracer: Option<Arc<crate::telemetry::trace::Tracer>>,
     drain_delay: Duration,
     shutdown: watch::Sender<bool>,
     control_task: JoinHandle<()>,
@@ -124,6 +128,9 @@ pub fn load_file_certificates(config: &TlsConfig) -> Result<FileCertificates, St
 
 /// How long a graceful shutdown waits to hand its discovery-source leases over.
 const RELEASE_LEASES_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a stopping gateway waits for its last spans to reach the collector.
+const TRACE_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn cluster_settings(config: &Config) -> ClusterSettings {
     ClusterSettings {
@@ -233,6 +240,7 @@ impl Gateway {
             })?;
 
         let (shutdown, shutdown_signal) = watch::channel(false);
+        let tracer = start_tracer(&config.tracing, &instance_id)?;
         let proxy_state = ProxyState::new(
             snapshots.clone(),
             gateway_counters.clone(),
@@ -242,6 +250,7 @@ impl Gateway {
                 config::ErrorDetails::Brief => proxy::ErrorDetails::Brief,
                 config::ErrorDetails::Full => proxy::ErrorDetails::Full,
             },
+            tracer.clone(),
         );
         let mut tasks = vec![proxy::serve_http(
             proxy_listener,
@@ -287,6 +296,7 @@ impl Gateway {
             registration: registrar.as_ref().map(Registrar::status),
             connections: Arc::default(),
             event_streams: admin::EventStreams::new(config.admin.event_stream_budget_bytes),
+            trace_counters: tracer.as_ref().map(|tracer| tracer.counters().clone()),
         };
         let admin_task = admin::serve(
             admin_listener,
@@ -317,6 +327,7 @@ impl Gateway {
             registrar,
             draining,
             proxy_state,
+            tracer,
             drain_delay: config.drain_delay(),
             shutdown,
             control_task,
@@ -397,6 +408,9 @@ impl Gateway {
         // database away the leases simply expire).
         let handover = tokio::time::timeout(RELEASE_LEASES_TIMEOUT, self.control.release_leases());
         let (_, _, _) = tokio::join!(listeners, self.streams.shutdown(), handover);
+        if let Some(tracer) = &self.tracer {
+            tracer.flush(TRACE_FLUSH_TIMEOUT).await;
+        }
         self.control_task.abort();
     }
 
@@ -543,4 +557,25 @@ mod tests {
             EventSettings::default()
         );
     }
+}
+
+/// The span exporter, when `tracing.otlp_endpoint` is set.
+fn start_tracer(
+    config: &config::TracingConfig,
+    instance_id: &str,
+) -> Result<Option<Arc<crate::telemetry::trace::Tracer>>, StartError> {
+    let Some(endpoint) = &config.otlp_endpoint else {
+        return Ok(None);
+    };
+    let settings = crate::telemetry::trace::TraceSettings {
+        otlp_endpoint: endpoint.clone(),
+        sample_percent: config.sample_percent,
+        service_name: config.service_name.clone(),
+        instance_id: Some(instance_id.to_owned()),
+        queue_requests: config.queue_requests,
+        batch_requests: config.batch_requests,
+        batch_delay: Duration::from_millis(config.batch_delay_ms),
+        export_timeout: Duration::from_millis(config.export_timeout_ms),
+    };
+    Ok(Some(crate::telemetry::trace::Tracer::start(&settings)?))
 }

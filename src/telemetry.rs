@@ -4,6 +4,7 @@
 
 pub mod access;
 pub mod sink;
+pub mod trace;
 
 use std::sync::OnceLock;
 

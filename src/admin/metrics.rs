@@ -47,6 +47,8 @@ struct Scrape {
     request_bodies: (u64, u64, u64),
     admin: AdminSample,
     dropped_log_lines: u64,
+    /// The span exporter's counts, when tracing is on.
+    tracing: Option<TraceSample>,
     requests_refused: Vec<(Labels, u64)>,
     streams: Vec<StreamSample>,
     certificates: Vec<(Labels, i64)>,
@@ -59,6 +61,54 @@ struct Scrape {
     registration: Option<(Labels, bool, u64)>,
     /// Reloads of the store by the control task: (whole, only what changed).
     reloads: (u64, u64),
+}
+
+/// The span exporter: what it sent, dropped and lost.
+#[derive(Debug, Default)]
+struct TraceSample {
+    exported: u64,
+    dropped: u64,
+    failed: u64,
+    queued: u64,
+}
+
+impl TraceSample {
+    fn read(counters: &crate::telemetry::trace::TraceCounters) -> TraceSample {
+        TraceSample {
+            exported: counters.exported_spans.load(Ordering::Relaxed),
+            dropped: counters.dropped_spans.load(Ordering::Relaxed),
+            failed: counters.failed_spans.load(Ordering::Relaxed),
+            queued: counters.queued_requests.load(Ordering::Relaxed),
+        }
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+        counter(
+            encoder,
+            "raahi_trace_spans_exported",
+            "Spans the OTLP collector accepted.",
+            [(Labels::new(), self.exported)],
+        )?;
+        counter(
+            encoder,
+            "raahi_trace_spans_dropped",
+            "Spans dropped because the export queue (tracing.queue_requests) was full: the \
+             exporter fell behind; requests never wait for it.",
+            [(Labels::new(), self.dropped)],
+        )?;
+        counter(
+            encoder,
+            "raahi_trace_spans_failed",
+            "Spans lost in export calls that failed or timed out.",
+            [(Labels::new(), self.failed)],
+        )?;
+        gauge(
+            encoder,
+            "raahi_trace_queued_requests",
+            "Finished requests whose spans wait for the exporter.",
+            [(Labels::new(), self.queued as i64)],
+        )
+    }
 }
 
 /// The admin listener's connections and event streams.
@@ -257,6 +307,7 @@ async fn gather(state: &AdminState) -> Scrape {
         ),
         admin: AdminSample::read(state),
         dropped_log_lines: crate::telemetry::dropped_log_lines(),
+        tracing: state.trace_counters.as_deref().map(TraceSample::read),
         requests_refused: REFUSAL_CODES
             .iter()
             .zip(&state.gateway_counters.requests_refused)
@@ -597,6 +648,9 @@ impl Collector for Scrape {
              1 MiB of one thread's lines behind, or failed.",
             [(Labels::new(), self.dropped_log_lines)],
         )?;
+        if let Some(tracing) = &self.tracing {
+            tracing.encode(&mut encoder)?;
+        }
         gauge(
             &mut encoder,
             "raahi_store_up",

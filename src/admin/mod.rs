@@ -54,6 +54,8 @@ pub struct AdminState {
     pub connections: std::sync::Arc<ConnectionCounters>,
     /// What the event streams share: snapshot frames, their memory budget, counters.
     pub event_streams: std::sync::Arc<EventStreams>,
+    /// The span exporter's counts, when tracing is on.
+    pub trace_counters: Option<std::sync::Arc<crate::telemetry::trace::TraceCounters>>,
 }
 
 impl AdminState {
