@@ -78,11 +78,35 @@ pub struct UpstreamResponseBody {
     held: Option<BoxError>,
     grpc: bool,
     grpc_status: Option<u16>,
+    /// Data bytes passed on so far.
+    sent: u64,
     at_end: Option<AtEnd>,
 }
 
-/// Told the answer's `grpc-status` (from its trailers) once the body ends or is dropped.
-pub type AtEnd = Box<dyn FnOnce(Option<u16>) + Send + Sync>;
+/// How an answer's body ended, for whoever waits for the end (the access line, the spans).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyEnd {
+    /// `grpc-status` from the trailers.
+    pub grpc_status: Option<u16>,
+    /// Data bytes passed on.
+    pub bytes: u64,
+    /// The body reached its end; false when it failed or was dropped before.
+    pub complete: bool,
+}
+
+impl BodyEnd {
+    /// A body Raahi wrote itself (an error, a redirect, a preflight), handed over whole.
+    pub fn whole<B: Body>(response: &http::Response<B>) -> BodyEnd {
+        BodyEnd {
+            grpc_status: super::grpc::status_in(response.headers()),
+            bytes: response.body().size_hint().exact().unwrap_or(0),
+            complete: true,
+        }
+    }
+}
+
+/// Told how the body ended, once it ends or is dropped.
+pub type AtEnd = Box<dyn FnOnce(BodyEnd) + Send + Sync>;
 
 impl UpstreamResponseBody {
     pub fn new(inner: UpstreamBody, in_flight: InFlight, answering: Answering, grpc: bool) -> Self {
@@ -93,6 +117,7 @@ impl UpstreamResponseBody {
             held: None,
             grpc,
             grpc_status: None,
+            sent: 0,
             at_end: None,
         }
     }
@@ -101,16 +126,22 @@ impl UpstreamResponseBody {
         self.at_end = Some(at_end);
     }
 
-    fn ended(&mut self) {
+    fn ended(&mut self, complete: bool) {
         if let Some(at_end) = self.at_end.take() {
-            at_end(self.grpc_status);
+            at_end(BodyEnd {
+                grpc_status: self.grpc_status,
+                bytes: self.sent,
+                complete,
+            });
         }
     }
 }
 
 impl Drop for UpstreamResponseBody {
     fn drop(&mut self) {
-        self.ended();
+        // hyper may drop a body that says it is at its end without polling it once more.
+        let complete = self.held.is_none() && self.inner.is_end_stream();
+        self.ended(complete);
     }
 }
 
@@ -134,6 +165,9 @@ impl Body for UpstreamResponseBody {
                 Poll::Pending
             }
             Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    self.sent += data.len() as u64;
+                }
                 if self.grpc {
                     if let Some(trailers) = frame.trailers_ref() {
                         self.grpc_status = super::grpc::status_in(trailers);
@@ -145,7 +179,7 @@ impl Body for UpstreamResponseBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             None => {
-                self.ended();
+                self.ended(true);
                 Poll::Ready(None)
             }
         }

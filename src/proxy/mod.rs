@@ -7,6 +7,7 @@ mod accounting;
 mod body;
 mod budget;
 mod client;
+pub mod connect_timing;
 mod connector;
 mod cors;
 mod detach;
@@ -93,6 +94,8 @@ pub struct ProxyState {
     /// clients pinned to a keep-alive connection move to a new one (which their load balancer no
     /// longer sends here) before the listeners close, instead of racing the close.
     draining: AtomicBool,
+    /// Records sampled requests' spans; None when tracing is off.
+    tracer: Option<Arc<crate::telemetry::trace::Tracer>>,
 }
 
 impl ProxyState {
@@ -102,6 +105,7 @@ impl ProxyState {
         limits: RequestLimits,
         bodies: BodySettings,
         error_details: ErrorDetails,
+        tracer: Option<Arc<crate::telemetry::trace::Tracer>>,
     ) -> Arc<ProxyState> {
         Arc::new(ProxyState {
             snapshots,
@@ -111,6 +115,7 @@ impl ProxyState {
             counters,
             error_details,
             draining: AtomicBool::new(false),
+            tracer,
         })
     }
 

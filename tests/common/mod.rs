@@ -9,6 +9,7 @@ pub mod fake_server;
 pub mod grpc;
 pub mod knot;
 pub mod kubernetes;
+pub mod otlp;
 pub mod postgres;
 pub mod process;
 pub mod registry;

@@ -26,6 +26,7 @@ mod discovery_dns;
 mod discovery_http;
 mod discovery_kubernetes;
 mod discovery_safety;
+mod distributed_tracing;
 mod edge_admin;
 mod edge_limits;
 mod events;

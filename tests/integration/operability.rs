@@ -244,6 +244,11 @@ async fn the_access_log_has_one_json_line_per_request() {
     let response = reqwest::Client::new()
         .get(format!("http://{}/hello?x=1", process.proxy))
         .header("x-request-id", "trace-me-123")
+        // Tracing is off: the caller's trace id is still logged, and passed on untouched.
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
         .send()
         .await
         .unwrap();
@@ -265,6 +270,11 @@ async fn the_access_log_has_one_json_line_per_request() {
     assert_eq!(fields["client"], "127.0.0.1");
     assert!(fields["duration_ms"].as_f64().unwrap() >= 0.0);
     assert!(fields["upstream_ms"].as_f64().is_some());
+    assert_eq!(fields["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(
+        upstream.last_seen().header("traceparent"),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    );
     assert!(entry["timestamp"].is_string());
 }
 

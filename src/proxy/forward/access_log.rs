@@ -11,6 +11,8 @@ use tokio::time::Instant;
 use super::{rewrite, Exchange, ProxyBody};
 use crate::snapshot::RouteEntry;
 use crate::telemetry::access;
+use crate::telemetry::trace::trace_id_hex;
+use opentelemetry::trace::TraceId;
 
 /// The request line, kept only while the access log is on. Cloning a request's URI and Host
 /// shares their bytes: nothing is copied or allocated.
@@ -53,6 +55,8 @@ pub(super) struct Entry {
     /// `grpc-status` in the head (a trailers-only answer).
     grpc_status: Option<u16>,
     grpc: bool,
+    /// The trace the request belongs to: the one it came with, or the one Raahi started.
+    trace_id: Option<TraceId>,
 }
 
 impl Entry {
@@ -64,6 +68,7 @@ impl Entry {
         response: &Response<ProxyBody>,
         started: Instant,
         grpc: bool,
+        trace_id: Option<TraceId>,
     ) -> Entry {
         let headers = response.headers();
         Entry {
@@ -84,6 +89,7 @@ impl Entry {
                 .then(|| crate::proxy::grpc::status_in(headers))
                 .flatten(),
             grpc,
+            trace_id,
         }
     }
 
@@ -115,6 +121,10 @@ impl Entry {
             fields.opt_u64("bytes", self.bytes);
             fields.millis("duration_ms", self.started.elapsed());
             fields.opt_millis("upstream_ms", self.upstream_elapsed);
+            if let Some(trace_id) = self.trace_id {
+                let mut hex = [0u8; 32];
+                fields.str("trace_id", trace_id_hex(trace_id, &mut hex));
+            }
         });
     }
 }

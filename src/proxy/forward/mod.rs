@@ -9,6 +9,7 @@ mod mirror;
 mod request_body;
 mod retry;
 mod rewrite;
+mod span;
 mod upgrade;
 
 use std::net::SocketAddr;
@@ -25,12 +26,13 @@ use hyper::upgrade::OnUpgrade;
 use tokio::time::Instant;
 
 use super::accounting::{Answering, InFlight};
-use super::body::{UpstreamBody, UpstreamResponseBody};
+use super::body::{BodyEnd, UpstreamBody, UpstreamResponseBody};
 use super::error::ProxyError;
 use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
 use super::ProxyState;
 use crate::snapshot::{RequestView, RouteEntry, Variables};
+use crate::telemetry::trace::{RequestTrace, TraceParent};
 
 pub use request_body::BodySettings;
 pub use upgrade::{tunnel, UpgradeHandoff};
@@ -83,6 +85,8 @@ pub(super) struct Exchange {
     pub target: Option<Authority>,
     /// From the first attempt's start to the upstream's response headers (or the failure).
     pub upstream_elapsed: Option<Duration>,
+    /// The request's spans, when it is recorded.
+    pub trace: Option<Box<RequestTrace>>,
 }
 
 pub async fn handle(
@@ -97,11 +101,28 @@ pub async fn handle(
     let request_line =
         crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
     let mut exchange = Exchange::default();
+    // Read only when someone uses it: the tracer, or the access line's `trace_id`.
+    let trace_parent = (state.tracer.is_some() || request_line.is_some())
+        .then(|| TraceParent::of(request.headers()))
+        .flatten();
+    if let Some(tracer) = &state.tracer {
+        exchange.trace = tracer.begin(trace_parent.as_ref());
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            let host = rewrite::request_host(&request);
+            span::request_started(trace, &request, &host, downstream, &request_id);
+        }
+    }
+    let trace_id = match &exchange.trace {
+        Some(trace) => Some(trace.trace_id()),
+        None => trace_parent.map(|parent| parent.trace_id),
+    };
+    let mut error_code = None;
     let mut response = match forward(state, request, downstream, &request_id, &mut exchange, grpc)
         .await
     {
         Ok(response) => response,
         Err(error) => {
+            error_code = Some(error.code());
             // Upstream and gateway failures are what an operator must see; a client's own
             // mistakes (no route, a broken upload) only at debug level.
             match error.blame() {
@@ -136,8 +157,12 @@ pub async fn handle(
             state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
         }
     }
-    if let Some(line) = request_line {
-        let entry = access_log::Entry::new(
+    let mut trace = exchange.trace.take();
+    if let Some(trace) = trace.as_deref_mut() {
+        span::answered(trace, &response, error_code);
+    }
+    let mut entry = request_line.map(|line| {
+        access_log::Entry::new(
             line,
             &request_id,
             downstream.client,
@@ -145,10 +170,33 @@ pub async fn handle(
             &response,
             started,
             grpc,
-        );
-        match response.body_mut() {
-            Either::Left(body) if grpc => body.at_end(Box::new(move |status| entry.write(status))),
-            _ => entry.write(None),
+            trace_id,
+        )
+    });
+    // A gRPC answer's line waits for its trailers' status; other lines are written now.
+    if !grpc {
+        if let Some(entry) = entry.take() {
+            entry.write(None);
+        }
+    }
+    match response.body_mut() {
+        Either::Left(body) if entry.is_some() || trace.is_some() => {
+            body.at_end(Box::new(move |end| {
+                if let Some(entry) = entry {
+                    entry.write(end.grpc_status);
+                }
+                if let Some(trace) = trace {
+                    span::finished(trace, end, grpc);
+                }
+            }))
+        }
+        _ => {
+            if let Some(entry) = entry {
+                entry.write(None);
+            }
+            if let Some(trace) = trace {
+                span::finished(trace, BodyEnd::whole(&response), grpc);
+            }
         }
     }
     // Never indexed in HPACK (HTTP/1.1 ignores the flag): a value unique to each response would
@@ -182,6 +230,9 @@ async fn forward(
     let preflight = super::cors::is_preflight(request.method(), request.headers());
     let route = find_route(state, &request, preflight)?;
     exchange.route = Some(route.clone());
+    if let Some(trace) = exchange.trace.as_deref_mut() {
+        span::routed(trace, request.method(), &route);
+    }
     if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
         return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));
     }
@@ -206,6 +257,9 @@ async fn forward(
     backend.requests.fetch_add(1, Ordering::Relaxed);
     let service = backend.service.clone();
     exchange.backend = Some(backend.label.clone());
+    if let Some(trace) = exchange.trace.as_deref_mut() {
+        span::backend_chosen(trace, &backend.label);
+    }
     let origin = route
         .route
         .cors

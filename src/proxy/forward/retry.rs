@@ -79,6 +79,16 @@ pub(super) async fn send_with_retries(
         let target = pick.target;
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            super::span::attempt_started(
+                trace,
+                &mut outgoing,
+                target,
+                scheme_name(service),
+                attempt,
+                last_failure.as_ref().map(UpstreamFailure::code),
+            );
+        }
         let in_flight = InFlight::start_within(service, target)
             .await
             .map_err(|reason| ProxyError::UpstreamOverloaded {
@@ -192,6 +202,9 @@ pub(super) async fn send_with_retries(
         }
         let failure = match outcome {
             Ok(Ok(response)) => {
+                if let Some(trace) = exchange.trace.as_deref_mut() {
+                    super::span::attempt_answered(trace, &response);
+                }
                 let status = response.status().as_u16();
                 let failure = service
                     .service
@@ -247,6 +260,9 @@ pub(super) async fn send_with_retries(
             }) => UpstreamFailure::send_timeout(service, target),
             Err(NoResponse::HeadersLate) => UpstreamFailure::response_timeout(service, target),
         };
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            super::span::attempt_failed(trace, failure.code());
+        }
         // A target that declined the request (an HTTP/2 stream it never processed) is neither
         // failing nor proven well: its health is left as it is.
         if let Some(cause) = failure.ejection_cause() {
@@ -276,6 +292,14 @@ pub(super) async fn send_with_retries(
         Some(failure) => ProxyError::Upstream(failure),
         None => ProxyError::NoTarget(NoTarget::of_backend(service, &backend.label)),
     })
+}
+
+/// The scheme a target of `service` is reached by, as a span's `url.full` names it.
+fn scheme_name(service: &ServiceRuntime) -> &'static str {
+    match service.service.protocol {
+        crate::model::Protocol::Https => "https",
+        _ => "http",
+    }
 }
 
 /// Why no response headers came in time.
