@@ -32,3 +32,12 @@ pub fn unix_micros() -> u64 {
         .map(|elapsed| elapsed.as_micros() as u64)
         .unwrap_or(0)
 }
+
+/// Wall-clock nanoseconds since the Unix epoch (0 if before 1970), as OTLP spans carry times.
+#[allow(clippy::disallowed_methods)]
+pub fn unix_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -546,19 +546,6 @@ fn event_settings(admin: &crate::config::AdminConfig) -> EventSettings {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_configured_event_bounds_default_to_the_logs_own() {
-        assert_eq!(
-            event_settings(&crate::config::AdminConfig::default()),
-            EventSettings::default()
-        );
-    }
-}
-
 /// The span exporter, when `tracing.otlp_endpoint` is set.
 fn start_tracer(
     config: &config::TracingConfig,
@@ -578,4 +565,17 @@ fn start_tracer(
         export_timeout: Duration::from_millis(config.export_timeout_ms),
     };
     Ok(Some(crate::telemetry::trace::Tracer::start(&settings)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configured_event_bounds_default_to_the_logs_own() {
+        assert_eq!(
+            event_settings(&crate::config::AdminConfig::default()),
+            EventSettings::default()
+        );
+    }
 }

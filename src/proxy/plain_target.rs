@@ -13,6 +13,7 @@ use http::{header, Method, Response};
 use tokio::net::TcpStream;
 
 use super::body::UpstreamRequestBody;
+use super::connect_timing::ConnectTiming;
 use super::detach::FinishOnDrop;
 use super::h1client::{self, Connection, ConnectionHome, ExchangeError, RequestHead, ResponseBody};
 use super::pool::{Pooled, TargetPool};
@@ -150,11 +151,18 @@ impl PlainTarget {
                 .as_ref()
                 .is_some_and(|abandoned| abandoned.load(Ordering::Relaxed))
         };
+        // How long this request's own connection took to open (none on a reused one).
+        let mut opened = None;
         let connection = loop {
             let (mut connection, reused) = match self.pool.take_idle() {
                 Some(connection) => (connection, true),
                 None if gone() => return Err(PlainTargetError::Abandoned),
-                None => (self.connect().await?, false),
+                None => {
+                    let started = tokio::time::Instant::now();
+                    let connection = self.connect().await?;
+                    opened = Some(started.elapsed());
+                    (connection, false)
+                }
             };
             if gone() {
                 self.pool.put_back(connection);
@@ -169,7 +177,7 @@ impl PlainTarget {
             }
         };
         let home: Arc<dyn ConnectionHome> = self;
-        h1client::finish_exchange(
+        let mut response = h1client::finish_exchange(
             connection,
             method_is_head,
             upgrade_asked,
@@ -178,7 +186,12 @@ impl PlainTarget {
             home,
         )
         .await
-        .map_err(PlainTargetError::Request)
+        .map_err(PlainTargetError::Request)?;
+        // Only a new connection's answer carries it: a reused one's costs no allocation.
+        if let Some(connect) = opened {
+            response.extensions_mut().insert(ConnectTiming { connect });
+        }
+        Ok(response)
     }
 
     async fn connect(&self) -> Result<Box<Connection>, PlainTargetError> {
@@ -276,6 +289,26 @@ mod tests {
             "one connection served all"
         );
         assert_eq!(target.pool.idle_count(), 1);
+    }
+
+    /// The request that opened a connection tells how long that took (its trace span shows
+    /// it); one on a reused connection carries nothing.
+    #[tokio::test]
+    async fn only_the_request_that_opened_its_connection_carries_the_connect_time() {
+        use http_body_util::BodyExt;
+        let (target, _) = origin().await;
+        let target = target_at(target, Duration::from_secs(60));
+        let first = get(&target).await.unwrap();
+        let timing = *first
+            .extensions()
+            .get::<ConnectTiming>()
+            .expect("a new connection's answer carries its connect time");
+        assert!(timing.connect < Duration::from_secs(1));
+        first.into_body().collect().await.unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(target.pool.idle_count(), 1);
+        let second = get(&target).await.unwrap();
+        assert!(second.extensions().get::<ConnectTiming>().is_none());
     }
 
     #[tokio::test]

@@ -2,25 +2,27 @@
 //! over OTLP/HTTP (protobuf). The request path decides once per request (a header read and, for
 //! a request without context, one random number) and, only when it records, fills a boxed
 //! [`RequestTrace`]; a finished one goes to a bounded queue without waiting. One exporter task
-//! turns queued requests into spans and sends them in batches; a full queue drops and counts.
+//! writes queued requests as OTLP protobuf (`otlp`) and sends them in batches over reqwest; a
+//! full queue drops and counts.
 
 pub mod context;
+mod otlp;
 mod record;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use opentelemetry::trace::TraceId;
-use opentelemetry::{InstrumentationScope, KeyValue};
-use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
-use opentelemetry_sdk::trace::SpanExporter as _;
-use opentelemetry_sdk::Resource;
 use tokio::sync::{mpsc, Notify};
 
 pub use context::{trace_id_hex, TraceParent, TRACEPARENT, TRACESTATE};
-pub use record::RequestTrace;
-use record::{nonzero_u128, Finished};
+use otlp::{Encoder, ResourceInfo};
+use record::nonzero_u128;
+pub use record::{AttemptFacts, RequestTrace, ServerFacts};
+
+/// Recorded requests finished and waiting for the exporter.
+type Finished = Box<RequestTrace>;
 
 /// The path OTLP/HTTP receives traces on, below the collector's base URL.
 const TRACES_PATH: &str = "/v1/traces";
@@ -29,8 +31,8 @@ const TRACES_PATH: &str = "/v1/traces";
 pub enum TraceError {
     #[error("tracing.otlp_endpoint {endpoint:?} is not a usable URL: {reason}")]
     Endpoint { endpoint: String, reason: String },
-    #[error("the OTLP exporter could not be built: {0}")]
-    Exporter(String),
+    #[error("the OTLP exporter's HTTP client could not be built: {0}")]
+    Client(String),
 }
 
 /// What the operator configured (`[tracing]`).
@@ -110,38 +112,29 @@ impl Tracer {
         let client = reqwest::Client::builder()
             .timeout(settings.export_timeout)
             .build()
-            .map_err(|error| TraceError::Exporter(error.to_string()))?;
-        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_http_client(client)
-            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-            .with_endpoint(endpoint)
-            .with_timeout(settings.export_timeout)
-            .build()
-            .map_err(|error| TraceError::Exporter(error.to_string()))?;
-        let mut resource = Resource::builder_empty()
-            .with_service_name(settings.service_name.clone())
-            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")));
-        if let Some(instance) = &settings.instance_id {
-            resource =
-                resource.with_attribute(KeyValue::new("service.instance.id", instance.clone()));
-        }
-        exporter.set_resource(&resource.build());
+            .map_err(|error| TraceError::Client(error.to_string()))?;
+        let exporter = Exporter {
+            client,
+            endpoint,
+            resource: ResourceInfo {
+                service_name: settings.service_name.clone(),
+                service_version: env!("CARGO_PKG_VERSION"),
+                instance_id: settings.instance_id.clone(),
+            },
+            encoder: Encoder::default(),
+            export_timeout: settings.export_timeout,
+        };
         let counters = Arc::new(TraceCounters::default());
         let (queue, waiting) = mpsc::channel(settings.queue_requests.max(1));
         let closing = Arc::new(Notify::new());
         let flushed = Arc::new(Notify::new());
         let batcher = Batcher {
+            waiting,
             closing: closing.clone(),
             flushed: flushed.clone(),
-            waiting,
             batch_requests: settings.batch_requests.max(1),
             batch_delay: settings.batch_delay,
-            export_timeout: settings.export_timeout,
             counters: counters.clone(),
-            scope: InstrumentationScope::builder("raahi")
-                .with_version(env!("CARGO_PKG_VERSION"))
-                .build(),
             failing: false,
         };
         tokio::spawn(batcher.run(exporter));
@@ -177,23 +170,12 @@ impl Tracer {
     /// Whether and how a request is recorded: a request with a trace context follows its
     /// caller's decision (the sampled flag); one without starts a trace when sampled.
     pub fn begin(&self, incoming: Option<&TraceParent>) -> Option<Box<RequestTrace>> {
-        let start = SystemTime::now();
         match incoming {
             Some(parent) => parent.sampled().then(|| {
-                RequestTrace::new(
-                    self.shared.clone(),
-                    parent.trace_id,
-                    Some(parent.parent_id),
-                    start,
-                )
+                RequestTrace::new(self.shared.clone(), parent.trace_id, Some(parent.parent_id))
             }),
             None => self.sample().then(|| {
-                RequestTrace::new(
-                    self.shared.clone(),
-                    TraceId::from(nonzero_u128()),
-                    None,
-                    start,
-                )
+                RequestTrace::new(self.shared.clone(), TraceId::from(nonzero_u128()), None)
             }),
         }
     }
@@ -233,6 +215,38 @@ fn traces_url(base: &str) -> Result<String, TraceError> {
     Ok(format!("{}{TRACES_PATH}", base.trim_end_matches('/')))
 }
 
+/// Sends batches to the collector: OTLP/HTTP, `application/x-protobuf`.
+struct Exporter {
+    client: reqwest::Client,
+    endpoint: String,
+    resource: ResourceInfo,
+    encoder: Encoder,
+    export_timeout: Duration,
+}
+
+impl Exporter {
+    /// One export call; the error says why it failed.
+    async fn export(&mut self, batch: &[Finished]) -> Result<(), String> {
+        let mut body = Vec::with_capacity(batch.len() * 2048);
+        let start = self.encoder.encode(&mut body, &self.resource, batch);
+        let sending = self
+            .client
+            .post(&self.endpoint)
+            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(bytes::Bytes::from(body).slice(start..))
+            .send();
+        match tokio::time::timeout(self.export_timeout, sending).await {
+            Err(_) => Err(format!(
+                "no answer within {} ms",
+                self.export_timeout.as_millis()
+            )),
+            Ok(Err(error)) => Err(error.to_string()),
+            Ok(Ok(response)) if response.status().is_success() => Ok(()),
+            Ok(Ok(response)) => Err(format!("the collector answered {}", response.status())),
+        }
+    }
+}
+
 /// The exporter task: waits for finished requests, gathers a batch, exports it, repeats.
 struct Batcher {
     waiting: mpsc::Receiver<Finished>,
@@ -240,21 +254,19 @@ struct Batcher {
     flushed: Arc<Notify>,
     batch_requests: usize,
     batch_delay: Duration,
-    export_timeout: Duration,
     counters: Arc<TraceCounters>,
-    scope: InstrumentationScope,
     /// The last export failed (a failure is logged when exports start failing, not each time).
     failing: bool,
 }
 
 impl Batcher {
-    async fn run(mut self, exporter: opentelemetry_otlp::SpanExporter) {
+    async fn run(mut self, mut exporter: Exporter) {
         let mut batch = Vec::with_capacity(self.batch_requests);
         loop {
             let received = tokio::select! {
                 biased;
                 _ = self.closing.notified() => {
-                    self.export_the_rest(&exporter, &mut batch).await;
+                    self.export_the_rest(&mut exporter, &mut batch).await;
                     self.flushed.notify_one();
                     return;
                 }
@@ -282,69 +294,46 @@ impl Batcher {
                 }
             }
             if closing {
-                self.export_the_rest(&exporter, &mut batch).await;
+                self.export_the_rest(&mut exporter, &mut batch).await;
                 self.flushed.notify_one();
                 return;
             }
-            self.counters
-                .queued_requests
-                .fetch_sub(batch.len() as u64, Ordering::Relaxed);
-            self.export(&exporter, &mut batch).await;
+            self.export(&mut exporter, &mut batch).await;
         }
     }
 
     /// Everything still queued, at once (the gateway is shutting down).
-    async fn export_the_rest(
-        &mut self,
-        exporter: &opentelemetry_otlp::SpanExporter,
-        batch: &mut Vec<Finished>,
-    ) {
+    async fn export_the_rest(&mut self, exporter: &mut Exporter, batch: &mut Vec<Finished>) {
         while let Ok(finished) = self.waiting.try_recv() {
             batch.push(finished);
         }
-        if batch.is_empty() {
-            return;
+        if !batch.is_empty() {
+            self.export(exporter, batch).await;
         }
+    }
+
+    async fn export(&mut self, exporter: &mut Exporter, batch: &mut Vec<Finished>) {
         self.counters
             .queued_requests
             .fetch_sub(batch.len() as u64, Ordering::Relaxed);
-        self.export(exporter, batch).await;
-    }
-
-    async fn export(
-        &mut self,
-        exporter: &opentelemetry_otlp::SpanExporter,
-        batch: &mut Vec<Finished>,
-    ) {
-        let mut spans = Vec::with_capacity(batch.len() * 2);
-        for finished in batch.drain(..) {
-            finished.into_spans(&self.scope, &mut spans);
-        }
-        let count = spans.len() as u64;
-        let outcome = tokio::time::timeout(self.export_timeout, exporter.export(spans)).await;
-        let error = match outcome {
-            Ok(Ok(())) => None,
-            Ok(Err(error)) => Some(error.to_string()),
-            Err(_) => Some(format!(
-                "no answer within {} ms",
-                self.export_timeout.as_millis()
-            )),
-        };
-        match error {
-            None => {
+        let spans: u64 = batch.iter().map(|trace| trace.span_count() as u64).sum();
+        let outcome = exporter.export(batch).await;
+        batch.clear();
+        match outcome {
+            Ok(()) => {
                 self.counters
                     .exported_spans
-                    .fetch_add(count, Ordering::Relaxed);
+                    .fetch_add(spans, Ordering::Relaxed);
                 if std::mem::take(&mut self.failing) {
                     tracing::info!("span export to the OTLP collector works again");
                 }
             }
-            Some(error) => {
+            Err(error) => {
                 self.counters
                     .failed_spans
-                    .fetch_add(count, Ordering::Relaxed);
+                    .fetch_add(spans, Ordering::Relaxed);
                 if !std::mem::replace(&mut self.failing, true) {
-                    tracing::warn!(%error, spans = count, "span export to the OTLP collector failed");
+                    tracing::warn!(%error, spans, "span export to the OTLP collector failed");
                 }
             }
         }
@@ -420,7 +409,13 @@ mod tests {
         let tracer = Tracer::start(&settings(100.0, 4)).unwrap();
         for _ in 0..10 {
             let mut trace = tracer.begin(None).unwrap();
-            trace.start_attempt("GET");
+            trace.start_attempt(
+                http::Method::GET,
+                "http",
+                http::uri::Authority::from_static("10.0.0.1:80"),
+                http::uri::PathAndQuery::from_static("/"),
+                None,
+            );
             trace.finish();
         }
         let counters = tracer.counters();

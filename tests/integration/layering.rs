@@ -74,6 +74,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "resources",
             "snapshot",
             "store",
+            // Starts the span exporter from `[tracing]` and flushes it on shutdown.
+            "telemetry",
             "tls",
         ],
     ),

@@ -68,7 +68,6 @@ impl Entry {
         response: &Response<ProxyBody>,
         started: Instant,
         grpc: bool,
-        trace_id: Option<TraceId>,
     ) -> Entry {
         let headers = response.headers();
         Entry {
@@ -89,7 +88,7 @@ impl Entry {
                 .then(|| crate::proxy::grpc::status_in(headers))
                 .flatten(),
             grpc,
-            trace_id,
+            trace_id: exchange.trace_id,
         }
     }
 

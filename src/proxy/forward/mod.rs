@@ -87,6 +87,8 @@ pub(super) struct Exchange {
     pub upstream_elapsed: Option<Duration>,
     /// The request's spans, when it is recorded.
     pub trace: Option<Box<RequestTrace>>,
+    /// The trace the request belongs to: the one it came with, or the one Raahi started.
+    pub trace_id: Option<opentelemetry::trace::TraceId>,
 }
 
 pub async fn handle(
@@ -112,7 +114,7 @@ pub async fn handle(
             span::request_started(trace, &request, &host, downstream, &request_id);
         }
     }
-    let trace_id = match &exchange.trace {
+    exchange.trace_id = match &exchange.trace {
         Some(trace) => Some(trace.trace_id()),
         None => trace_parent.map(|parent| parent.trace_id),
     };
@@ -159,7 +161,7 @@ pub async fn handle(
     }
     let mut trace = exchange.trace.take();
     if let Some(trace) = trace.as_deref_mut() {
-        span::answered(trace, &response, error_code);
+        span::answered(trace, &response, error_code, grpc);
     }
     let mut entry = request_line.map(|line| {
         access_log::Entry::new(
@@ -170,7 +172,6 @@ pub async fn handle(
             &response,
             started,
             grpc,
-            trace_id,
         )
     });
     // A gRPC answer's line waits for its trailers' status; other lines are written now.
@@ -186,7 +187,7 @@ pub async fn handle(
                     entry.write(end.grpc_status);
                 }
                 if let Some(trace) = trace {
-                    span::finished(trace, end, grpc);
+                    span::finished(trace, end);
                 }
             }))
         }
@@ -195,7 +196,7 @@ pub async fn handle(
                 entry.write(None);
             }
             if let Some(trace) = trace {
-                span::finished(trace, BodyEnd::whole(&response), grpc);
+                span::finished(trace, BodyEnd::whole(&response));
             }
         }
     }
@@ -231,7 +232,7 @@ async fn forward(
     let route = find_route(state, &request, preflight)?;
     exchange.route = Some(route.clone());
     if let Some(trace) = exchange.trace.as_deref_mut() {
-        span::routed(trace, request.method(), &route);
+        span::routed(trace, &route);
     }
     if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
         return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));

@@ -85,7 +85,6 @@ pub(super) async fn send_with_retries(
                 &mut outgoing,
                 target,
                 scheme_name(service),
-                attempt,
                 last_failure.as_ref().map(UpstreamFailure::code),
             );
         }
@@ -261,7 +260,7 @@ pub(super) async fn send_with_retries(
             Err(NoResponse::HeadersLate) => UpstreamFailure::response_timeout(service, target),
         };
         if let Some(trace) = exchange.trace.as_deref_mut() {
-            super::span::attempt_failed(trace, failure.code());
+            trace.fail_attempt(failure.code());
         }
         // A target that declined the request (an HTTP/2 stream it never processed) is neither
         // failing nor proven well: its health is left as it is.

@@ -28,6 +28,7 @@ use connection::{mark_closed, H2Connection};
 pub use connection::{Dial, DialError, DialFuture, TcpDial, Transport};
 
 use super::body::UpstreamRequestBody;
+use super::connect_timing::ConnectTiming;
 use crate::snapshot::ServiceCounters;
 
 /// What a target's connections are made and kept with.
@@ -145,16 +146,16 @@ impl H2Target {
         request: Request<()>,
         body: UpstreamRequestBody,
     ) -> Result<Response<H2ResponseBody>, H2Error> {
-        let slot = self.choose();
+        let (slot, opens_connection) = self.choose();
         let connection = slot.connection().clone();
-        let mut sender = connection
-            .sender(self)
-            .await?
-            .ready()
-            .await
-            .map_err(|error| H2Error::Unprocessed {
-                reason: format!("the connection could not open a stream: {error}"),
-            })?;
+        let waited = tokio::time::Instant::now();
+        let sender = connection.sender(self).await?;
+        // The stream that made the pool open a connection carries how long that took (TCP,
+        // TLS for an https target, and the HTTP/2 handshake).
+        let opened = opens_connection.then(|| waited.elapsed());
+        let mut sender = sender.ready().await.map_err(|error| H2Error::Unprocessed {
+            reason: format!("the connection could not open a stream: {error}"),
+        })?;
         let ends_at_headers = matches!(body, UpstreamRequestBody::Empty);
         let (response, upload) = sender
             .send_request(request, ends_at_headers)
@@ -171,7 +172,13 @@ impl H2Target {
             streamed => Some(body::start_upload(streamed, upload)),
         };
         match response.await {
-            Ok(response) => Ok(response.map(|stream| H2ResponseBody::new(stream, slot, cancel))),
+            Ok(response) => {
+                let mut response = response.map(|stream| H2ResponseBody::new(stream, slot, cancel));
+                if let Some(connect) = opened {
+                    response.extensions_mut().insert(ConnectTiming { connect });
+                }
+                Ok(response)
+            }
             Err(error) => Err(self.failed(&connection, stream_id, error)),
         }
     }
@@ -183,8 +190,9 @@ impl H2Target {
             .min(self.settings.max_streams_per_connection)
     }
 
-    /// The connection for the next stream, with the stream counted on it.
-    fn choose(self: &Arc<Self>) -> connection::StreamSlot {
+    /// The connection for the next stream, with the stream counted on it, and whether it is a
+    /// new connection that this stream opens.
+    fn choose(self: &Arc<Self>) -> (connection::StreamSlot, bool) {
         let ours = self.settings.max_streams_per_connection;
         let mut connections = self.lock();
         connections.retain(|connection| !connection.retired() || connection.open_streams() > 0);
@@ -205,7 +213,7 @@ impl H2Target {
         if let Some(roomy) =
             live().find(|connection| connection.open_streams() < connection.capacity(ours, learned))
         {
-            return roomy.reserve(&self.counters);
+            return (roomy.reserve(&self.counters), false);
         }
         let at_limit = self
             .settings
@@ -213,13 +221,13 @@ impl H2Target {
             .is_some_and(|max| live().count() >= max);
         if at_limit {
             if let Some(least) = live().min_by_key(|connection| connection.open_streams()) {
-                return least.reserve(&self.counters);
+                return (least.reserve(&self.counters), false);
             }
         }
         let fresh = Arc::new(H2Connection::new());
         let slot = fresh.reserve(&self.counters);
         connections.push(fresh);
-        slot
+        (slot, true)
     }
 
     /// Drops a connection that ended or could not be made.

@@ -169,6 +169,25 @@ async fn a_body_and_trailers_go_both_ways() {
     assert_eq!(status, "0", "trailers come through");
 }
 
+/// The stream that made the pool open its connection carries how long that took; the next
+/// one, on the same connection, carries nothing.
+#[tokio::test]
+async fn only_the_stream_that_opened_its_connection_carries_the_connect_time() {
+    use crate::proxy::connect_timing::ConnectTiming;
+    let origin = origin(Behaviour::default()).await;
+    let pool = pool(&origin, settings());
+    let first = pool.send(request(&origin), body("a")).await.unwrap();
+    let timing = first
+        .extensions()
+        .get::<ConnectTiming>()
+        .expect("the opening stream's answer carries the connect time");
+    assert!(timing.connect < Duration::from_secs(2));
+    first.into_body().collect().await.unwrap();
+    let second = pool.send(request(&origin), body("b")).await.unwrap();
+    assert!(second.extensions().get::<ConnectTiming>().is_none());
+    second.into_body().collect().await.unwrap();
+}
+
 #[tokio::test]
 async fn concurrent_requests_share_one_connection() {
     let hold = Arc::new(Notify::new());

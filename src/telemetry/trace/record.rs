@@ -1,46 +1,81 @@
-//! One recorded request: its server span and a client span per upstream attempt, kept as plain
-//! facts while the request runs and turned into OpenTelemetry spans only by the exporter, off
-//! the request path.
+//! One recorded request: the facts of its server span and of a client span per upstream
+//! attempt, kept as typed values (clones of the request's shared bytes, static codes, numbers)
+//! while the request runs. They become OTLP spans only in the exporter task, off the request
+//! path: recording allocates little and formats nothing.
 
-use std::borrow::Cow;
+use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::Duration;
 
-use http::HeaderValue;
-use opentelemetry::trace::{
-    SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
-};
-use opentelemetry::KeyValue;
-use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
+use http::uri::{Authority, PathAndQuery};
+use http::{HeaderValue, Method, Version};
+use opentelemetry::trace::{SpanId, TraceFlags, TraceId};
 
 use super::context::traceparent;
 use super::Shared;
+use crate::clock::unix_nanos;
 
 /// A request the gateway records. Boxed, and only for sampled requests: an unsampled request
 /// carries a `None` through the path.
 pub struct RequestTrace {
     shared: Arc<Shared>,
-    trace_id: TraceId,
-    span_id: SpanId,
+    pub(super) trace_id: TraceId,
+    pub(super) span_id: SpanId,
     /// The caller's span, when the request came with a trace context.
-    remote_parent: Option<SpanId>,
-    flags: TraceFlags,
-    start: SystemTime,
-    /// `{method} {route}` once the route is known, `{method}` before.
-    name: Cow<'static, str>,
-    attributes: Vec<KeyValue>,
-    error: Option<Cow<'static, str>>,
-    attempts: Vec<Attempt>,
+    pub(super) remote_parent: Option<SpanId>,
+    pub(super) start_ns: u64,
+    pub(super) end_ns: u64,
+    /// What the server span says.
+    pub server: ServerFacts,
+    pub(super) attempts: Vec<AttemptFacts>,
 }
 
-/// One upstream attempt's client span.
-struct Attempt {
-    span_id: SpanId,
-    name: Cow<'static, str>,
-    start: SystemTime,
-    end: Option<SystemTime>,
-    attributes: Vec<KeyValue>,
-    error: Option<Cow<'static, str>>,
+/// The request as the client sent it and as it was answered.
+#[derive(Debug, Default)]
+pub struct ServerFacts {
+    pub method: Method,
+    pub path_and_query: Option<PathAndQuery>,
+    pub over_tls: bool,
+    pub host: String,
+    pub client: Option<IpAddr>,
+    pub version: Version,
+    pub user_agent: Option<HeaderValue>,
+    pub request_id: Option<HeaderValue>,
+    pub route: Option<Arc<str>>,
+    /// The backend's label: its service's name, then a subset's labels if any.
+    pub backend: Option<Arc<str>>,
+    pub status: u16,
+    /// Raahi's error code when Raahi answered for a failure.
+    pub error: Option<&'static str>,
+    pub body_bytes: u64,
+    pub grpc: bool,
+    pub grpc_status: Option<u16>,
+    /// The answer's body ended before its end (the client went away, or the target broke off).
+    pub cut: bool,
+}
+
+/// One upstream attempt.
+#[derive(Debug)]
+pub struct AttemptFacts {
+    pub(super) span_id: SpanId,
+    pub(super) start_ns: u64,
+    /// 0 while the attempt's span is open.
+    pub(super) end_ns: u64,
+    pub method: Method,
+    pub scheme: &'static str,
+    pub authority: Authority,
+    pub path_and_query: PathAndQuery,
+    /// 1-based.
+    pub attempt: u32,
+    /// The previous attempt's error code, for a retry.
+    pub retry_reason: Option<&'static str>,
+    /// The target's answer (0: none).
+    pub status: u16,
+    pub version: Option<Version>,
+    /// Why the attempt failed, when it did.
+    pub error: Option<&'static str>,
+    /// Opening the connection, when this attempt opened it.
+    pub connect: Option<Duration>,
 }
 
 impl RequestTrace {
@@ -48,18 +83,15 @@ impl RequestTrace {
         shared: Arc<Shared>,
         trace_id: TraceId,
         remote_parent: Option<SpanId>,
-        start: SystemTime,
     ) -> Box<RequestTrace> {
         Box::new(RequestTrace {
             shared,
             trace_id,
             span_id: SpanId::from(nonzero_u64()),
             remote_parent,
-            flags: TraceFlags::SAMPLED,
-            start,
-            name: Cow::Borrowed("HTTP"),
-            attributes: Vec::with_capacity(16),
-            error: None,
+            start_ns: unix_nanos(),
+            end_ns: 0,
+            server: ServerFacts::default(),
             attempts: Vec::new(),
         })
     }
@@ -73,173 +105,75 @@ impl RequestTrace {
         self.remote_parent.is_some()
     }
 
-    pub fn set_name(&mut self, name: impl Into<Cow<'static, str>>) {
-        self.name = name.into();
-    }
-
-    /// Adds an attribute to the server span.
-    pub fn attribute(&mut self, attribute: KeyValue) {
-        self.attributes.push(attribute);
-    }
-
-    /// The server span failed: its status becomes an error with this description.
-    pub fn fail(&mut self, description: impl Into<Cow<'static, str>>) {
-        self.error = Some(description.into());
-    }
-
-    /// Starts a client span for the next upstream attempt and gives the `traceparent` that
-    /// names it as the parent of the target's work.
-    pub fn start_attempt(&mut self, name: impl Into<Cow<'static, str>>) -> HeaderValue {
+    /// Opens the client span of an upstream attempt and gives the `traceparent` that names it
+    /// as the parent of the target's work.
+    pub fn start_attempt(
+        &mut self,
+        method: Method,
+        scheme: &'static str,
+        authority: Authority,
+        path_and_query: PathAndQuery,
+        retry_reason: Option<&'static str>,
+    ) -> HeaderValue {
         self.end_attempt();
         let span_id = SpanId::from(nonzero_u64());
-        self.attempts.push(Attempt {
+        let attempt = self.attempts.len() as u32 + 1;
+        self.attempts.push(AttemptFacts {
             span_id,
-            name: name.into(),
-            start: SystemTime::now(),
-            end: None,
-            attributes: Vec::with_capacity(12),
+            start_ns: unix_nanos(),
+            end_ns: 0,
+            method,
+            scheme,
+            authority,
+            path_and_query,
+            attempt,
+            retry_reason,
+            status: 0,
+            version: None,
             error: None,
+            connect: None,
         });
-        traceparent(self.trace_id, span_id, self.flags)
+        traceparent(self.trace_id, span_id, TraceFlags::SAMPLED)
     }
 
-    /// Adds an attribute to the current attempt's client span.
-    pub fn attempt_attribute(&mut self, attribute: KeyValue) {
-        if let Some(attempt) = self.attempts.last_mut() {
-            attempt.attributes.push(attribute);
-        }
+    /// The current attempt, to note what came of it.
+    pub fn attempt(&mut self) -> Option<&mut AttemptFacts> {
+        self.attempts.last_mut()
     }
 
-    /// The current attempt failed: its client span's status becomes an error.
-    pub fn fail_attempt(&mut self, description: impl Into<Cow<'static, str>>) {
+    /// The current attempt failed with `code`: its span ends now.
+    pub fn fail_attempt(&mut self, code: &'static str) {
         if let Some(attempt) = self.attempts.last_mut() {
-            attempt.error = Some(description.into());
+            attempt.error = Some(code);
         }
         self.end_attempt();
     }
 
-    /// Ends the current attempt's client span now (an attempt that answered ends with the
-    /// response body, in [`finish`](Self::finish)).
-    pub fn end_attempt(&mut self) {
+    fn end_attempt(&mut self) {
         if let Some(attempt) = self.attempts.last_mut() {
-            attempt.end.get_or_insert_with(SystemTime::now);
+            if attempt.end_ns == 0 {
+                attempt.end_ns = unix_nanos();
+            }
         }
     }
 
     /// Ends the request's spans now and hands them to the exporter's queue, or counts them
     /// dropped when the queue is full: the request never waits for the exporter.
     pub fn finish(mut self: Box<Self>) {
-        let end = SystemTime::now();
+        self.end_ns = unix_nanos();
+        let end = self.end_ns;
         for attempt in &mut self.attempts {
-            attempt.end.get_or_insert(end);
+            if attempt.end_ns == 0 {
+                attempt.end_ns = end;
+            }
         }
         let shared = self.shared.clone();
-        shared.enqueue(Finished { trace: self, end });
-    }
-}
-
-/// A request whose spans are complete, waiting in the exporter's queue.
-pub(super) struct Finished {
-    trace: Box<RequestTrace>,
-    end: SystemTime,
-}
-
-impl Finished {
-    pub fn span_count(&self) -> usize {
-        1 + self.trace.attempts.len()
+        shared.enqueue(self);
     }
 
-    /// The server span, then a client span per attempt, as the exporter sends them.
-    pub fn into_spans(
-        self,
-        scope: &opentelemetry::InstrumentationScope,
-        spans: &mut Vec<SpanData>,
-    ) {
-        let Finished { trace, end } = self;
-        let RequestTrace {
-            trace_id,
-            span_id: server_id,
-            remote_parent,
-            flags,
-            start,
-            name,
-            attributes,
-            error,
-            attempts,
-            ..
-        } = *trace;
-        spans.push(span(SpanFacts {
-            trace_id,
-            span_id: server_id,
-            parent: remote_parent.unwrap_or(SpanId::INVALID),
-            parent_is_remote: remote_parent.is_some(),
-            flags,
-            kind: SpanKind::Server,
-            name,
-            start,
-            end,
-            attributes,
-            error,
-            scope,
-        }));
-        for attempt in attempts {
-            spans.push(span(SpanFacts {
-                trace_id,
-                span_id: attempt.span_id,
-                parent: server_id,
-                parent_is_remote: false,
-                flags,
-                kind: SpanKind::Client,
-                name: attempt.name,
-                start: attempt.start,
-                end: attempt.end.unwrap_or(end),
-                attributes: attempt.attributes,
-                error: attempt.error,
-                scope,
-            }));
-        }
-    }
-}
-
-struct SpanFacts<'s> {
-    trace_id: TraceId,
-    span_id: SpanId,
-    parent: SpanId,
-    parent_is_remote: bool,
-    flags: TraceFlags,
-    kind: SpanKind,
-    name: Cow<'static, str>,
-    start: SystemTime,
-    end: SystemTime,
-    attributes: Vec<KeyValue>,
-    error: Option<Cow<'static, str>>,
-    scope: &'s opentelemetry::InstrumentationScope,
-}
-
-fn span(facts: SpanFacts<'_>) -> SpanData {
-    SpanData {
-        span_context: SpanContext::new(
-            facts.trace_id,
-            facts.span_id,
-            facts.flags,
-            false,
-            TraceState::NONE,
-        ),
-        parent_span_id: facts.parent,
-        parent_span_is_remote: facts.parent_is_remote,
-        span_kind: facts.kind,
-        name: facts.name,
-        start_time: facts.start,
-        end_time: facts.end.max(facts.start),
-        attributes: facts.attributes,
-        dropped_attributes_count: 0,
-        events: SpanEvents::default(),
-        links: SpanLinks::default(),
-        status: match facts.error {
-            Some(description) => Status::Error { description },
-            None => Status::Unset,
-        },
-        instrumentation_scope: facts.scope.clone(),
+    /// The spans this request exports: its server span and one per attempt.
+    pub(super) fn span_count(&self) -> usize {
+        1 + self.attempts.len()
     }
 }
 
@@ -259,77 +193,5 @@ pub(super) fn nonzero_u128() -> u128 {
         if id != 0 {
             return id;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::telemetry::trace::TraceCounters;
-
-    fn shared() -> (Arc<Shared>, tokio::sync::mpsc::Receiver<Finished>) {
-        let (queue, waiting) = tokio::sync::mpsc::channel(8);
-        let shared = Arc::new(Shared {
-            queue,
-            counters: Arc::new(TraceCounters::default()),
-        });
-        (shared, waiting)
-    }
-
-    #[test]
-    fn attempts_are_children_of_the_hop_and_the_hop_of_the_caller() {
-        let (shared, mut waiting) = shared();
-        let caller = SpanId::from(0x00f0_67aa_0ba9_02b7_u64);
-        let trace_id = TraceId::from(0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128);
-        let mut trace = RequestTrace::new(shared, trace_id, Some(caller), SystemTime::now());
-        trace.set_name("GET shop");
-        trace.attribute(KeyValue::new("http.request.method", "GET"));
-        let first = trace.start_attempt("GET");
-        trace.fail_attempt("upstream_connect_failed");
-        let second = trace.start_attempt("GET");
-        trace.attempt_attribute(KeyValue::new("raahi.attempt", 2));
-        trace.finish();
-
-        let finished = waiting.try_recv().expect("queued");
-        assert_eq!(finished.span_count(), 3);
-        let scope = opentelemetry::InstrumentationScope::builder("raahi").build();
-        let mut spans = Vec::new();
-        finished.into_spans(&scope, &mut spans);
-        let [server, failed, answered] = &spans[..] else {
-            panic!("three spans: {spans:?}");
-        };
-        assert_eq!(server.span_kind, SpanKind::Server);
-        assert_eq!(server.name, "GET shop");
-        assert_eq!(server.parent_span_id, caller);
-        assert!(server.parent_span_is_remote);
-        for (attempt, header) in [(failed, &first), (answered, &second)] {
-            assert_eq!(attempt.span_kind, SpanKind::Client);
-            assert_eq!(attempt.parent_span_id, server.span_context.span_id());
-            assert_eq!(attempt.span_context.trace_id(), trace_id);
-            let expected = format!("00-{trace_id}-{}-01", attempt.span_context.span_id());
-            assert_eq!(header.to_str().unwrap(), expected);
-            assert!(attempt.start_time >= server.start_time);
-            assert!(attempt.end_time <= server.end_time);
-        }
-        assert!(matches!(failed.status, Status::Error { .. }));
-        assert_eq!(answered.status, Status::Unset);
-        assert_eq!(answered.attributes, vec![KeyValue::new("raahi.attempt", 2)]);
-        assert!(
-            failed.end_time <= answered.start_time,
-            "a failed attempt ends when it fails"
-        );
-    }
-
-    #[test]
-    fn a_new_trace_has_no_parent() {
-        let (shared, mut waiting) = shared();
-        let trace = RequestTrace::new(shared, TraceId::from(7_u128), None, SystemTime::now());
-        assert!(!trace.continues_caller());
-        trace.finish();
-        let scope = opentelemetry::InstrumentationScope::builder("raahi").build();
-        let mut spans = Vec::new();
-        waiting.try_recv().unwrap().into_spans(&scope, &mut spans);
-        assert_eq!(spans[0].parent_span_id, SpanId::INVALID);
-        assert!(!spans[0].parent_span_is_remote);
     }
 }
