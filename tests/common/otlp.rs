@@ -124,36 +124,42 @@ impl Collector {
         count: usize,
         deadline: Duration,
     ) -> Vec<CollectedSpan> {
-        let give_up = tokio::time::Instant::now() + deadline;
-        loop {
-            let found: Vec<_> = self
-                .spans()
-                .into_iter()
+        let what = format!("{count} spans of trace {trace_id}");
+        self.wait_for(&what, deadline, |spans| {
+            let found: Vec<_> = spans
+                .iter()
                 .filter(|span| span.trace_id == trace_id)
+                .cloned()
                 .collect();
-            if found.len() >= count {
-                return found;
-            }
-            assert!(
-                tokio::time::Instant::now() < give_up,
-                "{} of {count} spans of trace {trace_id} arrived: {found:#?}",
-                found.len()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            (found.len() >= count).then_some(found)
+        })
+        .await
     }
 
     /// The first span named `name` that arrives (fails after `deadline`).
     pub async fn span_named(&self, name: &str, deadline: Duration) -> CollectedSpan {
+        self.wait_for(&format!("a span named {name:?}"), deadline, |spans| {
+            spans.iter().find(|span| span.name == name).cloned()
+        })
+        .await
+    }
+
+    /// What `found` finds in the spans received so far, once it finds it.
+    async fn wait_for<T>(
+        &self,
+        what: &str,
+        deadline: Duration,
+        found: impl Fn(&[CollectedSpan]) -> Option<T>,
+    ) -> T {
         let give_up = tokio::time::Instant::now() + deadline;
         loop {
-            if let Some(span) = self.spans().into_iter().find(|span| span.name == name) {
-                return span;
+            let spans = self.spans();
+            if let Some(value) = found(&spans) {
+                return value;
             }
             assert!(
                 tokio::time::Instant::now() < give_up,
-                "no span named {name:?} arrived; got {:#?}",
-                self.spans()
+                "waited {deadline:?} for {what}; received: {spans:#?}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

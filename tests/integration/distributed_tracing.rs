@@ -35,6 +35,16 @@ async fn traced_gateway(
     TestGateway::start_with(dir, config).await
 }
 
+/// An upstream behind a service `api` that the route `all` sends everything to.
+async fn routed_upstream(gateway: &TestGateway) -> Upstream {
+    let upstream = Upstream::start("a").await;
+    let service = gateway
+        .service_with_targets("api", &[target(&upstream, 1, 0)])
+        .await;
+    gateway.route_all_to(service).await;
+    upstream
+}
+
 /// `traceparent`'s parts: (trace id, parent id, flags).
 fn parts(traceparent: &str) -> (String, String, String) {
     let fields: Vec<&str> = traceparent.split('-').collect();
@@ -193,11 +203,7 @@ async fn a_sampled_traceparent_is_continued() {
     let collector = Collector::start().await;
     // Sampling 0: only the caller's decision records this request.
     let gateway = traced_gateway(&collector, "0", &[]).await;
-    let upstream = Upstream::start("a").await;
-    let service = gateway
-        .service_with_targets("api", &[target(&upstream, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
+    let upstream = routed_upstream(&gateway).await;
 
     let response = gateway
         .http
@@ -238,11 +244,7 @@ async fn a_sampled_traceparent_is_continued() {
 async fn sampling_zero_exports_nothing_and_still_propagates() {
     let collector = Collector::start().await;
     let gateway = traced_gateway(&collector, "0", &[]).await;
-    let upstream = Upstream::start("a").await;
-    let service = gateway
-        .service_with_targets("api", &[target(&upstream, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
+    let upstream = routed_upstream(&gateway).await;
 
     let unsampled = format!("00-{CALLER_TRACE}-{CALLER_SPAN}-00");
     for _ in 0..20 {
@@ -306,11 +308,7 @@ async fn a_collector_that_hangs_or_fails_never_holds_a_request() {
         ],
     )
     .await;
-    let upstream = Upstream::start("a").await;
-    let service = gateway
-        .service_with_targets("api", &[target(&upstream, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
+    let upstream = routed_upstream(&gateway).await;
 
     // Every request answers while the one export in progress hangs: far more requests than
     // the queue holds, each one bounded by a step's deadline.
@@ -394,11 +392,7 @@ async fn a_stopping_gateway_exports_what_waits() {
         &[("RAAHI_TRACING_BATCH_DELAY_MS", "60000")],
     )
     .await;
-    let upstream = Upstream::start("a").await;
-    let service = gateway
-        .service_with_targets("api", &[target(&upstream, 1, 0)])
-        .await;
-    gateway.route_all_to(service).await;
+    let upstream = routed_upstream(&gateway).await;
     let response = gateway
         .http
         .get(gateway.proxy_url("/last"))
