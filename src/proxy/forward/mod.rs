@@ -91,261 +91,294 @@ pub(super) struct Exchange {
     pub trace_id: Option<opentelemetry::trace::TraceId>,
 }
 
-pub async fn handle(
-    state: &Arc<ProxyState>,
+/// Not an `async fn`: its parameters would be kept twice in the future (as arguments and as
+/// the locals they are moved into), and the request's head alone is 264 bytes. The future is
+/// moved whole into its box for every request.
+#[allow(clippy::manual_async_fn)]
+pub fn handle<'a>(
+    state: &'a Arc<ProxyState>,
     request: Request<Incoming>,
+    downstream: &'a Downstream,
+) -> impl std::future::Future<Output = Response<ProxyBody>> + Send + 'a {
+    async move {
+        let started = Instant::now();
+        let request_id = headers::request_id(request.headers());
+        let grpc = super::grpc::is_grpc(request.headers());
+        let http1 = request.version() <= Version::HTTP_11;
+        let request_line =
+            crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
+        let mut exchange = Exchange::default();
+        if state.tracer.is_some() || request_line.is_some() {
+            start_trace(state, &request, downstream, &request_id, &mut exchange);
+        }
+        let mut error_code = None;
+        let mut response = match forward(
+            state,
+            request,
+            downstream,
+            &request_id,
+            &mut exchange,
+            grpc,
+        )
+        .await
+        {
+            Ok(response) => response,
+            Err(error) => {
+                error_code = Some(error.code());
+                // Upstream and gateway failures are what an operator must see; a client's own
+                // mistakes (no route, a broken upload) only at debug level.
+                match error.blame() {
+                    Blame::Client => {
+                        tracing::debug!(request_id = ?request_id, code = error.code(), %error, "request failed")
+                    }
+                    Blame::Upstream | Blame::Gateway | Blame::Discovery => {
+                        tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
+                    }
+                }
+                if let Some(refusal) = error.refusal() {
+                    state.counters.requests_refused[refusal].fetch_add(1, Ordering::Relaxed);
+                }
+                let mut response = if grpc {
+                    error.to_grpc_response(state.error_details)
+                } else {
+                    error.to_response(state.error_details)
+                }
+                .map(Either::Right);
+                if http1 && error.ends_connection() {
+                    response
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                response
+            }
+        };
+        let elapsed = started.elapsed();
+        match &exchange.route {
+            Some(route) => route.stats.record(response.status().as_u16(), elapsed),
+            None => {
+                state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let mut trace = exchange.trace.take();
+        if let Some(trace) = trace.as_deref_mut() {
+            span::answered(trace, &response, error_code, grpc);
+        }
+        let mut entry = request_line.map(|line| {
+            access_log::Entry::new(
+                line,
+                &request_id,
+                downstream.client,
+                &exchange,
+                &response,
+                started,
+                grpc,
+            )
+        });
+        // A gRPC answer's line waits for its trailers' status; other lines are written now.
+        if !grpc {
+            if let Some(entry) = entry.take() {
+                entry.write(None);
+            }
+        }
+        match response.body_mut() {
+            Either::Left(body) if entry.is_some() || trace.is_some() => {
+                body.at_end(Box::new(move |end| {
+                    if let Some(entry) = entry {
+                        entry.write(end.grpc_status);
+                    }
+                    if let Some(trace) = trace {
+                        span::finished(trace, end);
+                    }
+                }))
+            }
+            _ => {
+                if let Some(entry) = entry {
+                    entry.write(None);
+                }
+                if let Some(trace) = trace {
+                    span::finished(trace, BodyEnd::whole(&response));
+                }
+            }
+        }
+        // Never indexed in HPACK (HTTP/1.1 ignores the flag): a value unique to each response would
+        // only churn the connection's dynamic table, evicting the entries that do repeat.
+        let mut request_id = request_id;
+        request_id.set_sensitive(true);
+        response
+            .headers_mut()
+            .insert(X_REQUEST_ID.clone(), request_id);
+        if http1 && state.draining() && response.status() != StatusCode::SWITCHING_PROTOCOLS {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
+    }
+}
+
+/// Reads the request's trace context and starts recording it when the tracer samples it; the
+/// trace id goes to the access line either way.
+fn start_trace(
+    state: &ProxyState,
+    request: &Request<Incoming>,
     downstream: &Downstream,
-) -> Response<ProxyBody> {
-    let started = Instant::now();
-    let request_id = headers::request_id(request.headers());
-    let grpc = super::grpc::is_grpc(request.headers());
-    let http1 = request.version() <= Version::HTTP_11;
-    let request_line =
-        crate::telemetry::access::enabled().then(|| access_log::RequestLine::of(&request));
-    let mut exchange = Exchange::default();
-    // Read only when someone uses it: the tracer, or the access line's `trace_id`.
-    let trace_parent = (state.tracer.is_some() || request_line.is_some())
-        .then(|| TraceParent::of(request.headers()))
-        .flatten();
+    request_id: &HeaderValue,
+    exchange: &mut Exchange,
+) {
+    let trace_parent = TraceParent::of(request.headers());
     if let Some(tracer) = &state.tracer {
         exchange.trace = tracer.begin(trace_parent.as_ref());
         if let Some(trace) = exchange.trace.as_deref_mut() {
-            let host = rewrite::request_host(&request);
-            span::request_started(trace, &request, &host, downstream, &request_id);
+            let host = rewrite::request_host(request);
+            span::request_started(trace, request, &host, downstream, request_id);
         }
     }
     exchange.trace_id = match &exchange.trace {
         Some(trace) => Some(trace.trace_id()),
         None => trace_parent.map(|parent| parent.trace_id),
     };
-    let mut error_code = None;
-    let mut response = match forward(state, request, downstream, &request_id, &mut exchange, grpc)
-        .await
-    {
-        Ok(response) => response,
-        Err(error) => {
-            error_code = Some(error.code());
-            // Upstream and gateway failures are what an operator must see; a client's own
-            // mistakes (no route, a broken upload) only at debug level.
-            match error.blame() {
-                Blame::Client => {
-                    tracing::debug!(request_id = ?request_id, code = error.code(), %error, "request failed")
-                }
-                Blame::Upstream | Blame::Gateway | Blame::Discovery => {
-                    tracing::warn!(request_id = ?request_id, code = error.code(), %error, "request failed")
-                }
-            }
-            if let Some(refusal) = error.refusal() {
-                state.counters.requests_refused[refusal].fetch_add(1, Ordering::Relaxed);
-            }
-            let mut response = if grpc {
-                error.to_grpc_response(state.error_details)
-            } else {
-                error.to_response(state.error_details)
-            }
-            .map(Either::Right);
-            if http1 && error.ends_connection() {
-                response
-                    .headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            response
-        }
-    };
-    let elapsed = started.elapsed();
-    match &exchange.route {
-        Some(route) => route.stats.record(response.status().as_u16(), elapsed),
-        None => {
-            state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    let mut trace = exchange.trace.take();
-    if let Some(trace) = trace.as_deref_mut() {
-        span::answered(trace, &response, error_code, grpc);
-    }
-    let mut entry = request_line.map(|line| {
-        access_log::Entry::new(
-            line,
-            &request_id,
-            downstream.client,
-            &exchange,
-            &response,
-            started,
-            grpc,
-        )
-    });
-    // A gRPC answer's line waits for its trailers' status; other lines are written now.
-    if !grpc {
-        if let Some(entry) = entry.take() {
-            entry.write(None);
-        }
-    }
-    match response.body_mut() {
-        Either::Left(body) if entry.is_some() || trace.is_some() => {
-            body.at_end(Box::new(move |end| {
-                if let Some(entry) = entry {
-                    entry.write(end.grpc_status);
-                }
-                if let Some(trace) = trace {
-                    span::finished(trace, end);
-                }
-            }))
-        }
-        _ => {
-            if let Some(entry) = entry {
-                entry.write(None);
-            }
-            if let Some(trace) = trace {
-                span::finished(trace, BodyEnd::whole(&response));
-            }
-        }
-    }
-    // Never indexed in HPACK (HTTP/1.1 ignores the flag): a value unique to each response would
-    // only churn the connection's dynamic table, evicting the entries that do repeat.
-    let mut request_id = request_id;
-    request_id.set_sensitive(true);
-    response
-        .headers_mut()
-        .insert(X_REQUEST_ID.clone(), request_id);
-    if http1 && state.draining() && response.status() != StatusCode::SWITCHING_PROTOCOLS {
-        response
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    }
-    response
 }
 
-async fn forward(
-    state: &Arc<ProxyState>,
+/// Not an `async fn`, for the reason [`handle`] gives.
+#[allow(clippy::manual_async_fn)]
+fn forward<'a>(
+    state: &'a Arc<ProxyState>,
     mut request: Request<Incoming>,
-    downstream: &Downstream,
-    request_id: &HeaderValue,
-    exchange: &mut Exchange,
+    downstream: &'a Downstream,
+    request_id: &'a HeaderValue,
+    exchange: &'a mut Exchange,
     grpc: bool,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    checks::check_request(&request, &state.limits)?;
-    let client_http1 = request.version() <= Version::HTTP_11;
-    // Routed, and sent upstream, in its normal form: the target must serve what the route
-    // was chosen for. The access log keeps what the client sent.
-    rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
-    let preflight = super::cors::is_preflight(request.method(), request.headers());
-    let route = find_route(state, &request, preflight)?;
-    exchange.route = Some(route.clone());
-    if let Some(trace) = exchange.trace.as_deref_mut() {
-        span::routed(trace, &route);
-    }
-    if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
-        return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));
-    }
-    if let Some(redirect) = &route.route.redirect {
-        route.stats.redirects.fetch_add(1, Ordering::Relaxed);
-        let host = rewrite::request_host(&request);
-        let requested = super::redirect::Requested {
-            uri: request.uri(),
-            host: &host,
-            port: rewrite::request_port(&request),
-            over_tls: downstream.over_tls,
+) -> impl std::future::Future<Output = Result<Response<ProxyBody>, ProxyError>> + Send + 'a {
+    async move {
+        checks::check_request(&request, &state.limits)?;
+        let client_http1 = request.version() <= Version::HTTP_11;
+        // Routed, and sent upstream, in its normal form: the target must serve what the route
+        // was chosen for. The access log keeps what the client sent.
+        rewrite::normalize_path(&mut request, state.limits.escaped_slashes)?;
+        let preflight = super::cors::is_preflight(request.method(), request.headers());
+        let route = find_route(state, &request, preflight)?;
+        exchange.route = Some(route.clone());
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            span::routed(trace, &route);
+        }
+        if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
+            return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));
+        }
+        if let Some(redirect) = &route.route.redirect {
+            route.stats.redirects.fetch_add(1, Ordering::Relaxed);
+            let host = rewrite::request_host(&request);
+            let requested = super::redirect::Requested {
+                uri: request.uri(),
+                host: &host,
+                port: rewrite::request_port(&request),
+                over_tls: downstream.over_tls,
+            };
+            return Ok(
+                super::redirect::answer(redirect, &route.route, &requested).map(Either::Right)
+            );
+        }
+        let Some(backend) = route.backends.choose() else {
+            // Validation gives every route without a redirect a backend.
+            return Err(ProxyError::NoRoute {
+                host: rewrite::request_host(&request).into_owned(),
+                path: request.uri().path().to_owned(),
+            });
         };
-        return Ok(super::redirect::answer(redirect, &route.route, &requested).map(Either::Right));
-    }
-    let Some(backend) = route.backends.choose() else {
-        // Validation gives every route without a redirect a backend.
-        return Err(ProxyError::NoRoute {
-            host: rewrite::request_host(&request).into_owned(),
-            path: request.uri().path().to_owned(),
-        });
-    };
-    backend.requests.fetch_add(1, Ordering::Relaxed);
-    let service = backend.service.clone();
-    exchange.backend = Some(backend.label.clone());
-    if let Some(trace) = exchange.trace.as_deref_mut() {
-        span::backend_chosen(trace, &backend.label);
-    }
-    let origin = route
-        .route
-        .cors
-        .as_ref()
-        .and_then(|_| request.headers().get(header::ORIGIN).cloned());
+        backend.requests.fetch_add(1, Ordering::Relaxed);
+        let service = backend.service.clone();
+        exchange.backend = Some(backend.label.clone());
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            span::backend_chosen(trace, &backend.label);
+        }
+        let origin = route
+            .route
+            .cors
+            .as_ref()
+            .and_then(|_| request.headers().get(header::ORIGIN).cloned());
 
-    let upgrade_asked = upgrade_passed(&mut request, &route);
-    if upgrade_asked.is_some() && service.service.protocol == crate::model::Protocol::H2c {
-        return Err(ProxyError::UpgradeNotSupported {
-            service: service.service.name.clone(),
+        let upgrade_asked = upgrade_passed(&mut request, &route);
+        if upgrade_asked.is_some() && service.service.protocol == crate::model::Protocol::H2c {
+            return Err(ProxyError::UpgradeNotSupported {
+                service: service.service.name.clone(),
+            });
+        }
+        let upgrade =
+            upgrade_asked.map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
+        let response_variables = route.response_headers().map(|_| {
+            (
+                rewrite::request_host(&request).into_owned(),
+                downstream.client.ip(),
+            )
         });
-    }
-    let upgrade = upgrade_asked.map(|protocol| (hyper::upgrade::on(&mut request), Some(protocol)));
-    let response_variables = route.response_headers().map(|_| {
-        (
-            rewrite::request_host(&request).into_owned(),
-            downstream.client.ip(),
-        )
-    });
-    let (parts, body) = request.into_parts();
-    let body =
-        request_body::read_request_body(body, &parts.headers, &route.route, &state.bodies).await?;
-    let outgoing = rewrite::prepare(
-        &route,
-        &service,
-        parts,
-        body,
-        downstream,
-        request_id,
-        upgrade.as_ref().and_then(|(_, p)| p.clone()),
-    );
-    if route.mirror.is_some() && !outgoing.upgrade {
-        mirror::maybe_copy(state, &route, &outgoing);
-    }
-    let timeouts = route.route.timeouts;
-    let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
-    let (upstream, in_flight, target) = match timeouts.request_ms {
-        None => {
-            retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout)
-                .await?
-        }
-        // Boxed: the exchange's future is kilobytes, and a second copy of it inline (inside
-        // the timeout) would grow every request's future, which is moved as a whole.
-        Some(timeout_ms) => {
-            let sending = Box::pin(retry::send_with_retries(
-                state,
-                backend,
-                outgoing,
-                exchange,
-                grpc,
-                attempt_timeout,
-            ));
-            tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
-                .await
-                .map_err(|_| ProxyError::RequestTimeout {
-                    route: route.route.name.clone(),
-                    timeout_ms,
-                })??
-        }
-    };
-    let mut response = respond(
-        upstream,
-        in_flight,
-        Answering::new(service, target),
-        upgrade.map(|(on_upgrade, _)| on_upgrade),
-        downstream,
-        client_http1,
-        grpc,
-    );
-    if let (Some(filter), Some((host, client_ip))) = (route.response_headers(), &response_variables)
-    {
-        filter.apply(
-            response.headers_mut(),
-            &Variables {
-                client_ip: *client_ip,
-                request_id,
-                host,
-                scheme: if downstream.over_tls { "https" } else { "http" },
-            },
+        let (parts, body) = request.into_parts();
+        let body =
+            request_body::read_request_body(body, &parts.headers, &route.route, &state.bodies)
+                .await?;
+        let outgoing = rewrite::prepare(
+            &route,
+            &service,
+            parts,
+            body,
+            downstream,
+            request_id,
+            upgrade.as_ref().and_then(|(_, p)| p.clone()),
         );
+        if route.mirror.is_some() && !outgoing.upgrade {
+            mirror::maybe_copy(state, &route, &outgoing);
+        }
+        let timeouts = route.route.timeouts;
+        let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
+        let (upstream, in_flight, target) = match timeouts.request_ms {
+            None => {
+                retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout)
+                    .await?
+            }
+            // Boxed: the exchange's future is kilobytes, and a second copy of it inline (inside
+            // the timeout) would grow every request's future, which is moved as a whole.
+            Some(timeout_ms) => {
+                let sending = Box::pin(retry::send_with_retries(
+                    state,
+                    backend,
+                    outgoing,
+                    exchange,
+                    grpc,
+                    attempt_timeout,
+                ));
+                tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
+                    .await
+                    .map_err(|_| ProxyError::RequestTimeout {
+                        route: route.route.name.clone(),
+                        timeout_ms,
+                    })??
+            }
+        };
+        let mut response = respond(
+            upstream,
+            in_flight,
+            Answering::new(service, target),
+            upgrade.map(|(on_upgrade, _)| on_upgrade),
+            downstream,
+            client_http1,
+            grpc,
+        );
+        if let (Some(filter), Some((host, client_ip))) =
+            (route.response_headers(), &response_variables)
+        {
+            filter.apply(
+                response.headers_mut(),
+                &Variables {
+                    client_ip: *client_ip,
+                    request_id,
+                    host,
+                    scheme: if downstream.over_tls { "https" } else { "http" },
+                },
+            );
+        }
+        if let Some(cors) = &route.route.cors {
+            super::cors::decorate(cors, origin.as_ref(), response.headers_mut());
+        }
+        Ok(response)
     }
-    if let Some(cors) = &route.route.cors {
-        super::cors::decorate(cors, origin.as_ref(), response.headers_mut());
-    }
-    Ok(response)
 }
 
 /// The route for `request`. A CORS preflight is matched by the method it asks about when the
