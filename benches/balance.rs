@@ -42,6 +42,7 @@ fn members(n: usize) -> Vec<Member> {
                 weight: 1 + (i % 7) as u32,
                 priority: PRIORITIES[i * PRIORITIES.len() / n],
                 load,
+                identity: 0,
             }
         })
         .collect()
@@ -83,6 +84,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
                 authority: Authority::try_from(authority).unwrap(),
                 load: load.clone(),
                 health: Arc::new(TargetHealth::default()),
+                identity: 0,
             }
         })
         .collect();
@@ -92,6 +94,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
             weight: 1,
             priority: 0,
             load,
+            identity: 0,
         })
         .collect();
     ServiceRuntime {
@@ -105,6 +108,9 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
             tls_verify: true,
             tls_ca_pem: None,
             lb_policy: policy,
+            hash_on: None,
+            hash_balance_factor: None,
+            session_persistence: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,
@@ -118,6 +124,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         balancer: Balancer::new(policy, members),
         counters: Default::default(),
         discovery_gap: None,
+        sessions: None,
     }
 }
 

@@ -35,6 +35,49 @@ pub enum LbPolicy {
     RoundRobin,
     Random,
     LeastRequest,
+    /// Consistent hashing on a ring of points (`hash_on` names the key).
+    RingHash,
+    /// Maglev consistent hashing: a lookup table (`hash_on` names the key).
+    Maglev,
+}
+
+impl LbPolicy {
+    pub fn is_hashing(self) -> bool {
+        matches!(self, LbPolicy::RingHash | LbPolicy::Maglev)
+    }
+}
+
+/// What a hashing policy hashes: `{"header": name}`, `{"cookie": name}`, `{"query": name}` or
+/// `"client_ip"`. A request without the key is sent round robin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum HashOn {
+    Header(String),
+    Cookie(String),
+    Query(String),
+    ClientIp,
+}
+
+/// Cookie-based session persistence (TRAFFIC.md §5): Raahi sets an opaque cookie naming the
+/// target, and a request carrying it goes back to that target while it is active or draining
+/// and available.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionPersistence {
+    #[serde(default = "SessionPersistence::default_cookie")]
+    pub cookie: String,
+    /// The session ends this long after it began, however busy; null: never.
+    #[serde(default)]
+    pub absolute_timeout_s: Option<u64>,
+    /// The session ends after this long without a request; null: never.
+    #[serde(default)]
+    pub idle_timeout_s: Option<u64>,
+}
+
+impl SessionPersistence {
+    fn default_cookie() -> String {
+        "raahi-session".to_owned()
+    }
 }
 
 /// Lifecycle of a target: whether it may take new traffic.
@@ -87,7 +130,7 @@ impl Protocol {
         matches!(self, Protocol::Https | Protocol::Tls)
     }
 }
-text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequest => "least_request" });
+text_enum!(LbPolicy { RoundRobin => "round_robin", Random => "random", LeastRequest => "least_request", RingHash => "ring_hash", Maglev => "maglev" });
 text_enum!(TargetState { Active => "active", Draining => "draining", Stale => "stale" });
 text_enum!(Health { Unknown => "unknown", Healthy => "healthy", Unhealthy => "unhealthy" });
 text_enum!(Role { Admin => "admin", Viewer => "viewer" });
@@ -327,6 +370,13 @@ pub struct Service {
     /// PEM CA certificates trusted for this service's upstream TLS instead of the public roots.
     pub tls_ca_pem: Option<String>,
     pub lb_policy: LbPolicy,
+    /// The key of `ring_hash` and `maglev`; null for other policies.
+    pub hash_on: Option<HashOn>,
+    /// Bounded load for hashing policies: no target above this percent of the mean load
+    /// (≥ 100); null: off.
+    pub hash_balance_factor: Option<u32>,
+    /// Sticky sessions by cookie; null: off.
+    pub session_persistence: Option<SessionPersistence>,
     pub timeouts: Timeouts,
     /// Attempts per request, the first included (a retry goes to another target).
     pub max_attempts: u32,
@@ -825,6 +875,12 @@ pub struct ServiceSpec {
     #[serde(default)]
     pub lb_policy: LbPolicy,
     #[serde(default)]
+    pub hash_on: Option<HashOn>,
+    #[serde(default)]
+    pub hash_balance_factor: Option<u32>,
+    #[serde(default)]
+    pub session_persistence: Option<SessionPersistence>,
+    #[serde(default)]
     pub timeouts: Timeouts,
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
@@ -962,6 +1018,9 @@ impl Service {
             tls_verify: self.tls_verify,
             tls_ca_pem: self.tls_ca_pem.clone(),
             lb_policy: self.lb_policy,
+            hash_on: self.hash_on.clone(),
+            hash_balance_factor: self.hash_balance_factor,
+            session_persistence: self.session_persistence.clone(),
             timeouts: self.timeouts,
             max_attempts: self.max_attempts,
             health_check: self.health_check.clone(),

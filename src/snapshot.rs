@@ -15,7 +15,7 @@ use http::{HeaderValue, Method};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::balance::{Admission, Balancer, TargetHealth, TargetLoad, Trial};
+use crate::balance::{Admission, Balancer, LoadBound, TargetHealth, TargetLoad, Trial};
 use crate::clock::unix_ms;
 use crate::model::path::{self, EscapedSlashes};
 use crate::model::{Id, Route, Service, StreamRoute, Target};
@@ -23,11 +23,13 @@ use crate::model::{Id, Route, Service, StreamRoute, Target};
 mod backends;
 mod header_filter;
 mod route_match;
+mod sessions;
 mod stream;
 
 pub use backends::{BackendRuntime, Backends, Subset};
 pub use header_filter::{CompiledHeaderFilter, Variables};
 pub use route_match::{cookie_value, query_value, Conditions, RequestView};
+pub use sessions::{Place, SessionTargets};
 pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
 
 /// One target that may take new traffic, as the data path needs it.
@@ -44,6 +46,9 @@ pub struct TargetRuntime {
     pub health: Arc<TargetHealth>,
     /// The stored target: weight, priority and the metadata subsets select by.
     pub spec: Arc<Target>,
+    /// Hash of the target's stable identity (provider key, else `host:port`) for hashing
+    /// policies; 0 for the others, which never read it.
+    pub identity: u64,
 }
 
 /// Per-service counters, carried across snapshots by service id.
@@ -66,6 +71,12 @@ pub struct ServiceCounters {
     /// HTTP/2 streams the targets never processed (`REFUSED_STREAM`, above a GOAWAY's last
     /// stream id): each may be retried whatever its method.
     pub h2_unprocessed: AtomicU64,
+    /// Requests in flight now to the service, kept only under `hash_balance_factor` (the
+    /// bounded load compares each target with the mean).
+    pub in_flight: AtomicU64,
+    /// Requests whose session cookie named a target that could not take them: they were
+    /// picked anew and given a new cookie.
+    pub sessions_repinned: AtomicU64,
 }
 
 /// Gateway-wide counters of the data path (for metrics).
@@ -216,6 +227,16 @@ pub struct ServiceRuntime {
     /// healthy (pending, failing or stale): those sources with their states, e.g.
     /// `web-dns (pending)`, for the `discovery_unavailable` answer.
     pub discovery_gap: Option<Box<str>>,
+    /// With `session_persistence`: the targets a cookie may name, draining ones included.
+    pub sessions: Option<Box<SessionTargets>>,
+}
+
+/// What a request brings to its pick besides the targets to skip: the target its session
+/// cookie names, and its hash key's hash under a hashing policy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Preference {
+    pub pinned: Option<Id>,
+    pub hash: Option<u64>,
 }
 
 /// How a target was chosen.
@@ -266,21 +287,131 @@ impl ServiceRuntime {
         self.pick_in(None, skip, allow_panic)
     }
 
+    /// The target a session cookie names, when it still takes the session's requests: in
+    /// rotation or draining, of `subset` when given, not skipped, available (its half-open
+    /// trial is claimed as a pick's would be).
+    pub fn pinned(
+        &self,
+        id: Id,
+        subset: Option<&Subset>,
+        skip: impl Fn(&TargetRuntime) -> bool,
+    ) -> Option<Pick<'_>> {
+        let sessions = self.sessions.as_deref()?;
+        let target = match sessions.place(id)? {
+            Place::InRotation(index) => {
+                let index = index as usize;
+                if subset.is_some_and(|subset| !subset.contains(index)) {
+                    return None;
+                }
+                &self.targets[index]
+            }
+            Place::Draining(index) => {
+                let target = &sessions.draining[index as usize];
+                if subset.is_some_and(|subset| !subset.selects(&target.spec.metadata)) {
+                    return None;
+                }
+                target
+            }
+        };
+        let clock = lazy_clock();
+        if skip(target) || !target.health.is_available(&clock) {
+            return None;
+        }
+        let trial = match target.health.admit(&clock) {
+            Admission::Open => None,
+            Admission::Trial(trial) => Some(trial),
+            Admission::Refused => return None,
+        };
+        Some(Pick {
+            target,
+            kind: PickKind::Available,
+            trial,
+        })
+    }
+
+    /// [`ServiceRuntime::pick_in`] honouring `preference`: the pinned target while it takes
+    /// the session, else the hash key's choice under a hashing policy, else the policy's.
+    pub fn pick_preferring(
+        &self,
+        subset: Option<&Subset>,
+        preference: Preference,
+        skip: impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
+    ) -> Option<Pick<'_>> {
+        if let Some(pick) = preference
+            .pinned
+            .and_then(|id| self.pinned(id, subset, &skip))
+        {
+            return Some(pick);
+        }
+        match preference.hash {
+            Some(hash) if self.service.lb_policy.is_hashing() => {
+                self.pick_hashed(subset, hash, skip, allow_panic)
+            }
+            _ => self.pick_in(subset, skip, allow_panic),
+        }
+    }
+
+    /// A consistent-hash pick: the key's target, or its next choice past unavailable ones and,
+    /// with `hash_balance_factor`, loaded ones. Panic picks keep the key's order too.
+    fn pick_hashed(
+        &self,
+        subset: Option<&Subset>,
+        hash: u64,
+        skip: impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
+    ) -> Option<Pick<'_>> {
+        let (balancer, members) = self.members(subset);
+        let clock = lazy_clock();
+        let bound = self
+            .service
+            .hash_balance_factor
+            .map(|factor_percent| LoadBound {
+                factor_percent,
+                in_flight: self.counters.in_flight.load(Ordering::Relaxed),
+            });
+        for _ in 0..TRIAL_RACES {
+            let Some(index) = balancer.pick_hashed(hash, bound, |index| {
+                let target = &self.targets[target_index(members, index)];
+                skip(target) || !target.health.is_available(&clock)
+            }) else {
+                break;
+            };
+            let target = &self.targets[target_index(members, index)];
+            let trial = match target.health.admit(&clock) {
+                Admission::Open => None,
+                Admission::Trial(trial) => Some(trial),
+                Admission::Refused => continue,
+            };
+            return Some(Pick {
+                target,
+                kind: PickKind::Available,
+                trial,
+            });
+        }
+        if !allow_panic {
+            return None;
+        }
+        let index = balancer.pick_hashed(hash, None, |index| {
+            skip(&self.targets[target_index(members, index)])
+        })?;
+        self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
+        Some(Pick {
+            target: &self.targets[target_index(members, index)],
+            kind: PickKind::Panic,
+            trial: None,
+        })
+    }
+
     /// Whether some target (of `subset`, when given) is available now. Moves no cursor.
     pub fn has_available(&self, subset: Option<&Subset>) -> bool {
-        let now_ms = std::cell::Cell::new(0);
-        let clock = || {
-            if now_ms.get() == 0 {
-                now_ms.set(unix_ms());
-            }
-            now_ms.get()
-        };
+        let clock = lazy_clock();
         let (balancer, members) = self.members(subset);
         balancer
             .pick_random(|index| {
                 !self.targets[target_index(members, index)]
                     .health
-                    .is_available(clock)
+                    .is_available(&clock)
             })
             .is_some()
     }
@@ -300,23 +431,16 @@ impl ServiceRuntime {
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
         let (balancer, members) = self.members(subset);
-        // Read the clock at most once per pick, and only when some target has an ejection.
-        let now_ms = std::cell::Cell::new(0);
-        let clock = || {
-            if now_ms.get() == 0 {
-                now_ms.set(unix_ms());
-            }
-            now_ms.get()
-        };
+        let clock = lazy_clock();
         for _ in 0..TRIAL_RACES {
             let Some(index) = balancer.pick(|index| {
                 let target = &self.targets[target_index(members, index)];
-                skip(target) || !target.health.is_available(clock)
+                skip(target) || !target.health.is_available(&clock)
             }) else {
                 break;
             };
             let target = &self.targets[target_index(members, index)];
-            let trial = match target.health.admit(clock) {
+            let trial = match target.health.admit(&clock) {
                 Admission::Open => None,
                 Admission::Trial(trial) => Some(trial),
                 Admission::Refused => continue,
@@ -338,6 +462,18 @@ impl ServiceRuntime {
             kind: PickKind::Panic,
             trial: None,
         })
+    }
+}
+
+/// The wall clock in ms, read at most once per pick and only when some target has an
+/// ejection to compare with it.
+fn lazy_clock() -> impl Fn() -> u64 {
+    let now_ms = std::cell::Cell::new(0);
+    move || {
+        if now_ms.get() == 0 {
+            now_ms.set(unix_ms());
+        }
+        now_ms.get()
     }
 }
 
@@ -982,6 +1118,9 @@ mod tests {
                 tls_verify: true,
                 tls_ca_pem: None,
                 lb_policy: LbPolicy::RoundRobin,
+                hash_on: None,
+                hash_balance_factor: None,
+                session_persistence: None,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
                 health_check: None,
@@ -995,6 +1134,7 @@ mod tests {
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
             counters: Default::default(),
             discovery_gap: None,
+            sessions: None,
         }
     }
 
@@ -1339,6 +1479,7 @@ mod tests {
                     authority: Authority::try_from(authority).unwrap(),
                     load: Arc::default(),
                     health: Arc::default(),
+                    identity: 0,
                 }
             })
             .collect();
@@ -1349,6 +1490,7 @@ mod tests {
                 weight: 1,
                 priority: 0,
                 load: target.load.clone(),
+                identity: 0,
             })
             .collect();
         runtime.balancer = Balancer::new(policy, members);
@@ -1426,6 +1568,7 @@ mod tests {
                 weight: 1,
                 priority: 0,
                 load: runtime.targets[0].load.clone(),
+                identity: 0,
             }],
         );
         half_open(&runtime.targets[0]);

@@ -14,6 +14,7 @@ use crate::model::{
 };
 use crate::tls::{self, ParsedCertificate, TlsError};
 
+mod affinity;
 mod json;
 mod route;
 
@@ -213,6 +214,7 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
     }
     ejection(&spec.ejection)?;
     upstream_limits(&spec.limits)?;
+    affinity::affinity(&mut spec)?;
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
         return Err(ValidationError::new(
             "max_attempts",
@@ -510,6 +512,9 @@ mod tests {
             tls_verify: true,
             tls_ca_pem: None,
             lb_policy: LbPolicy::RoundRobin,
+            hash_on: None,
+            hash_balance_factor: None,
+            session_persistence: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,

@@ -7,7 +7,10 @@
 //! shared write is round-robin's cursor step.
 
 mod alias;
+mod hash_table;
 mod health;
+mod maglev;
+mod ring;
 mod schedule;
 
 use std::collections::BTreeMap;
@@ -18,6 +21,7 @@ use std::sync::Arc;
 use crate::model::LbPolicy;
 
 use alias::AliasTable;
+pub use hash_table::{identity_hash, ip_hash, key_hash, HashKind, HashTable};
 pub use health::{Admission, EjectionCause, FailureCause, TargetHealth, Trial};
 use schedule::Schedule;
 
@@ -110,6 +114,43 @@ pub struct Member {
     pub weight: u32,
     pub priority: i32,
     pub load: Arc<TargetLoad>,
+    /// [`identity_hash`] of the target's stable identity; read only by hashing policies.
+    pub identity: u64,
+}
+
+/// HAProxy's bounded load for a hashed pick: no member may take a request that would put it
+/// above `factor_percent` / 100 × the tier's mean load, counting the request.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadBound {
+    /// ≥ 100.
+    pub factor_percent: u32,
+    /// Requests in flight now to the whole service.
+    pub in_flight: u64,
+}
+
+impl LoadBound {
+    /// The most requests a member of a tier of `members` may hold, this one included.
+    fn limit(self, members: usize) -> u64 {
+        let scaled = u128::from(self.factor_percent) * u128::from(self.in_flight + 1);
+        let per_member = scaled.div_ceil(100 * members.max(1) as u128);
+        u64::try_from(per_member).unwrap_or(u64::MAX)
+    }
+}
+
+/// The hash tables of a balancer's tiers by priority, to build the next snapshot's balancer of
+/// the same service without rebuilding an unchanged tier's table.
+#[derive(Debug, Clone, Default)]
+pub struct HashTables(Vec<(i32, Arc<HashTable>)>);
+
+impl HashTables {
+    fn of(&self, priority: i32) -> Option<&Arc<HashTable>> {
+        self.0.iter().find(|(p, _)| *p == priority).map(|(_, t)| t)
+    }
+
+    /// (priority, table) of each tier, most preferred first.
+    pub fn tiers(&self) -> impl Iterator<Item = (i32, &HashTable)> {
+        self.0.iter().map(|(priority, table)| (*priority, &**table))
+    }
 }
 
 /// All members of one priority value, with the policy's structure over them.
@@ -118,6 +159,8 @@ struct Tier {
     /// Member ids (indices into the `members` given to `Balancer::new`), for the fallback scan.
     members: Box<[u32]>,
     chooser: Chooser,
+    /// Hashing policies: the tier's consistent-hash table (`chooser` then serves keyless picks).
+    table: Option<Arc<HashTable>>,
 }
 
 enum Chooser {
@@ -139,6 +182,12 @@ pub struct Balancer {
 impl Balancer {
     /// Members with weight 0 are never picked. Lower `priority` value = preferred tier.
     pub fn new(policy: LbPolicy, members: Vec<Member>) -> Balancer {
+        Balancer::reusing(policy, members, &HashTables::default())
+    }
+
+    /// [`Balancer::new`], taking each tier's hash table from `previous` when it was built from
+    /// the same members (identities and weights, in order).
+    pub fn reusing(policy: LbPolicy, members: Vec<Member>, previous: &HashTables) -> Balancer {
         let mut by_priority: BTreeMap<i32, Vec<u32>> = BTreeMap::new();
         for (id, member) in members.iter().enumerate() {
             if member.weight > 0 {
@@ -149,7 +198,22 @@ impl Balancer {
         let weights: Box<[u32]> = members.iter().map(|m| m.weight).collect();
         let tiers: Box<[Tier]> = by_priority
             .into_iter()
-            .map(|(priority, ids)| Tier::new(policy, priority, ids, &weights))
+            .map(|(priority, ids)| {
+                let mut tier = Tier::new(policy, priority, ids, &weights);
+                if let Some(kind) = hash_kind(policy) {
+                    let inputs = tier
+                        .members
+                        .iter()
+                        .map(|&id| (members[id as usize].identity, weights[id as usize]))
+                        .collect();
+                    tier.table = Some(HashTable::reuse_or_build(
+                        kind,
+                        inputs,
+                        previous.of(priority),
+                    ));
+                }
+                tier
+            })
             .collect();
         Balancer {
             policy,
@@ -187,6 +251,56 @@ impl Balancer {
                 .find(|&id| !skip(id));
             sampled.or_else(|| tier.first_available(&skip))
         })
+    }
+
+    /// A consistent-hash pick for a request whose key hashed to `hash`: in the first tier with
+    /// a member not skipped, the key's member or its next choices (see [`HashTable`]); with a
+    /// `bound`, passing over members at their bounded load. A balancer of a policy without
+    /// tables picks as [`Balancer::pick`] does.
+    pub fn pick_hashed(
+        &self,
+        hash: u64,
+        bound: Option<LoadBound>,
+        skip: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        self.tiers.iter().find_map(|tier| {
+            let Some(table) = &tier.table else {
+                return self
+                    .pick_fast(tier, &skip)
+                    .or_else(|| tier.first_available(&skip));
+            };
+            let member = |index: usize| tier.members[index] as usize;
+            let limit = bound.map(|bound| bound.limit(tier.members.len()));
+            table
+                .choose(
+                    hash,
+                    |index| skip(member(index)),
+                    |index| {
+                        limit.is_none_or(|limit| {
+                            u64::from(self.loads[member(index)].in_flight()) < limit
+                        })
+                    },
+                )
+                .map(member)
+        })
+    }
+
+    /// The hash tables of the tiers (empty for policies without them).
+    pub fn hash_tables(&self) -> HashTables {
+        HashTables(
+            self.tiers
+                .iter()
+                .filter_map(|tier| Some((tier.priority, tier.table.clone()?)))
+                .collect(),
+        )
+    }
+
+    /// Members of the tier of `priority`, as ids, in the order its hash table numbers them.
+    pub fn tier_members(&self, priority: i32) -> Option<&[u32]> {
+        self.tiers
+            .iter()
+            .find(|tier| tier.priority == priority)
+            .map(|tier| &*tier.members)
     }
 
     pub fn policy(&self) -> LbPolicy {
@@ -262,7 +376,10 @@ impl Tier {
     fn new(policy: LbPolicy, priority: i32, members: Vec<u32>, all_weights: &[u32]) -> Tier {
         let weights: Vec<u32> = members.iter().map(|&id| all_weights[id as usize]).collect();
         let chooser = match policy {
-            LbPolicy::RoundRobin => Chooser::RoundRobin(Schedule::new(&members, &weights)),
+            // Hashing policies send keyless requests round robin.
+            LbPolicy::RoundRobin | LbPolicy::RingHash | LbPolicy::Maglev => {
+                Chooser::RoundRobin(Schedule::new(&members, &weights))
+            }
             LbPolicy::Random => Chooser::Random(AliasTable::new(&members, &weights)),
             LbPolicy::LeastRequest => Chooser::LeastRequest(AliasTable::new(&members, &weights)),
         };
@@ -270,6 +387,7 @@ impl Tier {
             priority,
             members: members.into_boxed_slice(),
             chooser,
+            table: None,
         }
     }
 
@@ -283,6 +401,14 @@ impl Tier {
             .chain(before)
             .map(|&id| id as usize)
             .find(|&id| !skip(id))
+    }
+}
+
+fn hash_kind(policy: LbPolicy) -> Option<HashKind> {
+    match policy {
+        LbPolicy::RingHash => Some(HashKind::Ring),
+        LbPolicy::Maglev => Some(HashKind::Maglev),
+        LbPolicy::RoundRobin | LbPolicy::Random | LbPolicy::LeastRequest => None,
     }
 }
 

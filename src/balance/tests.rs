@@ -16,6 +16,7 @@ fn members(spec: &[(u32, i32)]) -> Vec<Member> {
             weight,
             priority,
             load: Arc::default(),
+            identity: 0,
         })
         .collect()
 }
@@ -317,6 +318,7 @@ fn concurrent_picks_keep_the_distribution() {
             LbPolicy::Random => assert_share(&total, 0, 0.25, 0.03),
             // Idle members: the heavier of two draws wins, so member 1 takes nearly everything.
             LbPolicy::LeastRequest => assert!(total[1] > total[0], "{total:?}"),
+            LbPolicy::RingHash | LbPolicy::Maglev => unreachable!("not in POLICIES"),
         }
     }
 }

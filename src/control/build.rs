@@ -7,11 +7,13 @@ use http::uri::Authority;
 use http::HeaderValue;
 
 use super::desired::Desired;
-use crate::balance::{Balancer, Member, TargetHealth, TargetLoad};
-use crate::model::{Health, Id, RoutingConfig, Service, SourceStanding, SourceState, Target};
+use crate::balance::{identity_hash, Balancer, HashTables, Member, TargetHealth, TargetLoad};
+use crate::model::{
+    Health, Id, RoutingConfig, Service, SourceStanding, SourceState, Target, TargetState,
+};
 use crate::snapshot::{
-    authority_text, RouteStats, ServiceCounters, ServiceRuntime, Snapshot, SnapshotChange,
-    StreamStats, TargetRuntime,
+    authority_text, RouteStats, ServiceCounters, ServiceRuntime, SessionTargets, Snapshot,
+    SnapshotChange, StreamStats, TargetRuntime,
 };
 use crate::store::ChangeSet;
 
@@ -27,6 +29,8 @@ pub struct CarriedState {
     /// Every target id of each service as last built, to forget the state of the ones a
     /// service's rebuild no longer has.
     service_targets: HashMap<Id, Vec<Id>>,
+    /// Hashing services' tables, reused by the next build of a tier whose members are the same.
+    hash_tables: HashMap<Id, HashTables>,
 }
 
 impl CarriedState {
@@ -53,6 +57,7 @@ impl CarriedState {
         self.forget_gone_targets(service_id, &[]);
         self.service_targets.remove(&service_id);
         self.counters.remove(&service_id);
+        self.hash_tables.remove(&service_id);
     }
 
     fn forget_missing_routes(&mut self, desired: &Desired) {
@@ -99,6 +104,9 @@ pub(super) fn build_full(
         .counters
         .retain(|id, _| desired.services.contains_key(id));
     carried.service_targets.clear();
+    carried
+        .hash_tables
+        .retain(|id, _| desired.services.contains_key(id));
     carried.forget_missing_routes(desired);
     let services = desired
         .services
@@ -167,32 +175,35 @@ fn build_service(
     carried
         .service_targets
         .insert(service.id, targets.iter().map(|target| target.id).collect());
+    let hashing = service.lb_policy.is_hashing();
     let mut runtimes = Vec::new();
     let mut members = Vec::new();
     for target in targets.iter().filter(|target| target.takes_new_traffic()) {
-        let Some((authority, host_header)) = target_authority(target) else {
-            tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
+        let Some(runtime) = target_runtime(service, target, hashing, carried) else {
             continue;
         };
-        let load = carried.loads.entry(target.id).or_default().clone();
-        let health = carried.health_of(target);
-        if service.health_check.is_none() {
-            // Checks turned off: an old verdict must not keep the target out forever.
-            health.set_health(Health::Unknown);
-        }
         members.push(Member {
             weight: target.weight,
             priority: target.priority,
-            load: load.clone(),
+            load: runtime.load.clone(),
+            identity: runtime.identity,
         });
-        runtimes.push(TargetRuntime {
-            id: target.id,
-            authority,
-            host_header,
-            load,
-            health,
-            spec: target.clone(),
-        });
+        runtimes.push(runtime);
+    }
+    let sessions = service.session_persistence.as_ref().map(|_| {
+        let draining = targets
+            .iter()
+            .filter(|target| keeps_sessions(target))
+            .filter_map(|target| target_runtime(service, target, hashing, carried))
+            .collect();
+        Box::new(SessionTargets::new(&runtimes, draining))
+    });
+    let previous_tables = carried.hash_tables.remove(&service.id).unwrap_or_default();
+    let balancer = Balancer::reusing(service.lb_policy, members, &previous_tables);
+    if hashing {
+        carried
+            .hash_tables
+            .insert(service.id, balancer.hash_tables());
     }
     let upstream_host = service
         .upstream_authority
@@ -204,10 +215,46 @@ fn build_service(
         service: service.clone(),
         upstream_host,
         targets: runtimes,
-        balancer: Balancer::new(service.lb_policy, members),
+        balancer,
         counters: carried.counters.entry(service.id).or_default().clone(),
         discovery_gap: discovery_gap(&sources, &all_targets),
+        sessions,
     }
+}
+
+/// A target as the data path needs it, with its runtime state carried by id; None when its
+/// address cannot be an authority.
+fn target_runtime(
+    service: &Service,
+    target: &Arc<Target>,
+    hashing: bool,
+    carried: &mut CarriedState,
+) -> Option<TargetRuntime> {
+    let Some((authority, host_header)) = target_authority(target) else {
+        tracing::warn!(target_id = target.id, host = %target.host, "target address is not a valid authority; left out");
+        return None;
+    };
+    let load = carried.loads.entry(target.id).or_default().clone();
+    let health = carried.health_of(target);
+    if service.health_check.is_none() {
+        // Checks turned off: an old verdict must not keep the target out forever.
+        health.set_health(Health::Unknown);
+    }
+    Some(TargetRuntime {
+        id: target.id,
+        authority,
+        host_header,
+        load,
+        health,
+        spec: target.clone(),
+        identity: if hashing { target_identity(target) } else { 0 },
+    })
+}
+
+/// A draining target keeps the sessions pinned to it until it is removed (HAProxy's `drain`);
+/// disabled and weight-0 targets were taken out by hand and keep none.
+fn keeps_sessions(target: &Target) -> bool {
+    target.state == TargetState::Draining && target.enabled && target.weight > 0
 }
 
 /// The service's enabled sources with their states, when none of them is healthy and no
@@ -236,6 +283,15 @@ fn discovery_gap(sources: &[&SourceStanding], targets: &[&Target]) -> Option<Box
         .map(|source| format!("{} ({})", source.name, source.state.as_str()))
         .collect();
     Some(listed.join(", ").into())
+}
+
+/// What hashing tables are built from: the provider key, which survives a target's re-creation
+/// and is the same on every gateway, else the operator target's address.
+fn target_identity(target: &Target) -> u64 {
+    match &target.provider_key {
+        Some(key) => identity_hash(key),
+        None => identity_hash(&authority_text(&target.host, target.port)),
+    }
 }
 
 fn target_authority(target: &Target) -> Option<(Authority, HeaderValue)> {
@@ -271,6 +327,9 @@ mod tests {
             tls_verify: true,
             tls_ca_pem: None,
             lb_policy: crate::model::LbPolicy::RoundRobin,
+            hash_on: None,
+            hash_balance_factor: None,
+            session_persistence: None,
             timeouts: Default::default(),
             max_attempts: 2,
             health_check: None,

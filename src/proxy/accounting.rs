@@ -16,18 +16,43 @@ use crate::snapshot::{ServiceCounters, ServiceRuntime, TargetRuntime};
 /// Counts a request or connection against its target from pick until it is finished or dropped.
 pub struct InFlight {
     load: Arc<TargetLoad>,
+    /// The service's own count, kept only under `hash_balance_factor` (its bounded load needs
+    /// the mean): every other request pays no shared counter.
+    service: Option<Arc<ServiceCounters>>,
 }
 
 impl InFlight {
     pub fn start(load: &Arc<TargetLoad>) -> InFlight {
         load.start_request();
-        InFlight { load: load.clone() }
+        InFlight::started(load)
+    }
+
+    /// The guard of a request already counted at its target.
+    fn started(load: &Arc<TargetLoad>) -> InFlight {
+        InFlight {
+            load: load.clone(),
+            service: None,
+        }
+    }
+
+    /// Starts a request or connection as [`InFlight::start_within_target`] does, counting it
+    /// in the service too when its bounded load needs that.
+    pub async fn start_within(
+        service: &ServiceRuntime,
+        target: &TargetRuntime,
+    ) -> Result<InFlight, Overloaded> {
+        let mut in_flight = InFlight::start_within_target(service, target).await?;
+        if service.service.hash_balance_factor.is_some() {
+            service.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+            in_flight.service = Some(service.counters.clone());
+        }
+        Ok(in_flight)
     }
 
     /// Starts a request or connection within the service's `max_connections_per_target`,
     /// waiting in the service's queue while the target is full. Refused (queue full) or timed
     /// out, it counts against no target: the target is busy, not failing.
-    pub async fn start_within(
+    async fn start_within_target(
         service: &ServiceRuntime,
         target: &TargetRuntime,
     ) -> Result<InFlight, Overloaded> {
@@ -46,7 +71,7 @@ impl InFlight {
         let load = &target.load;
         // Requests already waiting go first: a newcomer does not take the room they wait for.
         if !load.has_waiters() && load.try_start_request(max) {
-            return Ok(InFlight { load: load.clone() });
+            return Ok(InFlight::started(load));
         }
         let counters = &service.counters;
         let _queued = Queued::join(counters);
@@ -62,7 +87,7 @@ impl InFlight {
             .await
             .is_ok()
         {
-            return Ok(InFlight { load: load.clone() });
+            return Ok(InFlight::started(load));
         }
         counters.overloaded.fetch_add(1, Ordering::Relaxed);
         Err(Overloaded::QueueTimeout {
@@ -114,6 +139,9 @@ impl Drop for Queued<'_> {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.load.finish_request();
+        if let Some(service) = &self.service {
+            service.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! store, DNS or a lock shared by all requests.
 
 mod accounting;
+mod affinity;
 mod body;
 mod budget;
 mod client;
@@ -24,6 +25,7 @@ mod listen;
 mod plain_target;
 mod pool;
 mod redirect;
+mod session_cookie;
 mod sni;
 mod spool;
 pub mod stream;

@@ -32,8 +32,10 @@ pub struct BackendRuntime {
 /// The targets of a service whose labels hold a subset's pairs, with their own balancer.
 pub struct Subset {
     pub(super) balancer: Balancer,
-    /// Balancer member index → index into the service's targets.
+    /// Balancer member index → index into the service's targets, ascending.
     pub(super) members: Box<[u32]>,
+    /// The label pairs every member holds.
+    labels: BTreeMap<String, String>,
 }
 
 impl BackendRuntime {
@@ -76,19 +78,34 @@ impl Subset {
             let holds = subset
                 .iter()
                 .all(|(label, value)| has_label(&target.spec.metadata, label, value));
+            debug_assert!(members.last().is_none_or(|&last| (last as usize) < index));
             if holds {
                 members.push(u32::try_from(index).expect("fewer than 2^32 targets"));
                 balancer_members.push(Member {
                     weight: target.spec.weight,
                     priority: target.spec.priority,
                     load: target.load.clone(),
+                    identity: target.identity,
                 });
             }
         }
         Subset {
             balancer: Balancer::new(service.service.lb_policy, balancer_members),
             members: members.into(),
+            labels: subset.clone(),
         }
+    }
+
+    /// Whether the service's target at `index` is a member.
+    pub(super) fn contains(&self, index: usize) -> bool {
+        self.members.binary_search(&(index as u32)).is_ok()
+    }
+
+    /// Whether a target with this metadata holds the subset's labels.
+    pub(super) fn selects(&self, metadata: &Value) -> bool {
+        self.labels
+            .iter()
+            .all(|(label, value)| has_label(metadata, label, value))
     }
 
     pub fn len(&self) -> usize {

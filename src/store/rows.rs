@@ -49,6 +49,9 @@ pub(super) struct ServiceRow {
     health_check: Option<String>,
     ejection: Option<String>,
     limits: Option<String>,
+    hash_on: Option<String>,
+    hash_balance_factor: Option<i64>,
+    session_persistence: Option<String>,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -97,6 +100,23 @@ impl TryFrom<ServiceRow> for Service {
                 .map(|text| json(text, "limits"))
                 .transpose()?
                 .unwrap_or_default(),
+            hash_on: row
+                .hash_on
+                .as_deref()
+                .map(|text| json(text, "hash_on"))
+                .transpose()?,
+            hash_balance_factor: row
+                .hash_balance_factor
+                .map(|factor| {
+                    u32::try_from(factor)
+                        .map_err(|_| StoreError::Corrupt(format!("hash_balance_factor {factor}")))
+                })
+                .transpose()?,
+            session_persistence: row
+                .session_persistence
+                .as_deref()
+                .map(|text| json(text, "session_persistence"))
+                .transpose()?,
             managed_by: row.managed_by,
             created_at: time(row.created_at)?,
             updated_at: time(row.updated_at)?,

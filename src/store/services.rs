@@ -38,8 +38,10 @@ impl Store {
         let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
             "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
                 lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
-                max_attempts, health_check, ejection, limits, created_at, updated_at, keepalive_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+                max_attempts, health_check, ejection, limits, created_at, updated_at, keepalive_ms,
+                hash_on, hash_balance_factor, session_persistence)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
+                $18, $19, $20)
              RETURNING id",
         )
         .bind(&spec.name)
@@ -59,6 +61,9 @@ impl Store {
         .bind(now)
         .bind(now)
         .bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
+        .bind(spec.hash_on.as_ref().map(json_value))
+        .bind(spec.hash_balance_factor.map(i64::from))
+        .bind(spec.session_persistence.as_ref().map(json_value))
         .fetch_one(pool)
         .await)
         .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
@@ -70,7 +75,8 @@ impl Store {
             "UPDATE services SET name = $1, protocol = $2, upstream_authority = $3, tls_sni = $4,
                 tls_verify = $5, tls_ca_pem = $6, lb_policy = $7, connect_timeout_ms = $8, response_header_timeout_ms = $9,
                 idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13,
-                limits = $14, updated_at = $15, keepalive_ms = $17
+                limits = $14, updated_at = $15, keepalive_ms = $17, hash_on = $18,
+                hash_balance_factor = $19, session_persistence = $20
              WHERE id = $16",
         )
         .bind(&spec.name)
@@ -90,6 +96,9 @@ impl Store {
         .bind(now_ms())
         .bind(id)
         .bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
+        .bind(spec.hash_on.as_ref().map(json_value))
+        .bind(spec.hash_balance_factor.map(i64::from))
+        .bind(spec.session_persistence.as_ref().map(json_value))
         .execute(pool)
         .await
 .map(|done| done.rows_affected()))

@@ -253,13 +253,13 @@ fn conditions(
     Ok(())
 }
 
-fn header_name(value: &str) -> Option<String> {
+pub(super) fn header_name(value: &str) -> Option<String> {
     HeaderName::from_bytes(value.as_bytes())
         .ok()
         .map(|name| name.as_str().to_owned())
 }
 
-fn query_name(value: &str) -> Option<String> {
+pub(super) fn query_name(value: &str) -> Option<String> {
     let valid = !value.is_empty()
         && value.len() <= 256
         && !value
@@ -269,7 +269,7 @@ fn query_name(value: &str) -> Option<String> {
 }
 
 /// A cookie name is a token (RFC 6265 §4.1.1).
-fn cookie_name(value: &str) -> Option<String> {
+pub(super) fn cookie_name(value: &str) -> Option<String> {
     let valid = !value.is_empty()
         && value.len() <= 256
         && value

@@ -143,6 +143,7 @@ mod tests {
             host_header: http::HeaderValue::from_static("10.0.0.1:80"),
             load: Arc::default(),
             health: Arc::new(TargetHealth::default()),
+            identity: 0,
         }
     }
 

@@ -50,7 +50,15 @@ pub(super) fn maybe_copy(state: &Arc<ProxyState>, route: &Arc<RouteEntry>, reque
             return;
         };
         let mut exchange = Exchange::default();
-        let sending = send_with_retries(&state, backend, copy, &mut exchange, false, None);
+        let sending = send_with_retries(
+            &state,
+            backend,
+            copy,
+            &mut exchange,
+            false,
+            None,
+            Default::default(),
+        );
         if let Ok(Ok((response, in_flight, _))) = tokio::time::timeout(timeout, sending).await {
             drain(response.into_body(), timeout).await;
             drop(in_flight);

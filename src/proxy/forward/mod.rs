@@ -277,7 +277,8 @@ fn forward<'a>(
                 super::redirect::answer(redirect, &route.route, &requested).map(Either::Right)
             );
         }
-        let Some(backend) = route.backends.choose() else {
+        let pinned = super::affinity::pinned_backend(route.backends.list(), request.headers());
+        let Some(backend) = pinned.or_else(|| route.backends.choose()) else {
             // Validation gives every route without a redirect a backend.
             return Err(ProxyError::NoRoute {
                 host: rewrite::request_host(&request).into_owned(),
@@ -296,6 +297,14 @@ fn forward<'a>(
             .as_ref()
             .and_then(|_| request.headers().get(header::ORIGIN).cloned());
 
+        let affinity = super::affinity::Affinity::of(
+            &service,
+            &super::affinity::Asked {
+                headers: request.headers(),
+                query: request.uri().query(),
+                client: downstream.client.ip(),
+            },
+        );
         let upgrade_asked = upgrade_passed(&mut request, &route);
         if upgrade_asked.is_some() && service.service.protocol == crate::model::Protocol::H2c {
             return Err(ProxyError::UpgradeNotSupported {
@@ -330,8 +339,16 @@ fn forward<'a>(
         let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
         let (upstream, in_flight, target) = match timeouts.request_ms {
             None => {
-                retry::send_with_retries(state, backend, outgoing, exchange, grpc, attempt_timeout)
-                    .await?
+                retry::send_with_retries(
+                    state,
+                    backend,
+                    outgoing,
+                    exchange,
+                    grpc,
+                    attempt_timeout,
+                    affinity.preference,
+                )
+                .await?
             }
             // Boxed: the exchange's future is kilobytes, and a second copy of it inline (inside
             // the timeout) would grow every request's future, which is moved as a whole.
@@ -343,6 +360,7 @@ fn forward<'a>(
                     exchange,
                     grpc,
                     attempt_timeout,
+                    affinity.preference,
                 ));
                 tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
                     .await
@@ -377,6 +395,12 @@ fn forward<'a>(
         if let Some(cors) = &route.route.cors {
             super::cors::decorate(cors, origin.as_ref(), response.headers_mut());
         }
+        affinity.answered(
+            &backend.service,
+            target,
+            downstream.over_tls,
+            response.headers_mut(),
+        );
         Ok(response)
     }
 }

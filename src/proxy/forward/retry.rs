@@ -23,7 +23,7 @@ use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
 use crate::proxy::ProxyState;
-use crate::snapshot::{BackendRuntime, ServiceRuntime, TargetRuntime};
+use crate::snapshot::{BackendRuntime, Preference, ServiceRuntime, TargetRuntime};
 
 static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 
@@ -44,6 +44,7 @@ pub(super) async fn send_with_retries(
     exchange: &mut Exchange,
     grpc: bool,
     attempt_timeout: Option<Duration>,
+    preference: Preference,
 ) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
     let service: &ServiceRuntime = &backend.service;
     let started = Instant::now();
@@ -69,8 +70,15 @@ pub(super) async fn send_with_retries(
         let first_attempt = attempt == 1;
         // Held to the end of the attempt, past its recorded outcome: a half-open trial must
         // not pass to the next request before its verdict.
-        let Some(pick) = service.pick_in(
+        // A retry keeps the hash key's order (its next choice) but not the session's target,
+        // which just failed it.
+        let preference = Preference {
+            pinned: preference.pinned.filter(|_| first_attempt),
+            ..preference
+        };
+        let Some(pick) = service.pick_preferring(
             backend.subset.as_ref(),
+            preference,
             |candidate| tried.contains(candidate.id),
             first_attempt,
         ) else {

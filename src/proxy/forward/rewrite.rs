@@ -396,6 +396,9 @@ mod tests {
                 tls_verify: true,
                 tls_ca_pem: None,
                 lb_policy: LbPolicy::RoundRobin,
+                hash_on: None,
+                hash_balance_factor: None,
+                session_persistence: None,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
                 health_check: None,
@@ -409,6 +412,7 @@ mod tests {
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
             counters: Default::default(),
             discovery_gap: None,
+            sessions: None,
         };
         let route = Route {
             id: 7,

@@ -15,11 +15,12 @@ use tokio::time::Instant;
 
 use super::relay::{self, Progress};
 use super::{OpenConnection, Shared};
-use crate::model::{Id, MAX_ATTEMPTS};
+use crate::balance::ip_hash;
+use crate::model::{HashOn, Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight, Overloaded};
 use crate::proxy::failure::{Blame, NoTarget, Retry, UpstreamFailure};
 use crate::proxy::sni::{Hello, HelloError, HelloReader, MAX_CLIENT_HELLO_BUFFER};
-use crate::snapshot::{ServiceRuntime, StreamRouteEntry};
+use crate::snapshot::{Preference, ServiceRuntime, StreamRouteEntry};
 use crate::telemetry::access;
 
 /// Read size while waiting for a ClientHello, which is usually well under this.
@@ -238,7 +239,12 @@ async fn proxy_connection(
     record.progress.route_stats = Some(route.stats.clone());
     record.route = Some(route.clone());
     let service = &route.service;
-    let (upstream, in_flight) = connect_upstream(service, &route, &mut record.target).await?;
+    let preference = Preference {
+        pinned: None,
+        hash: client_ip_hash(service, &client),
+    };
+    let (upstream, in_flight) =
+        connect_upstream(service, &route, preference, &mut record.target).await?;
     let _ = upstream.set_nodelay(true);
     let idle = Duration::from_millis(service.service.timeouts.idle_ms);
     let ended = relay::relay(client, upstream, &hello, idle, &record.progress).await;
@@ -280,11 +286,22 @@ async fn read_client_hello(
     }
 }
 
+/// Under a hashing policy keyed on the client's address, that address's hash (the only key a
+/// byte stream has).
+fn client_ip_hash(service: &ServiceRuntime, client: &TcpStream) -> Option<u64> {
+    let config = &service.service;
+    if !config.lb_policy.is_hashing() || config.hash_on != Some(HashOn::ClientIp) {
+        return None;
+    }
+    Some(ip_hash(client.peer_addr().ok()?.ip()))
+}
+
 /// Connects to a picked target, trying other targets after connect failures. The target's
 /// in-flight count covers the connection from its connect to its end (for least_request).
 async fn connect_upstream(
     service: &ServiceRuntime,
     route: &StreamRouteEntry,
+    preference: Preference,
     last_target: &mut Option<Authority>,
 ) -> Result<(TcpStream, InFlight), StreamError> {
     let attempts = (service.service.max_attempts as usize).clamp(1, MAX_ATTEMPTS as usize);
@@ -295,8 +312,12 @@ async fn connect_upstream(
         // Like HTTP: only the first pick may fall back to unhealthy or ejected targets.
         let first_attempt = attempt == 1;
         // Held past the recorded outcome, like HTTP: a connect is a half-open trial's verdict.
-        let Some(pick) = service.pick(|candidate| tried.contains(&candidate.id), first_attempt)
-        else {
+        let Some(pick) = service.pick_preferring(
+            None,
+            preference,
+            |candidate| tried.contains(&candidate.id),
+            first_attempt,
+        ) else {
             break;
         };
         let target = pick.target;
