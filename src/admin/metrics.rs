@@ -220,6 +220,8 @@ struct ServiceSample {
     overloaded: u64,
     /// HTTP/2 connections, streams and unprocessed streams, for services that speak it.
     h2: Option<[u64; 3]>,
+    /// Sessions re-pinned, for services with session persistence.
+    sessions_repinned: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -359,6 +361,11 @@ async fn gather(state: &AdminState) -> Scrape {
             timeouts: counters.timeouts.load(Ordering::Relaxed),
             queued: counters.queued.load(Ordering::Relaxed),
             overloaded: counters.overloaded.load(Ordering::Relaxed),
+            sessions_repinned: service
+                .service
+                .session_persistence
+                .as_ref()
+                .map(|_| counters.sessions_repinned.load(Ordering::Relaxed)),
             h2: matches!(
                 service.service.protocol,
                 crate::model::Protocol::H2c | crate::model::Protocol::Https
@@ -821,6 +828,14 @@ impl Collector for Scrape {
             self.services
                 .iter()
                 .map(|service| (service.labels.clone(), service.panic_picks)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_session_repinned",
+            "Requests whose session cookie named a target that could not take them: picked anew, with a new cookie.",
+            self.services.iter().filter_map(|service| {
+                Some((service.labels.clone(), service.sessions_repinned?))
+            }),
         )?;
         gauge(
             &mut encoder,

@@ -17,7 +17,9 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::clock::unix_ms;
-use crate::model::{Health, Id, Service, ServiceSpec};
+use crate::model::{HashOn, Health, Id, LbPolicy, Service, ServiceSpec};
+use crate::snapshot::ServiceRuntime;
+use std::collections::HashMap;
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -114,8 +116,48 @@ pub struct ServiceRuntimeView {
     pub service_id: Id,
     /// Picks that ignored health and ejection because no tier had an available target.
     pub panic_picks: u64,
+    pub lb_policy: LbPolicy,
+    /// Under `ring_hash` or `maglev`: each tier's table.
+    pub hashing: Option<HashingView>,
+    /// With `session_persistence`: the draining targets that keep their sessions, and how many
+    /// sessions had to move.
+    pub sessions: Option<SessionsView>,
     /// Targets in rotation (active, enabled, weight > 0).
     pub targets: Vec<TargetRuntimeView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct HashingView {
+    pub hash_on: Option<HashOn>,
+    pub hash_balance_factor: Option<u32>,
+    /// Requests in flight to the service (kept under `hash_balance_factor`, else null).
+    pub in_flight: Option<u64>,
+    pub tiers: Vec<HashTierView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct HashTierView {
+    pub priority: i32,
+    /// Ring points or Maglev entries.
+    pub size: usize,
+    pub memory_bytes: usize,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct SessionsView {
+    pub cookie: String,
+    /// Requests whose session's target could not take them, pinned anew.
+    pub repinned: u64,
+    /// Draining targets that still serve their sessions until they are removed.
+    pub draining: Vec<DrainingTargetView>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct DrainingTargetView {
+    pub id: Id,
+    pub address: String,
+    pub in_flight: u32,
+    pub available: bool,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -131,6 +173,8 @@ pub struct TargetRuntimeView {
     pub ejections: u32,
     pub in_flight: u32,
     pub available: bool,
+    /// Under hashing: the share of its tier's keys this target owns (slots / table size).
+    pub hash_share: Option<f64>,
 }
 
 #[utoipa::path(get, path = "/services/{id}/runtime", tag = "services",
@@ -147,29 +191,108 @@ async fn service_runtime(
         None => ServiceRuntimeView {
             service_id: id,
             panic_picks: 0,
+            lb_policy: LbPolicy::default(),
+            hashing: None,
+            sessions: None,
             targets: Vec::new(),
         },
-        Some(service) => ServiceRuntimeView {
-            service_id: id,
-            panic_picks: service.counters.panic_picks.load(Ordering::Relaxed),
-            targets: service
-                .targets
+        Some(service) => {
+            let shares = hash_shares(service);
+            ServiceRuntimeView {
+                service_id: id,
+                panic_picks: service.counters.panic_picks.load(Ordering::Relaxed),
+                lb_policy: service.service.lb_policy,
+                hashing: hashing_view(service),
+                sessions: sessions_view(service, now),
+                targets: service
+                    .targets
+                    .iter()
+                    .enumerate()
+                    .map(|(index, target)| TargetRuntimeView {
+                        id: target.id,
+                        address: target.authority.to_string(),
+                        health: target.health.health(),
+                        ejected_until: target
+                            .health
+                            .ejected_until(now)
+                            .and_then(|ms| chrono::DateTime::from_timestamp_millis(ms as i64)),
+                        half_open: target.health.half_open(now),
+                        ejections: target.health.ejections(),
+                        in_flight: target.load.in_flight(),
+                        available: target.health.is_available(|| now),
+                        hash_share: shares.get(&index).copied(),
+                    })
+                    .collect(),
+            }
+        }
+    };
+    Ok(Json(view))
+}
+
+fn hashing_view(service: &ServiceRuntime) -> Option<HashingView> {
+    let config = &service.service;
+    if !config.lb_policy.is_hashing() {
+        return None;
+    }
+    let tiers = service
+        .balancer
+        .hash_tables()
+        .tiers()
+        .map(|(priority, table)| HashTierView {
+            priority,
+            size: table.slots(),
+            memory_bytes: table.heap_bytes(),
+        })
+        .collect();
+    Some(HashingView {
+        hash_on: config.hash_on.clone(),
+        hash_balance_factor: config.hash_balance_factor,
+        in_flight: config
+            .hash_balance_factor
+            .map(|_| service.counters.in_flight.load(Ordering::Relaxed)),
+        tiers,
+    })
+}
+
+/// Each target's share of its tier's table, by index into the service's targets.
+fn hash_shares(service: &ServiceRuntime) -> HashMap<usize, f64> {
+    let mut shares = HashMap::new();
+    let tables = service.balancer.hash_tables();
+    for (priority, table) in tables.tiers() {
+        let Some(members) = service.balancer.tier_members(priority) else {
+            continue;
+        };
+        let size = table.slots().max(1) as f64;
+        for (slot_owner, slots) in table.slots_per_member().into_iter().enumerate() {
+            if let Some(&member) = members.get(slot_owner) {
+                shares.insert(member as usize, slots as f64 / size);
+            }
+        }
+    }
+    shares
+}
+
+fn sessions_view(service: &ServiceRuntime, now: u64) -> Option<SessionsView> {
+    let persistence = service.service.session_persistence.as_ref()?;
+    let draining = service
+        .sessions
+        .as_deref()
+        .map(|sessions| {
+            sessions
+                .draining
                 .iter()
-                .map(|target| TargetRuntimeView {
+                .map(|target| DrainingTargetView {
                     id: target.id,
                     address: target.authority.to_string(),
-                    health: target.health.health(),
-                    ejected_until: target
-                        .health
-                        .ejected_until(now)
-                        .and_then(|ms| chrono::DateTime::from_timestamp_millis(ms as i64)),
-                    half_open: target.health.half_open(now),
-                    ejections: target.health.ejections(),
                     in_flight: target.load.in_flight(),
                     available: target.health.is_available(|| now),
                 })
-                .collect(),
-        },
-    };
-    Ok(Json(view))
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(SessionsView {
+        cookie: persistence.cookie.clone(),
+        repinned: service.counters.sessions_repinned.load(Ordering::Relaxed),
+        draining,
+    })
 }
