@@ -16,10 +16,10 @@ use chrono::Utc;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use http::uri::Authority;
 use http::HeaderValue;
-use raahi::balance::{Balancer, Member, TargetHealth, TargetLoad};
+use raahi::balance::{identity_hash, key_hash, Balancer, Member, TargetHealth, TargetLoad};
 use raahi::clock::unix_ms;
 use raahi::model::{Ejection, LbPolicy, Protocol, Service, Timeouts};
-use raahi::snapshot::{ServiceRuntime, TargetRuntime};
+use raahi::snapshot::{Preference, ServiceRuntime, TargetRuntime};
 
 const SIZES: [usize; 3] = [10, 1_000, 10_000];
 const PRIORITIES: [i32; 3] = [0, 10, 20];
@@ -69,14 +69,18 @@ fn pick(c: &mut Criterion) {
     group.finish();
 }
 
-/// A service of `n` equal targets on 127.0.0.1, ports from 10000.
+fn authority_of(i: usize) -> String {
+    format!("127.0.0.{}:{}", 1 + i / 50_000, 10_000 + i % 50_000)
+}
+
+/// A service of `n` equal targets on 127.0.0.x, ports from 10000.
 fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
     let loads: Vec<Arc<TargetLoad>> = (0..n).map(|_| Arc::default()).collect();
     let targets = loads
         .iter()
         .enumerate()
         .map(|(i, load)| {
-            let authority = format!("127.0.0.1:{}", 10_000 + i);
+            let authority = authority_of(i);
             TargetRuntime {
                 spec: Default::default(),
                 id: i as i64,
@@ -84,17 +88,18 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
                 authority: Authority::try_from(authority).unwrap(),
                 load: load.clone(),
                 health: Arc::new(TargetHealth::default()),
-                identity: 0,
+                identity: identity_hash(&authority_of(i)),
             }
         })
         .collect();
     let members = loads
         .into_iter()
-        .map(|load| Member {
-            weight: 1,
+        .enumerate()
+        .map(|(i, load)| Member {
+            weight: 100,
             priority: 0,
             load,
-            identity: 0,
+            identity: identity_hash(&authority_of(i)),
         })
         .collect();
     ServiceRuntime {
@@ -158,5 +163,71 @@ fn service_pick(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, pick, service_pick);
+/// `ServiceRuntime::pick_preferring` with a key's hash (TRAFFIC.md §5) over one tier of `n`
+/// targets: `key` (the key's target, or its next choice), `bounded` (`hash_balance_factor` 125,
+/// every target idle: the bound is checked on each candidate). Keys cycle through 4,096
+/// hashes so that the table is not read at one place only.
+fn hash_pick(c: &mut Criterion) {
+    let keys: Vec<u64> = (0..4096u32)
+        .map(|k| key_hash(format!("user-{k:08}").as_bytes()))
+        .collect();
+    let mut group = c.benchmark_group("hash_pick");
+    for policy in [LbPolicy::RingHash, LbPolicy::Maglev] {
+        for n in SIZES {
+            let mut runtime = service(policy, n);
+            for (variant, factor) in [("key", None), ("bounded", Some(125))] {
+                runtime.service.hash_balance_factor = factor;
+                let mut turn = 0usize;
+                group.bench_with_input(
+                    BenchmarkId::new(format!("{policy:?}/{variant}"), n),
+                    &runtime,
+                    |b, runtime| {
+                        b.iter(|| {
+                            turn = turn.wrapping_add(1);
+                            let preference = Preference {
+                                pinned: None,
+                                hash: Some(keys[turn & 4095]),
+                            };
+                            black_box(
+                                runtime
+                                    .pick_preferring(None, preference, |_| false, true)
+                                    .is_some(),
+                            )
+                        })
+                    },
+                );
+            }
+        }
+    }
+    group.bench_function("key_hash/36_bytes", |b| {
+        b.iter(|| key_hash(black_box(b"7f9c2ba4-e88f-4f2a-9d1b-3c5e6a7b8c9d")))
+    });
+    group.finish();
+}
+
+/// Building one tier's table, the control task's work per changed hashing service.
+fn hash_table_build(c: &mut Criterion) {
+    let mut group = c.benchmark_group("hash_table_build");
+    group.sample_size(20);
+    for policy in [LbPolicy::RingHash, LbPolicy::Maglev] {
+        for n in [20usize, 1_000, 10_000] {
+            let members: Vec<Member> = (0..n)
+                .map(|i| Member {
+                    weight: 100,
+                    priority: 0,
+                    load: Arc::default(),
+                    identity: identity_hash(&authority_of(i)),
+                })
+                .collect();
+            group.bench_with_input(
+                BenchmarkId::new(format!("{policy:?}"), n),
+                &members,
+                |b, members| b.iter(|| black_box(Balancer::new(policy, members.clone()))),
+            );
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, pick, service_pick, hash_pick, hash_table_build);
 criterion_main!(benches);

@@ -55,17 +55,22 @@ impl HashKind {
     }
 }
 
-/// Tier-local member indices, two bytes each while the tier allows it: tables hold 100 slots or
-/// more per member, so this halves the memory of every hashed service of ordinary size.
+/// Tier-local member indices, one or two bytes each while the tier allows it: tables hold 100
+/// slots or more per member, so this divides the memory of every hashed service of ordinary
+/// size by two or four.
 #[derive(Debug)]
 pub(super) enum Owners {
+    Tiny(Box<[u8]>),
     Narrow(Box<[u16]>),
     Wide(Box<[u32]>),
 }
 
 impl Owners {
     pub(super) fn new(indices: impl ExactSizeIterator<Item = usize>, members: usize) -> Owners {
-        if members <= usize::from(u16::MAX) + 1 {
+        if members <= usize::from(u8::MAX) + 1 {
+            // Every index is below `members` ≤ 2^8.
+            Owners::Tiny(indices.map(|i| i as u8).collect())
+        } else if members <= usize::from(u16::MAX) + 1 {
             // Every index is below `members` ≤ 2^16.
             Owners::Narrow(indices.map(|i| i as u16).collect())
         } else {
@@ -75,6 +80,7 @@ impl Owners {
 
     pub(super) fn get(&self, slot: usize) -> usize {
         match self {
+            Owners::Tiny(owners) => usize::from(owners[slot]),
             Owners::Narrow(owners) => usize::from(owners[slot]),
             Owners::Wide(owners) => owners[slot] as usize,
         }
@@ -82,6 +88,7 @@ impl Owners {
 
     pub(super) fn len(&self) -> usize {
         match self {
+            Owners::Tiny(owners) => owners.len(),
             Owners::Narrow(owners) => owners.len(),
             Owners::Wide(owners) => owners.len(),
         }
@@ -89,6 +96,7 @@ impl Owners {
 
     pub(super) fn bytes(&self) -> usize {
         match self {
+            Owners::Tiny(owners) => owners.len(),
             Owners::Narrow(owners) => owners.len() * 2,
             Owners::Wide(owners) => owners.len() * 4,
         }
@@ -178,17 +186,17 @@ impl HashTable {
     /// Slots owned by each tier member (its share of the keys is slots / `slots()`).
     pub fn slots_per_member(&self) -> Vec<usize> {
         let mut counts = vec![0; self.inputs.len()];
-        let owners = self.owners();
-        for slot in 0..owners.len() {
-            counts[owners.get(slot)] += 1;
+        for slot in 0..self.slots() {
+            counts[self.owner(slot)] += 1;
         }
         counts
     }
 
-    fn owners(&self) -> &Owners {
+    /// The tier member owning `slot`.
+    fn owner(&self, slot: usize) -> usize {
         match &self.kind {
-            TableKind::Ring(ring) => ring.owners(),
-            TableKind::Maglev(maglev) => maglev.owners(),
+            TableKind::Ring(ring) => ring.owner(slot),
+            TableKind::Maglev(maglev) => maglev.owners().get(slot),
         }
     }
 
@@ -201,23 +209,22 @@ impl HashTable {
     }
 
     /// The tier member (index into the tier) for `hash`: the owner of its slot, else of the next
-    /// slots in order, skipping members for which `skip` is true and, while `fits` can be met,
-    /// members for which it is false (bounded load). Past [`WALK_LIMIT`] slots, the first member
-    /// met that is not skipped; failing that, a scan of every member from a start the hash
-    /// decides. Every choice depends only on the table, the hash and the two predicates, so
-    /// gateways with the same view decide alike.
+    /// slots in order, passing over members for which `skip` is true and, while one can be
+    /// found, members for which `fits` is false (bounded load). Past [`WALK_LIMIT`] slots, every
+    /// member is scanned from a start the hash decides, in identity order. Every choice depends
+    /// only on the table, the hash and the two predicates, so gateways with the same view
+    /// decide alike.
     pub(super) fn choose(
         &self,
         hash: u64,
         skip: impl Fn(usize) -> bool,
         fits: impl Fn(usize) -> bool,
     ) -> Option<usize> {
-        let owners = self.owners();
-        let len = owners.len();
+        let len = self.slots();
         let start = self.slot_of(hash);
         let mut first_unskipped = None;
         for step in 0..len.min(WALK_LIMIT) {
-            let member = owners.get((start + step) % len);
+            let member = self.owner((start + step) % len);
             if skip(member) {
                 continue;
             }
@@ -226,15 +233,22 @@ impl HashTable {
             }
             first_unskipped.get_or_insert(member);
         }
-        if first_unskipped.is_some() {
-            return first_unskipped;
-        }
+        // Rare: a long run of unavailable or loaded members. Some member always fits a bound
+        // of at least the mean, so a whole scan finds it when the walk could not.
         let members = self.by_identity.len();
         // The high bits: the low ones already chose the slot in a small Maglev table.
         let from = ((hash >> 32) % members as u64) as usize;
-        (0..members)
+        let scan = (0..members)
             .map(|step| self.by_identity[(from + step) % members] as usize)
-            .find(|&member| !skip(member))
+            .filter(|&member| !skip(member));
+        let mut scanned_unskipped = None;
+        for member in scan {
+            if fits(member) {
+                return Some(member);
+            }
+            scanned_unskipped.get_or_insert(member);
+        }
+        first_unskipped.or(scanned_unskipped)
     }
 }
 

@@ -429,4 +429,6 @@ impl fmt::Debug for Balancer {
 }
 
 #[cfg(test)]
+mod hash_tests;
+#[cfg(test)]
 mod tests;

@@ -12,6 +12,7 @@
 mod common;
 
 mod events;
+mod hashing;
 mod proxy;
 mod stream_routes;
 
