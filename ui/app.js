@@ -1492,6 +1492,26 @@ function checkKind(check, service) {
   return check.type.toUpperCase();
 }
 
+// The policy with what it hashes (TRAFFIC.md §5): "maglev on header x-user, bounded at 125 %".
+function balancingText(service) {
+  const policy = service.lb_policy ?? '—';
+  const on = service.hash_on;
+  if (!on) return policy;
+  const key = on === 'client_ip' ? 'client IP'
+    : on.header ? `header ${on.header}` : on.cookie ? `cookie ${on.cookie}` : `query ${on.query}`;
+  const bound = service.hash_balance_factor ? `, bounded at ${service.hash_balance_factor} %` : '';
+  return `${policy} on ${key}${bound}`;
+}
+
+function sessionsText(service) {
+  const sessions = service.session_persistence;
+  if (!sessions) return 'off';
+  const limits = [];
+  if (sessions.idle_timeout_s) limits.push(`idle ${spanText(sessions.idle_timeout_s * 1000)}`);
+  if (sessions.absolute_timeout_s) limits.push(`at most ${spanText(sessions.absolute_timeout_s * 1000)}`);
+  return `cookie ${sessions.cookie}${limits.length ? ` (${limits.join(', ')})` : ''}`;
+}
+
 function servicePage(id) {
   const service = state.services.get(id);
   if (!service) return notFoundView(`There is no service ${id} (it may have been deleted).`);
@@ -1514,7 +1534,8 @@ function servicePage(id) {
       h('div', null,
         h('h1', null, service.name, ' ', badge('proto', service.protocol)),
         h('dl', { class: 'stats inline' },
-          stat('Balancing', service.lb_policy ?? '—'),
+          stat('Balancing', balancingText(service)),
+          stat('Sessions', sessionsText(service)),
           stat('Health checks', checkText),
           stat('Ejection', ejectionText),
           stat('Available', `${c.available} of ${targets.length}`, c.available === 0 && targets.length ? 'bad' : ''),

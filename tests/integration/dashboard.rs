@@ -1054,6 +1054,67 @@ async fn an_h2c_service_shows_its_protocol_and_grpc_check() {
     browser.close().await;
 }
 
+/// A hashing service names its policy with the key it hashes and its bound, and a service
+/// with sessions names its cookie and timeouts; a change through the API shows live.
+#[tokio::test]
+async fn a_hashing_service_names_its_key_and_its_sessions() {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({
+                "name": "carts",
+                "lb_policy": "maglev",
+                "hash_on": {"header": "x-user"},
+                "hash_balance_factor": 125,
+                "session_persistence": {"cookie": "cart", "idle_timeout_s": 1800}
+            }),
+        )
+        .await;
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
+        .await;
+    let stats_script = |expected: &str| {
+        format!(
+            "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+             if (!page) return null; \
+             const text = name => {{ const s = [...page.querySelectorAll('.stat')] \
+               .find(s => s.querySelector('dt').textContent === name); \
+               return s ? s.querySelector('dd').textContent : null; }}; \
+             const shown = [text('Balancing'), text('Sessions')]; \
+             return shown[0] === {expected:?} ? shown : null;"
+        )
+    };
+    let shown = browser
+        .wait_for(
+            "the hashing policy and sessions",
+            WAIT,
+            &stats_script("maglev on header x-user, bounded at 125 %"),
+        )
+        .await;
+    assert_eq!(shown[1], "cookie cart (idle 30 min)");
+    let (status, _) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(json!({"lb_policy": "ring_hash", "hash_on": "client_ip", "hash_balance_factor": null,
+                        "session_persistence": null})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let shown = browser
+        .wait_for(
+            "the changed policy, live",
+            WAIT,
+            &stats_script("ring_hash on client IP"),
+        )
+        .await;
+    assert_eq!(shown[1], "off");
+    browser.close().await;
+}
+
 /// The routes page (`#/routes`, linked from the header): every HTTP route by name, with its
 /// hosts, path form, methods and conditions, its backends' shares of the weight (with their
 /// subsets, each linking to its service) and badges for its filters (a redirect with its
