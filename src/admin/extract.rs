@@ -87,9 +87,25 @@ impl<S: Send + Sync> FromRequest<S> for MergePatch {
 impl MergePatch {
     /// Applies the patch to `current` and reads the result back as `T`.
     pub fn apply<T: Serialize + DeserializeOwned>(self, current: &T) -> Result<T, ApiError> {
+        self.apply_replacing(current, &[])
+    }
+
+    /// [`MergePatch::apply`], except that each of `whole` the patch gives a value replaces the
+    /// current one instead of merging into it: a field that is one of several single-key
+    /// objects (`hash_on`: `{"header"}` or `{"cookie"}`...) can only be swapped whole.
+    pub fn apply_replacing<T: Serialize + DeserializeOwned>(
+        self,
+        current: &T,
+        whole: &[&str],
+    ) -> Result<T, ApiError> {
         let mut document = serde_json::to_value(current).map_err(|e| ApiError::Unavailable {
             message: format!("cannot serialise the current object: {e}"),
         })?;
+        if let serde_json::Value::Object(fields) = &mut document {
+            for &field in whole.iter().filter(|&&field| self.names_value_for(field)) {
+                fields.insert(field.to_owned(), serde_json::Value::Null);
+            }
+        }
         // The crate's RFC 7396 merge rather than our own: a nested object patched onto a
         // member that is null or absent must still have its nulls removed, not copied in.
         json_patch::merge(&mut document, &serde_json::Value::Object(self.0));

@@ -91,7 +91,7 @@ async fn patch_service(
     patch: MergePatch,
 ) -> Result<Json<Service>, ApiError> {
     let current = state.store.get_service(id).await?;
-    let spec = validate::service(patch.apply(&current.spec())?)?;
+    let spec = validate::service(patch.apply_replacing(&current.spec(), &["hash_on"])?)?;
     super::stream_routes::check_protocol_change(&state, id, spec.protocol)?;
     let service = state.store.update_service(id, &spec).await?;
     state.apply().await?;

@@ -14,6 +14,7 @@
 mod common;
 
 mod admin_api;
+mod affinity;
 mod cli;
 mod cli_status;
 mod cluster;
