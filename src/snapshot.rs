@@ -361,8 +361,6 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
-        let (balancer, members) = self.members(subset);
-        let clock = lazy_clock();
         let bound = self
             .service
             .hash_balance_factor
@@ -370,37 +368,7 @@ impl ServiceRuntime {
                 factor_percent,
                 in_flight: self.counters.in_flight.load(Ordering::Relaxed),
             });
-        for _ in 0..TRIAL_RACES {
-            let Some(index) = balancer.pick_hashed(hash, bound, |index| {
-                let target = &self.targets[target_index(members, index)];
-                skip(target) || !target.health.is_available(&clock)
-            }) else {
-                break;
-            };
-            let target = &self.targets[target_index(members, index)];
-            let trial = match target.health.admit(&clock) {
-                Admission::Open => None,
-                Admission::Trial(trial) => Some(trial),
-                Admission::Refused => continue,
-            };
-            return Some(Pick {
-                target,
-                kind: PickKind::Available,
-                trial,
-            });
-        }
-        if !allow_panic {
-            return None;
-        }
-        let index = balancer.pick_hashed(hash, None, |index| {
-            skip(&self.targets[target_index(members, index)])
-        })?;
-        self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
-        Some(Pick {
-            target: &self.targets[target_index(members, index)],
-            kind: PickKind::Panic,
-            trial: None,
-        })
+        self.pick_by(subset, Choice::Hashed(hash, bound), skip, allow_panic)
     }
 
     /// Whether some target (of `subset`, when given) is available now. Moves no cursor.
@@ -430,16 +398,37 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
+        self.pick_by(subset, Choice::Policy, skip, allow_panic)
+    }
+
+    /// A pick by `choice` among the targets of `subset` (all when None): an available target,
+    /// claiming a half-open one's trial (a lost race picks again, up to [`TRIAL_RACES`]); else,
+    /// when allowed, a panic pick that ignores health and ejection but not `skip`.
+    fn pick_by(
+        &self,
+        subset: Option<&Subset>,
+        choice: Choice,
+        skip: impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
+    ) -> Option<Pick<'_>> {
         let (balancer, members) = self.members(subset);
         let clock = lazy_clock();
+        let target_at = |index: usize| &self.targets[target_index(members, index)];
+        let available = |index: usize| {
+            let target = target_at(index);
+            !skip(target) && target.health.is_available(&clock)
+        };
         for _ in 0..TRIAL_RACES {
-            let Some(index) = balancer.pick(|index| {
-                let target = &self.targets[target_index(members, index)];
-                skip(target) || !target.health.is_available(&clock)
-            }) else {
+            let chosen = match choice {
+                Choice::Policy => balancer.pick(|index| !available(index)),
+                Choice::Hashed(hash, bound) => {
+                    balancer.pick_hashed(hash, bound, |index| !available(index))
+                }
+            };
+            let Some(index) = chosen else {
                 break;
             };
-            let target = &self.targets[target_index(members, index)];
+            let target = target_at(index);
             let trial = match target.health.admit(&clock) {
                 Admission::Open => None,
                 Admission::Trial(trial) => Some(trial),
@@ -454,15 +443,28 @@ impl ServiceRuntime {
         if !allow_panic {
             return None;
         }
-        let index =
-            balancer.pick_random(|index| skip(&self.targets[target_index(members, index)]))?;
+        let skipped = |index: usize| skip(target_at(index));
+        // A hashed panic pick keeps the key's order, as its ordinary pick does.
+        let index = match choice {
+            Choice::Policy => balancer.pick_random(skipped),
+            Choice::Hashed(hash, _) => balancer.pick_hashed(hash, None, skipped),
+        }?;
         self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
         Some(Pick {
-            target: &self.targets[target_index(members, index)],
+            target: target_at(index),
             kind: PickKind::Panic,
             trial: None,
         })
     }
+}
+
+/// How [`ServiceRuntime::pick_by`] chooses among available targets.
+#[derive(Clone, Copy)]
+enum Choice {
+    /// The service's policy (round robin for a hashing policy without a key).
+    Policy,
+    /// A consistent-hash pick for a key's hash, with the bounded load when configured.
+    Hashed(u64, Option<LoadBound>),
 }
 
 /// The wall clock in ms, read at most once per pick and only when some target has an
