@@ -121,22 +121,11 @@ enum TableKind {
 }
 
 impl HashTable {
-    /// `inputs[i]` is the (identity hash, weight > 0) of tier member i. `previous` is the table
-    /// this tier had before, if any: a Maglev table keeps its size while it still suits.
-    pub(super) fn build(
-        kind: HashKind,
-        inputs: Box<[(u64, u32)]>,
-        previous: Option<&HashTable>,
-    ) -> HashTable {
+    /// `inputs[i]` is the (identity hash, weight > 0) of tier member i.
+    pub(super) fn build(kind: HashKind, inputs: Box<[(u64, u32)]>) -> HashTable {
         let kind = match kind {
             HashKind::Ring => TableKind::Ring(Ring::new(&inputs)),
-            HashKind::Maglev => {
-                let previous_size = previous.and_then(|table| match &table.kind {
-                    TableKind::Maglev(maglev) => Some(maglev.len()),
-                    TableKind::Ring(_) => None,
-                });
-                TableKind::Maglev(Maglev::new(&inputs, previous_size))
-            }
+            HashKind::Maglev => TableKind::Maglev(Maglev::new(&inputs)),
         };
         HashTable {
             by_identity: by_identity(&inputs),
@@ -145,7 +134,8 @@ impl HashTable {
         }
     }
 
-    /// The previous table when it was built from exactly these inputs, else a new one.
+    /// The previous table when it was built from exactly these inputs, else a new one: a table
+    /// depends on its inputs alone, so reusing it only saves the build.
     pub(super) fn reuse_or_build(
         kind: HashKind,
         inputs: Box<[(u64, u32)]>,
@@ -153,7 +143,7 @@ impl HashTable {
     ) -> Arc<HashTable> {
         match previous {
             Some(table) if table.kind() == kind && table.inputs == inputs => table.clone(),
-            _ => Arc::new(HashTable::build(kind, inputs, previous.map(|t| &**t))),
+            _ => Arc::new(HashTable::build(kind, inputs)),
         }
     }
 
@@ -210,8 +200,8 @@ impl HashTable {
 
     /// The tier member (index into the tier) for `hash`: the owner of its slot, else of the next
     /// slots in order, passing over members for which `skip` is true and, while one can be
-    /// found, members for which `fits` is false (bounded load). Past [`WALK_LIMIT`] slots, every
-    /// member is scanned from a start the hash decides, in identity order. Every choice depends
+    /// found, members for which `fits` is false (bounded load). Past [`WALK_LIMIT`] slots,
+    /// members are scanned from a start the hash decides, in identity order. Every choice depends
     /// only on the table, the hash and the two predicates, so gateways with the same view
     /// decide alike.
     pub(super) fn choose(
@@ -233,12 +223,19 @@ impl HashTable {
             }
             first_unskipped.get_or_insert(member);
         }
-        // Rare: a long run of unavailable or loaded members. Some member always fits a bound
-        // of at least the mean, so a whole scan finds it when the walk could not.
+        // Rare: a long run of unavailable or loaded members. Members in identity order from a
+        // start the hash decides: while some member was met unskipped, only another
+        // WALK_LIMIT of them (the bound may be out of reach when many are unavailable, and a
+        // pick stays bounded); else every member, to find one that is not skipped at all.
         let members = self.by_identity.len();
         // The high bits: the low ones already chose the slot in a small Maglev table.
         let from = ((hash >> 32) % members as u64) as usize;
-        let scan = (0..members)
+        let budget = if first_unskipped.is_some() {
+            members.min(WALK_LIMIT)
+        } else {
+            members
+        };
+        let scan = (0..budget)
             .map(|step| self.by_identity[(from + step) % members] as usize)
             .filter(|&member| !skip(member));
         let mut scanned_unskipped = None;

@@ -4,9 +4,11 @@
 
 use super::hash_table::{by_identity, mix, Owners};
 
-/// Table sizes (primes). The first ≥ 100 × members is chosen; a table is kept while its size stays
-/// within 50–400 × the member count, since a new size reshuffles every key.
-const LADDER: [usize; 10] = [127, 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65537];
+/// Table sizes (primes): the first with at least 100 entries per member. The size is a function
+/// of the member count alone, so every gateway on a store computes the same table whatever it
+/// built before (a size kept from a gateway's own history would not be); and as a new size
+/// reshuffles every key, the rungs are far apart: that happens only at 21 and 164 members.
+const LADDER: [usize; 3] = [2039, 16381, 65537];
 const OFFSET_SEED: u64 = 0x6f66_6673_6574; // "offset"
 const SKIP_SEED: u64 = 0x736b_6970; // "skip"
 const EMPTY: u32 = u32::MAX;
@@ -16,14 +18,8 @@ pub(super) struct Maglev {
     owners: Owners,
 }
 
-/// The table size for `members` members, keeping `previous` while it suits.
-pub(super) fn table_size(members: usize, previous: Option<usize>) -> usize {
-    let members = members.max(1);
-    if let Some(size) = previous.filter(|size| LADDER.contains(size)) {
-        if size >= members.saturating_mul(50) && size <= members.saturating_mul(400) {
-            return size;
-        }
-    }
+/// The table size for `members` members.
+pub(super) fn table_size(members: usize) -> usize {
     LADDER
         .iter()
         .copied()
@@ -45,8 +41,8 @@ struct Filler {
 
 impl Maglev {
     /// `inputs[i]` is the (identity hash, weight > 0) of tier member i.
-    pub(super) fn new(inputs: &[(u64, u32)], previous_size: Option<usize>) -> Maglev {
-        let size = table_size(inputs.len(), previous_size);
+    pub(super) fn new(inputs: &[(u64, u32)]) -> Maglev {
+        let size = table_size(inputs.len());
         let modulus = size as u64;
         // Members fill in identity order, so the table does not depend on the tier's order.
         let mut fillers: Vec<Filler> = by_identity(inputs)
@@ -117,37 +113,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn size_is_the_first_rung_at_100_per_member_and_kept_within_50_to_400() {
-        assert_eq!(table_size(1, None), 127);
-        assert_eq!(table_size(20, None), 2039);
-        assert_eq!(table_size(21, None), 4093);
-        assert_eq!(table_size(1_000, None), 65537);
-        assert_eq!(table_size(10_000, None), 65537);
-        // 20 → 30 members: 2039 is 68 × 30, kept; 20 → 41: 2039 < 50 × 41, grown.
-        assert_eq!(table_size(30, Some(2039)), 2039);
-        assert_eq!(table_size(41, Some(2039)), 8191);
-        // 20 → 5 members: 2039 is 408 × 5, shrunk to the first rung ≥ 500.
-        assert_eq!(table_size(5, Some(2039)), 509);
-        // A size off the ladder is never kept.
-        assert_eq!(table_size(20, Some(2000)), 2039);
+    fn size_is_the_first_rung_at_100_per_member_whatever_came_before() {
+        assert_eq!(table_size(1), 2039);
+        assert_eq!(table_size(20), 2039);
+        assert_eq!(table_size(21), 16381);
+        assert_eq!(table_size(163), 16381);
+        assert_eq!(table_size(164), 65537);
+        assert_eq!(table_size(10_000), 65537);
     }
 
     #[test]
     fn entries_follow_weight() {
-        let table = Maglev::new(&[(mix(1), 100), (mix(2), 300)], None);
+        let table = Maglev::new(&[(mix(1), 100), (mix(2), 300)]);
         let mut counts = [0usize; 2];
         for slot in 0..table.len() {
             counts[table.owners.get(slot)] += 1;
         }
-        assert_eq!(table.len(), 251);
-        let share = counts[1] as f64 / 251.0;
+        assert_eq!(table.len(), 2039);
+        let share = counts[1] as f64 / 2039.0;
         assert!((share - 0.75).abs() < 0.01, "{counts:?}");
     }
 
     #[test]
     fn every_slot_is_filled_and_every_member_has_slots() {
         let inputs: Vec<(u64, u32)> = (0..37).map(|i| (mix(i), 1 + (i % 5) as u32 * 20)).collect();
-        let table = Maglev::new(&inputs, None);
+        let table = Maglev::new(&inputs);
         let mut counts = vec![0usize; inputs.len()];
         for slot in 0..table.len() {
             counts[table.owners.get(slot)] += 1;

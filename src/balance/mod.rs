@@ -119,7 +119,8 @@ pub struct Member {
 }
 
 /// HAProxy's bounded load for a hashed pick: no member may take a request that would put it
-/// above `factor_percent` / 100 × the tier's mean load, counting the request.
+/// above `factor_percent` / 100 × its weighted share of the load, counting the request (with
+/// equal weights: the tier's mean).
 #[derive(Debug, Clone, Copy)]
 pub struct LoadBound {
     /// ≥ 100.
@@ -129,11 +130,13 @@ pub struct LoadBound {
 }
 
 impl LoadBound {
-    /// The most requests a member of a tier of `members` may hold, this one included.
-    fn limit(self, members: usize) -> u64 {
-        let scaled = u128::from(self.factor_percent) * u128::from(self.in_flight + 1);
-        let per_member = scaled.div_ceil(100 * members.max(1) as u128);
-        u64::try_from(per_member).unwrap_or(u64::MAX)
+    /// The most requests a member of weight `weight` in a tier weighing `tier_weight` may hold,
+    /// this one included.
+    fn limit(self, weight: u32, tier_weight: u64) -> u64 {
+        let scaled =
+            u128::from(self.factor_percent) * u128::from(self.in_flight + 1) * u128::from(weight);
+        let share = scaled.div_ceil(100 * u128::from(tier_weight.max(1)));
+        u64::try_from(share).unwrap_or(u64::MAX)
     }
 }
 
@@ -161,6 +164,8 @@ struct Tier {
     chooser: Chooser,
     /// Hashing policies: the tier's consistent-hash table (`chooser` then serves keyless picks).
     table: Option<Arc<HashTable>>,
+    /// The members' weights summed, for the bounded load's shares.
+    total_weight: u64,
 }
 
 enum Chooser {
@@ -270,17 +275,15 @@ impl Balancer {
                     .or_else(|| tier.first_available(&skip));
             };
             let member = |index: usize| tier.members[index] as usize;
-            let limit = bound.map(|bound| bound.limit(tier.members.len()));
+            let fits = |index: usize| {
+                let id = member(index);
+                bound.is_none_or(|bound| {
+                    let limit = bound.limit(self.weights[id], tier.total_weight);
+                    u64::from(self.loads[id].in_flight()) < limit
+                })
+            };
             table
-                .choose(
-                    hash,
-                    |index| skip(member(index)),
-                    |index| {
-                        limit.is_none_or(|limit| {
-                            u64::from(self.loads[member(index)].in_flight()) < limit
-                        })
-                    },
-                )
+                .choose(hash, |index| skip(member(index)), fits)
                 .map(member)
         })
     }
@@ -388,6 +391,7 @@ impl Tier {
             members: members.into_boxed_slice(),
             chooser,
             table: None,
+            total_weight: weights.iter().map(|&w| u64::from(w)).sum(),
         }
     }
 
