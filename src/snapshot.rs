@@ -296,23 +296,7 @@ impl ServiceRuntime {
         subset: Option<&Subset>,
         skip: impl Fn(&TargetRuntime) -> bool,
     ) -> Option<Pick<'_>> {
-        let sessions = self.sessions.as_deref()?;
-        let target = match sessions.place(id)? {
-            Place::InRotation(index) => {
-                let index = index as usize;
-                if subset.is_some_and(|subset| !subset.contains(index)) {
-                    return None;
-                }
-                &self.targets[index]
-            }
-            Place::Draining(index) => {
-                let target = &sessions.draining[index as usize];
-                if subset.is_some_and(|subset| !subset.selects(&target.spec.metadata)) {
-                    return None;
-                }
-                target
-            }
-        };
+        let target = self.session_target(id, subset)?;
         let clock = lazy_clock();
         if skip(target) || !target.health.is_available(&clock) {
             return None;
@@ -327,6 +311,31 @@ impl ServiceRuntime {
             kind: PickKind::Available,
             trial,
         })
+    }
+
+    /// Whether the target a session cookie names would take the session now (in rotation or
+    /// draining, of `subset` when given, available), without claiming anything.
+    pub fn takes_session(&self, id: Id, subset: Option<&Subset>) -> bool {
+        self.session_target(id, subset)
+            .is_some_and(|target| target.health.is_available(lazy_clock()))
+    }
+
+    /// The target with this id among those a session may reach: in rotation or draining, and
+    /// of `subset` when given.
+    fn session_target(&self, id: Id, subset: Option<&Subset>) -> Option<&TargetRuntime> {
+        let sessions = self.sessions.as_deref()?;
+        match sessions.place(id)? {
+            Place::InRotation(index) => {
+                let index = index as usize;
+                let outside = subset.is_some_and(|subset| !subset.contains(index));
+                (!outside).then(|| &self.targets[index])
+            }
+            Place::Draining(index) => {
+                let target = &sessions.draining[index as usize];
+                let outside = subset.is_some_and(|subset| !subset.selects(&target.spec.metadata));
+                (!outside).then_some(target)
+            }
+        }
     }
 
     /// [`ServiceRuntime::pick_in`] honouring `preference`: the pinned target while it takes

@@ -278,15 +278,21 @@ impl ServiceChecker {
         }
     }
 
-    /// The targets currently in rotation for this service.
+    /// The targets currently in rotation for this service, and the draining ones that still
+    /// serve their sessions (a session goes to its target only while it is available).
     fn probes(&self) -> Vec<Probe> {
         let snapshot = self.snapshots.load();
         let Some(service) = snapshot.service(self.service_id) else {
             return Vec::new();
         };
+        let keeping_sessions = service
+            .sessions
+            .iter()
+            .flat_map(|sessions| sessions.draining.iter());
         service
             .targets
             .iter()
+            .chain(keeping_sessions)
             .map(|target| Probe {
                 target_id: target.id,
                 authority: target.authority.clone(),

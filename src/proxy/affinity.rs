@@ -94,9 +94,10 @@ impl Affinity {
     }
 }
 
-/// The backend of a route a live session cookie pins the request to, when the route has
-/// several and one of their services keeps sessions: a session stays with its service
-/// whatever the backends' weights say.
+/// The backend of a route with several that a live session cookie pins the request to: one
+/// whose service keeps sessions, with weight > 0, whose subset holds the cookie's target and
+/// where that target takes the session now. A session stays with its backend whatever the
+/// weights say; one whose backend cannot take it is picked anew by weight (and re-pinned).
 pub(super) fn pinned_backend<'a>(
     backends: &'a [BackendRuntime],
     headers: &HeaderMap,
@@ -104,15 +105,19 @@ pub(super) fn pinned_backend<'a>(
     if backends.len() < 2 {
         return None;
     }
-    let now = now_s();
+    let mut now = None;
     backends.iter().find(|backend| {
-        let service = &backend.service.service;
-        service
-            .session_persistence
-            .as_ref()
-            .is_some_and(|persistence| {
-                live_session(persistence, service.id, headers, now).is_some()
-            })
+        let service = &backend.service;
+        let Some(persistence) = &service.service.session_persistence else {
+            return false;
+        };
+        if backend.weight == 0 {
+            return false;
+        }
+        let now = *now.get_or_insert_with(now_s);
+        live_session(persistence, service.service.id, headers, now).is_some_and(|session| {
+            service.takes_session(session.target_id, backend.subset.as_ref())
+        })
     })
 }
 
@@ -130,9 +135,11 @@ fn live_session(
     let over = |since: u32, limit: Option<u64>| {
         limit.is_some_and(|limit| u64::from(now.saturating_sub(since)) >= limit)
     };
-    // A time ahead of the clock was not written by any gateway of a sane fleet.
-    let from_the_future = session.began_s > now.saturating_add(300);
-    if from_the_future
+    // A time ahead of the clock was not written by any gateway of a sane fleet: it would keep
+    // a session from ever timing out.
+    let ahead = |time: u32| time > now.saturating_add(300);
+    if ahead(session.began_s)
+        || ahead(session.used_s)
         || over(session.began_s, persistence.absolute_timeout_s)
         || over(session.used_s, persistence.idle_timeout_s)
     {
@@ -234,6 +241,12 @@ mod tests {
         assert_eq!(live_session(&p, 5, &old, now), None, "absolute timeout");
         let future = headers_with(&cookie(5, now + 301, now).encode());
         assert_eq!(live_session(&p, 5, &future, now), None, "from the future");
+        let used_later = headers_with(&cookie(5, now - 10, now + 301).encode());
+        assert_eq!(
+            live_session(&p, 5, &used_later, now),
+            None,
+            "last used in the future"
+        );
         assert_eq!(
             live_session(&persistence(None, None), 5, &old, now),
             Some(cookie(5, now - 3600, now))

@@ -473,7 +473,7 @@ async fn ring_hash_sends_each_header_key_to_one_target() {
 #[tokio::test]
 async fn maglev_sends_each_header_key_to_one_target() {
     // The smallest primes of the ladder at or above 100 × the tier's targets.
-    same_key_same_target("maglev", [509, 127]).await;
+    same_key_same_target("maglev", [2039, 2039]).await;
 }
 
 /// `hash_on` a query parameter, a cookie and the client's address: each key keeps to one
@@ -1584,4 +1584,142 @@ async fn a_balance_factor_spreads_one_hot_key_over_several_targets() {
         "unbounded, a key has one target: {holding:?}"
     );
     finish(&held, &holding, requests).await;
+}
+
+/// A canary split of one service by subsets: each session stays with the backend whose subset
+/// holds its target, whatever the weights say; a backend set to weight 0 keeps none of its
+/// sessions (they are re-pinned, counted, into the other subset).
+#[tokio::test]
+async fn sessions_on_a_split_by_subsets_stay_with_their_backend_until_it_is_weighed_out() {
+    let gateway = TestGateway::start().await;
+    let ups = upstreams(&["v1-a", "v1-b", "v2-a", "v2-b"]).await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "shop", "session_persistence": {}}),
+        )
+        .await;
+    for upstream in &ups {
+        let version = &upstream.name[..2];
+        let mut body = target(upstream, 100, 0);
+        body["metadata"] = json!({ "version": version });
+        gateway
+            .create(&format!("/api/v1/services/{service}/targets"), body)
+            .await;
+    }
+    let route = gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "split", "backends": [
+                {"service_id": service, "weight": 50, "subset": {"version": "v1"}},
+                {"service_id": service, "weight": 50, "subset": {"version": "v2"}}]}),
+        )
+        .await;
+    let mut sessions = Vec::new();
+    for _ in 0..20 {
+        sessions.push(new_session(&gateway, "/").await);
+    }
+    let on_v2 = sessions
+        .iter()
+        .filter(|(up, _)| up.starts_with("v2"))
+        .count();
+    assert!(
+        (5..=15).contains(&on_v2),
+        "the split shares sessions: {on_v2} of 20 on v2"
+    );
+    // Each session's requests go to its own subset's backend, not to the first backend.
+    assert_sessions_hold(&gateway, &sessions, "a 50/50 split").await;
+    assert_sessions_hold(&gateway, &sessions, "again").await;
+    assert_eq!(gateway.metric(&repinned_series("shop")).await, 0);
+
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/routes/{route}"),
+            Some(json!({"backends": [
+                {"service_id": service, "weight": 50, "subset": {"version": "v1"}},
+                {"service_id": service, "weight": 0, "subset": {"version": "v2"}}]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    wait_until("the v2 backend weighed out", WAIT, || async {
+        let answer = send(&gateway, "/", &[]).await;
+        (answer.status == 200 && answer.body.starts_with("v1")).then_some(())
+    })
+    .await;
+    for (upstream, cookie) in &sessions {
+        let answer = in_session(&gateway, "/", cookie).await;
+        if upstream.starts_with("v1") {
+            assert_eq!(&answer.body, upstream, "a v1 session stays");
+            assert_eq!(answer.session(), None);
+        } else {
+            assert!(
+                answer.body.starts_with("v1"),
+                "a v2 session moved: {}",
+                answer.body
+            );
+            assert!(answer.session().is_some(), "and got a new cookie");
+        }
+    }
+    assert_eq!(
+        gateway.metric(&repinned_series("shop")).await,
+        on_v2 as u64,
+        "every v2 session re-pinned once"
+    );
+}
+
+/// A draining target still serving its sessions is health-checked like one in rotation: when it
+/// dies, the runtime view shows it unavailable and its sessions are re-pinned at once, with no
+/// attempt on it.
+#[tokio::test]
+async fn a_draining_target_keeping_sessions_is_still_health_checked() {
+    let gateway = TestGateway::start().await;
+    let ups = upstreams(&["d-a", "d-b"]).await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([endpoint("a", &ups[0]), endpoint("b", &ups[1])]));
+    let body = json!({"name": "checked", "session_persistence": {},
+        "health_check": {"path": "/", "interval_ms": 100, "timeout_ms": 200,
+                         "healthy_threshold": 1, "unhealthy_threshold": 1}});
+    let (service, source) = discovered_service(&gateway, body, &registry, 60_000, 2).await;
+    let ids = ids_by_key(&gateway, service).await;
+    let mut on_a = None;
+    for _ in 0..10 {
+        let (upstream, cookie) = new_session(&gateway, "/").await;
+        if upstream == "d-a" {
+            on_a = Some(cookie);
+            break;
+        }
+    }
+    let cookie = on_a.expect("round robin gives d-a a session within 10");
+
+    registry.set_json(json!([endpoint("b", &ups[1])]));
+    refresh(&gateway, source).await;
+    wait_runtime(&gateway, service, "d-a draining", |view| {
+        draining(view).contains(&ids["a"])
+    })
+    .await;
+    assert_eq!(
+        in_session(&gateway, "/", &cookie).await.body,
+        "d-a",
+        "draining keeps it"
+    );
+
+    ups[0].stop();
+    wait_runtime(
+        &gateway,
+        service,
+        "the dead draining target unavailable",
+        |view| {
+            view["sessions"]["draining"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|t| t["id"] == ids["a"] && t["available"] == false)
+        },
+    )
+    .await;
+    let answer = in_session(&gateway, "/", &cookie).await;
+    assert_eq!(answer.body, "d-b");
+    assert!(answer.session().is_some(), "re-pinned with a new cookie");
+    assert_eq!(gateway.metric(&repinned_series("checked")).await, 1);
 }
