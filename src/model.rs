@@ -8,8 +8,9 @@ pub mod path;
 mod route_rules;
 
 pub use route_rules::{
-    parse_template, Backend, Condition, ConditionTest, Cors, HeaderFilter, Mirror, Redirect,
-    Rewrite, RouteTimeouts, TemplatePart, Variable, DEFAULT_BACKEND_WEIGHT, MAX_BACKEND_WEIGHT,
+    parse_template, Backend, Condition, ConditionTest, Cors, HeaderFilter, Mirror, RateLimit,
+    RateLimitKey, RateLimitScope, Redirect, Rewrite, RouteTimeouts, TemplatePart, Variable,
+    DEFAULT_BACKEND_WEIGHT, DEFAULT_RATE_LIMIT_MAX_KEYS, MAX_BACKEND_WEIGHT,
 };
 pub use route_rules::{whole_value_regex, REGEX_SIZE_LIMIT};
 
@@ -529,6 +530,11 @@ pub struct Route {
     pub mirror: Option<Mirror>,
     pub cors: Option<Cors>,
     pub timeouts: RouteTimeouts,
+    /// Requests per second per key (429 `rate_limited` past it); null: none.
+    pub rate_limit: Option<RateLimit>,
+    /// Requests of the route in flight at once on this gateway (503 `too_many_requests` past
+    /// it); null: no limit.
+    pub max_in_flight: Option<u32>,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -962,6 +968,10 @@ pub struct RouteSpec {
     pub cors: Option<Cors>,
     #[serde(default)]
     pub timeouts: RouteTimeouts,
+    #[serde(default)]
+    pub rate_limit: Option<RateLimit>,
+    #[serde(default)]
+    pub max_in_flight: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -1089,6 +1099,8 @@ impl Route {
             mirror: self.mirror.clone(),
             cors: self.cors.clone(),
             timeouts: self.timeouts,
+            rate_limit: self.rate_limit.clone(),
+            max_in_flight: self.max_in_flight,
         }
     }
 }

@@ -23,12 +23,14 @@ use crate::model::{Id, Route, Service, StreamRoute, Target};
 mod backends;
 mod header_filter;
 mod route_match;
+mod rate_limit;
 mod sessions;
 mod stream;
 
 pub use backends::{BackendRuntime, Backends, Subset};
 pub use header_filter::{CompiledHeaderFilter, Variables};
 pub use route_match::{cookie_value, query_value, Conditions, RequestView};
+pub use rate_limit::{Decision, KeyUse, RateLimiter};
 pub use sessions::{Place, SessionTargets};
 pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
 

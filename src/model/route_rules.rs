@@ -277,3 +277,60 @@ mod tests {
         assert!(parse_template("${host").is_err());
     }
 }
+
+/// A route's request rate (TRAFFIC.md §6): GCRA per key, `burst` requests at once and
+/// `requests_per_second` after; past it 429 `rate_limited`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimit {
+    /// Requests admitted per second and key, in the long run (fractions allowed: 0.5 is one
+    /// request every two seconds).
+    pub requests_per_second: f64,
+    /// Requests a key at rest may send at once; null: one second's worth
+    /// (⌈`requests_per_second`⌉, at least 1).
+    #[serde(default)]
+    pub burst: Option<u32>,
+    #[serde(default)]
+    pub key: RateLimitKey,
+    #[serde(default)]
+    pub scope: RateLimitScope,
+    /// Keys tracked at once; past it the idlest key is forgotten.
+    #[serde(default = "default_rate_limit_max_keys")]
+    pub max_keys: u32,
+}
+
+/// The keys tracked by default per rate-limited route.
+pub const DEFAULT_RATE_LIMIT_MAX_KEYS: u32 = 100_000;
+
+fn default_rate_limit_max_keys() -> u32 {
+    DEFAULT_RATE_LIMIT_MAX_KEYS
+}
+
+impl RateLimit {
+    /// Requests a key at rest may send at once.
+    pub fn effective_burst(&self) -> u32 {
+        self.burst
+            .unwrap_or_else(|| self.requests_per_second.ceil().clamp(1.0, u32::MAX as f64) as u32)
+    }
+}
+
+/// What one rate-limit allowance is kept for: each client address, each value of a header (a
+/// request without the header is keyed by its client address), or the whole route.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum RateLimitKey {
+    #[default]
+    ClientIp,
+    Header(String),
+    Route,
+}
+
+/// `instance`: each gateway admits the whole rate; `cluster`: the gateways sharing a store
+/// admit it together, each a share following its recent demand.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RateLimitScope {
+    #[default]
+    Instance,
+    Cluster,
+}

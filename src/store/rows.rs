@@ -5,7 +5,7 @@ use chrono::{DateTime, TimeZone, Utc};
 use super::StoreError;
 use crate::model::{
     Backend, Condition, Cors, DiscoverySource, HeaderFilter, Health, LbPolicy, Mirror, Protocol,
-    ProviderKind, Redirect, Rewrite, Role, Route, RouteSpec, RouteTimeouts, Service,
+    ProviderKind, RateLimit, Redirect, Rewrite, Role, Route, RouteSpec, RouteTimeouts, Service,
     SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
 };
 
@@ -230,6 +230,8 @@ impl TryFrom<RouteRow> for Route {
             mirror: rules.mirror,
             cors: rules.cors,
             timeouts: rules.timeouts,
+            rate_limit: rules.rate_limit,
+            max_in_flight: rules.max_in_flight,
             preserve_host: row.preserve_host,
             strip_prefix: row.strip_prefix,
             priority: i32::try_from(row.priority)
@@ -410,6 +412,10 @@ pub(super) struct RouteRules {
     pub cors: Option<Cors>,
     #[serde(skip_serializing_if = "RouteTimeouts::is_empty")]
     pub timeouts: RouteTimeouts,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimit>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u32>,
 }
 
 impl RouteRules {
@@ -428,6 +434,8 @@ impl RouteRules {
             mirror: spec.mirror.clone(),
             cors: spec.cors.clone(),
             timeouts: spec.timeouts,
+            rate_limit: spec.rate_limit.clone(),
+            max_in_flight: spec.max_in_flight,
         }
     }
 }
