@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::balance::{Admission, Balancer, LoadBound, TargetHealth, TargetLoad, Trial};
 use crate::clock::unix_ms;
 use crate::model::path::{self, EscapedSlashes};
-use crate::model::{Id, Route, Service, StreamRoute, Target};
+use crate::model::{Id, RateLimit, Route, Service, StreamRoute, Target};
 
 mod backends;
 mod header_filter;
@@ -157,6 +157,15 @@ pub struct RouteStats {
     /// Requests answered by the route's redirect.
     pub redirects: AtomicU64,
     pub mirror: MirrorStats,
+    /// Requests refused by the route's `rate_limit` (429 `rate_limited`), across its changes.
+    pub rate_limited: AtomicU64,
+    /// Requests of the route in flight now, counted only under `max_in_flight`.
+    pub in_flight: AtomicU64,
+    /// Requests refused past `max_in_flight` (503 `too_many_requests`).
+    pub in_flight_refused: AtomicU64,
+    /// The route's key table, kept while its `rate_limit` is unchanged; only the control task
+    /// locks it.
+    limiter: std::sync::Mutex<Option<Arc<RateLimiter>>>,
 }
 
 /// Copies of a route's requests sent to its mirror.
@@ -171,6 +180,27 @@ pub struct MirrorStats {
 }
 
 impl RouteStats {
+    /// The limiter of `rate_limit`: the one built before while the limit is the same, so keys
+    /// keep their state across the route's other changes.
+    pub fn limiter_for(&self, rate_limit: Option<&RateLimit>) -> Option<Arc<RateLimiter>> {
+        let mut kept = self
+            .limiter
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(rate_limit) = rate_limit else {
+            *kept = None;
+            return None;
+        };
+        match kept.as_ref() {
+            Some(limiter) if limiter.spec() == rate_limit => Some(limiter.clone()),
+            _ => {
+                let limiter = Arc::new(RateLimiter::new(rate_limit));
+                *kept = Some(limiter.clone());
+                Some(limiter)
+            }
+        }
+    }
+
     /// The counter of requests sent to the backend `label`, the same one every snapshot.
     pub fn backend_requests(&self, label: &str) -> Arc<AtomicU64> {
         let mut counters = self
@@ -505,6 +535,8 @@ pub struct RouteEntry {
     /// Where copies go, when the route has a mirror.
     pub mirror: Option<BackendRuntime>,
     pub stats: Arc<RouteStats>,
+    /// The route's `rate_limit`, compiled.
+    pub limiter: Option<Arc<RateLimiter>>,
     compiled: Arc<CompiledRoute>,
 }
 
@@ -543,6 +575,7 @@ impl RouteEntry {
         };
         Some(RouteEntry {
             backends: Backends::new(backends, stats.backend_cursor.clone()),
+            limiter: stats.limiter_for(route.rate_limit.as_ref()),
             mirror,
             compiled,
             stats,
