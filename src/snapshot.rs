@@ -22,15 +22,15 @@ use crate::model::{Id, RateLimit, Route, Service, StreamRoute, Target};
 
 mod backends;
 mod header_filter;
-mod route_match;
 mod rate_limit;
+mod route_match;
 mod sessions;
 mod stream;
 
 pub use backends::{BackendRuntime, Backends, Subset};
 pub use header_filter::{CompiledHeaderFilter, Variables};
-pub use route_match::{cookie_value, query_value, Conditions, RequestView};
 pub use rate_limit::{Decision, KeyUse, RateLimiter};
+pub use route_match::{cookie_value, query_value, Conditions, RequestView};
 pub use sessions::{Place, SessionTargets};
 pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
 
@@ -111,7 +111,7 @@ pub struct GatewayCounters {
 
 /// The answers (error codes) of requests refused before or instead of reaching a target for
 /// breaking a rule or a limit, as `/metrics` labels them.
-pub const REFUSAL_CODES: [&str; 9] = [
+pub const REFUSAL_CODES: [&str; 11] = [
     "invalid_host",
     "invalid_framing",
     "unsupported_transfer_coding",
@@ -121,6 +121,8 @@ pub const REFUSAL_CODES: [&str; 9] = [
     "client_body_timeout",
     "upstream_overloaded",
     "invalid_path",
+    "rate_limited",
+    "too_many_requests",
 ];
 
 /// Upper bounds (seconds) of the request latency histogram buckets; the last is +Inf.

@@ -16,6 +16,7 @@ use crate::tls::{self, ParsedCertificate, TlsError};
 
 mod affinity;
 mod json;
+mod limits;
 mod route;
 
 pub use json::from_value;

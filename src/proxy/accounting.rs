@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use crate::balance::{FailureCause, TargetLoad};
 use crate::clock::unix_ms;
 use crate::model::Id;
-use crate::snapshot::{ServiceCounters, ServiceRuntime, TargetRuntime};
+use crate::snapshot::{RouteStats, ServiceCounters, ServiceRuntime, TargetRuntime};
 
 /// Counts a request or connection against its target from pick until it is finished or dropped.
 pub struct InFlight {
@@ -19,9 +19,17 @@ pub struct InFlight {
     /// The service's own count, kept only under `hash_balance_factor` (its bounded load needs
     /// the mean): every other request pays no shared counter.
     service: Option<Arc<ServiceCounters>>,
+    /// The request's place under its route's `max_in_flight`, when the route has one.
+    route: Option<RouteSlot>,
 }
 
 impl InFlight {
+    /// Holds `slot` for as long as the request: to the end of its answer's body or tunnel.
+    pub fn holding(mut self, slot: Option<RouteSlot>) -> InFlight {
+        self.route = slot;
+        self
+    }
+
     pub fn start(load: &Arc<TargetLoad>) -> InFlight {
         load.start_request();
         InFlight::started(load)
@@ -32,6 +40,7 @@ impl InFlight {
         InFlight {
             load: load.clone(),
             service: None,
+            route: None,
         }
     }
 
@@ -133,6 +142,29 @@ impl<'a> Queued<'a> {
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         self.0.queued.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One request counted under its route's `max_in_flight`, until dropped.
+pub struct RouteSlot(Arc<RouteStats>);
+
+impl RouteSlot {
+    /// A place among the route's `limit` requests in flight; None when they are all taken
+    /// (counted as refused).
+    pub fn take(stats: &Arc<RouteStats>, limit: u32) -> Option<RouteSlot> {
+        let before = stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        if before >= u64::from(limit) {
+            stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            stats.in_flight_refused.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(RouteSlot(stats.clone()))
+    }
+}
+
+impl Drop for RouteSlot {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -76,6 +76,24 @@ pub enum ProxyError {
     /// A body too large for memory could not be held in the spool.
     #[error(transparent)]
     Spool(#[from] SpoolError),
+    /// The route's `rate_limit` refused the request's key.
+    #[error(
+        "route {route} admits {} requests per second per key; the next in {} s",
+        refusal.requests_per_second,
+        refusal.retry_after_s
+    )]
+    RateLimited {
+        route: String,
+        refusal: super::rate_limit::Refusal,
+    },
+    /// The route's `max_in_flight` requests are in flight.
+    #[error("route {route} has its {limit} requests in flight (max_in_flight)")]
+    TooManyRequests {
+        route: String,
+        limit: u32,
+        /// The request has a body, not read: the connection cannot carry another request.
+        with_body: bool,
+    },
 }
 
 impl ProxyError {
@@ -104,7 +122,9 @@ impl ProxyError {
             }
             ProxyError::NoTarget(_)
             | ProxyError::TooManyConnections { .. }
+            | ProxyError::TooManyRequests { .. }
             | ProxyError::UpstreamOverloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::Upstream(failure) => match failure.kind {
                 UpstreamFailureKind::ConnectFailed { .. }
                 | UpstreamFailureKind::TlsFailed { .. }
@@ -142,6 +162,8 @@ impl ProxyError {
             ProxyError::Spool(SpoolError::Io(_)) => "request_spool_failed",
             ProxyError::TooManyConnections { .. } => "too_many_connections",
             ProxyError::UpstreamOverloaded { .. } => "upstream_overloaded",
+            ProxyError::RateLimited { .. } => "rate_limited",
+            ProxyError::TooManyRequests { .. } => "too_many_requests",
             ProxyError::NoTarget(no_target) => no_target.code(),
             ProxyError::Upstream(failure) => failure.code(),
         }
@@ -163,13 +185,14 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::Spool(SpoolError::TooLarge { .. })
             | ProxyError::UpgradeNotSupported { .. }
+            | ProxyError::RateLimited { .. }
             | ProxyError::GrpcTimeout { .. } => Blame::Client,
             ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) | ProxyError::RequestTimeout { .. } => Blame::Upstream,
-            ProxyError::TooManyConnections { .. } | ProxyError::UpstreamOverloaded { .. } => {
-                Blame::Gateway
-            }
+            ProxyError::TooManyConnections { .. }
+            | ProxyError::UpstreamOverloaded { .. }
+            | ProxyError::TooManyRequests { .. } => Blame::Gateway,
         }
     }
 
@@ -192,6 +215,8 @@ impl ProxyError {
             | ProxyError::RequestTimeout { .. } => false,
             // Refused before the body was read: where the next request starts is unknown.
             ProxyError::UpgradeNotSupported { .. } => true,
+            ProxyError::RateLimited { refusal, .. } => refusal.with_body,
+            ProxyError::TooManyRequests { with_body, .. } => *with_body,
             ProxyError::ClientHeaderTimeout { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientBodyTimeout { .. }
@@ -233,7 +258,15 @@ impl ProxyError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        self.add_headers(response.headers_mut());
         response
+    }
+
+    /// Fields an answer carries beside its body: a rate limit's `Retry-After` and quota.
+    fn add_headers(&self, headers: &mut http::HeaderMap) {
+        if let ProxyError::RateLimited { refusal, .. } = self {
+            refusal.add_headers(headers);
+        }
     }
 
     /// The answer for a gRPC request: HTTP 200, trailers-only, the status TRAFFIC.md §2 maps
@@ -245,6 +278,7 @@ impl ProxyError {
             super::grpc::RAAHI_ERROR,
             HeaderValue::from_static(self.code()),
         );
+        self.add_headers(response.headers_mut());
         response
     }
 
@@ -529,6 +563,21 @@ mod tests {
                 route: "api".into(),
                 timeout_ms: 300,
             },
+            ProxyError::RateLimited {
+                route: "api".into(),
+                refusal: super::super::rate_limit::Refusal {
+                    requests_per_second: 5.0,
+                    retry_after_s: 1,
+                    quota: 5,
+                    window_s: 1,
+                    with_body: false,
+                },
+            },
+            ProxyError::TooManyRequests {
+                route: "api".into(),
+                limit: 10,
+                with_body: true,
+            },
         ]);
         errors
     }
@@ -569,6 +618,8 @@ mod tests {
             ProxyError::UpgradeNotSupported { .. } => 27,
             ProxyError::GrpcTimeout { .. } => 28,
             ProxyError::RequestTimeout { .. } => 29,
+            ProxyError::RateLimited { .. } => 30,
+            ProxyError::TooManyRequests { .. } => 31,
         }
     }
 
@@ -577,7 +628,7 @@ mod tests {
         let mut seen: Vec<usize> = one_of_each().iter().map(variant).collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen, (0..=29).collect::<Vec<_>>());
+        assert_eq!(seen, (0..=31).collect::<Vec<_>>());
     }
 
     /// The message of both bodies Raahi writes: a response, and HTTP/1.1 bytes that close.
@@ -617,6 +668,7 @@ mod tests {
                     | ProxyError::Spool(_)
                     | ProxyError::GrpcTimeout { .. }
                     | ProxyError::RequestTimeout { .. }
+                    | ProxyError::TooManyRequests { .. }
             );
             if has_service {
                 assert!(message.contains("service web"), "{message}");
@@ -624,8 +676,9 @@ mod tests {
             checked += 1;
         }
         // Eight upstream kinds, two kinds of no target, two overloads, too many connections,
-        // two 501s, a spool failure, a spent gRPC deadline, a route's request timeout.
-        assert_eq!(checked, 18);
+        // two 501s, a spool failure, a spent gRPC deadline, a route's request timeout, a route's
+        // requests in flight.
+        assert_eq!(checked, 19);
     }
 
     /// `proxy.error_details = "full"`: the log line's story, sources and targets included.

@@ -24,6 +24,7 @@ mod headers;
 mod listen;
 mod plain_target;
 mod pool;
+mod rate_limit;
 mod redirect;
 mod session_cookie;
 mod sni;

@@ -125,7 +125,9 @@ impl RateLimiter {
 
     /// Keys tracked now.
     pub fn keys(&self) -> u64 {
-        self.keys.load(Ordering::Relaxed).min(self.capacity() as u64)
+        self.keys
+            .load(Ordering::Relaxed)
+            .min(self.capacity() as u64)
     }
 
     /// The key of a request: its client's address, a header's value (a request without the
@@ -254,10 +256,12 @@ impl RateLimiter {
     pub fn rate_of_key(&self, key: u64) -> Option<f64> {
         let bucket = &self.buckets[self.bucket_index(key)];
         let way = find(bucket, key)?;
-        Some(match bucket.cells[way].interval_ns.load(Ordering::Relaxed) {
-            0 => self.default_rate(),
-            own => rate_of(own),
-        })
+        Some(
+            match bucket.cells[way].interval_ns.load(Ordering::Relaxed) {
+                0 => self.default_rate(),
+                own => rate_of(own),
+            },
+        )
     }
 
     /// Every tracked key that offered requests since the last call, or runs at a share of its

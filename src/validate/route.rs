@@ -77,6 +77,10 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
         self::cors(cors)?;
     }
     timeouts(&spec.timeouts)?;
+    if let Some(rate_limit) = &mut spec.rate_limit {
+        super::limits::rate_limit(rate_limit)?;
+    }
+    super::limits::max_in_flight(spec.max_in_flight)?;
     Ok(spec)
 }
 

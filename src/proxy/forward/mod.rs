@@ -25,7 +25,7 @@ use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use tokio::time::Instant;
 
-use super::accounting::{Answering, InFlight};
+use super::accounting::{Answering, InFlight, RouteSlot};
 use super::body::{BodyEnd, UpstreamBody, UpstreamResponseBody};
 use super::error::ProxyError;
 use super::failure::Blame;
@@ -264,6 +264,7 @@ fn forward<'a>(
         if let Some(cors) = route.route.cors.as_ref().filter(|_| preflight) {
             return Ok(super::cors::preflight(cors, request.headers()).map(Either::Right));
         }
+        let route_slot = admit(&route, &request, downstream)?;
         if let Some(redirect) = &route.route.redirect {
             route.stats.redirects.fetch_add(1, Ordering::Relaxed);
             let host = rewrite::request_host(&request);
@@ -372,7 +373,7 @@ fn forward<'a>(
         };
         let mut response = respond(
             upstream,
-            in_flight,
+            in_flight.holding(route_slot),
             Answering::new(service, target),
             upgrade.map(|(on_upgrade, _)| on_upgrade),
             downstream,
@@ -402,6 +403,36 @@ fn forward<'a>(
             response.headers_mut(),
         );
         Ok(response)
+    }
+}
+
+/// Holds the request to its route's limits, before its body is read or a target picked: its
+/// key's rate, then its place among the requests in flight.
+fn admit(
+    route: &RouteEntry,
+    request: &Request<Incoming>,
+    downstream: &Downstream,
+) -> Result<Option<RouteSlot>, ProxyError> {
+    let with_body = !http_body::Body::is_end_stream(request.body());
+    if let Some(limiter) = &route.limiter {
+        super::rate_limit::check(
+            route,
+            limiter,
+            request.headers(),
+            downstream.client.ip(),
+            with_body,
+        )?;
+    }
+    let Some(limit) = route.route.max_in_flight else {
+        return Ok(None);
+    };
+    match RouteSlot::take(&route.stats, limit) {
+        Some(slot) => Ok(Some(slot)),
+        None => Err(ProxyError::TooManyRequests {
+            route: route.route.name.clone(),
+            limit,
+            with_body,
+        }),
     }
 }
 

@@ -100,8 +100,14 @@ fn keys_come_from_the_client_a_header_or_the_route() {
     let mapped: std::net::IpAddr = "::ffff:192.0.2.7".parse().unwrap();
     let mut headers = http::HeaderMap::new();
     let by_ip = RateLimiter::new(&limit(1.0, None));
-    assert_eq!(by_ip.key_of(&headers, client), by_ip.key_of(&headers, mapped));
-    assert_ne!(by_ip.key_of(&headers, client), by_ip.key_of(&headers, other));
+    assert_eq!(
+        by_ip.key_of(&headers, client),
+        by_ip.key_of(&headers, mapped)
+    );
+    assert_ne!(
+        by_ip.key_of(&headers, client),
+        by_ip.key_of(&headers, other)
+    );
 
     let by_header = RateLimiter::new(&RateLimit {
         key: RateLimitKey::Header("X-Api-Key".to_owned()),
