@@ -38,6 +38,7 @@ mod kubernetes_fake;
 mod layering;
 mod operability;
 mod proxy;
+mod rate_limit;
 mod registration;
 mod request_spool;
 mod route_rules;
