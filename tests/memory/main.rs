@@ -14,6 +14,7 @@ mod common;
 mod events;
 mod hashing;
 mod proxy;
+mod rate_limit;
 mod stream_routes;
 
 use std::sync::atomic::{AtomicU64, Ordering};
