@@ -16,6 +16,7 @@
 #   RAAHI_LOG=warn   RUST_LOG for raahi (info writes the access log)
 #   WORKERS=1        TOKIO_WORKER_THREADS
 #   EVENT_CLIENTS=0  event-stream clients (curl -N on /api/v1/events) connected while measuring
+#   ROUTE_EXTRA=...  more fields of the route, as JSON members: '"max_in_flight":1000'
 #   RAAHI_BIN=...    use this raahi binary instead of building target/release/raahi
 #   OUT=DIR          keep the callgrind output and annotations in DIR (default: a temporary dir,
 #                    removed at the end)
@@ -135,7 +136,7 @@ service_id=$(admin_post /api/v1/services '{"name":"bench"}' | grep -o '"id": *[0
 for p in "${UPSTREAM_PORTS[@]}"; do
     admin_post "/api/v1/services/$service_id/targets" "{\"host\":\"127.0.0.1\",\"port\":$p}" >/dev/null
 done
-admin_post /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id}" >/dev/null
+admin_post /api/v1/routes "{\"name\":\"all\",\"service_id\":$service_id${ROUTE_EXTRA:+,$ROUTE_EXTRA}}" >/dev/null
 wait_200 "http://127.0.0.1:$port/" 60
 
 for ((i = 0; i < EVENT_CLIENTS; i++)); do

@@ -412,6 +412,8 @@ path_prefix = "/api"
 backends = [{{ service = "stable", weight = 3 }}, {{ service = "canary", weight = 1, subset = {{ tag = "v2" }} }}]
 mirror = {{ service = "canary", percent = 50 }}
 request_headers = {{ set = {{ "x-client" = "${{client_ip}}" }} }}
+rate_limit = {{ requests_per_second = 1000, key = {{ header = "X-Api-Key" }}, scope = "cluster" }}
+max_in_flight = 50
 
 [[routes]]
 name = "old"
@@ -427,6 +429,9 @@ redirect = {{ path = "/api", status = 308 }}
     assert_eq!(split["backends"][0]["weight"], 3, "{split}");
     assert_eq!(split["backends"][1]["subset"]["tag"], "v2", "{split}");
     assert_eq!(split["mirror"]["percent"], 50, "{split}");
+    assert_eq!(split["rate_limit"]["key"]["header"], "x-api-key", "{split}");
+    assert_eq!(split["rate_limit"]["scope"], "cluster", "{split}");
+    assert_eq!(split["max_in_flight"], 50, "{split}");
     assert_eq!(routes["items"][1]["redirect"]["status"], 308);
     for _ in 0..8 {
         assert_eq!(gateway.get("/api/x").await.status(), 200);
