@@ -1,5 +1,6 @@
 //! The event log: every change the control task makes or sees (a target's state, health or
-//! ejection; a source's lifecycle or guard; a configuration write), numbered in order, kept in a
+//! ejection; a source's lifecycle or guard; a configuration write; a route's limit tripping or
+//! clearing), numbered in order, kept in a
 //! bounded ring and broadcast to the event stream's clients, plus each target's recent
 //! transitions for `/targets/{id}/history`.
 //!
@@ -60,6 +61,7 @@ pub enum EventBody {
     Target(TargetEvent),
     Source(SourceEvent),
     Config(ConfigEvent),
+    Route(RouteEvent),
 }
 
 impl EventBody {
@@ -69,6 +71,7 @@ impl EventBody {
             EventBody::Target(_) => "target",
             EventBody::Source(_) => "source",
             EventBody::Config(_) => "config",
+            EventBody::Route(_) => "route",
         }
     }
 }
@@ -138,6 +141,50 @@ pub struct SourceEvent {
     pub to: Option<String>,
     pub reason: String,
     pub status: SourceStatus,
+}
+
+/// What happened on a route's request path, as the control task saw it in its counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteChangeKind {
+    /// One of its limits started refusing requests.
+    Tripped,
+    /// That limit has refused none for 10 s, or is gone (with its route).
+    Cleared,
+}
+
+/// A route's limit that refuses requests on this gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteLimit {
+    /// `rate_limit`: 429 `rate_limited`.
+    RateLimit,
+    /// `max_in_flight`: 503 `too_many_requests`.
+    MaxInFlight,
+}
+
+impl RouteLimit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteLimit::RateLimit => "rate_limit",
+            RouteLimit::MaxInFlight => "max_in_flight",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RouteEvent {
+    pub route_id: Id,
+    pub name: String,
+    pub change: RouteChangeKind,
+    pub limit: RouteLimit,
+    /// Requests the limit refused since the control task's previous look (about 250 ms).
+    pub refused: u64,
+    /// Requests the limit refused on this gateway since it started.
+    pub refused_total: u64,
+    /// Why, in a sentence ("12 requests refused in 250 ms: over 5 requests per second per
+    /// client IP, burst 5").
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]

@@ -7,6 +7,8 @@
 // applied as an upsert of full objects, so applying one twice is harmless. Routes are not in the
 // stream's snapshot and their events carry no object: the list is read from the API when a page
 // that shows routes opens, and again whenever a route event (or a fresh snapshot) arrives.
+// A route's limits live on its own read (`routes/{id}/rate-limit`), refreshed with the routes,
+// with a service page's runtime and whenever the stream says a limit tripped or cleared.
 
 const API = new URL('../api/v1/', document.baseURI);
 const TOKEN_KEY = 'raahi.token';
@@ -28,6 +30,10 @@ const state = {
   sources: new Map(),
   routes: emptyRoutes(), // HTTP routes, read from the API (not part of the event stream)
   revealRoute: null, // a route id to scroll into view once its row is drawn
+  // Route id -> {view (what the gateway counts), refusing: {rate_limit, max_in_flight}}.
+  limits: new Map(),
+  limitsApi: true, // false once `routes/{id}/rate-limit` answered 404: read /metrics instead
+  limitsLoad: { running: false, again: false, at: 0 },
   loaded: false, // a snapshot has arrived
   lastId: null,
   stream: { state: 'idle', detail: '', retryAt: 0 },
@@ -406,6 +412,7 @@ function onStreamEvent(event) {
     case 'target': applyTarget(payload); break;
     case 'source': applySource(payload); break;
     case 'config': applyConfig(payload); break;
+    case 'route': applyRoute(payload); break;
     default: return;
   }
   scheduleRender();
@@ -420,7 +427,10 @@ function applySnapshot(snapshot) {
   const open = state.openTarget;
   state.history.clear();
   if (open !== null) loadHistory(open);
-  // Route events may have been missed too.
+  // Route events may have been missed too (limits tripping or clearing among them), and the
+  // gateway may be another version.
+  for (const entry of state.limits.values()) entry.refusing = {};
+  state.limitsApi = true;
   if (routesShown()) loadRoutes();
 }
 
@@ -500,6 +510,26 @@ function applyConfig(event) {
     reason: '',
     tone: event.change === 'deleted' ? 'muted' : 'info',
   });
+}
+
+/** A route's limit tripped (started refusing) or cleared (refused none for 10 s). */
+function applyRoute(event) {
+  const entry = limitEntry(event.route_id);
+  const tripped = event.change === 'tripped';
+  entry.refusing = { ...entry.refusing, [event.limit]: tripped };
+  // The count the event carries is news until the next read.
+  const field = event.limit === 'rate_limit' ? 'rate_limited_total' : 'in_flight_refused';
+  entry.view = { ...(entry.view ?? {}), [field]: Math.max(entry.view?.[field] ?? 0, event.refused_total ?? 0) };
+  remember({
+    id: event.id,
+    at: event.at,
+    kind: 'route',
+    service_id: event.service_id,
+    what: `route ${event.name} ${event.limit} ${tripped ? 'refusing' : 'cleared'}`,
+    reason: event.reason,
+    tone: tripped ? 'bad' : 'good',
+  });
+  if (routesShown()) loadLimits();
 }
 
 function changeText(event) {
@@ -614,6 +644,7 @@ async function loadRoutes() {
         routes.error = '';
       }
     } while (routes.again);
+    loadLimits();
   } catch (error) {
     if (error instanceof SignedOut || generation !== state.generation) return;
     routes.error = `Cannot reach the gateway: ${error.message}`;
@@ -628,6 +659,234 @@ async function loadRoutes() {
 /** Reads the routes when the page opened shows them. */
 function syncRoutes() {
   if (routesShown()) loadRoutes();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Route limits (TRAFFIC.md §6): a rate limit and max_in_flight, with their refusals
+// ---------------------------------------------------------------------------------------------
+
+function hasLimits(route) {
+  return Boolean(route.rate_limit) || (route.max_in_flight !== null && route.max_in_flight !== undefined);
+}
+
+/** Whether `route` sends requests to service `id`, as a backend or a mirror. */
+function sendsTo(route, id) {
+  return (route.backends ?? []).some((b) => b.service_id === id)
+    || Boolean(route.mirror && route.mirror.service_id === id);
+}
+
+/** The routes with a limit on the page now: every one on the routes page, a service's own. */
+function limitedRoutesShown() {
+  if (!state.session || !state.routes.loaded) return [];
+  const page = currentRoute();
+  if (page.name === 'routes') return state.routes.items.filter(hasLimits);
+  if (page.name === 'service') {
+    return state.routes.items.filter((r) => hasLimits(r) && sendsTo(r, page.service));
+  }
+  return [];
+}
+
+function limitEntry(id) {
+  let entry = state.limits.get(id);
+  if (!entry) {
+    entry = { view: null, refusing: {}, from: '', error: '' };
+    state.limits.set(id, entry);
+  }
+  return entry;
+}
+
+/**
+ * Reads what the gateway counts for each limited route on the page. Calls made while a read
+ * is under way are folded into one more read after it. A gateway without the rate-limit
+ * endpoint (404) is read through /metrics instead, which has the same counters.
+ */
+async function loadLimits() {
+  const load = state.limitsLoad;
+  if (load.running) {
+    load.again = true;
+    return;
+  }
+  load.running = true;
+  const generation = state.generation;
+  try {
+    do {
+      load.again = false;
+      load.at = Date.now();
+      const fromMetrics = [];
+      for (const route of limitedRoutesShown()) {
+        if (!state.limitsApi) {
+          fromMetrics.push(route);
+          continue;
+        }
+        const answer = await api('GET', `routes/${route.id}/rate-limit`);
+        if (generation !== state.generation) return;
+        const entry = limitEntry(route.id);
+        if (answer.ok && answer.data && typeof answer.data === 'object') {
+          entry.view = answer.data;
+          entry.from = 'api';
+          entry.error = '';
+        } else if (answer.status === 404 && endpointMissing(answer.data)) {
+          state.limitsApi = false;
+          fromMetrics.push(route);
+        } else if (answer.status === 404) {
+          // The route is gone; the route event on its way reads the list again.
+          entry.error = '';
+        } else {
+          entry.error = `Cannot read its limits: ${errorMessage(answer.status, answer.data)}`;
+        }
+      }
+      if (fromMetrics.length) await limitsFromMetrics(fromMetrics, generation);
+      if (generation !== state.generation) return;
+      scheduleRender();
+    } while (load.again);
+  } catch (error) {
+    if (error instanceof SignedOut || generation !== state.generation) return;
+  } finally {
+    if (generation === state.generation) load.running = false;
+  }
+}
+
+/** Whether a 404 is the admin API's own "no such resource" (a gateway without the endpoint). */
+function endpointMissing(data) {
+  const message = data && typeof data === 'object' ? data.error?.message ?? '' : '';
+  return message.startsWith('no such admin resource');
+}
+
+/** A label value as the Prometheus text format writes it. */
+function metricLabel(value) {
+  return String(value).replace(/\\/g, '\\\\').replace(/"/g, '\\"').replace(/\n/g, '\\n');
+}
+
+/** Each series of a Prometheus text (`name{labels}` → value). */
+function parseMetrics(text) {
+  const series = new Map();
+  for (const line of text.split('\n')) {
+    if (!line || line.startsWith('#')) continue;
+    const space = line.lastIndexOf(' ');
+    if (space > 0) series.set(line.slice(0, space), Number(line.slice(space + 1)));
+  }
+  return series;
+}
+
+async function limitsFromMetrics(routes, generation) {
+  let text;
+  try {
+    const response = await fetch(new URL('../../metrics', API), { cache: 'no-store' });
+    if (!response.ok) return;
+    text = await response.text();
+  } catch {
+    return;
+  }
+  if (generation !== state.generation) return;
+  const series = parseMetrics(text);
+  for (const route of routes) {
+    const label = `{route="${metricLabel(route.name)}"}`;
+    const read = (name) => series.get(`${name}${label}`) ?? null;
+    const entry = limitEntry(route.id);
+    entry.view = {
+      route_id: route.id,
+      route: route.name,
+      keys: read('raahi_rate_limit_keys'),
+      rate_limited_total: read('raahi_rate_limited_total'),
+      max_in_flight: route.max_in_flight ?? null,
+      in_flight: read('raahi_route_in_flight'),
+      in_flight_refused: read('raahi_route_in_flight_refused_total'),
+      cluster: null,
+    };
+    entry.from = 'metrics';
+    entry.error = '';
+  }
+}
+
+/** Refreshes the limits on the page while one of them refuses (no event says how many). */
+function pollRefusingLimits(now) {
+  if (state.stream.state !== 'live' || now - state.limitsLoad.at < RUNTIME_POLL_MS) return;
+  if (limitedRoutesShown().some((r) => Object.values(state.limits.get(r.id)?.refusing ?? {})
+    .some(Boolean))) {
+    loadLimits();
+  }
+}
+
+/** `5/s`, `0.5/s`, `1.667/s`. */
+function rateText(perSecond) {
+  return `${Math.round(Number(perSecond) * 1000) / 1000}/s`;
+}
+
+function rateKeyText(key) {
+  if (!key || key === 'client_ip') return 'per client IP';
+  if (key === 'route') return 'for the whole route';
+  if (key.header) return `per header ${key.header}`;
+  return String(key);
+}
+
+// A rate limit as TRAFFIC.md §6 words it: "5/s per client IP, burst 10, shared by the cluster".
+function rateLimitText(limit) {
+  const burst = limit.burst ?? Math.max(1, Math.ceil(Number(limit.requests_per_second)));
+  const scope = limit.scope === 'cluster' ? ', shared by the cluster' : '';
+  return `${rateText(limit.requests_per_second)} ${rateKeyText(limit.key)}, burst ${burst}${scope}`;
+}
+
+function inFlightText(route) {
+  return `at most ${route.max_in_flight} in flight`;
+}
+
+function countText(value) {
+  return value === null || value === undefined ? '—' : String(value);
+}
+
+/** One limit: what it allows, whether it refuses now, and what it refused. */
+function limitLine(route, limit, text, refused, extra) {
+  const entry = state.limits.get(route.id);
+  const refusing = Boolean(entry?.refusing?.[limit]);
+  return h('li', { class: 'limit', 'data-key': `limit-${limit}`, 'data-limit': limit,
+    'data-refusing': String(refusing) },
+  h('span', { class: 'limit-head' },
+    badge(refusing ? 'refusing' : 'limit', limit === 'rate_limit' ? 'rate' : 'in flight',
+      { title: refusing ? 'Refusing requests now' : null }),
+    ' ', h('span', { 'data-testid': `route-${limit.replace(/_/g, '-')}-${route.id}` }, text)),
+  h('span', { class: 'muted small limit-counts' }, 'refused ',
+    h('span', { class: 'count', 'data-testid': `route-${limit.replace(/_/g, '-')}-refused-${route.id}` },
+      countText(refused)),
+    extra));
+}
+
+/** A cluster-wide rate limit: this gateway's default share and the hot keys' shares. */
+function clusterLines(cluster) {
+  const synced = cluster.synced_at ? ['synced ', relTime(cluster.synced_at)] : 'not synced yet';
+  const hot = cluster.hot_keys ?? [];
+  return h('div', { class: 'limit-cluster small', 'data-testid': 'limit-cluster' },
+    h('div', null, `${plural(cluster.instances ?? 1, 'gateway')} · this one's default share `,
+      rateText(cluster.default_share_per_second ?? 0), ' · ', synced),
+    cluster.last_error ? h('div', { class: 'warn-text' }, `Last sync failed: ${cluster.last_error}`) : null,
+    hot.length ? h('ul', { class: 'hot-keys' }, hot.map((k, i) => h('li', { 'data-key': `hot-${i}` },
+      h('code', null, k.key), ` wants ${rateText(k.demand_per_second)}, gets ${rateText(k.share_per_second)} here`,
+      (k.gateways ?? []).length ? h('div', { class: 'muted' }, 'demand by gateway: ', k.gateways.map((g, j) =>
+        [j ? ', ' : '', g.instance_id, g.instance_id === cluster.instance_id ? ' (this one)' : '',
+          ' ', rateText(g.demand_per_second)])) : null))) : null);
+}
+
+/** A route's limits with their refusals on this gateway (the routes page's Limits column). */
+function routeLimits(route) {
+  if (!hasLimits(route)) return h('span', { class: 'muted' }, 'none');
+  const entry = state.limits.get(route.id);
+  const view = entry?.view ?? {};
+  const lines = [];
+  if (route.rate_limit) {
+    const keys = view.keys !== null && view.keys !== undefined
+      ? ` · ${plural(view.keys, 'key')}${view.capacity ? ` of ${view.capacity}` : ''}` : '';
+    lines.push(limitLine(route, 'rate_limit', rateLimitText(route.rate_limit),
+      view.rate_limited_total, [' (429)', keys]));
+  }
+  if (route.max_in_flight !== null && route.max_in_flight !== undefined) {
+    const now = view.in_flight !== null && view.in_flight !== undefined ? ` · ${view.in_flight} now` : '';
+    lines.push(limitLine(route, 'max_in_flight', inFlightText(route), view.in_flight_refused,
+      [' (503)', now]));
+  }
+  return h('div', { class: 'limits', 'data-testid': `route-limits-${route.id}`,
+    'data-from': entry?.from ?? '' },
+  h('ul', { class: 'limit-list' }, lines),
+  route.rate_limit && view.cluster ? clusterLines(view.cluster) : null,
+  entry?.error ? h('p', { class: 'action-error', role: 'alert' }, entry.error) : null);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -658,6 +917,7 @@ async function pollRuntime(id) {
     return;
   }
   if (!answer.ok || pollService !== id) return;
+  loadLimits();
   let changed = false;
   const service = state.services.get(id);
   if (service && service.panic_picks !== answer.data.panic_picks) {
@@ -707,6 +967,9 @@ function enter(token, session) {
   state.errors.clear();
   state.openTarget = null;
   state.routes = emptyRoutes();
+  state.limits = new Map();
+  state.limitsApi = true;
+  state.limitsLoad = { running: false, again: false, at: 0 };
   state.revealRoute = currentRoute().routeId;
   renderHeader();
   render();
@@ -1395,7 +1658,8 @@ function routeRow(route, picked) {
   h('td', null, routeConditions(route)),
   h('td', null, routeBackends(route)),
   h('td', null, filters.length ? h('div', { class: 'filters' }, filters)
-    : h('span', { class: 'muted' }, 'none')));
+    : h('span', { class: 'muted' }, 'none')),
+  h('td', null, routeLimits(route)));
 }
 
 function routesPage(picked) {
@@ -1415,13 +1679,14 @@ function routesPage(picked) {
     body = h('div', { class: 'table-wrap', 'data-scroll': 'routes' },
       h('table', { class: 'grid routes', 'data-testid': 'routes-table' },
         h('caption', { class: 'sr-only' },
-          'HTTP routes by name: what each matches, its conditions, where it sends and its filters.'),
+          'HTTP routes by name: what each matches, its conditions, where it sends, its filters and its limits.'),
         h('thead', null, h('tr', null,
           h('th', { scope: 'col' }, 'Route'),
           h('th', { scope: 'col' }, 'Match'),
           h('th', { scope: 'col' }, 'Conditions'),
           h('th', { scope: 'col' }, 'Backends'),
-          h('th', { scope: 'col' }, 'Filters'))),
+          h('th', { scope: 'col' }, 'Filters'),
+          h('th', { scope: 'col' }, 'Limits'))),
         h('tbody', null, routes.map((r) => routeRow(r, r.id === picked)))));
   }
   return h('div', { class: 'page', 'data-testid': 'routes-page', 'data-key': 'routes',
@@ -1455,8 +1720,7 @@ function serviceRoles(route, id) {
 /** The routes that send to service `id`, as a backend or a mirror. */
 function serviceRoutesSection(id) {
   const list = state.routes;
-  const routes = list.items.filter((r) => (r.backends ?? []).some((b) => b.service_id === id)
-    || (r.mirror && r.mirror.service_id === id)).sort(byName);
+  const routes = list.items.filter((r) => sendsTo(r, id)).sort(byName);
   let body;
   if (!list.loaded) body = list.error ? null : h('p', { class: 'muted small' }, 'Loading…');
   else if (routes.length === 0) body = h('p', { class: 'muted' }, 'No route sends requests here.');
@@ -1470,7 +1734,8 @@ function serviceRoutesSection(id) {
         'data-testid': `service-route-link-${route.id}` }, route.name),
       serviceRoles(route, id).map((role) => [' ', role]),
       h('span', { class: 'muted small route-where' },
-        `${hosts.length ? hosts.join(', ') : 'any host'} · ${form} `, h('code', null, path)));
+        `${hosts.length ? hosts.join(', ') : 'any host'} · ${form} `, h('code', null, path)),
+      hasLimits(route) ? routeLimits(route) : null);
     }));
   }
   return h('section', { class: 'panel', 'aria-labelledby': 'service-routes-title',
@@ -1780,6 +2045,7 @@ function kv(label, value) {
 
 function tick() {
   const now = Date.now();
+  if (state.session) pollRefusingLimits(now);
   for (const el of document.querySelectorAll('time[data-rel]')) {
     el.textContent = relativeText(el.getAttribute('datetime'), now);
   }

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -205,9 +205,23 @@ struct RouteSample {
     mirrored: u64,
     mirror_dropped: u64,
     has_mirror: bool,
+    /// For routes with a `rate_limit`.
+    rate_limit: Option<RateLimitSample>,
+    /// For routes with `max_in_flight`: (in flight now, refused past it).
+    in_flight: Option<(u64, u64)>,
     responses: [u64; 5],
     buckets: Vec<(f64, u64)>,
     latency_sum: f64,
+}
+
+/// A route's rate limit on this gateway.
+#[derive(Debug)]
+struct RateLimitSample {
+    /// Requests refused (429 `rate_limited`).
+    limited: u64,
+    keys: u64,
+    /// Requests per second a key without a share of its own runs at here.
+    default_rate: f64,
 }
 
 #[derive(Debug)]
@@ -420,6 +434,17 @@ async fn gather(state: &AdminState) -> Scrape {
                 .dropped
                 .load(std::sync::atomic::Ordering::Relaxed),
             has_mirror: route.mirror.is_some(),
+            rate_limit: route.limiter.as_ref().map(|limiter| RateLimitSample {
+                limited: route.stats.rate_limited.load(Ordering::Relaxed),
+                keys: limiter.keys(),
+                default_rate: limiter.default_rate(),
+            }),
+            in_flight: route.route.max_in_flight.map(|_| {
+                (
+                    route.stats.in_flight.load(Ordering::Relaxed),
+                    route.stats.in_flight_refused.load(Ordering::Relaxed),
+                )
+            }),
             labels: vec![
                 (
                     "service",
@@ -550,11 +575,11 @@ fn counter(
     Ok(())
 }
 
-fn gauge(
+fn gauge<N: EncodeGaugeValue>(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
     help: &str,
-    samples: impl IntoIterator<Item = (Labels, i64)>,
+    samples: impl IntoIterator<Item = (Labels, N)>,
 ) -> Result<(), std::fmt::Error> {
     let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, value) in samples {
@@ -791,6 +816,51 @@ impl Collector for Scrape {
                 .filter(|route| route.has_mirror)
                 .map(|route| (vec![("route", route.name.clone())], route.mirror_dropped)),
         )?;
+        let rate_limits = || {
+            self.routes.iter().filter_map(|route| {
+                let sample = route.rate_limit.as_ref()?;
+                Some((vec![("route", route.name.clone())], sample))
+            })
+        };
+        counter(
+            &mut encoder,
+            "raahi_rate_limited",
+            "Requests a route's rate_limit refused (429 rate_limited) on this gateway.",
+            rate_limits().map(|(labels, sample)| (labels, sample.limited)),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_rate_limit_keys",
+            "Keys a route's rate_limit tracks now (at most its max_keys, rounded up to a whole \
+             bucket).",
+            rate_limits()
+                .map(|(labels, sample)| (labels, i64::try_from(sample.keys).unwrap_or(i64::MAX))),
+        )?;
+        gauge(
+            &mut encoder,
+            "raahi_rate_limit_rate",
+            "Requests per second a key without a share of its own may send through this \
+             gateway: the route's rate, or under scope cluster this gateway's default share.",
+            rate_limits().map(|(labels, sample)| (labels, sample.default_rate)),
+        )?;
+        let in_flight = || {
+            self.routes.iter().filter_map(|route| {
+                let (now, refused) = route.in_flight?;
+                Some((vec![("route", route.name.clone())], now, refused))
+            })
+        };
+        gauge(
+            &mut encoder,
+            "raahi_route_in_flight",
+            "Requests of a route with max_in_flight in flight now on this gateway.",
+            in_flight().map(|(labels, now, _)| (labels, i64::try_from(now).unwrap_or(i64::MAX))),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_route_in_flight_refused",
+            "Requests a route refused past its max_in_flight (503 too_many_requests).",
+            in_flight().map(|(labels, _, refused)| (labels, refused)),
+        )?;
         {
             let mut metric = encoder.encode_descriptor(
                 "raahi_request_duration_seconds",
@@ -981,5 +1051,86 @@ impl Collector for Scrape {
                 .encode(metric.encode_family(&source.labels)?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(name: &str) -> RouteSample {
+        RouteSample {
+            labels: vec![("route", name.to_owned())],
+            name: name.to_owned(),
+            backends: Vec::new(),
+            redirects: 0,
+            mirrored: 0,
+            mirror_dropped: 0,
+            has_mirror: false,
+            rate_limit: None,
+            in_flight: None,
+            responses: [0; 5],
+            buckets: Vec::new(),
+            latency_sum: 0.0,
+        }
+    }
+
+    async fn text(scrape: Scrape) -> String {
+        let response = encode(scrape);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn route_limits_have_series_only_where_a_route_has_them() {
+        let mut limited = route("limited");
+        limited.rate_limit = Some(RateLimitSample {
+            limited: 7,
+            keys: 3,
+            default_rate: 2.5,
+        });
+        let mut held = route("held");
+        held.in_flight = Some((4, 9));
+        let text = text(Scrape {
+            routes: vec![limited, held, route("plain")],
+            ..Scrape::default()
+        })
+        .await;
+        for line in [
+            "raahi_rate_limited_total{route=\"limited\"} 7",
+            "raahi_rate_limit_keys{route=\"limited\"} 3",
+            "raahi_rate_limit_rate{route=\"limited\"} 2.5",
+            "raahi_route_in_flight{route=\"held\"} 4",
+            "raahi_route_in_flight_refused_total{route=\"held\"} 9",
+            "# TYPE raahi_rate_limited counter",
+            "# TYPE raahi_rate_limit_rate gauge",
+            "# TYPE raahi_route_in_flight gauge",
+            "# TYPE raahi_route_in_flight_refused counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let limit_series = [
+            "raahi_rate_limited_total",
+            "raahi_rate_limit_keys",
+            "raahi_rate_limit_rate",
+            "raahi_route_in_flight",
+            "raahi_route_in_flight_refused_total",
+        ];
+        let shown: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                limit_series.iter().any(|series| {
+                    line.strip_prefix(series)
+                        .is_some_and(|l| l.starts_with('{'))
+                })
+            })
+            .collect();
+        assert_eq!(
+            shown.len(),
+            5,
+            "no series for routes without the limit: {shown:?}"
+        );
     }
 }

@@ -521,7 +521,10 @@ impl ControlTask {
                     MovedSources::None
                 }
                 _ = runtime_watch.tick() => {
-                    self.observer.report_runtime(&self.snapshots.load());
+                    let snapshot = self.snapshots.load();
+                    self.observer.report_runtime(&snapshot);
+                    // Only on the tick: its spacing is what "refused in the last look" means.
+                    self.observer.report_limits(&snapshot, tokio::time::Instant::now());
                     self.trim_change_log_when_due().await;
                     MovedSources::None
                 }

@@ -167,3 +167,34 @@ fn config_and_source_events_are_named_by_kind() {
     assert!(text.starts_with(&format!("id: {}\nevent: config\ndata: {{", base + 1)));
     assert!(text.contains(r#""kind":"route""#) && text.contains(r#""change":"deleted""#));
 }
+
+#[test]
+fn a_route_event_names_its_limit_and_refusals() {
+    let log = log(10, 10);
+    let base = log.last_id();
+    log.record(
+        Some(3),
+        EventBody::Route(RouteEvent {
+            route_id: 4,
+            name: "api".into(),
+            change: RouteChangeKind::Tripped,
+            limit: RouteLimit::MaxInFlight,
+            refused: 2,
+            refused_total: 9,
+            reason: "2 requests refused".into(),
+        }),
+    );
+    let event = &log.subscribe(Some(base)).backlog.unwrap()[0];
+    let text = std::str::from_utf8(&event.frame).unwrap();
+    assert!(text.starts_with(&format!("id: {}\nevent: route\ndata: {{", base + 1)));
+    let data: serde_json::Value =
+        serde_json::from_str(text.lines().nth(2).unwrap().strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(data["service_id"], 3);
+    assert_eq!(data["route_id"], 4);
+    assert_eq!(data["change"], "tripped");
+    assert_eq!(data["limit"], "max_in_flight");
+    assert_eq!(
+        (&data["refused"], &data["refused_total"]),
+        (&2.into(), &9.into())
+    );
+}

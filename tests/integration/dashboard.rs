@@ -3,7 +3,8 @@
 //! disabled through the API, a health check that starts failing and its history), admin buttons
 //! for admins only, a 401 that returns to the sign-in form, and the stream status while the
 //! gateway is down and after it is back, and the routes page (rules, shares, filters) with the
-//! routes a service page lists, both following route changes live. Screenshots go to
+//! routes a service page lists, both following route changes live, and a route's limits with
+//! the refusals real requests met. Screenshots go to
 //! `<target>/dashboard-artifacts/`.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
@@ -1486,5 +1487,133 @@ async fn the_routes_page_shows_route_rules_and_follows_changes_live() {
         json!([]),
         "the page broke its own Content-Security-Policy"
     );
+    browser.close().await;
+}
+
+/// A route's limits on the routes page and on its service's page: its rate limit (rate,
+/// burst, key, scope) and max_in_flight. Once real requests are refused, the refusal count
+/// shows without a reload, the limit reads as refusing and the activity says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_route_shows_its_limit_and_refusals() {
+    let gateway = TestGateway::start().await;
+    let upstream = common::Upstream::start("u1").await;
+    let web = gateway
+        .service_with_targets("web", &[common::target(&upstream, 1, 0)])
+        .await;
+    // One request every 10 s after a burst of 2: the 3 after the burst are refused however
+    // slowly they are sent.
+    let limited = gateway
+        .create(
+            "/api/v1/routes",
+            json!({
+                "name": "api",
+                "hosts": ["api.test"],
+                "service_id": web,
+                "rate_limit": {"requests_per_second": 0.1, "burst": 2, "key": {"header": "x-user"}},
+                "max_in_flight": 7,
+            }),
+        )
+        .await;
+    let plain = gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "plain", "hosts": ["plain.test"], "service_id": web}),
+        )
+        .await;
+
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .eval("location.hash = '#/routes'; return true;")
+        .await;
+    let limits_script = |refused: &str| {
+        format!(
+            "const box = document.querySelector('[data-testid=\"route-limits-{limited}\"]'); \
+             if (!box) return null; \
+             const text = (id) => {{ const el = box.querySelector(`[data-testid=\"${{id}}\"]`); \
+               return el ? el.textContent.replace(/\\s+/g, ' ').trim() : null; }}; \
+             const shown = {{ rate: text('route-rate-limit-{limited}'), \
+               in_flight: text('route-max-in-flight-{limited}'), \
+               refused: text('route-rate-limit-refused-{limited}'), \
+               in_flight_refused: text('route-max-in-flight-refused-{limited}'), \
+               refusing: box.querySelector('[data-limit=\"rate_limit\"]') \
+                 .getAttribute('data-refusing') }}; \
+             return shown.refused === {refused:?} ? shown : null;"
+        )
+    };
+    let shown = browser
+        .wait_for(
+            "the route's limits with nothing refused",
+            WAIT,
+            &limits_script("0"),
+        )
+        .await;
+    assert_eq!(shown["rate"], "0.1/s per header x-user, burst 2", "{shown}");
+    assert_eq!(shown["in_flight"], "at most 7 in flight", "{shown}");
+    assert_eq!(shown["in_flight_refused"], "0", "{shown}");
+    assert_eq!(shown["refusing"], "false", "{shown}");
+    let plain_limits = browser
+        .eval(&format!(
+            "const row = document.querySelector('[data-testid=\"route-row-{plain}\"]'); \
+             const cells = row.querySelectorAll('td'); \
+             return cells[cells.length - 1].textContent.trim();"
+        ))
+        .await;
+    assert_eq!(plain_limits, "none");
+
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let response = gateway
+            .http
+            .get(gateway.proxy_url("/ok"))
+            .header("host", "api.test")
+            .header("x-user", "alice")
+            .send()
+            .await
+            .unwrap();
+        statuses.push(response.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429, 429]);
+    let shown = browser
+        .wait_for("the refusals, live", WAIT, &limits_script("3"))
+        .await;
+    assert_eq!(shown["refusing"], "true", "the limit tripped: {shown}");
+    assert_eq!(shown["in_flight_refused"], "0", "{shown}");
+    browser
+        .wait_for(
+            "the limit tripping in the activity",
+            WAIT,
+            "return [...document.querySelectorAll('[data-testid=\"activity\"] li')] \
+               .some(li => li.textContent.includes('route api rate_limit refusing'));",
+        )
+        .await;
+    browser.screenshot("route-limits").await;
+
+    // The service's page lists the route with its limits and refusals.
+    browser
+        .eval(&format!("location.hash = '#/services/{web}'; return true;"))
+        .await;
+    let listed = browser
+        .wait_for(
+            "the route's limits on its service's page",
+            WAIT,
+            &format!(
+                "const li = document.querySelector('[data-testid=\"service-route-{limited}\"]'); \
+                 const refused = li && li.querySelector( \
+                   '[data-testid=\"route-rate-limit-refused-{limited}\"]'); \
+                 return refused && refused.textContent === '3' \
+                   ? li.textContent.replace(/\\s+/g, ' ').trim() : null;"
+            ),
+        )
+        .await;
+    let listed = listed.as_str().unwrap();
+    for needle in [
+        "0.1/s per header x-user, burst 2",
+        "at most 7 in flight",
+        "refused 3 (429)",
+    ] {
+        assert!(listed.contains(needle), "{needle:?} in {listed:?}");
+    }
+    browser.screenshot("service-route-limits").await;
     browser.close().await;
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use common::registry::Registry;
 use common::{
-    heavy_discovered_service, stuck_event_client, ApiError, TestGateway, Upstream, ADMIN_TOKEN,
+    heavy_discovered_service, stuck_event_client, wait_until, ApiError, TestGateway, Upstream,
+    ADMIN_TOKEN,
 };
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -54,7 +55,12 @@ impl Stream {
 
     /// The next event (comments skipped); None when the stream ended.
     async fn next(&mut self) -> Option<Sse> {
-        let deadline = Instant::now() + WAIT;
+        self.next_within(WAIT).await
+    }
+
+    /// The next event, failing after `wait`.
+    async fn next_within(&mut self, wait: Duration) -> Option<Sse> {
+        let deadline = Instant::now() + wait;
         loop {
             if let Some(end) = self.buffer.find("\n\n") {
                 let frame: String = self.buffer.drain(..end + 2).collect();
@@ -65,7 +71,7 @@ impl Stream {
             }
             let chunk = tokio::time::timeout_at(deadline, self.response.chunk())
                 .await
-                .expect("an event within 10 s")
+                .unwrap_or_else(|_| panic!("an event within {wait:?}"))
                 .expect("the stream reads");
             self.buffer
                 .push_str(std::str::from_utf8(&chunk?).expect("UTF-8 events"));
@@ -74,11 +80,21 @@ impl Stream {
 
     /// Events until one matches (returns it), failing after 10 s.
     async fn until(&mut self, what: &str, matches: impl Fn(&Sse) -> bool) -> Sse {
-        let deadline = Instant::now() + WAIT;
+        self.until_within(what, WAIT, matches).await
+    }
+
+    /// Events until one matches (returns it), failing after `wait`.
+    async fn until_within(
+        &mut self,
+        what: &str,
+        wait: Duration,
+        matches: impl Fn(&Sse) -> bool,
+    ) -> Sse {
+        let deadline = Instant::now() + wait;
         loop {
             assert!(Instant::now() < deadline, "no event: {what}");
             let event = self
-                .next()
+                .next_within(deadline.saturating_duration_since(Instant::now()))
                 .await
                 .unwrap_or_else(|| panic!("stream ended before {what}"));
             if matches(&event) {
@@ -308,6 +324,103 @@ async fn a_service_filter_passes_only_that_service() {
     assert_eq!(status, 404);
     let (status, _) = gateway.api_as(None, "GET", "/api/v1/events", None).await;
     assert_eq!(status, 401);
+}
+
+/// A route driven over its rate with real requests: one `route` event when it starts refusing
+/// (not one per request), naming the limit, the refusals and why, and one when it has refused
+/// nothing for 10 s; both pass the route's service filter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_over_its_rate_trips_once_then_clears() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("u1").await;
+    let service = web_service(&gateway, "web", json!({})).await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": "127.0.0.1", "port": upstream.addr.port()}),
+        )
+        .await;
+    let route = gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "api", "service_id": service,
+                   "rate_limit": {"requests_per_second": 1, "burst": 1, "key": "route"}}),
+        )
+        .await;
+    let mut stream = Stream::open(&gateway, &format!("?service_id={service}"), None).await;
+    assert_eq!(stream.next().await.unwrap().event, "snapshot");
+
+    // Requests until one is refused, then a few more refused within the same look or the next.
+    wait_until("the route refuses a request", WAIT, || async {
+        gateway.get("/").await.status() == StatusCode::TOO_MANY_REQUESTS
+    })
+    .await;
+    for _ in 0..5 {
+        gateway.get("/").await;
+    }
+    let tripped = stream
+        .until("the rate limit tripping", |e| e.event == "route")
+        .await;
+    let data = &tripped.data;
+    assert_eq!(
+        (
+            &data["route_id"],
+            &data["name"],
+            &data["service_id"],
+            &data["change"],
+            &data["limit"]
+        ),
+        (
+            &json!(route),
+            &json!("api"),
+            &json!(service),
+            &json!("tripped"),
+            &json!("rate_limit")
+        ),
+        "{data}"
+    );
+    let refused = data["refused"].as_u64().unwrap();
+    assert!(refused >= 1, "{data}");
+    assert!(data["refused_total"].as_u64().unwrap() >= refused, "{data}");
+    let reason = data["reason"].as_str().unwrap();
+    assert!(
+        reason.ends_with(": over 1 requests per second for the whole route, burst 1"),
+        "{reason}"
+    );
+    assert!(
+        reason.starts_with(&format!("{refused} request")),
+        "{reason}"
+    );
+
+    // Quiet: the next route event is the limit clearing, at least 10 s after it tripped.
+    let cleared = stream
+        .until_within("the rate limit clearing", Duration::from_secs(30), |e| {
+            e.event == "route"
+        })
+        .await;
+    let data = &cleared.data;
+    assert_eq!(
+        (
+            &data["route_id"],
+            &data["change"],
+            &data["limit"],
+            &data["refused"]
+        ),
+        (
+            &json!(route),
+            &json!("cleared"),
+            &json!("rate_limit"),
+            &json!(0)
+        ),
+        "{data}"
+    );
+    assert_eq!(data["reason"], "no request refused for 10 s");
+    let at = |event: &Sse| {
+        chrono::DateTime::parse_from_rfc3339(event.data["at"].as_str().unwrap()).unwrap()
+    };
+    let quiet = at(&cleared) - at(&tripped);
+    assert!(quiet >= chrono::Duration::seconds(10), "{quiet}");
+    assert!(cleared.id > tripped.id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

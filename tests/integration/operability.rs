@@ -183,7 +183,128 @@ async fn metrics_count_requests_latency_targets_and_sources() {
         ),
         Some(0.0)
     );
+    // A route without limits has none of their series.
+    for series in [
+        "raahi_rate_limited_total",
+        "raahi_rate_limit_keys",
+        "raahi_rate_limit_rate",
+        "raahi_route_in_flight",
+        "raahi_route_in_flight_refused_total",
+    ] {
+        assert_eq!(
+            value(&metrics, &format!(r#"{series}{{route="all"}}"#)),
+            None,
+            "{metrics}"
+        );
+    }
     assert!(metrics.trim_end().ends_with("# EOF"));
+}
+
+/// A route's rate limit and its requests in flight, each only for the route that has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_route_limits() {
+    let gateway = TestGateway::start().await;
+    let upstream = Upstream::start("a").await;
+    let service = gateway
+        .service_with_targets("web", &[target(&upstream, 1, 0)])
+        .await;
+    // One request every 10 s after a burst of 2: the 3 after the burst are refused however
+    // slowly this machine sends them.
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "limited", "hosts": ["limited.test"], "service_id": service,
+                   "rate_limit": {"requests_per_second": 0.1, "burst": 2}}),
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "held", "hosts": ["held.test"], "service_id": service,
+                   "max_in_flight": 1}),
+        )
+        .await;
+    let send = |host: &'static str, path: &'static str| {
+        let http = gateway.http.clone();
+        let url = gateway.proxy_url(path);
+        async move {
+            http.get(url)
+                .header("host", host)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(send("limited.test", "/ok").await.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429, 429]);
+
+    let slow = tokio::spawn(send("held.test", "/slow/3000"));
+    wait_until(
+        "the slow request in flight",
+        Duration::from_secs(10),
+        || async {
+            let metrics = scrape(&gateway).await;
+            value(&metrics, r#"raahi_route_in_flight{route="held"}"#) == Some(1.0)
+        },
+    )
+    .await;
+    assert_eq!(send("held.test", "/ok").await, 503);
+
+    let metrics = scrape(&gateway).await;
+    let limited = r#"{route="limited"}"#;
+    assert_eq!(
+        value(&metrics, &format!("raahi_rate_limited_total{limited}")),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        value(&metrics, &format!("raahi_rate_limit_keys{limited}")),
+        Some(1.0),
+        "one client address"
+    );
+    assert_eq!(
+        value(&metrics, &format!("raahi_rate_limit_rate{limited}")),
+        Some(0.1),
+        "{metrics}"
+    );
+    assert_eq!(
+        value(&metrics, &format!("raahi_route_in_flight{limited}")),
+        None,
+        "no max_in_flight"
+    );
+    let held = r#"{route="held"}"#;
+    assert_eq!(
+        value(
+            &metrics,
+            &format!("raahi_route_in_flight_refused_total{held}")
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        value(&metrics, &format!("raahi_rate_limited_total{held}")),
+        None,
+        "no rate_limit"
+    );
+    assert_eq!(
+        value(
+            &metrics,
+            r#"raahi_requests_refused_total{code="rate_limited"}"#
+        ),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(slow.await.unwrap(), 200);
+    let metrics = scrape(&gateway).await;
+    assert_eq!(
+        value(&metrics, &format!("raahi_route_in_flight{held}")),
+        Some(0.0),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

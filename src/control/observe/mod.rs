@@ -5,12 +5,13 @@
 //! Diffing rather than reporting at each write site means one path covers every cause: the
 //! admin API, a resources file, this instance's discovery and another instance's changes on a
 //! shared store. The write sites only leave a reason for the change they make ([`note`]).
-//! Passive ejection happens on the request path, which only flips atomics; the runtime pass
-//! notices it here.
+//! Passive ejection and routes' limits act on the request path, which only moves atomics; the
+//! runtime pass notices them here.
 //!
 //! [`note`]: Observer::note
 
 mod config;
+mod limits;
 mod runtime;
 mod sources;
 mod targets;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use super::desired::Desired;
 use super::health::HealthVerdict;
 use super::sources::SourceEntry;
-use crate::events::EventLog;
+use crate::events::{EventLog, RouteLimit};
 use crate::model::{
     Certificate, CheckResult, DiscoverySource, EndpointCounts, Health, Id, Route, Service,
     SourceProgress, StreamRoute, Target,
@@ -78,6 +79,8 @@ pub(super) struct Observer {
     /// The check that last changed a target's health, newer than the stored `last_check`
     /// until the check round is written.
     deciding_checks: HashMap<Id, CheckResult>,
+    /// Each route's limits as last looked at, to tell when one trips or clears.
+    limits: HashMap<(Id, RouteLimit), limits::WatchedLimit>,
 }
 
 impl Observer {
@@ -98,6 +101,7 @@ impl Observer {
             reasons: HashMap::new(),
             health_reasons: HashMap::new(),
             deciding_checks: HashMap::new(),
+            limits: HashMap::new(),
         }
     }
 
