@@ -20,7 +20,7 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::IdPath;
 use super::AdminState;
 use crate::control::{RateShares, RoutePicture};
-use crate::model::{Id, RateLimit, Route};
+use crate::model::{Id, RateLimit, RateLimitScope, Route};
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new().routes(routes!(route_rate_limit))
@@ -122,9 +122,23 @@ async fn route_rate_limit(
         view.evicted = limiter.evicted.load(Ordering::Relaxed);
     }
     let shares = state.control.rate_shares();
-    view.cluster = shares
-        .route(id)
-        .map(|picture| cluster_view(shares, picture));
+    view.cluster = match (shares.route(id), &entry.limiter) {
+        (Some(picture), _) => Some(cluster_view(shares, picture)),
+        // A cluster route the task has not reached yet (it is at most a period old).
+        (None, Some(limiter)) if limiter.spec().scope == RateLimitScope::Cluster => {
+            Some(cluster_view(
+                shares,
+                RoutePicture {
+                    instances: 1,
+                    default_share_per_second: limiter.default_rate(),
+                    synced_at: None,
+                    last_error: None,
+                    keys: Vec::new(),
+                },
+            ))
+        }
+        _ => None,
+    };
     Ok(Json(view))
 }
 

@@ -18,7 +18,7 @@ mod edge;
 mod guard;
 mod health;
 mod observe;
-pub mod rate_share;
+mod rate_share;
 mod sources;
 
 use std::collections::HashMap;

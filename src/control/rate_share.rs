@@ -97,6 +97,9 @@ fn wants_report(default_share: f64, mine: f64, others: f64, exchanged: bool) -> 
     }
 }
 
+/// The other gateways' demand of one key: (instance id, requests per second).
+type OthersDemand = Vec<(String, f64)>;
+
 /// What a route's limiter should run at after an exchange.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settlement {
@@ -113,7 +116,7 @@ pub struct RouteShare {
     /// Smoothed requests per second offered here, by key.
     demand: HashMap<u64, f64>,
     /// The other gateways' fresh demand, by key, as of the last exchange.
-    others: HashMap<u64, Vec<(String, f64)>>,
+    others: HashMap<u64, OthersDemand>,
     /// Keys running at a share of their own.
     exchanged: HashSet<u64>,
 }
@@ -220,7 +223,7 @@ impl RouteShare {
     }
 
     /// The keys with the most demand here and elsewhere, for the view.
-    fn busiest(&self, count: usize) -> Vec<(u64, f64, Vec<(String, f64)>)> {
+    fn busiest(&self, count: usize) -> Vec<(u64, f64, OthersDemand)> {
         let keys: HashSet<u64> = self
             .demand
             .keys()

@@ -145,7 +145,7 @@ struct Gateway {
 impl Cluster {
     fn new(count: usize) -> Cluster {
         Cluster {
-            gateways: (0..count).map(|index| Gateway::new(index)).collect(),
+            gateways: (0..count).map(Gateway::new).collect(),
             table: BTreeMap::new(),
             present: HashSet::new(),
         }
@@ -409,7 +409,6 @@ struct Harness {
     shares: RateShares,
     _task: RateShareTask,
     limiter: Arc<RateLimiter>,
-    answers: Arc<Mutex<VecDeque<Answer>>>,
     calls: mpsc::UnboundedReceiver<Call>,
     left: mpsc::UnboundedReceiver<()>,
 }
@@ -468,7 +467,7 @@ fn start(answers: Vec<Answer>) -> Harness {
     let (calls, call_receiver) = mpsc::unbounded_channel();
     let (left, left_receiver) = mpsc::unbounded_channel();
     let fake = Fake {
-        answers: answers.clone(),
+        answers,
         calls,
         left,
     };
@@ -482,7 +481,6 @@ fn start(answers: Vec<Answer>) -> Harness {
         shares,
         _task: task,
         limiter,
-        answers,
         calls: call_receiver,
         left: left_receiver,
     }
