@@ -37,7 +37,8 @@ const LEAVE_FRACTION: f64 = 0.1;
 /// No gateway's share of a key falls below this part of the rate: one whose clients just
 /// arrived is never locked out until the next exchange.
 const FLOOR_FRACTION: f64 = 0.01;
-/// Demand below this part of the default share is forgotten.
+/// Demand below this part of the default share is forgotten, so the task's memory follows the
+/// keys that matter, not every client ever seen.
 const FORGET_FRACTION: f64 = 0.01;
 /// Keys one route reports per exchange at most, the busiest first: the rest run at the default
 /// share, which never admits more than the rate in total.
