@@ -145,6 +145,10 @@ pub struct ClusterConfig {
     /// Period of the full reload that backs up change notifications (PostgreSQL only).
     #[serde(default = "ClusterConfig::default_resync_ms")]
     pub resync_ms: u64,
+    /// How often the gateways exchange their demand of cluster-scope rate limits through the
+    /// store (TRAFFIC.md §6).
+    #[serde(default = "ClusterConfig::default_rate_sync_ms")]
+    pub rate_sync_ms: u64,
 }
 
 impl ClusterConfig {
@@ -153,6 +157,9 @@ impl ClusterConfig {
     }
     fn default_resync_ms() -> u64 {
         15_000
+    }
+    fn default_rate_sync_ms() -> u64 {
+        250
     }
 
     /// The configured instance id, or a generated one.
@@ -186,6 +193,7 @@ impl Default for ClusterConfig {
             instance_id: None,
             lease_ms: Self::default_lease_ms(),
             resync_ms: Self::default_resync_ms(),
+            rate_sync_ms: Self::default_rate_sync_ms(),
         }
     }
 }
@@ -731,6 +739,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_CLUSTER_INSTANCE_ID", "cluster.instance_id"),
     ("RAAHI_CLUSTER_LEASE_MS", "cluster.lease_ms"),
     ("RAAHI_CLUSTER_RESYNC_MS", "cluster.resync_ms"),
+    ("RAAHI_CLUSTER_RATE_SYNC_MS", "cluster.rate_sync_ms"),
     ("RAAHI_RESOURCES_FILE", "resources.file"),
     ("RAAHI_LOG_FORMAT", "log.format"),
     ("RAAHI_TRACING_OTLP_ENDPOINT", "tracing.otlp_endpoint"),
@@ -825,6 +834,9 @@ impl Config {
         }
         if self.cluster.resync_ms == 0 {
             return Err(invalid("cluster.resync_ms", "must be greater than 0"));
+        }
+        if self.cluster.rate_sync_ms == 0 {
+            return Err(invalid("cluster.rate_sync_ms", "must be greater than 0"));
         }
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             return Err(invalid(
@@ -1355,6 +1367,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("cluster.lease_ms"), "{error}");
+    }
+
+    #[test]
+    fn rate_sync_ms_has_a_default_an_environment_override_and_must_be_positive() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap();
+        assert_eq!(defaults.cluster.rate_sync_ms, 250);
+        let config = Config::from_parts(
+            "c",
+            Some("[cluster]\nrate_sync_ms = 500\n"),
+            &env(&[("RAAHI_CLUSTER_RATE_SYNC_MS", "100")]),
+        )
+        .unwrap();
+        assert_eq!(config.cluster.rate_sync_ms, 100, "the environment wins");
+        let from_file =
+            Config::from_parts("c", Some("[cluster]\nrate_sync_ms = 500\n"), &[]).unwrap();
+        assert_eq!(from_file.cluster.rate_sync_ms, 500);
+        let error = Config::from_parts("c", None, &env(&[("RAAHI_CLUSTER_RATE_SYNC_MS", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("cluster.rate_sync_ms"), "{error}");
     }
 
     #[test]

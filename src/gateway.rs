@@ -136,6 +136,7 @@ fn cluster_settings(config: &Config) -> ClusterSettings {
     ClusterSettings {
         lease: Duration::from_millis(config.cluster.lease_ms),
         resync: Duration::from_millis(config.cluster.resync_ms),
+        rate_sync: Duration::from_millis(config.cluster.rate_sync_ms),
     }
 }
 
@@ -407,7 +408,11 @@ impl Gateway {
         // Meanwhile another instance may take the discovery sources over (bounded: with the
         // database away the leases simply expire).
         let handover = tokio::time::timeout(RELEASE_LEASES_TIMEOUT, self.control.release_leases());
-        let (_, _, _) = tokio::join!(listeners, self.streams.shutdown(), handover);
+        // The others take over this gateway's part of every cluster rate limit at once.
+        let rate_handover =
+            tokio::time::timeout(RELEASE_LEASES_TIMEOUT, self.control.stop_rate_sharing());
+        let (_, _, _, _) =
+            tokio::join!(listeners, self.streams.shutdown(), handover, rate_handover);
         if let Some(tracer) = &self.tracer {
             tracer.flush(TRACE_FLUSH_TIMEOUT).await;
         }

@@ -9,6 +9,7 @@ mod event_snapshot;
 mod events;
 mod extract;
 mod metrics;
+mod rate_limits;
 pub mod readiness;
 mod routes;
 mod serve;
@@ -121,6 +122,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(services::router())
         .merge(targets::router())
         .merge(routes::router())
+        .merge(rate_limits::router())
         .merge(tokens::router())
         .merge(sources::router())
         .merge(stream_routes::router())

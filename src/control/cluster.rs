@@ -38,6 +38,8 @@ pub struct ClusterSettings {
     pub lease: Duration,
     /// Period of the full reload that backs up notifications (shared stores only).
     pub resync: Duration,
+    /// Period of the demand exchange of cluster-scope rate limits.
+    pub rate_sync: Duration,
 }
 
 impl Default for ClusterSettings {
@@ -45,6 +47,7 @@ impl Default for ClusterSettings {
         ClusterSettings {
             lease: Duration::from_secs(15),
             resync: Duration::from_secs(15),
+            rate_sync: Duration::from_millis(250),
         }
     }
 }

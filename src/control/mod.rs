@@ -18,6 +18,7 @@ mod edge;
 mod guard;
 mod health;
 mod observe;
+mod rate_share;
 mod sources;
 
 use std::collections::HashMap;
@@ -42,6 +43,7 @@ use edge::Edge;
 pub use edge::{EdgeOptions, FileCertificateExpiry, FileCertificates};
 pub use guard::AcceptAnswer;
 pub use observe::target_view;
+pub use rate_share::{GatewayDemand, KeyPicture, RateShares, RoutePicture};
 use sources::SourceEntry;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,8 @@ pub enum ControlError {
     Stopped,
     #[error("cannot load the routing configuration: {0}")]
     Store(#[from] StoreError),
+    #[error("the store did not answer the rate-limit exchange within {0:?}")]
+    RateExchangeTimeout(std::time::Duration),
 }
 
 /// Refresh counters of one discovery source, for metrics.
@@ -124,9 +128,21 @@ pub struct ControlHandle {
     file_expiries: edge::FileExpiries,
     events: Arc<EventLog>,
     reload_stats: Arc<ReloadStats>,
+    rate_shares: RateShares,
 }
 
 impl ControlHandle {
+    /// What the cluster rate-limit exchange knows, for the admin view and metrics.
+    pub fn rate_shares(&self) -> &RateShares {
+        &self.rate_shares
+    }
+
+    /// Stops the cluster rate-limit exchange and removes this gateway's part of it (graceful
+    /// shutdown), so the other gateways take over its share at their next exchange.
+    pub async fn stop_rate_sharing(&self) {
+        self.rate_shares.stop().await;
+    }
+
     /// The log of what the control task changed or saw, for the event stream and histories.
     pub fn events(&self) -> &Arc<EventLog> {
         &self.events
@@ -264,6 +280,8 @@ struct ControlTask {
     periodic_resync_at: Option<tokio::time::Instant>,
     /// Listens for other instances' changes (shared stores only); stops when dropped.
     _listener: Option<cluster::ListenerTask>,
+    /// Exchanges cluster rate-limit demand; stops when dropped.
+    _rate_share: rate_share::RateShareTask,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
     /// Stream listeners and served certificates, kept in step with each snapshot.
@@ -668,6 +686,12 @@ pub async fn start(
     // Bounded: a check loop that finds it full drops the detail, never the change.
     let (verdict_sender, verdict_receiver) = mpsc::channel(1024);
     let observer = observe::Observer::new(events.clone(), store.instance_id().to_owned());
+    let (rate_shares, rate_share_task) = rate_share::spawn(
+        store.clone(),
+        store.instance_id().to_owned(),
+        snapshots.clone(),
+        cluster.rate_sync,
+    );
     let mut task = ControlTask {
         store,
         snapshots,
@@ -684,6 +708,7 @@ pub async fn start(
         lease_round_at: now + cluster.lease / 3,
         periodic_resync_at: shared.then(|| now + cluster.resync),
         _listener: listener,
+        _rate_share: rate_share_task,
         next_runner_generation: 1,
         outcomes: outcome_sender,
         edge: Edge::new(edge),
@@ -725,6 +750,7 @@ pub async fn start(
             file_expiries,
             events,
             reload_stats,
+            rate_shares,
         },
         join,
     ))

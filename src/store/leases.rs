@@ -181,7 +181,7 @@ impl Store {
         }
     }
 
-    fn now_sql(&self) -> &'static str {
+    pub(super) fn now_sql(&self) -> &'static str {
         match self.backend {
             Backend::Sqlite(_) => SQLITE_NOW,
             Backend::Postgres(_) => POSTGRES_NOW,

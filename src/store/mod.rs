@@ -26,6 +26,7 @@ macro_rules! on_pool {
 mod certificates;
 mod changes;
 mod leases;
+mod rate_limits;
 mod routes;
 mod rows;
 mod services;
@@ -38,6 +39,7 @@ mod test_postgres;
 mod tokens;
 pub use certificates::NewCertificate;
 pub use changes::{ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS};
+pub use rate_limits::{DemandReport, DemandRow, RateExchange};
 pub use sources::ManagedKind;
 
 use std::str::FromStr;

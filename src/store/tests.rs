@@ -41,6 +41,8 @@ on_both_backends!(
     a_reader_behind_the_trimmed_log_reloads_everything,
     many_leases_are_taken_and_renewed_at_once,
     changes_to_more_services_than_one_query_binds_are_all_read,
+    rate_demand_is_exchanged_and_a_leaver_disappears,
+    more_rate_demand_rows_than_one_statement_binds_are_written,
 );
 
 #[derive(Debug, Clone, Copy)]
@@ -855,4 +857,120 @@ async fn routes_stored_before_route_rules_survive_the_migration() {
         store.delete_service(5).await.unwrap_err(),
         StoreError::Conflict { .. }
     ));
+}
+
+fn demand(route_id: Id, key: u64, demand_per_second: f64) -> crate::store::DemandReport {
+    crate::store::DemandReport {
+        route_id,
+        key,
+        demand_per_second,
+    }
+}
+
+/// Other instances' rows as (route, key, instance, demand), sorted.
+fn demand_rows(exchange: &crate::store::RateExchange) -> Vec<(Id, u64, String, f64)> {
+    let mut rows: Vec<_> = exchange
+        .rows
+        .iter()
+        .map(|row| {
+            (
+                row.route_id,
+                row.key,
+                row.instance_id.clone(),
+                row.demand_per_second,
+            )
+        })
+        .collect();
+    rows.sort_by(|a, b| (a.0, a.1, &a.2).cmp(&(b.0, b.1, &b.2)));
+    rows
+}
+
+async fn rate_demand_is_exchanged_and_a_leaver_disappears(kind: Kind) {
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let fresh = Duration::from_secs(30);
+    // Keys are hashes: the whole u64 range survives the signed column.
+    let big = u64::MAX - 3;
+
+    let alone = a
+        .exchange_rate_demand(&[1, 2], &[demand(1, big, 70.0), demand(2, 9, 5.0)], fresh)
+        .await
+        .unwrap();
+    assert_eq!(alone.members, 1);
+    assert!(alone.rows.is_empty(), "its own rows are not read back");
+
+    let seen_by_b = b
+        .exchange_rate_demand(&[1], &[demand(1, big, 30.0)], fresh)
+        .await
+        .unwrap();
+    assert_eq!(seen_by_b.members, 2);
+    assert_eq!(
+        demand_rows(&seen_by_b),
+        vec![(1, big, "instance-a".to_owned(), 70.0)],
+        "only the routes asked about"
+    );
+
+    // A key no longer reported is gone; a reported one is updated in place.
+    let seen_by_a = a
+        .exchange_rate_demand(&[1, 2], &[demand(1, big, 60.0)], fresh)
+        .await
+        .unwrap();
+    assert_eq!(
+        demand_rows(&seen_by_a),
+        vec![(1, big, "instance-b".to_owned(), 30.0)]
+    );
+    let again = b
+        .exchange_rate_demand(&[1, 2], &[demand(1, big, 30.0)], fresh)
+        .await
+        .unwrap();
+    assert_eq!(
+        demand_rows(&again),
+        vec![(1, big, "instance-a".to_owned(), 60.0)]
+    );
+
+    // A gateway that leaves takes its rows and its presence with it.
+    a.leave_rate_exchange().await.unwrap();
+    let after = b
+        .exchange_rate_demand(&[1, 2], &[demand(1, big, 30.0)], fresh)
+        .await
+        .unwrap();
+    assert_eq!(after.members, 1);
+    assert!(after.rows.is_empty());
+
+    // Rows older than the freshness window are not read, and their writer is not counted.
+    a.exchange_rate_demand(&[1], &[demand(1, big, 10.0)], fresh)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let exchange = b
+            .exchange_rate_demand(&[1], &[], Duration::from_millis(200))
+            .await
+            .unwrap();
+        if exchange.members == 1 && exchange.rows.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "a's row never went stale: {exchange:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn more_rate_demand_rows_than_one_statement_binds_are_written(kind: Kind) {
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let fresh = Duration::from_secs(30);
+    let reports: Vec<_> = (0..2_500u64)
+        .map(|key| demand(7, key.wrapping_mul(0x9E37_79B9_7F4A_7C15), key as f64))
+        .collect();
+    a.exchange_rate_demand(&[7], &reports, fresh).await.unwrap();
+    let routes: Vec<Id> = (1..=600).collect();
+    let seen = b.exchange_rate_demand(&routes, &[], fresh).await.unwrap();
+    assert_eq!(seen.rows.len(), 2_500);
+    let total: f64 = seen.rows.iter().map(|row| row.demand_per_second).sum();
+    assert_eq!(total, (0..2_500).map(f64::from).sum::<f64>());
 }

@@ -39,6 +39,7 @@ mod layering;
 mod operability;
 mod proxy;
 mod rate_limit;
+mod rate_limit_cluster;
 mod registration;
 mod request_spool;
 mod route_rules;
