@@ -61,6 +61,8 @@ struct Scrape {
     registration: Option<(Labels, bool, u64)>,
     /// Reloads of the store by the control task: (whole, only what changed).
     reloads: (u64, u64),
+    /// Cluster rate-limit exchanges through the store: (answered, failed).
+    rate_share_syncs: (u64, u64),
 }
 
 /// The span exporter: what it sent, dropped and lost.
@@ -277,7 +279,9 @@ async fn gather(state: &AdminState) -> Scrape {
     let snapshot = state.control.snapshot();
     let now = unix_ms();
     let reloads = state.control.reload_stats();
+    let rate_shares = state.control.rate_shares();
     let mut scrape = Scrape {
+        rate_share_syncs: (rate_shares.syncs(), rate_shares.sync_failures()),
         reloads: (
             reloads.full.load(Ordering::Relaxed),
             reloads.partial.load(Ordering::Relaxed),
@@ -605,6 +609,19 @@ impl Collector for Scrape {
                 [(labels.clone(), *failures)],
             )?;
         }
+        counter(
+            &mut encoder,
+            "raahi_rate_share_syncs",
+            "Exchanges of cluster-scope rate-limit demand through the store: result=\"ok\" \
+             answered, result=\"failed\" did not (every share kept as it was).",
+            [
+                (vec![("result", "ok".to_owned())], self.rate_share_syncs.0),
+                (
+                    vec![("result", "failed".to_owned())],
+                    self.rate_share_syncs.1,
+                ),
+            ],
+        )?;
         counter(
             &mut encoder,
             "raahi_control_reloads",
