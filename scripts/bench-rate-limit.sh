@@ -165,11 +165,16 @@ printf '\n| offered/s | gateway | share of load | admitted/s | refused/s | 5xx |
 for offered in $OFFERED; do
     split=($((offered * 70 / 100)) $((offered * 20 / 100)) $((offered * 10 / 100)))
     # warm-up: the shares settle
-    for i in 0 1 2; do load "${PROXY_PORTS[$i]}" "${split[$i]}" 3 "$WORK/warm$i.txt" & done
-    wait
+    loads=()
+    for i in 0 1 2; do load "${PROXY_PORTS[$i]}" "${split[$i]}" 3 "$WORK/warm$i.txt" & loads+=("$!"); done
+    wait "${loads[@]}"
     writes_before=$(demand_writes)
-    for i in 0 1 2; do load "${PROXY_PORTS[$i]}" "${split[$i]}" "$SECONDS_EACH" "$WORK/load-$offered-$i.txt" & done
-    wait
+    loads=()
+    for i in 0 1 2; do
+        load "${PROXY_PORTS[$i]}" "${split[$i]}" "$SECONDS_EACH" "$WORK/load-$offered-$i.txt" &
+        loads+=("$!")
+    done
+    wait "${loads[@]}"
     writes_after=$(demand_writes)
     admitted_total=0
     for i in 0 1 2; do

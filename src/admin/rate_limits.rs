@@ -67,7 +67,7 @@ pub struct ClusterView {
     /// Why exchanges fail, while they do (every share stays as last set meanwhile).
     pub last_error: Option<String>,
     /// The busiest keys here and elsewhere (at most 20).
-    pub keys: Vec<ClusterKeyView>,
+    pub hot_keys: Vec<ClusterKeyView>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -168,7 +168,7 @@ fn cluster_view(shares: &RateShares, picture: RoutePicture) -> ClusterView {
         default_share_per_second: picture.default_share_per_second,
         synced_at: picture.synced_at,
         last_error: picture.last_error,
-        keys: picture
+        hot_keys: picture
             .keys
             .into_iter()
             .map(|key| ClusterKeyView {

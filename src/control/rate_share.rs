@@ -87,9 +87,18 @@ fn smoothed(previous: Option<f64>, sample: f64) -> f64 {
 /// Whether a key belongs in this turn's exchange: hot here; or warm at another gateway and seen
 /// here too; or already exchanged and still warm here or elsewhere. "Warm" is the leaving line
 /// on both sides, so a key cold everywhere leaves and does not come back until it is hot again.
-fn wants_report(default_share: f64, mine: f64, others: f64, exchanged: bool) -> bool {
+/// Hot is both a demand of half the default share and the limiter's own word that the key is
+/// near its limit (refused, or past half its burst): one request in a short turn reads as a
+/// high rate, and must not put every client of a slow per-client limit into the store.
+fn wants_report(
+    default_share: f64,
+    mine: f64,
+    others: f64,
+    exchanged: bool,
+    near_limit: bool,
+) -> bool {
     let warm = LEAVE_FRACTION * default_share;
-    let hot = mine >= HOT_FRACTION * default_share;
+    let hot = near_limit && mine >= HOT_FRACTION * default_share;
     let warm_elsewhere = others > 0.0 && others >= warm;
     if exchanged {
         mine >= warm || warm_elsewhere || hot
@@ -120,6 +129,8 @@ pub struct RouteShare {
     others: HashMap<u64, OthersDemand>,
     /// Keys running at a share of their own.
     exchanged: HashSet<u64>,
+    /// Keys the limiter found near their limit when they last sent requests.
+    near_limit: HashSet<u64>,
 }
 
 impl RouteShare {
@@ -143,6 +154,12 @@ impl RouteShare {
         let mut seen = HashSet::with_capacity(uses.len());
         for key_use in uses {
             seen.insert(key_use.key);
+            // A key keeps the limiter's last word on it through a turn it sent nothing in.
+            if key_use.near_limit {
+                self.near_limit.insert(key_use.key);
+            } else {
+                self.near_limit.remove(&key_use.key);
+            }
             let sample = f64::from(key_use.offered) / seconds;
             let previous = self.demand.get(&key_use.key).copied();
             self.demand.insert(key_use.key, smoothed(previous, sample));
@@ -159,6 +176,8 @@ impl RouteShare {
         // cold elsewhere too.
         let forget_below = FORGET_FRACTION * default_share(self.rate, members);
         self.demand.retain(|_, demand| *demand >= forget_below);
+        let demand = &self.demand;
+        self.near_limit.retain(|key| demand.contains_key(key));
     }
 
     /// The keys to report this turn with their demand here, the busiest first.
@@ -175,7 +194,8 @@ impl RouteShare {
             .filter_map(|key| {
                 let mine = self.demand.get(&key).copied().unwrap_or(0.0);
                 let exchanged = self.exchanged.contains(&key);
-                wants_report(default, mine, self.others_total(key), exchanged)
+                let near_limit = self.near_limit.contains(&key);
+                wants_report(default, mine, self.others_total(key), exchanged, near_limit)
                     .then_some((key, mine))
             })
             .collect();
@@ -349,18 +369,29 @@ pub trait DemandExchange: Send + Sync + 'static {
     fn leave(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
+/// On SQLite a gateway is alone: the exchange answers at once, without holding the store's one
+/// writer four times a second for nothing.
 impl DemandExchange for Store {
-    fn exchange(
+    async fn exchange(
         &self,
         routes: &[Id],
         reports: &[DemandReport],
         fresh: Duration,
-    ) -> impl Future<Output = Result<RateExchange, StoreError>> + Send {
-        self.exchange_rate_demand(routes, reports, fresh)
+    ) -> Result<RateExchange, StoreError> {
+        if !self.is_shared() {
+            return Ok(RateExchange {
+                members: 1,
+                rows: Vec::new(),
+            });
+        }
+        self.exchange_rate_demand(routes, reports, fresh).await
     }
 
-    fn leave(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self.leave_rate_exchange()
+    async fn leave(&self) -> Result<(), StoreError> {
+        if !self.is_shared() {
+            return Ok(());
+        }
+        self.leave_rate_exchange().await
     }
 }
 
@@ -437,7 +468,7 @@ impl<E: DemandExchange> Sharer<E> {
             tokio::select! {
                 _ = ticks.tick() => self.turn().await,
                 stop = stops.recv() => {
-                    if let Err(error) = self.exchange.leave().await {
+                    if let Err(error) = self.leave().await {
                         tracing::warn!(%error, "cannot remove this gateway's rate-limit demand; \
                             the others count it until its rows go stale");
                     }
@@ -462,7 +493,7 @@ impl<E: DemandExchange> Sharer<E> {
         self.last_turn = now;
         self.follow_live_routes();
         if self.routes.is_empty() {
-            if self.joined && self.exchange.leave().await.is_ok() {
+            if self.joined && self.leave().await.is_ok() {
                 self.joined = false;
             }
             self.publish();
@@ -474,7 +505,7 @@ impl<E: DemandExchange> Sharer<E> {
         let mut reports = Vec::new();
         for (&route_id, followed) in self.routes.iter_mut() {
             let mut uses = Vec::new();
-            followed.limiter.take_use(|key_use| uses.push(key_use));
+            followed.limiter.take_use(now, |key_use| uses.push(key_use));
             followed.share.observe(&uses, elapsed, members);
             let chosen = followed.share.reports(members);
             reports.extend(chosen.iter().map(|&(key, demand)| DemandReport {
@@ -504,7 +535,19 @@ impl<E: DemandExchange> Sharer<E> {
         self.publish();
     }
 
+    /// Removes this gateway's rows and presence, within the time an exchange may take: a store
+    /// that does not answer must not hold the task (or a graceful stop) for longer.
+    async fn leave(&self) -> Result<(), ControlError> {
+        let fresh = freshness(self.period);
+        match tokio::time::timeout(fresh, self.exchange.leave()).await {
+            Ok(result) => result.map_err(ControlError::Store),
+            Err(_) => Err(ControlError::RateExchangeTimeout(fresh)),
+        }
+    }
+
     /// Follows every route of the live snapshot whose limit has cluster scope; forgets the rest.
+    /// A limiter new to the task (a new route, a changed limit) starts at the default share of
+    /// the gateways last seen, not at the whole rate.
     fn follow_live_routes(&mut self) {
         let snapshot = self.snapshots.load_full();
         let mut live: HashMap<Id, Arc<RateLimiter>> = HashMap::new();
@@ -519,11 +562,17 @@ impl<E: DemandExchange> Sharer<E> {
             live.get(id)
                 .is_some_and(|limiter| Arc::ptr_eq(limiter, &followed.limiter))
         });
+        let members = self.members;
         for (id, limiter) in live {
-            self.routes.entry(id).or_insert_with(|| Followed {
-                share: RouteShare::new(limiter.rate()),
-                limiter,
-                synced_at: None,
+            self.routes.entry(id).or_insert_with(|| {
+                if let Some(members) = members {
+                    limiter.set_default_rate(default_share(limiter.rate(), members));
+                }
+                Followed {
+                    share: RouteShare::new(limiter.rate()),
+                    limiter,
+                    synced_at: None,
+                }
             });
         }
     }

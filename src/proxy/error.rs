@@ -186,13 +186,16 @@ impl ProxyError {
             | ProxyError::Spool(SpoolError::TooLarge { .. })
             | ProxyError::UpgradeNotSupported { .. }
             | ProxyError::RateLimited { .. }
+            // The route's own cap, reached by its clients: a refusal per request at warn would
+            // flood the log exactly when the gateway is busiest; the `route` event says it once.
+            | ProxyError::TooManyRequests { .. }
             | ProxyError::GrpcTimeout { .. } => Blame::Client,
             ProxyError::Spool(SpoolError::Full { .. } | SpoolError::Io(_)) => Blame::Gateway,
             ProxyError::NoTarget(no_target) => no_target.blame(),
             ProxyError::Upstream(_) | ProxyError::RequestTimeout { .. } => Blame::Upstream,
-            ProxyError::TooManyConnections { .. }
-            | ProxyError::UpstreamOverloaded { .. }
-            | ProxyError::TooManyRequests { .. } => Blame::Gateway,
+            ProxyError::TooManyConnections { .. } | ProxyError::UpstreamOverloaded { .. } => {
+                Blame::Gateway
+            }
         }
     }
 

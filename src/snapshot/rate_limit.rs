@@ -19,9 +19,11 @@ use crate::model::{RateLimit, RateLimitKey, RateLimitScope};
 /// Slots per bucket: their tags fill one 64-byte cache line.
 pub const WAYS: usize = 8;
 
-/// Keys hash with a fixed seed so that gateways sharing a store name a key alike. A client that
-/// could aim a collision at another's key would need that key's value, and could send it.
+/// Keys hash with fixed seeds so that gateways sharing a store name a key alike. A client that
+/// could aim a collision at another's key would need that key's value, and could send it. Header
+/// values and addresses hash apart: a header holding an address's bytes is not that address.
 const KEY_SEED: u64 = 0x7261_6168_692d_726c;
+const ADDRESS_SEED: u64 = 0x7261_6168_692d_6970;
 
 /// Tag of the route-wide key (`key: "route"`); 0 marks an empty slot.
 const ROUTE_KEY: u64 = 1;
@@ -34,10 +36,13 @@ struct Cell {
     tat: AtomicU64,
     /// This gateway's emission interval for the key under a cluster share; 0: the limiter's.
     interval_ns: AtomicU64,
-    /// Requests offered (admitted or not) since the control task last took the count; only
-    /// under `scope: cluster`.
+    /// Requests offered (admitted or not) since the control task last took the count, with
+    /// [`REFUSED`] set once one was refused; only under `scope: cluster`.
     offered: AtomicU32,
 }
+
+/// The `offered` bit that says a request was refused since the count was last taken.
+const REFUSED: u32 = 1 << 31;
 
 #[derive(Debug, Default)]
 #[repr(align(64))]
@@ -63,6 +68,9 @@ pub struct KeyUse {
     pub offered: u32,
     /// The key runs at its own share of the rate.
     pub shared: bool,
+    /// The key is near its limit here: a request was refused since the last read, or more
+    /// than half its burst is spent.
+    pub near_limit: bool,
 }
 
 /// The compiled limit of one route, carried across snapshots while its `rate_limit` is unchanged.
@@ -163,6 +171,9 @@ impl RateLimiter {
             let ahead = next - now_ns;
             if ahead > tolerance {
                 self.limited.fetch_add(1, Ordering::Relaxed);
+                if self.spec.scope == RateLimitScope::Cluster {
+                    cell.offered.fetch_or(REFUSED, Ordering::Relaxed);
+                }
                 return Decision::Limited {
                     retry_after_ns: ahead - tolerance,
                 };
@@ -266,7 +277,9 @@ impl RateLimiter {
 
     /// Every tracked key that offered requests since the last call, or runs at a share of its
     /// own; takes the offered counts.
-    pub fn take_use(&self, mut each: impl FnMut(KeyUse)) {
+    pub fn take_use(&self, now: Instant, mut each: impl FnMut(KeyUse)) {
+        let now_ns = self.nanos_since_epoch(now);
+        let half_burst = self.tolerance_ns / 2;
         for bucket in self.buckets.iter() {
             for way in 0..WAYS {
                 let key = bucket.tags[way].load(Ordering::Relaxed);
@@ -274,13 +287,19 @@ impl RateLimiter {
                     continue;
                 }
                 let cell = &bucket.cells[way];
-                let offered = cell.offered.swap(0, Ordering::Relaxed);
+                // Read before taking: a quiet key's cache line is not written.
+                let offered = match cell.offered.load(Ordering::Relaxed) {
+                    0 => 0,
+                    _ => cell.offered.swap(0, Ordering::Relaxed),
+                };
                 let shared = cell.interval_ns.load(Ordering::Relaxed) != 0;
                 if offered > 0 || shared {
+                    let spent = cell.tat.load(Ordering::Relaxed).saturating_sub(now_ns);
                     each(KeyUse {
                         key,
-                        offered,
+                        offered: offered & !REFUSED,
                         shared,
+                        near_limit: offered & REFUSED != 0 || spent > half_burst,
                     });
                 }
             }
@@ -300,12 +319,14 @@ fn find(bucket: &Bucket, key: u64) -> Option<usize> {
         .position(|tag| tag.load(Ordering::Relaxed) == key)
 }
 
+/// An IPv4 client is its address; an IPv6 client its /64, the smallest network a site or a
+/// subscriber is given (RFC 6177): each address of it would otherwise be a key of its own.
 fn client_key(client: std::net::IpAddr) -> u64 {
     let octets = match client.to_canonical() {
         std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-        std::net::IpAddr::V6(v6) => v6.octets(),
+        std::net::IpAddr::V6(v6) => (u128::from(v6) & !u128::from(u64::MAX)).to_be_bytes(),
     };
-    xxh3_64_with_seed(&octets, KEY_SEED)
+    xxh3_64_with_seed(&octets, ADDRESS_SEED)
 }
 
 /// Longest emission interval: one request a day.

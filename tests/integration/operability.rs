@@ -299,12 +299,17 @@ async fn metrics_show_route_limits() {
         "{metrics}"
     );
     assert_eq!(slow.await.unwrap(), 200);
-    let metrics = scrape(&gateway).await;
-    assert_eq!(
-        value(&metrics, &format!("raahi_route_in_flight{held}")),
-        Some(0.0),
-        "{metrics}"
-    );
+    // The place is freed at the end of the answer's body, a moment after its status line.
+    wait_until(
+        "the held request's place is freed",
+        Duration::from_secs(10),
+        || async {
+            let metrics = scrape(&gateway).await;
+            let in_flight = value(&metrics, &format!("raahi_route_in_flight{held}"));
+            (in_flight == Some(0.0)).then_some(()).ok_or(metrics)
+        },
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -58,25 +58,31 @@ fn demand_is_smoothed_and_a_new_key_counts_whole() {
 fn a_key_joins_when_hot_or_seen_elsewhere_and_leaves_only_when_cold_everywhere() {
     let default = 30.0;
     // Hot: half the default share or more.
-    assert!(wants_report(default, 15.0, 0.0, false));
-    assert!(!wants_report(default, 14.9, 0.0, false));
+    assert!(wants_report(default, 15.0, 0.0, false, true));
+    assert!(!wants_report(default, 14.9, 0.0, false, true));
     // Another gateway reports it and it was seen here.
-    assert!(wants_report(default, 0.5, 40.0, false));
-    assert!(!wants_report(default, 0.0, 40.0, false));
+    assert!(wants_report(default, 0.5, 40.0, false, true));
+    assert!(!wants_report(default, 0.0, 40.0, false, true));
     // ... but not when it is cold there: it would leave again at once.
-    assert!(!wants_report(default, 0.5, 2.9, false));
+    assert!(!wants_report(default, 0.5, 2.9, false, true));
     // Exchanged: stays while warm here or elsewhere (between 10 % and 50 %: no flapping).
-    assert!(wants_report(default, 5.0, 0.0, true));
-    assert!(wants_report(default, 0.0, 3.0, true));
-    assert!(!wants_report(default, 2.9, 2.9, true));
-    assert!(!wants_report(default, 0.0, 0.0, true));
+    assert!(wants_report(default, 5.0, 0.0, true, true));
+    assert!(wants_report(default, 0.0, 3.0, true, true));
+    assert!(!wants_report(default, 2.9, 2.9, true, true));
+    assert!(!wants_report(default, 0.0, 0.0, true, true));
+    // A key busy by its demand but far from its limit by the limiter's count stays out.
+    assert!(!wants_report(default, 15.0, 0.0, false, false));
+    assert!(wants_report(default, 0.5, 40.0, false, false));
 }
 
+/// A key the limiter finds near its limit whenever it offers anything: the simulations here
+/// run keys at or over their share.
 fn use_of(key: u64, offered: u32, shared: bool) -> KeyUse {
     KeyUse {
         key,
         offered,
         shared,
+        near_limit: offered > 0,
     }
 }
 
@@ -559,11 +565,12 @@ async fn a_store_outage_keeps_every_share_and_is_counted_until_it_ends() {
         Answer::Hang,
         Answer::Members(1, Vec::new()),
     ]);
-    harness.offer(10);
+    // Over half the burst at once: near the limit, so reported.
+    harness.offer(60);
     let _ = harness.next_call().await;
     let _ = harness.next_call().await;
     let share = harness.limiter.rate_of_key(KEY).expect("tracked");
-    assert!(close(share, RATE * 100.0 / 400.0), "share {share}");
+    assert!(close(share, RATE * 600.0 / 900.0), "share {share}");
     let synced_at = harness.picture().synced_at;
     assert!(synced_at.is_some());
     for _ in 0..3 {

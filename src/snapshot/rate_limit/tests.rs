@@ -218,7 +218,7 @@ async fn under_cluster_scope_the_offered_requests_are_counted_and_taken() {
     limiter.check(12, Instant::now());
     assert!(limiter.set_share(12, Some(0.5)));
     let mut uses = Vec::new();
-    limiter.take_use(|used| uses.push(used));
+    limiter.take_use(Instant::now(), |used| uses.push(used));
     uses.sort_by_key(|used| used.key);
     assert_eq!(
         uses,
@@ -226,25 +226,62 @@ async fn under_cluster_scope_the_offered_requests_are_counted_and_taken() {
             KeyUse {
                 key: 11,
                 offered: 5,
-                shared: false
+                shared: false,
+                near_limit: true
             },
             KeyUse {
                 key: 12,
                 offered: 1,
-                shared: true
+                shared: true,
+                near_limit: true
             }
         ]
     );
     let mut again = Vec::new();
-    limiter.take_use(|used| again.push(used));
+    limiter.take_use(Instant::now(), |used| again.push(used));
     assert_eq!(
         again,
         vec![KeyUse {
             key: 12,
             offered: 0,
-            shared: true
+            shared: true,
+            near_limit: true
         }]
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_is_near_its_limit_once_refused_or_past_half_its_burst() {
+    let limiter = RateLimiter::new(&RateLimit {
+        scope: RateLimitScope::Cluster,
+        ..limit(10.0, Some(10))
+    });
+    let near = |limiter: &RateLimiter| {
+        let mut near = Vec::new();
+        limiter.take_use(Instant::now(), |used| {
+            near.push((used.key, used.near_limit))
+        });
+        near
+    };
+    for _ in 0..5 {
+        limiter.check(1, Instant::now());
+    }
+    assert_eq!(near(&limiter), vec![(1, false)], "half the burst spent");
+    limiter.check(1, Instant::now());
+    assert_eq!(near(&limiter), vec![(1, true)], "more than half");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    limiter.check(1, Instant::now());
+    assert_eq!(near(&limiter), vec![(1, false)], "refilled");
+    // A refusal counts even when the key has refilled by the time the count is taken.
+    let slow = RateLimiter::new(&RateLimit {
+        scope: RateLimitScope::Cluster,
+        ..limit(10.0, Some(1))
+    });
+    slow.check(2, Instant::now());
+    slow.check(2, Instant::now());
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(near(&slow), vec![(2, true)]);
+    assert_eq!(near(&slow), vec![]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -252,6 +289,6 @@ async fn instance_scope_counts_nothing_for_the_control_task() {
     let limiter = RateLimiter::new(&limit(1.0, Some(1)));
     limiter.check(11, Instant::now());
     let mut uses = Vec::new();
-    limiter.take_use(|used| uses.push(used));
+    limiter.take_use(Instant::now(), |used| uses.push(used));
     assert!(uses.is_empty());
 }
