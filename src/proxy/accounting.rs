@@ -145,6 +145,44 @@ impl Drop for Queued<'_> {
     }
 }
 
+/// What an exchange counts against, to count it the same way once its caller went away and it
+/// finishes on its own (see `detach`): its target, its service under a bounded load, its route
+/// under `max_in_flight`. A client resetting its streams must not take them out of any count.
+#[derive(Clone)]
+pub struct Abandoned {
+    load: Arc<TargetLoad>,
+    service: Option<Arc<ServiceCounters>>,
+    route: Option<Arc<RouteStats>>,
+}
+
+impl Abandoned {
+    /// Counts the abandoned exchange: never refused, it is already under way.
+    pub fn start(&self) -> InFlight {
+        let mut in_flight = InFlight::start(&self.load);
+        if let Some(service) = &self.service {
+            service.in_flight.fetch_add(1, Ordering::Relaxed);
+            in_flight.service = Some(service.clone());
+        }
+        in_flight.route = self.route.as_ref().map(|stats| {
+            stats.in_flight.fetch_add(1, Ordering::Relaxed);
+            RouteSlot(stats.clone())
+        });
+        in_flight
+    }
+}
+
+impl InFlight {
+    /// How to count this exchange should its caller abandon it; `route`: the statistics of
+    /// a route with `max_in_flight`.
+    pub fn if_abandoned(&self, route: Option<Arc<RouteStats>>) -> Abandoned {
+        Abandoned {
+            load: self.load.clone(),
+            service: self.service.clone(),
+            route,
+        }
+    }
+}
+
 /// One request counted under its route's `max_in_flight`, until dropped.
 pub struct RouteSlot(Arc<RouteStats>);
 

@@ -3,7 +3,8 @@
 //! connection, so a client resetting streams as fast as it opens them would cost the target a
 //! connection each. Dropped before it finished, a [`FinishOnDrop`] exchange carries on as a task
 //! of its own instead, reads its answer to the end (within bounds) so its connection goes back
-//! to its pool, and counts against its target meanwhile. Only then is a task spawned: an
+//! to its pool, and counts against its target (and its service and route, where they count)
+//! meanwhile. Only then is a task spawned: an
 //! exchange that finishes with its caller costs one box.
 
 use std::future::Future;
@@ -18,8 +19,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use tokio::time::Duration;
 
-use super::accounting::InFlight;
-use crate::balance::TargetLoad;
+use super::accounting::{Abandoned, InFlight};
 
 /// How long an exchange its caller abandoned may take to finish (answer read to its end), and
 /// how much of an answer it reads, before its connection is given up after all.
@@ -39,8 +39,8 @@ pub struct FinishOnDrop<F: Future> {
     started: bool,
     /// Told when the caller went away, so a request not yet written is not sent at all.
     abandoned: Option<Arc<AtomicBool>>,
-    /// The target the exchange counts against once its caller's count is gone.
-    load: Arc<TargetLoad>,
+    /// What the exchange counts against once its caller's count is gone.
+    counts: Abandoned,
     finish_abandoned: fn(Pin<Box<F>>, InFlight),
 }
 
@@ -54,14 +54,14 @@ where
     pub fn new(
         exchange: F,
         abandoned: Option<Arc<AtomicBool>>,
-        load: Arc<TargetLoad>,
+        counts: Abandoned,
     ) -> FinishOnDrop<F> {
         FinishOnDrop {
             exchange: Some(Box::pin(exchange)),
             yielded: false,
             started: false,
             abandoned,
-            load,
+            counts,
             finish_abandoned: |exchange, in_flight| {
                 tokio::spawn(finish(exchange, in_flight));
             },
@@ -101,7 +101,7 @@ impl<F: Future> Drop for FinishOnDrop<F> {
         }
         // No runtime: the process is going away, and the exchange with it.
         if tokio::runtime::Handle::try_current().is_ok() {
-            (self.finish_abandoned)(exchange, InFlight::start(&self.load));
+            (self.finish_abandoned)(exchange, self.counts.start());
         }
     }
 }

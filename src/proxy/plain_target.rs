@@ -12,12 +12,12 @@ use http::uri::Authority;
 use http::{header, Method, Response};
 use tokio::net::TcpStream;
 
+use super::accounting::Abandoned;
 use super::body::UpstreamRequestBody;
 use super::connect_timing::ConnectTiming;
 use super::detach::FinishOnDrop;
 use super::h1client::{self, Connection, ConnectionHome, ExchangeError, RequestHead, ResponseBody};
 use super::pool::{Pooled, TargetPool};
-use crate::balance::TargetLoad;
 
 /// Why an attempt on a pooled target got no response. The messages leave the target's address
 /// out: they reach clients inside error answers (`ProxyError` carries the target for the log).
@@ -103,7 +103,7 @@ impl PlainTarget {
     /// closed when the request head is written to it (the target ended it meanwhile) is
     /// dropped and the request goes on another: its body was not touched yet.
     ///
-    /// With `finish_if_abandoned` (the target's load), a caller that goes away (a client's
+    /// With `finish_if_abandoned` (what the exchange counts against), a caller that goes away (a client's
     /// HTTP/2 stream reset) leaves the exchange to finish on its own (see `detach`), so the
     /// connection goes back to the pool rather than closed; a request not yet written by then
     /// is not sent at all. A client resetting streams as fast as it opens them then costs the
@@ -112,12 +112,12 @@ impl PlainTarget {
         self: &Arc<Self>,
         head: RequestHead<'_>,
         body: UpstreamRequestBody,
-        finish_if_abandoned: Option<Arc<TargetLoad>>,
+        finish_if_abandoned: Option<Abandoned>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
         let upgrade_asked = head.headers.contains_key(header::UPGRADE);
         let (head, framing) = h1client::encode_head(&head, &body);
-        let Some(load) = finish_if_abandoned else {
+        let Some(counts) = finish_if_abandoned else {
             return self
                 .clone()
                 .exchange(head, framing, method_is_head, upgrade_asked, body, None)
@@ -132,7 +132,7 @@ impl PlainTarget {
             body,
             Some(abandoned.clone()),
         );
-        FinishOnDrop::new(exchange, Some(abandoned), load).await
+        FinishOnDrop::new(exchange, Some(abandoned), counts).await
     }
 
     async fn exchange(
@@ -427,8 +427,9 @@ mod tests {
             headers: &headers,
             host: Some(&host),
         };
+        let counts = crate::proxy::accounting::InFlight::start(&Arc::default()).if_abandoned(None);
         tokio::select! {
-            _ = target.send(head, UpstreamRequestBody::Empty, Some(Arc::default())) => {
+            _ = target.send(head, UpstreamRequestBody::Empty, Some(counts)) => {
                 panic!("answered before the origin got the request")
             }
             _ = received.recv() => {}

@@ -366,3 +366,62 @@ async fn bad_limits_are_refused_naming_their_field_and_good_ones_read_back() {
     assert_eq!(body["rate_limit"], serde_json::Value::Null);
     assert_eq!(body["max_in_flight"], 10);
 }
+
+#[tokio::test]
+async fn a_request_its_client_abandons_keeps_its_place_until_it_ends() {
+    let gateway = TestGateway::start().await;
+    let (release, released) = watch::channel(false);
+    let origin = held_origin(released).await;
+    let service = gateway
+        .service_with_targets(
+            "held",
+            &[json!({"host": origin.ip().to_string(), "port": origin.port()})],
+        )
+        .await;
+    gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "held", "service_id": service, "max_in_flight": 1}),
+        )
+        .await;
+    let in_flight = || async {
+        gateway
+            .metric("raahi_route_in_flight{route=\"held\"}")
+            .await
+    };
+    // An HTTP/2 client whose stream is reset once its request reached the target: the exchange
+    // finishes on its own (its connection goes home), and holds the route's place meanwhile.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .timeout(STEP)
+        .build()
+        .unwrap();
+    let abandoned = tokio::spawn(h2.get(gateway.proxy_url("/x")).send());
+    wait_until("the request is in flight", STEP, || async {
+        let now = in_flight().await;
+        (now == 1).then_some(()).ok_or(now)
+    })
+    .await;
+    abandoned.abort();
+    assert!(abandoned.await.unwrap_err().is_cancelled());
+    crate::common::holds_for(
+        "the abandoned exchange keeps its place",
+        Duration::from_millis(500),
+        || async {
+            let now = in_flight().await;
+            (now == 1).then_some(()).ok_or(now)
+        },
+    )
+    .await;
+    let http = reqwest::Client::builder().timeout(STEP).build().unwrap();
+    let refused = http.get(gateway.proxy_url("/x")).send().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    release.send(true).unwrap();
+    wait_until("the abandoned exchange ended", STEP, || async {
+        let now = in_flight().await;
+        (now == 0).then_some(()).ok_or(now)
+    })
+    .await;
+    let response = http.get(gateway.proxy_url("/x")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+}

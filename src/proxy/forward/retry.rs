@@ -63,6 +63,12 @@ pub(super) async fn send_with_retries(
         .and_then(crate::proxy::grpc::parse_timeout)
         .map(|timeout| (started + timeout, timeout));
     let mut last_failure = None;
+    // A route holding its requests to `max_in_flight` counts the ones its clients abandon too.
+    let counted_route = exchange
+        .route
+        .as_ref()
+        .filter(|route| route.route.max_in_flight.is_some())
+        .map(|route| route.stats.clone());
 
     for attempt in 1..=attempts {
         // A retry goes only to an available target: falling back to an ejected or unhealthy
@@ -137,8 +143,9 @@ pub(super) async fn send_with_retries(
                         headers: &outgoing.headers,
                         host: outgoing.host_from_target.then_some(&target.host_header),
                     };
-                    let finish_if_abandoned =
-                        outgoing.finish_if_abandoned.then(|| target.load.clone());
+                    let finish_if_abandoned = outgoing
+                        .finish_if_abandoned
+                        .then(|| in_flight.if_abandoned(counted_route.clone()));
                     let sending = async {
                         let response = plain.send(head, body, finish_if_abandoned).await?;
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
@@ -151,7 +158,8 @@ pub(super) async fn send_with_retries(
                     let sending = async {
                         let exchange = send_tls(tls, request);
                         let response = if finish_if_abandoned {
-                            FinishOnDrop::new(exchange, None, target.load.clone()).await?
+                            let counts = in_flight.if_abandoned(counted_route.clone());
+                            FinishOnDrop::new(exchange, None, counts).await?
                         } else {
                             exchange.await?
                         };
