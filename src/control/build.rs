@@ -301,7 +301,7 @@ fn target_authority(target: &Target) -> Option<(Authority, HeaderValue)> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::model::TargetState;
 
@@ -315,7 +315,8 @@ mod tests {
         }
     }
 
-    fn service(id: Id) -> Service {
+    /// A plain round-robin service (shared with the other control tests).
+    pub(in crate::control) fn service(id: Id) -> Service {
         let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
         Service {
             limits: crate::model::UpstreamLimits::default(),

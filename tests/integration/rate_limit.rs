@@ -231,9 +231,9 @@ async fn held_origin(release: watch::Receiver<bool>) -> std::net::SocketAddr {
     address
 }
 
-#[tokio::test]
-async fn past_max_in_flight_a_request_gets_503_until_an_answer_ends() {
-    let gateway = TestGateway::start().await;
+/// A route `held` with `max_in_flight` to an origin whose answers wait until the sender
+/// returned is told `true`.
+async fn held_route(gateway: &TestGateway, max_in_flight: u32) -> watch::Sender<bool> {
     let (release, released) = watch::channel(false);
     let origin = held_origin(released).await;
     let service = gateway
@@ -245,9 +245,16 @@ async fn past_max_in_flight_a_request_gets_503_until_an_answer_ends() {
     gateway
         .create(
             "/api/v1/routes",
-            json!({"name": "held", "service_id": service, "max_in_flight": 2}),
+            json!({"name": "held", "service_id": service, "max_in_flight": max_in_flight}),
         )
         .await;
+    release
+}
+
+#[tokio::test]
+async fn past_max_in_flight_a_request_gets_503_until_an_answer_ends() {
+    let gateway = TestGateway::start().await;
+    let release = held_route(&gateway, 2).await;
     // Every request times out rather than wait for ever should one be held unexpectedly.
     let http = reqwest::Client::builder().timeout(STEP).build().unwrap();
     let held: Vec<_> = (0..2)
@@ -370,20 +377,7 @@ async fn bad_limits_are_refused_naming_their_field_and_good_ones_read_back() {
 #[tokio::test]
 async fn a_request_its_client_abandons_keeps_its_place_until_it_ends() {
     let gateway = TestGateway::start().await;
-    let (release, released) = watch::channel(false);
-    let origin = held_origin(released).await;
-    let service = gateway
-        .service_with_targets(
-            "held",
-            &[json!({"host": origin.ip().to_string(), "port": origin.port()})],
-        )
-        .await;
-    gateway
-        .create(
-            "/api/v1/routes",
-            json!({"name": "held", "service_id": service, "max_in_flight": 1}),
-        )
-        .await;
+    let release = held_route(&gateway, 1).await;
     let in_flight = || async {
         gateway
             .metric("raahi_route_in_flight{route=\"held\"}")

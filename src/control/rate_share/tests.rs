@@ -1,6 +1,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::*;
+use crate::control::build::tests::service;
 use crate::model::{Backend, RateLimit, RateLimitKey, Route, RoutingConfig, Service};
 
 const RATE: f64 = 100.0;
@@ -417,31 +418,6 @@ struct Harness {
     limiter: Arc<RateLimiter>,
     calls: mpsc::UnboundedReceiver<Call>,
     left: mpsc::UnboundedReceiver<()>,
-}
-
-fn service(id: Id) -> Service {
-    let at = chrono::DateTime::from_timestamp_millis(0).unwrap();
-    Service {
-        limits: crate::model::UpstreamLimits::default(),
-        id,
-        name: format!("s{id}"),
-        protocol: crate::model::Protocol::Http,
-        upstream_authority: None,
-        tls_sni: None,
-        tls_verify: true,
-        tls_ca_pem: None,
-        lb_policy: crate::model::LbPolicy::RoundRobin,
-        hash_on: None,
-        hash_balance_factor: None,
-        session_persistence: None,
-        timeouts: Default::default(),
-        max_attempts: 2,
-        health_check: None,
-        ejection: Default::default(),
-        managed_by: None,
-        created_at: at,
-        updated_at: at,
-    }
 }
 
 fn start(answers: Vec<Answer>) -> Harness {
