@@ -2,7 +2,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use super::*;
 use crate::control::build::tests::service;
-use crate::model::{Backend, RateLimit, RateLimitKey, Route, RoutingConfig, Service};
+use crate::model::{Backend, RateLimit, RateLimitKey, Route, RoutingConfig};
 
 const RATE: f64 = 100.0;
 const KEY: u64 = 1;
