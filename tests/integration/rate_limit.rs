@@ -31,6 +31,14 @@ async fn limited_route(gateway: &TestGateway, upstream: &Upstream, rules: serde_
     gateway.create("/api/v1/routes", route).await;
 }
 
+async fn status_of(http: &reqwest::Client, gateway: &TestGateway) -> StatusCode {
+    http.get(gateway.proxy_url("/x"))
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
+
 async fn get_with_key(
     http: &reqwest::Client,
     gateway: &TestGateway,
@@ -115,14 +123,7 @@ async fn a_refused_key_is_admitted_again_once_its_interval_passed() {
     .await;
     let http = reqwest::Client::new();
     let admitted_at = tokio::time::Instant::now();
-    assert_eq!(
-        http.get(gateway.proxy_url("/x"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(status_of(&http, &gateway).await, StatusCode::OK);
     // The route's one key: any client is refused now, and admitted again about 3 s later.
     let refused = http
         .get(gateway.proxy_url("/x"))
@@ -138,12 +139,7 @@ async fn a_refused_key_is_admitted_again_once_its_interval_passed() {
         .unwrap();
     assert!((1..=3).contains(&retry_after), "Retry-After {retry_after}");
     wait_until("the route admits a request again", STEP, || async {
-        let status = http
-            .get(gateway.proxy_url("/x"))
-            .send()
-            .await
-            .unwrap()
-            .status();
+        let status = status_of(&http, &gateway).await;
         (status == StatusCode::OK).then_some(()).ok_or(status)
     })
     .await;
@@ -165,14 +161,7 @@ async fn a_request_with_a_body_refused_closes_its_connection() {
     )
     .await;
     let http = reqwest::Client::new();
-    assert_eq!(
-        http.get(gateway.proxy_url("/x"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(status_of(&http, &gateway).await, StatusCode::OK);
     let answer = crate::common::raw_http(
         gateway.proxy,
         "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
@@ -321,6 +310,15 @@ async fn bad_limits_are_refused_naming_their_field_and_good_ones_read_back() {
             json!({"requests_per_second": 5, "max_keys": 0}),
             "rate_limit.max_keys",
         ),
+        (
+            json!({"requests_per_second": 5, "scope": "galaxy"}),
+            "rate_limit.scope",
+        ),
+        (
+            json!({"requests_per_second": 5, "key": "cookie"}),
+            "rate_limit.key",
+        ),
+        (json!({"burst": 5}), "rate_limit.requests_per_second"),
     ];
     for (rate_limit, field) in cases {
         let (status, body) = gateway
