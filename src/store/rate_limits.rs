@@ -48,10 +48,17 @@ const FORGET_AFTER_MS: i64 = 60_000;
 
 /// Takes the database's clock once per exchange: every row this exchange writes carries the
 /// same time, so the rows it did not write are told apart exactly.
-fn presence_sql(now: &str) -> String {
+/// The time strictly increases per gateway (by a millisecond at least): two exchanges within one
+/// tick of the clock must still tell this one's rows from the last one's.
+fn presence_sql(backend: &Backend, now: &str) -> String {
+    let greatest = match backend {
+        Backend::Sqlite(_) => "MAX",
+        Backend::Postgres(_) => "GREATEST",
+    };
     format!(
         "INSERT INTO rate_limit_members (instance_id, seen_at) VALUES ($1, {now})
-         ON CONFLICT (instance_id) DO UPDATE SET seen_at = excluded.seen_at
+         ON CONFLICT (instance_id) DO UPDATE
+            SET seen_at = {greatest}(excluded.seen_at, rate_limit_members.seen_at + 1)
          RETURNING seen_at"
     )
 }
@@ -130,7 +137,7 @@ impl Store {
     ) -> Result<RateExchange, StoreError> {
         let reports = unique_reports(reports);
         let fresh_ms = i64::try_from(fresh.as_millis()).unwrap_or(i64::MAX / 2);
-        let presence = presence_sql(self.now_sql());
+        let presence = presence_sql(&self.backend, self.now_sql());
         let forget_rows = forget_sql(
             &self.backend,
             "rate_limit_demand",
