@@ -5,8 +5,10 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 pub mod path;
+mod retry;
 mod route_rules;
 
+pub use retry::{RetryBackoff, RetryBudget, RetryOn, RetryPolicy, MAX_RETRY_DELAY_MS};
 pub use route_rules::{
     parse_template, Backend, Condition, ConditionTest, Cors, HeaderFilter, Mirror, RateLimit,
     RateLimitKey, RateLimitScope, Redirect, Rewrite, RouteTimeouts, TemplatePart, Variable,
@@ -530,6 +532,9 @@ pub struct Route {
     pub mirror: Option<Mirror>,
     pub cors: Option<Cors>,
     pub timeouts: RouteTimeouts,
+    /// Which failures another attempt may follow, its backoff, per-try timeout, hedging and
+    /// budget; null: the service's `max_attempts` with the default rules and budget.
+    pub retry: Option<RetryPolicy>,
     /// Requests per second per key (429 `rate_limited` past it); null: none.
     pub rate_limit: Option<RateLimit>,
     /// Requests of the route in flight at once on this gateway (503 `too_many_requests` past
@@ -969,6 +974,8 @@ pub struct RouteSpec {
     #[serde(default)]
     pub timeouts: RouteTimeouts,
     #[serde(default)]
+    pub retry: Option<RetryPolicy>,
+    #[serde(default)]
     pub rate_limit: Option<RateLimit>,
     #[serde(default)]
     pub max_in_flight: Option<u32>,
@@ -1099,6 +1106,7 @@ impl Route {
             mirror: self.mirror.clone(),
             cors: self.cors.clone(),
             timeouts: self.timeouts,
+            retry: self.retry.clone(),
             rate_limit: self.rate_limit.clone(),
             max_in_flight: self.max_in_flight,
         }

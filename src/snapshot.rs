@@ -23,6 +23,7 @@ use crate::model::{Id, RateLimit, Route, Service, StreamRoute, Target};
 mod backends;
 mod header_filter;
 mod rate_limit;
+mod retries;
 mod route_match;
 mod sessions;
 mod stream;
@@ -30,6 +31,7 @@ mod stream;
 pub use backends::{BackendRuntime, Backends, Subset};
 pub use header_filter::{CompiledHeaderFilter, Variables};
 pub use rate_limit::{Decision, KeyUse, RateLimiter};
+pub use retries::{RetryCounters, RetryReason, WindowTotals};
 pub use route_match::{cookie_value, query_value, Conditions, RequestView};
 pub use sessions::{Place, SessionTargets};
 pub use stream::{StreamListenerRoutes, StreamRouteEntry, StreamStats, StreamTable};
@@ -79,6 +81,8 @@ pub struct ServiceCounters {
     /// Requests whose session cookie named a target that could not take them: they were
     /// picked anew and given a new cookie.
     pub sessions_repinned: AtomicU64,
+    /// The retry budget's window and what retries and hedges were sent for.
+    pub retries: RetryCounters,
 }
 
 /// Gateway-wide counters of the data path (for metrics).

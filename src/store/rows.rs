@@ -5,8 +5,8 @@ use chrono::{DateTime, TimeZone, Utc};
 use super::StoreError;
 use crate::model::{
     Backend, Condition, Cors, DiscoverySource, HeaderFilter, Health, LbPolicy, Mirror, Protocol,
-    ProviderKind, RateLimit, Redirect, Rewrite, Role, Route, RouteSpec, RouteTimeouts, Service,
-    SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
+    ProviderKind, RateLimit, Redirect, RetryPolicy, Rewrite, Role, Route, RouteSpec, RouteTimeouts,
+    Service, SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
 };
 
 pub(super) fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
@@ -230,6 +230,7 @@ impl TryFrom<RouteRow> for Route {
             mirror: rules.mirror,
             cors: rules.cors,
             timeouts: rules.timeouts,
+            retry: rules.retry,
             rate_limit: rules.rate_limit,
             max_in_flight: rules.max_in_flight,
             preserve_host: row.preserve_host,
@@ -413,6 +414,8 @@ pub(super) struct RouteRules {
     #[serde(skip_serializing_if = "RouteTimeouts::is_empty")]
     pub timeouts: RouteTimeouts,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryPolicy>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimit>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
@@ -434,6 +437,7 @@ impl RouteRules {
             mirror: spec.mirror.clone(),
             cors: spec.cors.clone(),
             timeouts: spec.timeouts,
+            retry: spec.retry.clone(),
             rate_limit: spec.rate_limit.clone(),
             max_in_flight: spec.max_in_flight,
         }
