@@ -85,6 +85,14 @@ pub(super) struct Exchange {
     pub target: Option<Authority>,
     /// From the first attempt's start to the upstream's response headers (or the failure).
     pub upstream_elapsed: Option<Duration>,
+    /// Attempts sent upstream, hedges included (0: none reached a target's pick).
+    pub attempts: u8,
+    /// Why the last retry was sent, when there was one.
+    pub retried: Option<crate::snapshot::RetryReason>,
+    /// A hedged attempt was sent.
+    pub hedged: bool,
+    /// The answer passed on is a failure the retry budget kept from being retried.
+    pub budget_exhausted: bool,
     /// The request's spans, when it is recorded.
     pub trace: Option<Box<RequestTrace>>,
     /// The trace the request belongs to: the one it came with, or the one Raahi started.
