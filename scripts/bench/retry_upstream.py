@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""A target behind every proxy in scripts/bench-retry.sh: a small asyncio HTTP/1.1 server that
+counts the requests it receives, so that "upstream attempts per client request" is exact.
+
+Keep-alive; reads request bodies by Content-Length or chunked coding. --mode:
+  ok               every request: 200 "ok"
+  503              every request: 503 "unavailable" (no Retry-After), connection kept
+  stall-1-in-100   every --stall-every'th request it receives (the 100th, 200th, ...) is answered
+                   200 after --stall-ms (2,000 ms); every other one at once
+A request counts as a hit as soon as its head has been read, whatever happens to it after (a
+proxy that cancels a hedged or timed-out attempt still cost the target one). GET /__hits is not
+counted: it answers, with Connection: close, one JSON object
+{"name", "mode", "hits", "stalled", "per_second": {"<unix second>": hits}}; the same object is
+printed to stdout on SIGTERM or SIGINT. Only 127.0.0.1 is used; no dependency beyond Python 3.
+"""
+import argparse
+import asyncio
+import json
+import signal
+import time
+
+MODES = ("ok", "503", "stall-1-in-100")
+STATE = {"name": "", "mode": "ok", "hits": 0, "stalled": 0, "per_second": {}}
+STALL_EVERY = 100
+STALL = 2.0
+
+
+def response(status, reason, body, name, close=False):
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\nX-Upstream: {name}\r\n")
+    if close:
+        head += "Connection: close\r\n"
+    return (head + "\r\n").encode() + body
+
+
+OK = b""
+OK_CLOSE = b""
+UNAVAILABLE = b""
+UNAVAILABLE_CLOSE = b""
+
+
+class Aborted(Exception):
+    pass
+
+
+async def read_body(reader, headers):
+    te = headers.get(b"transfer-encoding", b"").lower()
+    if te:
+        if not te.endswith(b"chunked"):
+            raise Aborted()
+        while True:
+            line = await reader.readline()
+            if not line.endswith(b"\n"):
+                raise Aborted()
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, up to the empty line
+                    line = await reader.readline()
+                    if not line.endswith(b"\n"):
+                        raise Aborted()
+                    if line in (b"\r\n", b"\n"):
+                        return
+            await reader.readexactly(size + 2)
+    length = int(headers.get(b"content-length", b"0") or b"0")
+    while length > 0:
+        chunk = await reader.read(min(length, 65536))
+        if not chunk:
+            raise Aborted()
+        length -= len(chunk)
+
+
+def snapshot():
+    return json.dumps(STATE, separators=(",", ":"))
+
+
+async def handle(reader, writer):
+    try:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            lines = head.split(b"\r\n")
+            request_line = lines[0].split(b" ")
+            target = request_line[1] if len(request_line) > 1 else b""
+            version = request_line[-1]
+            if target == b"/__hits":
+                body = snapshot().encode() + b"\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                return
+            STATE["hits"] += 1
+            second = str(int(time.time()))
+            per_second = STATE["per_second"]
+            per_second[second] = per_second.get(second, 0) + 1
+            stall = STATE["mode"] == "stall-1-in-100" and STATE["hits"] % STALL_EVERY == 0
+            headers = {}
+            for line in lines[1:]:
+                if b":" in line:
+                    name, value = line.split(b":", 1)
+                    headers[name.strip().lower()] = value.strip()
+            try:
+                await read_body(reader, headers)
+            except (Aborted, asyncio.IncompleteReadError, ValueError, ConnectionError, OSError):
+                return
+            close = (headers.get(b"connection", b"").lower() == b"close"
+                     or version == b"HTTP/1.0")
+            if stall:
+                STATE["stalled"] += 1
+                await asyncio.sleep(STALL)
+            if STATE["mode"] == "503":
+                writer.write(UNAVAILABLE_CLOSE if close else UNAVAILABLE)
+            else:
+                writer.write(OK_CLOSE if close else OK)
+            await writer.drain()
+            if close:
+                return
+    except (ConnectionError, asyncio.LimitOverrunError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main():
+    global OK, OK_CLOSE, UNAVAILABLE, UNAVAILABLE_CLOSE, STALL_EVERY, STALL
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=MODES, default="ok")
+    parser.add_argument("--name", default="u")
+    parser.add_argument("--stall-ms", type=float, default=2000.0)
+    parser.add_argument("--stall-every", type=int, default=100)
+    args = parser.parse_args()
+    if args.stall_every < 1:
+        parser.error("--stall-every must be at least 1")
+    STATE["name"], STATE["mode"] = args.name, args.mode
+    STALL_EVERY, STALL = args.stall_every, args.stall_ms / 1000
+    OK = response(200, "OK", b"ok\n", args.name)
+    OK_CLOSE = response(200, "OK", b"ok\n", args.name, close=True)
+    UNAVAILABLE = response(503, "Service Unavailable", b"unavailable\n", args.name)
+    UNAVAILABLE_CLOSE = response(503, "Service Unavailable", b"unavailable\n", args.name, close=True)
+    server = await asyncio.start_server(handle, "127.0.0.1", args.port, backlog=4096,
+                                        limit=65536, reuse_address=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+        print(snapshot(), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
