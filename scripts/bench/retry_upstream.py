@@ -16,6 +16,7 @@ printed to stdout on SIGTERM or SIGINT. Only 127.0.0.1 is used; no dependency be
 import argparse
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -145,9 +146,11 @@ async def main():
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
-        print(snapshot(), flush=True)
+    await stop.wait()
+    print(snapshot(), flush=True)
+    # not server.wait_closed(): it would wait for every proxy's idle keep-alive connection
+    server.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":
