@@ -43,7 +43,8 @@
 #   OUTAGE_SECONDS=18 HALF_SECONDS=10 STALL_SECONDS=16 CALIBRATE_SECONDS=6
 #   SCENARIOS="outage half stall"
 #   PROXIES="raahi haproxy nginx nginx-nofail"
-#   HEDGE_AFTER_MS=       raahi's hedge_after_ms in stall (empty: from the calibration)
+#   HEDGE_AFTER_MS=       raahi's hedge_after_ms in stall (empty: from the calibration; none:
+#                         no hedging, raahi measured plain like the others)
 #   NGINX_MAX_FAILS=      nginx `server ... max_fails=N` (empty: nginx's default, 1 in 10 s)
 #   LOADGEN_CPU=0 PROXY_CPU=1
 #   RAAHI_LOG=warn        RUST_LOG for raahi
@@ -78,7 +79,7 @@ die() { printf '[bench-retry] error: %s\n' "$*" >&2; exit 1; }
 for var in RATE STREAMS TARGETS OUTAGE_SECONDS HALF_SECONDS STALL_SECONDS CALIBRATE_SECONDS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
-[[ -z $HEDGE_AFTER_MS || $HEDGE_AFTER_MS =~ ^[0-9]+$ ]] || die "HEDGE_AFTER_MS must be a whole number"
+[[ -z $HEDGE_AFTER_MS || $HEDGE_AFTER_MS =~ ^([0-9]+|none)$ ]] || die "HEDGE_AFTER_MS must be a whole number or none"
 [[ -z $NGINX_MAX_FAILS || $NGINX_MAX_FAILS =~ ^[0-9]+$ ]] || die "NGINX_MAX_FAILS must be a whole number"
 ((RATE >= 1 && STREAMS >= 1 && TARGETS >= 2)) || die "RATE and STREAMS must be at least 1, TARGETS at least 2"
 ((OUTAGE_SECONDS >= 12)) || die "OUTAGE_SECONDS must be at least 12 (the budget's 10 s window, then measured seconds)"
@@ -457,7 +458,9 @@ print(max(1, math.ceil(p95)))' "$RESULTS")
         mapfile -t target_modes < <(modes "$TARGETS" stall-1-in-100)
         for proxy in "${PROXY_LIST[@]}"; do
             [[ $proxy == nginx-nofail ]] && continue
-            run stall "$proxy" "$STALL_SECONDS" 1 3 "{\"attempts\": 2, \"hedge_after_ms\": ${HEDGE_AFTER_MS:-null}}" \
+            hedge=${HEDGE_AFTER_MS:-null}
+            [[ $hedge == none ]] && hedge=null
+            run stall "$proxy" "$STALL_SECONDS" 1 3 "{\"attempts\": 2, \"hedge_after_ms\": $hedge}" \
                 "${target_modes[@]}"
         done
         ;;

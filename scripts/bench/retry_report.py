@@ -96,6 +96,8 @@ def run(args):
     after_first = [r for r in rows if r[0] >= first_us + 1_000_000]
     latencies = sorted(r[2] / 1000 for r in w_rows)  # ms
     p50 = percentile(latencies, 50)
+    # the last ten whole seconds before the tail: one full budget window in steady state
+    last10 = [s for s in range(max(first_sec + 1, hi - 10), hi)]
     out = {
         "scenario": scenario,
         "proxy": proxy,
@@ -121,6 +123,8 @@ def run(args):
                    "max_ms": latencies[-1] if latencies else None,
                    "over_3x_p50": sum(1 for x in latencies if p50 and x > 3 * p50),
                    "over_1s": sum(1 for x in latencies if x > 1000)},
+        "last_10s": {"seconds": len(last10), "requests": sum(requests_ps.get(s, 0) for s in last10),
+                     "upstream_hits": sum(hits_ps.get(s, 0) for s in last10)},
         # attempts per request second by second: what a budget window filling up looks like
         "per_second": [[s - first_sec, requests_ps.get(s, 0), hits_ps.get(s, 0)]
                        for s in range(first_sec, last_sec + 1)],
@@ -145,14 +149,19 @@ def table(path):
     if "outage" in by:
         print("\n**A. Total outage** (every target answers 503), fixed rate:\n")
         print("| proxy | client req/s | client requests | upstream attempts | attempts / request |"
-              " after the first 10 s | client statuses |")
-        print("|---|---:|---:|---:|---:|---:|---|")
+              " after the first 10 s | last 10 s | client statuses |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
         for r in by["outage"]:
-            w = r["window"]
+            w, t = r["window"], r["last_10s"]
+            last = t["upstream_hits"] / t["requests"] if t["requests"] else None
             print(f"| {r['proxy']} | {r['rate']:.0f} | {r['requests']:,} | {r['upstream_hits']:,} | "
                   f"**{r['attempts_per_request']:.3f}** | {fmt(w['attempts_per_request'], 3)}"
-                  f" ({w['seconds']} s: {w['upstream_hits']:,} / {w['requests']:,}) | "
+                  f" ({w['seconds']} s: {w['upstream_hits']:,} / {w['requests']:,}) | {fmt(last, 3)} | "
                   + ", ".join(f"{k}: {v:,}" for k, v in sorted(r["statuses"].items())) + " |")
+        print("\nAttempts per request, second by second (the first and last seconds are partial):\n")
+        for r in by["outage"]:
+            print(f"- {r['proxy']}: " + " ".join(
+                f"{hits / n:.2f}" if n else "-" for _, n, hits in r["per_second"]))
     if "half" in by:
         print("\n**B. Half the targets failing** (503), fixed rate:\n")
         print("| proxy | client requests | success | success after the first second |"
