@@ -16,9 +16,9 @@
 #           over the whole run and after the first 10 s (the budget's window full)
 #   half    the first half of the targets answer 503, the others 200, $HALF_SECONDS s: share of
 #           client requests answered 2xx after the first second
-#   stall   every target answers at once except its 100th, 200th, ... request, answered after
-#           2 s (1 % of the requests), $STALL_SECONDS s: client p50/p99 and the extra upstream
-#           requests. First a calibration run per proxy with every target answering at once
+#   stall   every target answers each request at once, except that with a chance of 1 in 100
+#           (seeded per target: the same draws every run, independent between targets) it
+#           answers after 2 s, $STALL_SECONDS s: client p50/p99 and the extra upstream requests. First a calibration run per proxy with every target answering at once
 #           ($CALIBRATE_SECONDS s); raahi's hedge_after_ms is its p95 rounded up to a whole ms
 #           (HEDGE_AFTER_MS sets it instead). HAProxy and NGINX have no hedging: they run plain.
 # Configuration:

@@ -32,14 +32,15 @@ def percentile(values, p):
 
 
 def load_hits(pattern):
-    total, per_second = 0, {}
+    total, stalled, per_second = 0, 0, {}
     for path in sorted(glob.glob(pattern)):
         with open(path) as f:
             data = json.load(f)
         total += data["hits"]
+        stalled += data["stalled"]
         for second, n in data["per_second"].items():
             per_second[int(second)] = per_second.get(int(second), 0) + n
-    return total, per_second
+    return total, stalled, per_second
 
 
 def h2load_counts(path):
@@ -70,11 +71,12 @@ def run(args):
     if not rows:
         sys.exit(f"no requests in {d}/requests.log")
     rows.sort()
-    before_total, before_ps = load_hits(os.path.join(d, "hits-before-*.json"))
-    after_total, after_ps = load_hits(os.path.join(d, "hits-after-*.json"))
+    before_total, before_stalled, before_ps = load_hits(os.path.join(d, "hits-before-*.json"))
+    after_total, after_stalled, after_ps = load_hits(os.path.join(d, "hits-after-*.json"))
     hits_ps = {s: n - before_ps.get(s, 0) for s, n in after_ps.items() if n - before_ps.get(s, 0)}
     hits = after_total - before_total
 
+    sent = h2load_counts(os.path.join(d, "h2load.txt")).get("started") or len(rows)
     first_us, last_us = rows[0][0], rows[-1][0]
     first_sec, last_sec = first_us // 1_000_000, last_us // 1_000_000
     lo, hi = first_sec + 1 + skip, last_sec - tail  # whole seconds lo .. hi-1
@@ -107,7 +109,10 @@ def run(args):
         "h2load": h2load_counts(os.path.join(d, "h2load.txt")),
         "statuses": statuses,
         "upstream_hits": hits,
+        "stalled_attempts": after_stalled - before_stalled,
         "attempts_per_request": round(hits / len(rows), 4),
+        # against the requests h2load sent, answered or not (the targets were read after them)
+        "extra_upstream_pct": round(100 * (hits - sent) / sent, 3),
         "success": round(sum(ok(r[1]) for r in rows) / len(rows), 6),
         "success_after_1s": round(sum(ok(r[1]) for r in after_first) / max(len(after_first), 1), 6),
         "requests_after_1s": len(after_first),
@@ -178,15 +183,16 @@ def table(path):
             continue
         print(f"\n**{title}, fixed rate; latency over the window:\n")
         print("| proxy | requests in window | p50 ms | p95 ms | p99 ms | p99 / p50 | p99.9 ms |"
-              " max ms | > 3 × p50 | > 1 s | extra upstream requests |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              " max ms | > 3 × p50 | > 1 s | stalled attempts | extra upstream requests (window) |"
+              " (whole run) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in by[name]:
             w = r["window"]
             ratio = w["p99_ms"] / w["p50_ms"] if w["p50_ms"] else None
             print(f"| {r['proxy']} | {w['requests']:,} | {fmt(w['p50_ms'], 3)} | {fmt(w['p95_ms'], 3)} |"
                   f" **{fmt(w['p99_ms'], 3)}** | {fmt(ratio, 1)} | {fmt(w['p999_ms'], 1)} |"
-                  f" {fmt(w['max_ms'], 1)} | {w['over_3x_p50']} | {w['over_1s']} |"
-                  f" **{fmt(w['extra_upstream_pct'], 2)} %** |")
+                  f" {fmt(w['max_ms'], 1)} | {w['over_3x_p50']} | {w['over_1s']} | {r['stalled_attempts']} |"
+                  f" {fmt(w['extra_upstream_pct'], 2)} % | **{fmt(r['extra_upstream_pct'], 2)} %** |")
     for r in results:
         if r.get("raahi_metrics"):
             print(f"\n{r['scenario']} {r['proxy']}: " + "; ".join(r["raahi_metrics"]))

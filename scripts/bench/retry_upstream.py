@@ -5,8 +5,13 @@ counts the requests it receives, so that "upstream attempts per client request" 
 Keep-alive; reads request bodies by Content-Length or chunked coding. --mode:
   ok               every request: 200 "ok"
   503              every request: 503 "unavailable" (no Retry-After), connection kept
-  stall-1-in-100   every --stall-every'th request it receives (the 100th, 200th, ...) is answered
-                   200 after --stall-ms (2,000 ms); every other one at once
+  stall-1-in-100   each request it receives is answered 200 after --stall-ms (2,000 ms) with a
+                   chance of 1 in --stall-every (100), at once otherwise. The draws come from a
+                   random generator seeded with --name, so a target stalls the same requests
+                   (its n-th, m-th, ...) in every run, and targets stall independently of each
+                   other (every 100th request of each target, under round robin, would stall
+                   the targets in step: a hedge sent to the next target would often be its
+                   stalled one)
 A request counts as a hit as soon as its head has been read, whatever happens to it after (a
 proxy that cancels a hedged or timed-out attempt still cost the target one). GET /__hits is not
 counted: it answers, with Connection: close, one JSON object
@@ -16,6 +21,7 @@ printed to stdout on SIGTERM or SIGINT. Only 127.0.0.1 is used; no dependency be
 import argparse
 import asyncio
 import json
+import random
 import os
 import signal
 import time
@@ -24,6 +30,7 @@ MODES = ("ok", "503", "stall-1-in-100")
 STATE = {"name": "", "mode": "ok", "hits": 0, "stalled": 0, "per_second": {}}
 STALL_EVERY = 100
 STALL = 2.0
+RANDOM = random.Random()
 
 
 def response(status, reason, body, name, close=False):
@@ -95,7 +102,7 @@ async def handle(reader, writer):
             second = str(int(time.time()))
             per_second = STATE["per_second"]
             per_second[second] = per_second.get(second, 0) + 1
-            stall = STATE["mode"] == "stall-1-in-100" and STATE["hits"] % STALL_EVERY == 0
+            stall = STATE["mode"] == "stall-1-in-100" and RANDOM.randrange(STALL_EVERY) == 0
             headers = {}
             for line in lines[1:]:
                 if b":" in line:
@@ -136,6 +143,7 @@ async def main():
         parser.error("--stall-every must be at least 1")
     STATE["name"], STATE["mode"] = args.name, args.mode
     STALL_EVERY, STALL = args.stall_every, args.stall_ms / 1000
+    RANDOM.seed(f"retry-upstream-{args.name}")
     OK = response(200, "OK", b"ok\n", args.name)
     OK_CLOSE = response(200, "OK", b"ok\n", args.name, close=True)
     UNAVAILABLE = response(503, "Service Unavailable", b"unavailable\n", args.name)
