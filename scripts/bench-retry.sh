@@ -20,7 +20,7 @@
 #           (seeded per target: the same draws every run, independent between targets) it
 #           answers after 2 s, $STALL_SECONDS s: client p50/p99 and the extra upstream requests. First a calibration run per proxy with every target answering at once
 #           ($CALIBRATE_SECONDS s); raahi's hedge_after_ms is its p95 rounded up to a whole ms
-#           (HEDGE_AFTER_MS sets it instead). HAProxy and NGINX have no hedging: they run plain.
+#           (HEDGE_AFTER_MS sets it instead; with ROUNDS > 1, the first round's calibration). HAProxy and NGINX have no hedging: they run plain.
 # Configuration:
 #   raahi    route retry {"attempts": 3, "on": ["gateway_error", "connect_failure", "reset"]}
 #            (outage, half), {"attempts": 2, "hedge_after_ms": H} (stall); the default budget
@@ -42,6 +42,8 @@
 #   TARGETS=4             targets behind each proxy (half: the first TARGETS/2 answer 503)
 #   OUTAGE_SECONDS=18 HALF_SECONDS=10 STALL_SECONDS=16 CALIBRATE_SECONDS=6
 #   SCENARIOS="outage half stall"
+#   ROUNDS=1              rounds of every scenario (the proxy that goes first rotates); the
+#                         tables list every run, "#N" naming its round when ROUNDS > 1
 #   PROXIES="raahi haproxy nginx nginx-nofail"
 #   HEDGE_AFTER_MS=       raahi's hedge_after_ms in stall (empty: from the calibration; none:
 #                         no hedging, raahi measured plain like the others)
@@ -65,6 +67,7 @@ OUTAGE_SECONDS=${OUTAGE_SECONDS:-18}
 HALF_SECONDS=${HALF_SECONDS:-10}
 STALL_SECONDS=${STALL_SECONDS:-16}
 CALIBRATE_SECONDS=${CALIBRATE_SECONDS:-6}
+ROUNDS=${ROUNDS:-1}
 HEDGE_AFTER_MS=${HEDGE_AFTER_MS:-}
 NGINX_MAX_FAILS=${NGINX_MAX_FAILS:-}
 LOADGEN_CPU=${LOADGEN_CPU:-0}
@@ -76,12 +79,13 @@ read -r -a PROXY_LIST <<<"${PROXIES:-raahi haproxy nginx nginx-nofail}"
 log() { printf '[bench-retry] %s\n' "$*" >&2; }
 die() { printf '[bench-retry] error: %s\n' "$*" >&2; exit 1; }
 
-for var in RATE STREAMS TARGETS OUTAGE_SECONDS HALF_SECONDS STALL_SECONDS CALIBRATE_SECONDS; do
+for var in RATE STREAMS TARGETS OUTAGE_SECONDS HALF_SECONDS STALL_SECONDS CALIBRATE_SECONDS ROUNDS; do
     [[ ${!var} =~ ^[0-9]+$ ]] || die "$var must be a whole number, got '${!var}'"
 done
 [[ -z $HEDGE_AFTER_MS || $HEDGE_AFTER_MS =~ ^([0-9]+|none)$ ]] || die "HEDGE_AFTER_MS must be a whole number or none"
 [[ -z $NGINX_MAX_FAILS || $NGINX_MAX_FAILS =~ ^[0-9]+$ ]] || die "NGINX_MAX_FAILS must be a whole number"
-((RATE >= 1 && STREAMS >= 1 && TARGETS >= 2)) || die "RATE and STREAMS must be at least 1, TARGETS at least 2"
+((RATE >= 1 && STREAMS >= 1 && ROUNDS >= 1 && TARGETS >= 2)) ||
+    die "RATE, STREAMS and ROUNDS must be at least 1, TARGETS at least 2"
 ((OUTAGE_SECONDS >= 12)) || die "OUTAGE_SECONDS must be at least 12 (the budget's 10 s window, then measured seconds)"
 ((HALF_SECONDS >= 3 && STALL_SECONDS >= 6 && CALIBRATE_SECONDS >= 5)) ||
     die "HALF_SECONDS must be at least 3, STALL_SECONDS at least 6, CALIBRATE_SECONDS at least 5"
@@ -380,7 +384,7 @@ RETRY_STATUS='{"attempts": 3, "on": ["gateway_error", "connect_failure", "reset"
 run() {
     local name=$1 proxy=$2 seconds=$3 skip=$4 tail=$5 retry=$6 dir settle=1 status
     shift 6
-    dir=$WORK/$name-$proxy
+    dir=$WORK/$name-$proxy-$ROUND
     mkdir -p "$dir"
     start_targets "$dir" "$@"
     "start_$proxy" "$dir" "$retry"
@@ -388,7 +392,7 @@ run() {
     wait_for "$proxy" "$PROXY_PID" "$PROXY_URL" '[1-35][0-9][0-9]' 30 "$PROXY_LOG" --http2-prior-knowledge
     # probes and set-up requests are not counted: the counters are read after them
     read_hits "$dir" before
-    log "$name, $proxy: ${seconds}s at $RATE requests/s"
+    log "round $ROUND, $name, $proxy: ${seconds}s at $RATE requests/s"
     taskset -c "$LOADGEN_CPU" h2load -c1 -m"$STREAMS" --rps "$RATE" -D "$seconds" \
         --log-file="$dir/requests.log" "$PROXY_URL" >"$dir/h2load.txt" 2>&1 </dev/null || {
         tail -n 5 "$dir/h2load.txt" >&2
@@ -402,8 +406,8 @@ run() {
     status=$(http_status "$PROXY_URL" --http2-prior-knowledge)
     stop_pids "$PROXY_PID" "${UP_PIDS[@]}"
     [[ $status == 000 ]] && log "warning: $proxy did not answer after the run"
-    python3 "$BENCH/retry_report.py" run --scenario "$name" --proxy "$proxy" --dir "$dir" \
-        --skip "$skip" --tail "$tail" >>"$RESULTS" || die "no figures for $name, $proxy"
+    python3 "$BENCH/retry_report.py" run --scenario "$name" --proxy "$proxy" --round "$ROUND" \
+        --dir "$dir" --skip "$skip" --tail "$tail" >>"$RESULTS" || die "no figures for $name, $proxy"
     python3 - "$RESULTS" >&2 <<'PY'
 import json, sys
 r = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][-1]
@@ -425,46 +429,58 @@ modes() { # N MODE: MODE N times
     for ((i = 0; i < $1; i++)); do printf '%s\n' "$2"; done
 }
 
-for scenario in "${SCENARIO_LIST[@]}"; do
-    case $scenario in
-    outage)
-        mapfile -t target_modes < <(modes "$TARGETS" 503)
-        for proxy in "${PROXY_LIST[@]}"; do
-            run outage "$proxy" "$OUTAGE_SECONDS" 10 1 "$RETRY_STATUS" "${target_modes[@]}"
-        done
-        ;;
-    half)
-        mapfile -t target_modes < <(modes $((TARGETS / 2)) 503; modes $((TARGETS - TARGETS / 2)) ok)
-        for proxy in "${PROXY_LIST[@]}"; do
-            run half "$proxy" "$HALF_SECONDS" 0 1 "$RETRY_STATUS" "${target_modes[@]}"
-        done
-        ;;
-    stall)
-        mapfile -t target_modes < <(modes "$TARGETS" ok)
-        for proxy in "${PROXY_LIST[@]}"; do
-            [[ $proxy == nginx-nofail ]] && continue
-            run calibrate "$proxy" "$CALIBRATE_SECONDS" 1 1 '{"attempts": 2}' "${target_modes[@]}"
-        done
-        if ((with_raahi)) && [[ -z $HEDGE_AFTER_MS ]]; then
-            HEDGE_AFTER_MS=$(python3 -c '
+# hedge_after_ms from the first round's calibration of raahi, unless HEDGE_AFTER_MS is set
+hedge_from_calibration() {
+    python3 -c '
 import json, math, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r["scenario"] == "calibrate" and r["proxy"] == "raahi":
-        p95 = r["window"]["p95_ms"]
-print(max(1, math.ceil(p95)))' "$RESULTS")
-            log "raahi's p95 with every target answering at once: hedge_after_ms $HEDGE_AFTER_MS"
-        fi
-        mapfile -t target_modes < <(modes "$TARGETS" stall-1-in-100)
-        for proxy in "${PROXY_LIST[@]}"; do
-            [[ $proxy == nginx-nofail ]] && continue
+        print(max(1, math.ceil(r["window"]["p95_ms"])))
+        break' "$RESULTS"
+}
+
+for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
+    # the proxy that goes first changes each round, so none always follows the same one
+    order=()
+    for ((i = 0; i < ${#PROXY_LIST[@]}; i++)); do
+        order+=("${PROXY_LIST[$(((i + ROUND - 1) % ${#PROXY_LIST[@]}))]}")
+    done
+    for scenario in "${SCENARIO_LIST[@]}"; do
+        case $scenario in
+        outage)
+            mapfile -t target_modes < <(modes "$TARGETS" 503)
+            for proxy in "${order[@]}"; do
+                run outage "$proxy" "$OUTAGE_SECONDS" 10 1 "$RETRY_STATUS" "${target_modes[@]}"
+            done
+            ;;
+        half)
+            mapfile -t target_modes < <(modes $((TARGETS / 2)) 503; modes $((TARGETS - TARGETS / 2)) ok)
+            for proxy in "${order[@]}"; do
+                run half "$proxy" "$HALF_SECONDS" 0 1 "$RETRY_STATUS" "${target_modes[@]}"
+            done
+            ;;
+        stall)
+            mapfile -t target_modes < <(modes "$TARGETS" ok)
+            for proxy in "${order[@]}"; do
+                [[ $proxy == nginx-nofail ]] && continue
+                run calibrate "$proxy" "$CALIBRATE_SECONDS" 1 1 '{"attempts": 2}' "${target_modes[@]}"
+            done
+            if ((with_raahi)) && [[ -z $HEDGE_AFTER_MS ]]; then
+                HEDGE_AFTER_MS=$(hedge_from_calibration)
+                log "raahi's p95 with every target answering at once: hedge_after_ms $HEDGE_AFTER_MS"
+            fi
             hedge=${HEDGE_AFTER_MS:-null}
             [[ $hedge == none ]] && hedge=null
-            run stall "$proxy" "$STALL_SECONDS" 1 3 "{\"attempts\": 2, \"hedge_after_ms\": $hedge}" \
-                "${target_modes[@]}"
-        done
-        ;;
-    esac
+            mapfile -t target_modes < <(modes "$TARGETS" stall-1-in-100)
+            for proxy in "${order[@]}"; do
+                [[ $proxy == nginx-nofail ]] && continue
+                run stall "$proxy" "$STALL_SECONDS" 1 3 "{\"attempts\": 2, \"hedge_after_ms\": $hedge}" \
+                    "${target_modes[@]}"
+            done
+            ;;
+        esac
+    done
 done
 
 echo

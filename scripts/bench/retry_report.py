@@ -103,6 +103,7 @@ def run(args):
     out = {
         "scenario": scenario,
         "proxy": proxy,
+        "round": int(opts.get("--round", 1)),
         "seconds": round((last_us - first_us) / 1e6, 2),
         "requests": len(rows),
         "rate": round(len(rows) / max((last_us - first_us) / 1e6, 1e-9), 1),
@@ -148,6 +149,11 @@ def fmt(x, digits=2):
 def table(path):
     with open(path) as f:
         results = [json.loads(line) for line in f if line.strip()]
+    rounds = max(r.get("round", 1) for r in results) if results else 1
+    proxies = list(dict.fromkeys(r["proxy"] for r in results))
+    results.sort(key=lambda r: (proxies.index(r["proxy"]), r.get("round", 1)))
+    for r in results:
+        r["label"] = f"{r['proxy']} #{r.get('round', 1)}" if rounds > 1 else r["proxy"]
     by = {}
     for r in results:
         by.setdefault(r["scenario"], []).append(r)
@@ -159,13 +165,13 @@ def table(path):
         for r in by["outage"]:
             w, t = r["window"], r["last_10s"]
             last = t["upstream_hits"] / t["requests"] if t["requests"] else None
-            print(f"| {r['proxy']} | {r['rate']:.0f} | {r['requests']:,} | {r['upstream_hits']:,} | "
+            print(f"| {r['label']} | {r['rate']:.0f} | {r['requests']:,} | {r['upstream_hits']:,} | "
                   f"**{r['attempts_per_request']:.3f}** | {fmt(w['attempts_per_request'], 3)}"
                   f" ({w['seconds']} s: {w['upstream_hits']:,} / {w['requests']:,}) | {fmt(last, 3)} | "
                   + ", ".join(f"{k}: {v:,}" for k, v in sorted(r["statuses"].items())) + " |")
         print("\nAttempts per request, second by second (the first and last seconds are partial):\n")
         for r in by["outage"]:
-            print(f"- {r['proxy']}: " + " ".join(
+            print(f"- {r['label']}: " + " ".join(
                 f"{hits / n:.2f}" if n else "-" for _, n, hits in r["per_second"]))
     if "half" in by:
         print("\n**B. Half the targets failing** (503), fixed rate:\n")
@@ -173,7 +179,7 @@ def table(path):
               " failures after 1 s | attempts / request | client statuses |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for r in by["half"]:
-            print(f"| {r['proxy']} | {r['requests']:,} | {100 * r['success']:.2f} % | "
+            print(f"| {r['label']} | {r['requests']:,} | {100 * r['success']:.2f} % | "
                   f"**{100 * r['success_after_1s']:.3f} %** | {r['failures_after_1s']:,} / "
                   f"{r['requests_after_1s']:,} | {r['attempts_per_request']:.3f} | "
                   + ", ".join(f"{k}: {v:,}" for k, v in sorted(r["statuses"].items())) + " |")
@@ -189,13 +195,13 @@ def table(path):
         for r in by[name]:
             w = r["window"]
             ratio = w["p99_ms"] / w["p50_ms"] if w["p50_ms"] else None
-            print(f"| {r['proxy']} | {w['requests']:,} | {fmt(w['p50_ms'], 3)} | {fmt(w['p95_ms'], 3)} |"
+            print(f"| {r['label']} | {w['requests']:,} | {fmt(w['p50_ms'], 3)} | {fmt(w['p95_ms'], 3)} |"
                   f" **{fmt(w['p99_ms'], 3)}** | {fmt(ratio, 1)} | {fmt(w['p999_ms'], 1)} |"
                   f" {fmt(w['max_ms'], 1)} | {w['over_3x_p50']} | {w['over_1s']} | {r['stalled_attempts']} |"
                   f" {fmt(w['extra_upstream_pct'], 2)} % | **{fmt(r['extra_upstream_pct'], 2)} %** |")
     for r in results:
         if r.get("raahi_metrics"):
-            print(f"\n{r['scenario']} {r['proxy']}: " + "; ".join(r["raahi_metrics"]))
+            print(f"\n{r['scenario']} {r['label']}: " + "; ".join(r["raahi_metrics"]))
 
 
 if __name__ == "__main__":
