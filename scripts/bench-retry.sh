@@ -18,9 +18,11 @@
 #           client requests answered 2xx after the first second
 #   stall   every target answers each request at once, except that with a chance of 1 in 100
 #           (seeded per target: the same draws every run, independent between targets) it
-#           answers after 2 s, $STALL_SECONDS s: client p50/p99 and the extra upstream requests. First a calibration run per proxy with every target answering at once
+#           answers after 2 s, $STALL_SECONDS s: client p50/p99 and the extra upstream
+#           requests. First a calibration run per proxy with every target answering at once
 #           ($CALIBRATE_SECONDS s); raahi's hedge_after_ms is its p95 rounded up to a whole ms
-#           (HEDGE_AFTER_MS sets it instead; with ROUNDS > 1, the first round's calibration). HAProxy and NGINX have no hedging: they run plain.
+#           (HEDGE_AFTER_MS sets it instead; with ROUNDS > 1, the first round's calibration).
+#           HAProxy and NGINX have no hedging: they run plain.
 # Configuration:
 #   raahi    route retry {"attempts": 3, "on": ["gateway_error", "connect_failure", "reset"]}
 #            (outage, half), {"attempts": 2, "hedge_after_ms": H} (stall); the default budget
