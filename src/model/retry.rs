@@ -52,6 +52,7 @@ pub enum RetryOn {
     #[serde(rename = "5xx")]
     FiveXx,
     /// A 409 answer.
+    #[serde(rename = "retriable_4xx")]
     Retriable4xx,
     /// An answer whose status is in `statuses`.
     RetriableStatus,

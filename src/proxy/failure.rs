@@ -23,26 +23,27 @@ pub enum Retry {
     /// Nothing of the request reached the target: any request may go elsewhere.
     Any,
     /// The target may have acted on the request: only a method that means the same when
-    /// repeated (RFC 9110 §9.2.2) may go elsewhere.
+    /// repeated (RFC 9110 §9.2.2), or a request carrying `Idempotency-Key`, may go elsewhere.
     IfIdempotent,
-    /// The time the request may take was spent on this attempt.
+    /// Part of the body went and the rest cannot follow.
     Never,
 }
 
 impl Retry {
     /// Whether a request with `method` may go to another target after this failure; a body
     /// already sent (in part) cannot be sent again, so it rules a retry out.
-    pub fn allows(self, method: &Method, body_repeatable: bool) -> bool {
+    pub fn allows(self, method: &Method, body_repeatable: bool, idempotency_key: bool) -> bool {
         body_repeatable
             && match self {
                 Retry::Any => true,
-                Retry::IfIdempotent => is_idempotent(method),
+                Retry::IfIdempotent => idempotency_key || is_idempotent(method),
                 Retry::Never => false,
             }
     }
 }
 
-fn is_idempotent(method: &Method) -> bool {
+/// A method that means the same when repeated (RFC 9110 §9.2.2).
+pub fn is_idempotent(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
@@ -186,12 +187,12 @@ impl UpstreamFailure {
             | UpstreamFailureKind::ConnectTimeout { .. }
             | UpstreamFailureKind::TlsFailed { .. }
             | UpstreamFailureKind::Unprocessed { .. } => Retry::Any,
-            // The target saw the request before its answer was refused.
-            UpstreamFailureKind::Failed { .. } | UpstreamFailureKind::InvalidResponse { .. } => {
-                Retry::IfIdempotent
-            }
-            UpstreamFailureKind::ResponseTimeout { .. }
-            | UpstreamFailureKind::SendTimeout { .. } => Retry::Never,
+            // The target saw the request before its answer was refused, or before the attempt's
+            // time ran out (a route's retry policy decides whether that time may be spent again).
+            UpstreamFailureKind::Failed { .. }
+            | UpstreamFailureKind::InvalidResponse { .. }
+            | UpstreamFailureKind::ResponseTimeout { .. } => Retry::IfIdempotent,
+            UpstreamFailureKind::SendTimeout { .. } => Retry::Never,
         }
     }
 
@@ -419,7 +420,7 @@ mod tests {
             ),
             (
                 failure(UpstreamFailureKind::ResponseTimeout { timeout_ms: 1 }),
-                Retry::Never,
+                Retry::IfIdempotent,
             ),
             (
                 failure(UpstreamFailureKind::SendTimeout { timeout_ms: 1 }),
@@ -444,16 +445,30 @@ mod tests {
         ];
         let not_idempotent = [Method::POST, Method::PATCH, Method::CONNECT];
         for method in idempotent.iter().chain(&not_idempotent) {
-            assert!(Retry::Any.allows(method, true), "{method}");
-            assert!(!Retry::Any.allows(method, false), "{method}: body gone");
-            assert!(!Retry::Never.allows(method, true), "{method}");
+            assert!(Retry::Any.allows(method, true, false), "{method}");
+            assert!(
+                !Retry::Any.allows(method, false, false),
+                "{method}: body gone"
+            );
+            assert!(!Retry::Never.allows(method, true, true), "{method}");
+            assert!(
+                Retry::IfIdempotent.allows(method, true, true),
+                "{method} with Idempotency-Key"
+            );
+            assert!(
+                !Retry::IfIdempotent.allows(method, false, true),
+                "{method}: body gone"
+            );
         }
         for method in &idempotent {
-            assert!(Retry::IfIdempotent.allows(method, true), "{method}");
-            assert!(!Retry::IfIdempotent.allows(method, false), "{method}");
+            assert!(Retry::IfIdempotent.allows(method, true, false), "{method}");
+            assert!(
+                !Retry::IfIdempotent.allows(method, false, false),
+                "{method}"
+            );
         }
         for method in &not_idempotent {
-            assert!(!Retry::IfIdempotent.allows(method, true), "{method}");
+            assert!(!Retry::IfIdempotent.allows(method, true, false), "{method}");
         }
     }
 

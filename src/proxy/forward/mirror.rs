@@ -12,6 +12,7 @@ use http_body_util::BodyExt;
 use super::retry::send_with_retries;
 use super::rewrite::Outgoing;
 use super::Exchange;
+use crate::proxy::retry::RetryRule;
 use crate::proxy::ProxyState;
 use crate::snapshot::RouteEntry;
 
@@ -50,6 +51,8 @@ pub(super) fn maybe_copy(state: &Arc<ProxyState>, route: &Arc<RouteEntry>, reque
             return;
         };
         let mut exchange = Exchange::default();
+        // The copy's answer is dropped: it follows its service's rules, not the route's policy.
+        let rule = RetryRule::of(None, backend.service.service.max_attempts);
         let sending = send_with_retries(
             &state,
             backend,
@@ -58,6 +61,7 @@ pub(super) fn maybe_copy(state: &Arc<ProxyState>, route: &Arc<RouteEntry>, reque
             false,
             None,
             Default::default(),
+            rule,
         );
         if let Ok(Ok((response, in_flight, _))) = tokio::time::timeout(timeout, sending).await {
             drain(response.into_body(), timeout).await;

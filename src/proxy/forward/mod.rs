@@ -345,6 +345,8 @@ fn forward<'a>(
             mirror::maybe_copy(state, &route, &outgoing);
         }
         let timeouts = route.route.timeouts;
+        let rule =
+            super::retry::RetryRule::of(route.route.retry.as_ref(), service.service.max_attempts);
         let attempt_timeout = timeouts.backend_request_ms.map(Duration::from_millis);
         let (upstream, in_flight, target) = match timeouts.request_ms {
             None => {
@@ -356,6 +358,7 @@ fn forward<'a>(
                     grpc,
                     attempt_timeout,
                     affinity.preference,
+                    rule,
                 )
                 .await?
             }
@@ -370,6 +373,7 @@ fn forward<'a>(
                     grpc,
                     attempt_timeout,
                     affinity.preference,
+                    rule,
                 ));
                 tokio::time::timeout(Duration::from_millis(timeout_ms), sending)
                     .await

@@ -1,8 +1,11 @@
-//! Attempts on picked targets: a failure may go to another target when its [`Retry`] allows
-//! (see `failure`), within the service's `max_attempts`; the response-header timeout and the
-//! stalled-upload rule bound each attempt.
+//! Attempts on picked targets, as the route's retry policy (`proxy::retry`) allows: retries
+//! after failures and answers it names, within the service's retry budget, with a jittered
+//! backoff between them, and hedged attempts; the per-try timeout and the stalled-upload rule
+//! bound each attempt.
 
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::Response;
@@ -22,21 +25,47 @@ use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
+use crate::proxy::retry::{Resend, Retriable, RetryRule, IDEMPOTENCY_KEY};
 use crate::proxy::ProxyState;
-use crate::snapshot::{BackendRuntime, Preference, ServiceRuntime, TargetRuntime};
+use crate::snapshot::{
+    BackendRuntime, Pick, Preference, RetryReason, RouteStats, ServiceRuntime, TargetRuntime,
+};
 
 static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-timeout");
 
 /// At most this many targets per request.
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
-/// Sends the request to picked targets until one answers (with the answering target's id) or
-/// the failure's [`Retry`] rule ends it: a connect failure may always go elsewhere (nothing
-/// reached the upstream); another failure before a response (a response refused included) only
-/// for idempotent methods whose body can still be sent in full; a response or send timeout
-/// never (the time was spent).
-///
-/// [`Retry`]: crate::proxy::failure::Retry
+/// How each attempt of one request is bounded and sent.
+struct Attempts<'a> {
+    state: &'a ProxyState,
+    service: &'a ServiceRuntime,
+    grpc: bool,
+    /// One attempt's wait for response headers.
+    response_timeout: Duration,
+    /// The client's gRPC deadline and the timeout it came as.
+    grpc_deadline: Option<(Instant, Duration)>,
+    /// A route holding its requests to `max_in_flight` counts the ones its clients abandon too.
+    counted_route: Option<Arc<RouteStats>>,
+}
+
+/// How one attempt ended, when it did not end the request.
+enum AttemptEnd {
+    Answered(Response<UpstreamBody>, InFlight),
+    Failed(UpstreamFailure),
+}
+
+/// What the request path learns from sending: the answer, its place among the target's
+/// requests, and which target gave it.
+pub(super) type Sent = (Response<UpstreamBody>, InFlight, Id);
+
+/// Sends the request to picked targets until one gives an answer to pass on, following the
+/// route's retry policy (`proxy::retry`): a failure or an answer the policy names may be
+/// followed by another attempt, preferably on a target not tried yet, after a jittered
+/// backoff (or the target's `Retry-After`), while the service's retry budget allows it. An
+/// answer kept from a retry (the budget spent, no attempts left, or not safe to repeat) goes
+/// to the client as it is.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn send_with_retries(
     state: &ProxyState,
     backend: &BackendRuntime,
@@ -45,73 +74,455 @@ pub(super) async fn send_with_retries(
     grpc: bool,
     attempt_timeout: Option<Duration>,
     preference: Preference,
-) -> Result<(Response<UpstreamBody>, InFlight, Id), ProxyError> {
+    rule: RetryRule<'_>,
+) -> Result<Sent, ProxyError> {
     let service: &ServiceRuntime = &backend.service;
     let started = Instant::now();
-    let counters = &service.counters;
-    let attempts = (service.service.max_attempts as usize).clamp(1, ATTEMPTS_LIMIT);
-    // A route's per-attempt timeout shortens the service's, never lengthens it.
-    let service_response_timeout =
-        Duration::from_millis(service.service.timeouts.response_header_ms)
-            .min(attempt_timeout.unwrap_or(Duration::MAX));
+    service.counters.retries.request(started);
+    let attempts = Attempts::new(
+        state,
+        service,
+        &outgoing,
+        exchange,
+        grpc,
+        attempt_timeout,
+        &rule,
+        started,
+    );
+    let idempotency_key = outgoing.headers.contains_key(&IDEMPOTENCY_KEY);
+    if let Some(hedge_after) = rule.hedges(&resend(&outgoing, idempotency_key)) {
+        if !outgoing.upgrade {
+            return Box::pin(send_hedged(
+                &attempts,
+                backend,
+                outgoing,
+                exchange,
+                preference,
+                &rule,
+                hedge_after,
+            ))
+            .await;
+        }
+    }
     let mut tried = Tried::default();
-    // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
-    // what is left of it.
-    let grpc_deadline = grpc
-        .then(|| outgoing.headers.get(&GRPC_TIMEOUT))
-        .flatten()
-        .and_then(crate::proxy::grpc::parse_timeout)
-        .map(|timeout| (started + timeout, timeout));
-    let mut last_failure = None;
-    // A route holding its requests to `max_in_flight` counts the ones its clients abandon too.
-    let counted_route = exchange
-        .route
-        .as_ref()
-        .filter(|route| route.route.max_in_flight.is_some())
-        .map(|route| route.stats.clone());
-
-    for attempt in 1..=attempts {
-        // A retry goes only to an available target: falling back to an ejected or unhealthy
-        // one after a failure would add latency, not a chance of success.
-        let first_attempt = attempt == 1;
+    let mut last_failure: Option<UpstreamFailure> = None;
+    let mut reason: Option<RetryReason> = None;
+    for attempt in 1..=rule.attempts {
         // Held to the end of the attempt, past its recorded outcome: a half-open trial must
         // not pass to the next request before its verdict.
-        // A retry keeps the hash key's order (its next choice) but not the session's target,
-        // which just failed it.
-        let preference = Preference {
-            pinned: preference.pinned.filter(|_| first_attempt),
-            ..preference
-        };
-        let Some(pick) = service.pick_preferring(
-            backend.subset.as_ref(),
-            preference,
-            |candidate| tried.contains(candidate.id),
-            first_attempt,
-        ) else {
+        let Some(pick) = pick(backend, preference, &tried, attempt == 1) else {
             break;
         };
         let target = pick.target;
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
+        exchange.attempts = exchange.attempts.saturating_add(1);
         if let Some(trace) = exchange.trace.as_deref_mut() {
             super::span::attempt_started(
                 trace,
                 &mut outgoing,
                 target,
                 scheme_name(service),
-                last_failure.as_ref().map(UpstreamFailure::code),
+                reason.map(RetryReason::name),
             );
         }
+        let may_retry_later = attempt < rule.attempts;
+        let end = attempts.send(target, &mut outgoing, may_retry_later).await;
+        exchange.upstream_elapsed = Some(started.elapsed());
+        let failure = match end? {
+            AttemptEnd::Answered(response, in_flight) => {
+                if let Some(trace) = exchange.trace.as_deref_mut() {
+                    super::span::attempt_answered(trace, &response);
+                }
+                let retriable = rule.after_answer(
+                    response.status(),
+                    response.headers(),
+                    grpc,
+                    &resend(&outgoing, idempotency_key),
+                );
+                let delay = match retriable {
+                    Ok(retriable) if may_retry_later => attempts.allow_retry(
+                        &rule,
+                        attempt,
+                        retriable.retry_after,
+                        retriable.reason,
+                        exchange,
+                    ),
+                    _ => None,
+                };
+                let Some(delay) = delay else {
+                    return Ok((response, in_flight, target.id));
+                };
+                // Dropped unread: the target's connection closes rather than carry the rest.
+                drop((response, in_flight, pick));
+                reason = exchange.retried;
+                tokio::time::sleep(delay).await;
+                continue;
+            }
+            AttemptEnd::Failed(failure) => failure,
+        };
+        if let Some(trace) = exchange.trace.as_deref_mut() {
+            trace.fail_attempt(failure.code());
+        }
+        drop(pick);
+        tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
+        if failure.is_unprocessed() {
+            // The target declined only this stream (it was going away, or full): another of
+            // its connections may take it, so it stays a candidate for the next attempt.
+            tried.forget(target.id);
+        }
+        let next = rule
+            .after_failure(&failure, &resend(&outgoing, idempotency_key))
+            .filter(|_| may_retry_later);
+        last_failure = Some(failure);
+        let Some(delay) =
+            next.and_then(|next| attempts.allow_retry(&rule, attempt, None, next, exchange))
+        else {
+            break;
+        };
+        reason = exchange.retried;
+        tokio::time::sleep(delay).await;
+    }
+    Err(match last_failure {
+        Some(failure) => ProxyError::Upstream(failure),
+        None => ProxyError::NoTarget(NoTarget::of_backend(service, &backend.label)),
+    })
+}
+
+/// An attempt of a hedged request: its own copy of the request on its way, and its pick.
+struct Running<'s, F> {
+    attempt: Pin<Box<F>>,
+    pick: Pick<'s>,
+}
+
+/// An answer the policy would retry, kept while another attempt may still do better.
+struct Held<'s> {
+    response: Response<UpstreamBody>,
+    in_flight: InFlight,
+    pick: Pick<'s>,
+    retriable: Retriable,
+}
+
+/// Sends an idempotent request whose body is at hand, and when no answer came after
+/// `hedge_after`, the same request to another target as well, within the budget and the
+/// policy's attempts: the first answer to pass on wins, and dropping the other attempt cancels
+/// it. Once no attempt runs, a failure (or an answer the policy names) is retried as without
+/// hedging.
+async fn send_hedged<'s>(
+    attempts: &Attempts<'s>,
+    backend: &'s BackendRuntime,
+    outgoing: Outgoing,
+    exchange: &mut Exchange,
+    preference: Preference,
+    rule: &RetryRule<'_>,
+    hedge_after: Duration,
+) -> Result<Sent, ProxyError> {
+    let started = Instant::now();
+    let counters = &attempts.service.counters.retries;
+    let mut tried = Tried::default();
+    let mut last_failure: Option<UpstreamFailure> = None;
+    let mut held: Option<Held<'s>> = None;
+    let mut sent = 0;
+    let mut running = [None, None];
+    loop {
+        let reason = exchange.retried.map(RetryReason::name);
+        let Some(first) = launch(
+            attempts,
+            backend,
+            &outgoing,
+            exchange,
+            preference,
+            &mut tried,
+            sent == 0,
+            reason,
+        ) else {
+            break;
+        };
+        sent += 1;
+        running[0] = Some(first);
+        let mut hedge_at = Some(Instant::now() + hedge_after);
+        while running.iter().any(Option::is_some) {
+            let busy = running.iter().filter(|slot| slot.is_some()).count();
+            let hedge = hedge_at.filter(|_| busy == 1 && sent < rule.attempts);
+            let [one, two] = &mut running;
+            let (slot, end) = tokio::select! {
+                end = finish(one) => (0, end),
+                end = finish(two) => (1, end),
+                _ = sleep_until_some(hedge) => {
+                    hedge_at = None;
+                    if !counters.try_spend(Instant::now(), &rule.budget) {
+                        exchange.budget_exhausted = true;
+                        continue;
+                    }
+                    if let Some(hedged) = launch(attempts, backend, &outgoing, exchange, preference, &mut tried, false, Some(HEDGE)) {
+                        counters.hedges.fetch_add(1, Ordering::Relaxed);
+                        exchange.hedged = true;
+                        sent += 1;
+                        let free = running.iter_mut().find(|slot| slot.is_none());
+                        *free.expect("a hedge starts beside one attempt") = Some(hedged);
+                    }
+                    continue;
+                }
+            };
+            exchange.upstream_elapsed = Some(started.elapsed());
+            let finished = running[slot]
+                .take()
+                .expect("a finished attempt was running");
+            let target = finished.pick.target;
+            match end? {
+                AttemptEnd::Answered(response, in_flight) => {
+                    let retriable = rule.after_answer(
+                        response.status(),
+                        response.headers(),
+                        attempts.grpc,
+                        &resend(&outgoing, false),
+                    );
+                    let Ok(retriable) = retriable else {
+                        // The winner: the attempt still running is dropped with `running`.
+                        exchange.target = Some(target.authority.clone());
+                        if let Some(trace) = exchange.trace.as_deref_mut() {
+                            super::span::attempt_answered(trace, &response);
+                        }
+                        return Ok((response, in_flight, target.id));
+                    };
+                    held = Some(Held {
+                        response,
+                        in_flight,
+                        pick: finished.pick,
+                        retriable,
+                    });
+                }
+                AttemptEnd::Failed(failure) => {
+                    tracing::debug!(target = %target.authority, error = %failure, "upstream attempt failed");
+                    if failure.is_unprocessed() {
+                        tried.forget(target.id);
+                    }
+                    last_failure = Some(failure);
+                }
+            }
+        }
+        // Nothing runs: retry what the policy names, after its wait, or pass on what came.
+        let next = match &held {
+            Some(held) => Some((held.retriable.reason, held.retriable.retry_after)),
+            None => last_failure
+                .as_ref()
+                .and_then(|failure| rule.after_failure(failure, &resend(&outgoing, false)))
+                .map(|reason| (reason, None)),
+        };
+        let delay = next
+            .filter(|_| sent < rule.attempts)
+            .and_then(|(reason, retry_after)| {
+                attempts.allow_retry(rule, sent, retry_after, reason, exchange)
+            });
+        let Some(delay) = delay else {
+            break;
+        };
+        held = None;
+        tokio::time::sleep(delay).await;
+    }
+    if let Some(held) = held {
+        exchange.target = Some(held.pick.target.authority.clone());
+        return Ok((held.response, held.in_flight, held.pick.target.id));
+    }
+    Err(match last_failure {
+        Some(failure) => ProxyError::Upstream(failure),
+        None => ProxyError::NoTarget(NoTarget::of_backend(attempts.service, &backend.label)),
+    })
+}
+
+/// The retry reason a hedged attempt's span names.
+const HEDGE: &str = "hedge";
+
+/// Picks a target for the next attempt of a hedged request and starts it on its own copy of
+/// the request.
+#[allow(clippy::too_many_arguments)]
+fn launch<'s>(
+    attempts: &Attempts<'s>,
+    backend: &'s BackendRuntime,
+    outgoing: &Outgoing,
+    exchange: &mut Exchange,
+    preference: Preference,
+    tried: &mut Tried,
+    first_attempt: bool,
+    reason: Option<&'static str>,
+) -> Option<Running<'s, impl std::future::Future<Output = Result<AttemptEnd, ProxyError>> + 's>> {
+    let pick = pick(backend, preference, tried, first_attempt)?;
+    let mut copy = outgoing.try_clone()?;
+    let target = pick.target;
+    tried.push(target.id);
+    exchange.target = Some(target.authority.clone());
+    exchange.attempts = exchange.attempts.saturating_add(1);
+    if let Some(trace) = exchange.trace.as_deref_mut() {
+        super::span::attempt_started(
+            trace,
+            &mut copy,
+            target,
+            scheme_name(attempts.service),
+            reason,
+        );
+    }
+    let sending = attempts.clone_for_hedge();
+    let attempt = Box::pin(async move {
+        let mut copy = copy;
+        sending.send(target, &mut copy, true).await
+    });
+    Some(Running { attempt, pick })
+}
+
+/// Waits for the attempt in `slot`, or forever when none runs there.
+async fn finish<F: std::future::Future>(slot: &mut Option<Running<'_, F>>) -> F::Output {
+    match slot {
+        Some(running) => running.attempt.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next attempt's target: an available one not tried yet, else (for a retry) one tried
+/// already rather than none, since a target that failed a moment ago may answer now (a
+/// service of one target restarting).
+fn pick<'s>(
+    backend: &'s BackendRuntime,
+    preference: Preference,
+    tried: &Tried,
+    first_attempt: bool,
+) -> Option<Pick<'s>> {
+    let service = &backend.service;
+    // A retry keeps the hash key's order (its next choice) but not the session's target,
+    // which just failed it.
+    let preference = Preference {
+        pinned: preference.pinned.filter(|_| first_attempt),
+        ..preference
+    };
+    let subset = backend.subset.as_ref();
+    // A retry goes only to an available target: falling back to an ejected or unhealthy one
+    // after a failure would add latency, not a chance of success.
+    service
+        .pick_preferring(
+            subset,
+            preference,
+            |candidate| tried.contains(candidate.id),
+            first_attempt,
+        )
+        .or_else(|| {
+            (!first_attempt)
+                .then(|| service.pick_preferring(subset, preference, |_| false, false))
+                .flatten()
+        })
+}
+
+/// What decides whether the request can be sent again.
+fn resend(outgoing: &Outgoing, idempotency_key: bool) -> Resend<'_> {
+    Resend {
+        method: &outgoing.method,
+        body_repeatable: !matches!(outgoing.body, PendingBody::Consumed),
+        idempotency_key,
+    }
+}
+
+impl<'a> Attempts<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        state: &'a ProxyState,
+        service: &'a ServiceRuntime,
+        outgoing: &Outgoing,
+        exchange: &Exchange,
+        grpc: bool,
+        attempt_timeout: Option<Duration>,
+        rule: &RetryRule<'_>,
+        started: Instant,
+    ) -> Attempts<'a> {
+        // A route's per-attempt timeouts shorten the service's, never lengthen it.
+        let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms)
+            .min(attempt_timeout.unwrap_or(Duration::MAX))
+            .min(rule.per_try_timeout.unwrap_or(Duration::MAX));
+        // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
+        // what is left of it.
+        let grpc_deadline = grpc
+            .then(|| outgoing.headers.get(&GRPC_TIMEOUT))
+            .flatten()
+            .and_then(crate::proxy::grpc::parse_timeout)
+            .map(|timeout| (started + timeout, timeout));
+        let counted_route = exchange
+            .route
+            .as_ref()
+            .filter(|route| route.route.max_in_flight.is_some())
+            .map(|route| route.stats.clone());
+        Attempts {
+            state,
+            service,
+            grpc,
+            response_timeout,
+            grpc_deadline,
+            counted_route,
+        }
+    }
+
+    /// A copy a hedged attempt's task can own.
+    fn clone_for_hedge(&self) -> Attempts<'a> {
+        Attempts {
+            state: self.state,
+            service: self.service,
+            grpc: self.grpc,
+            response_timeout: self.response_timeout,
+            grpc_deadline: self.grpc_deadline,
+            counted_route: self.counted_route.clone(),
+        }
+    }
+
+    /// Whether retry number `retry` may go, and after how long: it must fit within the
+    /// client's gRPC deadline and the service's budget. A retry allowed is counted.
+    fn allow_retry(
+        &self,
+        rule: &RetryRule<'_>,
+        retry: usize,
+        retry_after: Option<Duration>,
+        reason: RetryReason,
+        exchange: &mut Exchange,
+    ) -> Option<Duration> {
+        let delay = rule.delay_before(retry as u32, retry_after);
+        if let Some((deadline, _)) = self.grpc_deadline {
+            if Instant::now() + delay >= deadline {
+                return None;
+            }
+        }
+        let counters = &self.service.counters.retries;
+        if !counters.try_spend(Instant::now(), &rule.budget) {
+            exchange.budget_exhausted = true;
+            return None;
+        }
+        counters.sent(reason);
+        exchange.retried = Some(reason);
+        exchange.budget_exhausted = false;
+        Some(delay)
+    }
+
+    /// One attempt on `target`: the request goes with what is left of the client's deadline,
+    /// and its outcome counts toward the target's passive ejection. A failure gives a streaming
+    /// body back to `outgoing` when the target did not read it.
+    async fn send(
+        &self,
+        target: &TargetRuntime,
+        outgoing: &mut Outgoing,
+        may_retry_later: bool,
+    ) -> Result<AttemptEnd, ProxyError> {
+        let (state, service, grpc) = (self.state, self.service, self.grpc);
+        let counters = &service.counters;
         let in_flight = InFlight::start_within(service, target)
             .await
             .map_err(|reason| ProxyError::UpstreamOverloaded {
                 service: service.service.name.clone(),
                 reason,
             })?;
-        let may_retry_later = attempt < attempts;
-        let mut response_timeout = service_response_timeout;
+        let mut response_timeout = self.response_timeout;
         let mut deadline_binds = false;
-        if let Some((deadline, timeout)) = grpc_deadline {
+        if let Some((deadline, timeout)) = self.grpc_deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(ProxyError::GrpcTimeout {
@@ -127,13 +538,14 @@ pub(super) async fn send_with_retries(
                 deadline_binds = true;
             }
         }
+        let counted_route = &self.counted_route;
         let mut client =
             state
                 .clients
                 .for_target(service, target, outgoing.upgrade, outgoing.host_from_client);
         let mut fell_back = false;
         let (outcome, streaming) = loop {
-            let (body, streaming) = take_body(&mut outgoing);
+            let (body, streaming) = take_body(outgoing);
             let outcome = match &client {
                 UpstreamClient::Plain(plain) => {
                     // Written straight from the request kept for retries: no copy of its fields.
@@ -153,7 +565,7 @@ pub(super) async fn send_with_retries(
                     await_response(sending, streaming.as_ref(), response_timeout).await
                 }
                 UpstreamClient::Tls(tls) => {
-                    let request = tls_request(&mut outgoing, body, target, may_retry_later);
+                    let request = tls_request(outgoing, body, target, may_retry_later);
                     let finish_if_abandoned = outgoing.finish_if_abandoned;
                     let sending = async {
                         let exchange = send_tls(tls, request);
@@ -177,7 +589,7 @@ pub(super) async fn send_with_retries(
                     // An `https` target may turn out to choose HTTP/1.1: the request then goes on
                     // hyper's client, whole.
                     let keep = may_retry_later || scheme == http::uri::Scheme::HTTPS;
-                    let request = h2_request(&mut outgoing, target, keep, scheme);
+                    let request = h2_request(outgoing, target, keep, scheme);
                     let sending = async {
                         let response = h2.send(request, body).await?;
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::H2))
@@ -203,7 +615,6 @@ pub(super) async fn send_with_retries(
             }
             break (outcome, streaming);
         };
-        exchange.upstream_elapsed = Some(started.elapsed());
         if !deadline_binds
             && matches!(
                 outcome,
@@ -217,9 +628,6 @@ pub(super) async fn send_with_retries(
         }
         let failure = match outcome {
             Ok(Ok(response)) => {
-                if let Some(trace) = exchange.trace.as_deref_mut() {
-                    super::span::attempt_answered(trace, &response);
-                }
                 let status = response.status().as_u16();
                 let failure = service
                     .service
@@ -235,7 +643,7 @@ pub(super) async fn send_with_retries(
                         unavailable.then_some(FailureCause::GrpcUnavailable)
                     });
                 record_outcome(service, target, failure);
-                return Ok((response, in_flight, target.id));
+                return Ok(AttemptEnd::Answered(response, in_flight));
             }
             Ok(Err(error)) => {
                 if let Some(limit) = streaming
@@ -260,7 +668,9 @@ pub(super) async fn send_with_retries(
             Err(NoResponse::HeadersLate | NoResponse::BodyStalled { .. }) if deadline_binds => {
                 drop(in_flight);
                 return Err(ProxyError::GrpcTimeout {
-                    timeout_ms: grpc_deadline.map_or(0, |(_, timeout)| timeout.as_millis() as u64),
+                    timeout_ms: self
+                        .grpc_deadline
+                        .map_or(0, |(_, timeout)| timeout.as_millis() as u64),
                 });
             }
             Err(NoResponse::BodyStalled {
@@ -275,9 +685,6 @@ pub(super) async fn send_with_retries(
             }) => UpstreamFailure::send_timeout(service, target),
             Err(NoResponse::HeadersLate) => UpstreamFailure::response_timeout(service, target),
         };
-        if let Some(trace) = exchange.trace.as_deref_mut() {
-            trace.fail_attempt(failure.code());
-        }
         // A target that declined the request (an HTTP/2 stream it never processed) is neither
         // failing nor proven well: its health is left as it is.
         if let Some(cause) = failure.ejection_cause() {
@@ -290,23 +697,8 @@ pub(super) async fn send_with_retries(
         if failure.is_connect() {
             counters.connect_errors.fetch_add(1, Ordering::Relaxed);
         }
-        let body_repeatable = !matches!(outgoing.body, PendingBody::Consumed);
-        tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
-        let retry_allowed = failure.retry().allows(&outgoing.method, body_repeatable);
-        if failure.is_unprocessed() {
-            // The target declined only this stream (it was going away, or full): another of
-            // its connections may take it, so it stays a candidate for the next attempt.
-            tried.forget(target.id);
-        }
-        last_failure = Some(failure);
-        if !retry_allowed {
-            break;
-        }
+        Ok(AttemptEnd::Failed(failure))
     }
-    Err(match last_failure {
-        Some(failure) => ProxyError::Upstream(failure),
-        None => ProxyError::NoTarget(NoTarget::of_backend(service, &backend.label)),
-    })
 }
 
 /// The scheme a target of `service` is reached by, as a span's `url.full` names it.
