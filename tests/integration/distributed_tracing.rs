@@ -165,10 +165,7 @@ async fn a_sampled_request_exports_its_hop_and_each_attempt() {
     assert_eq!(first.status_code, STATUS_ERROR);
     assert_eq!(second.attribute("raahi.attempt"), 2);
     assert_eq!(second.attribute("http.request.resend_count"), 1);
-    assert_eq!(
-        second.attribute("raahi.retry_reason"),
-        "upstream_connect_failed"
-    );
+    assert_eq!(second.attribute("raahi.retry_reason"), "connect_failure");
     assert_eq!(second.attribute("server.address"), "127.0.0.1");
     assert_eq!(second.attribute("server.port"), i64::from(live.addr.port()));
     assert_eq!(

@@ -107,10 +107,11 @@ pub(super) async fn send_with_retries(
     let mut tried = Tried::default();
     let mut last_failure: Option<UpstreamFailure> = None;
     let mut reason: Option<RetryReason> = None;
+    let mut answered = false;
     for attempt in 1..=rule.attempts {
         // Held to the end of the attempt, past its recorded outcome: a half-open trial must
         // not pass to the next request before its verdict.
-        let Some(pick) = pick(backend, preference, &tried, attempt == 1) else {
+        let Some(pick) = pick(backend, preference, &tried, attempt == 1, answered) else {
             break;
         };
         let target = pick.target;
@@ -156,6 +157,7 @@ pub(super) async fn send_with_retries(
                 // Dropped unread: the target's connection closes rather than carry the rest.
                 drop((response, in_flight, pick));
                 reason = exchange.retried;
+                answered = true;
                 tokio::time::sleep(delay).await;
                 continue;
             }
@@ -181,6 +183,7 @@ pub(super) async fn send_with_retries(
             break;
         };
         reason = exchange.retried;
+        answered = false;
         tokio::time::sleep(delay).await;
     }
     Err(match last_failure {
@@ -234,10 +237,13 @@ async fn send_hedged<'s>(
             preference,
             &mut tried,
             sent == 0,
+            held.is_some(),
             reason,
         ) else {
             break;
         };
+        // A retry replaces the answer it follows, as without hedging.
+        held = None;
         sent += 1;
         running[0] = Some(first);
         let mut hedge_at = Some(Instant::now() + hedge_after);
@@ -254,7 +260,7 @@ async fn send_hedged<'s>(
                         exchange.budget_exhausted = true;
                         continue;
                     }
-                    if let Some(hedged) = launch(attempts, backend, &outgoing, exchange, preference, &mut tried, false, Some(HEDGE)) {
+                    if let Some(hedged) = launch(attempts, backend, &outgoing, exchange, preference, &mut tried, false, false, Some(HEDGE)) {
                         counters.hedges.fetch_add(1, Ordering::Relaxed);
                         exchange.hedged = true;
                         sent += 1;
@@ -317,7 +323,6 @@ async fn send_hedged<'s>(
         let Some(delay) = delay else {
             break;
         };
-        held = None;
         tokio::time::sleep(delay).await;
     }
     if let Some(held) = held {
@@ -344,9 +349,16 @@ fn launch<'s>(
     preference: Preference,
     tried: &mut Tried,
     first_attempt: bool,
+    again_after_answer: bool,
     reason: Option<&'static str>,
 ) -> Option<Running<'s, impl std::future::Future<Output = Result<AttemptEnd, ProxyError>> + 's>> {
-    let pick = pick(backend, preference, tried, first_attempt)?;
+    let pick = pick(
+        backend,
+        preference,
+        tried,
+        first_attempt,
+        again_after_answer,
+    )?;
     let mut copy = outgoing.try_clone()?;
     let target = pick.target;
     tried.push(target.id);
@@ -384,14 +396,16 @@ async fn sleep_until_some(at: Option<Instant>) {
     }
 }
 
-/// The next attempt's target: an available one not tried yet, else (for a retry) one tried
-/// already rather than none, since a target that failed a moment ago may answer now (a
-/// service of one target restarting).
+/// The next attempt's target: an available one not tried yet, else, after an answer the
+/// policy retries (`again_after_answer`), one tried already: a target that answered 503 a
+/// backoff ago is alive and may answer otherwise now (a service of one target, restarting).
+/// After a failure to connect or exchange, a tried target is not tried again.
 fn pick<'s>(
     backend: &'s BackendRuntime,
     preference: Preference,
     tried: &Tried,
     first_attempt: bool,
+    again_after_answer: bool,
 ) -> Option<Pick<'s>> {
     let service = &backend.service;
     // A retry keeps the hash key's order (its next choice) but not the session's target,
@@ -411,7 +425,7 @@ fn pick<'s>(
             first_attempt,
         )
         .or_else(|| {
-            (!first_attempt)
+            again_after_answer
                 .then(|| service.pick_preferring(subset, preference, |_| false, false))
                 .flatten()
         })

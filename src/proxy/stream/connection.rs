@@ -16,11 +16,11 @@ use tokio::time::Instant;
 use super::relay::{self, Progress};
 use super::{OpenConnection, Shared};
 use crate::balance::ip_hash;
-use crate::model::{HashOn, Id, MAX_ATTEMPTS};
+use crate::model::{HashOn, Id, RetryBudget, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight, Overloaded};
 use crate::proxy::failure::{Blame, NoTarget, Retry, UpstreamFailure};
 use crate::proxy::sni::{Hello, HelloError, HelloReader, MAX_CLIENT_HELLO_BUFFER};
-use crate::snapshot::{Preference, ServiceRuntime, StreamRouteEntry};
+use crate::snapshot::{Preference, RetryReason, ServiceRuntime, StreamRouteEntry};
 use crate::telemetry::access;
 
 /// Read size while waiting for a ClientHello, which is usually well under this.
@@ -308,6 +308,10 @@ async fn connect_upstream(
     let connect_timeout = Duration::from_millis(service.service.timeouts.connect_ms);
     let mut tried: Vec<Id> = Vec::with_capacity(attempts);
     let mut last_failure = None;
+    // Connections share the service's retry budget with its requests: a service that is down
+    // costs its targets at most the budget's extra connects, whoever asks.
+    let retries = &service.counters.retries;
+    retries.request(Instant::now());
     for attempt in 1..=attempts {
         // Like HTTP: only the first pick may fall back to unhealthy or ejected targets.
         let first_attempt = attempt == 1;
@@ -354,9 +358,13 @@ async fn connect_upstream(
         // connect failure may go elsewhere; a rule that says otherwise ends the attempts.
         let retry_allowed = failure.retry() == Retry::Any;
         last_failure = Some(failure);
-        if !retry_allowed {
+        if !retry_allowed
+            || attempt == attempts
+            || !retries.try_spend(Instant::now(), &RetryBudget::default())
+        {
             break;
         }
+        retries.sent(RetryReason::ConnectFailure);
     }
     Err(match last_failure {
         Some(failure) => StreamError::Upstream(failure),
