@@ -174,7 +174,11 @@ async fn one_target_answering_503_is_retried_on_the_other() {
 
     let answers = gets(&gateway, 1000, 4).await;
     let ok = answers.iter().filter(|a| ok_from(a, "b")).count();
-    let others: Vec<&Seen> = answers.iter().filter(|a| !ok_from(a, "b")).take(5).collect();
+    let others: Vec<&Seen> = answers
+        .iter()
+        .filter(|a| !ok_from(a, "b"))
+        .take(5)
+        .collect();
     assert!(
         ok * 1000 >= 999 * answers.len(),
         "{ok} of {} answered 200 by b; others: {others:?}",
@@ -287,7 +291,11 @@ async fn a_409_is_retried_only_with_retriable_4xx() {
         }
     }
     assert!(conflicts >= 1, "round robin never picked the 409 target");
-    assert_eq!(conflicting.hits() - before, conflicts, "each 409 was sent once");
+    assert_eq!(
+        conflicting.hits() - before,
+        conflicts,
+        "each 409 was sent once"
+    );
     assert_eq!(retries(&gateway, "web", "status").await, 0.0);
 }
 
@@ -364,7 +372,10 @@ async fn a_post_is_retried_only_with_an_idempotency_key() {
     let before = failing.hits();
     for i in 0..20 {
         let answer = post(&gateway, Some(&format!("k{i}"))).await;
-        assert!(ok_from(&answer, "b"), "POST with Idempotency-Key: {answer:?}");
+        assert!(
+            ok_from(&answer, "b"),
+            "POST with Idempotency-Key: {answer:?}"
+        );
     }
     assert!(failing.hits() > before, "a was never tried with a key");
     assert!(retries(&gateway, "orders", "status").await >= 1.0);
@@ -403,7 +414,11 @@ async fn a_retry_after_beyond_max_backoff_ends_the_retries() {
     }
     assert!(refused >= 1, "round robin never picked the failing target");
     assert_eq!(failing.hits(), refused);
-    assert_eq!(healthy.hits(), served, "no request went on to b after a's 503");
+    assert_eq!(
+        healthy.hits(),
+        served,
+        "no request went on to b after a's 503"
+    );
     assert_eq!(retries(&gateway, "web", "status").await, 0.0);
 }
 
@@ -472,11 +487,8 @@ async fn a_retry_after_within_max_backoff_is_waited_for() {
 #[tokio::test]
 async fn a_per_try_timeout_moves_a_get_to_a_healthy_target() {
     let gateway = TestGateway::start().await;
-    let stalled = FixedUpstream::start(
-        "a",
-        Answer::status(200).after(Duration::from_secs(5)),
-    )
-    .await;
+    let stalled =
+        FixedUpstream::start("a", Answer::status(200).after(Duration::from_secs(5))).await;
     let healthy = FixedUpstream::start("b", Answer::status(200)).await;
     routed(
         &gateway,
@@ -493,7 +505,10 @@ async fn a_per_try_timeout_moves_a_get_to_a_healthy_target() {
         assert!(ok_from(&answer, "b"), "{answer:?}");
         // The stalled target answers after 5 s; one per-try timeout and a retry take 200 ms
         // and a backoff of at most 250 ms.
-        assert!(elapsed < Duration::from_secs(2), "answered after {elapsed:?}");
+        assert!(
+            elapsed < Duration::from_secs(2),
+            "answered after {elapsed:?}"
+        );
     }
     assert!(stalled.hits() >= 1, "the stalled target was never picked");
     assert!(retries(&gateway, "web", "per_try_timeout").await >= 1.0);
@@ -547,10 +562,7 @@ async fn hedges_are_bounded_by_the_budget() {
     .await;
     let answers = gets(&gateway, 40, 40).await;
     for answer in &answers {
-        assert!(
-            ok_from(answer, "a") || ok_from(answer, "b"),
-            "{answer:?}"
-        );
+        assert!(ok_from(answer, "a") || ok_from(answer, "b"), "{answer:?}");
     }
     let hedges = metric(&gateway, "raahi_hedges_total", &[("service", "web")]).await;
     assert!(
@@ -644,10 +656,7 @@ async fn without_retry_a_503_is_passed_on() {
 
 /// An h2c service over a target answering every call trailers-only UNAVAILABLE and a healthy
 /// tonic origin, with a route retrying `unavailable`.
-async fn grpc_gateway(
-    failing: &FailingGrpcUpstream,
-    healthy: &GrpcOrigin,
-) -> TestGateway {
+async fn grpc_gateway(failing: &FailingGrpcUpstream, healthy: &GrpcOrigin) -> TestGateway {
     let gateway = TestGateway::start().await;
     routed(
         &gateway,
@@ -799,7 +808,10 @@ async fn the_access_log_names_the_attempts_and_the_retry_reason() {
     ])
     .await;
     let service = process
-        .create("/api/v1/services", json!({"name": "web", "ejection": false}))
+        .create(
+            "/api/v1/services",
+            json!({"name": "web", "ejection": false}),
+        )
         .await;
     let service = service["id"].as_i64().unwrap();
     for target in [failing.target(), healthy.target()] {
