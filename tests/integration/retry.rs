@@ -852,5 +852,6 @@ async fn the_access_log_names_the_attempts_and_the_retry_reason() {
     assert_eq!(fields["attempts"], 2, "{line}");
     assert_eq!(fields["retry_reason"], "status", "{line}");
     assert_eq!(fields["hedged"], false, "{line}");
+    assert_eq!(fields["retry_budget_exhausted"], false, "{line}");
     assert_eq!(fields["target"], healthy.addr.to_string(), "{line}");
 }
