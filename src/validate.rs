@@ -17,6 +17,7 @@ use crate::tls::{self, ParsedCertificate, TlsError};
 mod affinity;
 mod json;
 mod limits;
+mod retry;
 mod route;
 
 pub use json::from_value;

@@ -77,6 +77,9 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
         self::cors(cors)?;
     }
     timeouts(&spec.timeouts)?;
+    if let Some(retry) = &spec.retry {
+        super::retry::retry(retry, spec.redirect.is_some())?;
+    }
     if let Some(rate_limit) = &mut spec.rate_limit {
         super::limits::rate_limit(rate_limit)?;
     }

@@ -25,6 +25,7 @@ use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
+use crate::proxy::replay::KeepCopy;
 use crate::proxy::retry::{Resend, Retriable, RetryRule, IDEMPOTENCY_KEY};
 use crate::proxy::ProxyState;
 use crate::snapshot::{
@@ -47,6 +48,9 @@ struct Attempts<'a> {
     grpc_deadline: Option<(Instant, Duration)>,
     /// A route holding its requests to `max_in_flight` counts the ones its clients abandon too.
     counted_route: Option<Arc<RouteStats>>,
+    /// The most of a streaming gRPC body kept while it goes, so a retry can send it again
+    /// (the route's `request_buffer_bytes`); None: nothing is kept.
+    keep_streamed: Option<u64>,
 }
 
 /// How one attempt ended, when it did not end the request.
@@ -468,6 +472,13 @@ impl<'a> Attempts<'a> {
             .as_ref()
             .filter(|route| route.route.max_in_flight.is_some())
             .map(|route| route.stats.clone());
+        // gRPC bodies always stream (a call may stream both ways); a unary call's is small and
+        // ends at once, so a copy kept as it goes lets the policy retry the call.
+        let keep_streamed = exchange
+            .route
+            .as_ref()
+            .map(|route| route.route.request_buffer_bytes)
+            .filter(|cap| grpc && *cap > 0 && rule.attempts > 1);
         Attempts {
             state,
             service,
@@ -475,6 +486,7 @@ impl<'a> Attempts<'a> {
             response_timeout,
             grpc_deadline,
             counted_route,
+            keep_streamed,
         }
     }
 
@@ -487,6 +499,7 @@ impl<'a> Attempts<'a> {
             response_timeout: self.response_timeout,
             grpc_deadline: self.grpc_deadline,
             counted_route: self.counted_route.clone(),
+            keep_streamed: self.keep_streamed,
         }
     }
 
@@ -559,7 +572,14 @@ impl<'a> Attempts<'a> {
                 .for_target(service, target, outgoing.upgrade, outgoing.host_from_client);
         let mut fell_back = false;
         let (outcome, streaming) = loop {
-            let (body, streaming) = take_body(outgoing);
+            let keep = self
+                .keep_streamed
+                .filter(|_| may_retry_later)
+                .map(|cap| KeepCopy {
+                    cap,
+                    budget: state.bodies.budget.clone(),
+                });
+            let (body, streaming) = take_body(outgoing, keep);
             let outcome = match &client {
                 UpstreamClient::Plain(plain) => {
                     // Written straight from the request kept for retries: no copy of its fields.
@@ -657,6 +677,10 @@ impl<'a> Attempts<'a> {
                         unavailable.then_some(FailureCause::GrpcUnavailable)
                     });
                 record_outcome(service, target, failure);
+                // A body sent whole and kept may go again if the policy retries this answer.
+                if let Some(whole) = streaming.as_ref().and_then(StreamingBody::kept_whole) {
+                    outgoing.body = PendingBody::Buffered(whole);
+                }
                 return Ok(AttemptEnd::Answered(response, in_flight));
             }
             Ok(Err(error)) => {
@@ -706,7 +730,10 @@ impl<'a> Attempts<'a> {
         }
         drop(in_flight);
         if let Some(streaming) = streaming {
-            outgoing.body = reclaim(streaming.returned);
+            outgoing.body = match streaming.kept_whole() {
+                Some(whole) => PendingBody::Buffered(whole),
+                None => reclaim(streaming.returned),
+            };
         }
         if failure.is_connect() {
             counters.connect_errors.fetch_add(1, Ordering::Relaxed);
@@ -796,8 +823,12 @@ impl Tried {
 }
 
 /// The body for one attempt: a streaming body goes to it (and comes back if the attempt drops
-/// it unread); an empty one can be sent again.
-fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingBody>) {
+/// it unread, or as the copy `keep` asks for when it was sent whole); an empty one can be sent
+/// again.
+fn take_body(
+    outgoing: &mut Outgoing,
+    keep: Option<KeepCopy>,
+) -> (UpstreamRequestBody, Option<StreamingBody>) {
     match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
         PendingBody::Empty => {
             outgoing.body = PendingBody::Empty;
@@ -809,7 +840,7 @@ fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingB
             (upload, None)
         }
         PendingBody::Streaming(body) => {
-            let (body, streaming) = UpstreamRequestBody::streaming(body);
+            let (body, streaming) = UpstreamRequestBody::streaming_kept(body, keep);
             (body, Some(streaming))
         }
         PendingBody::Consumed => (UpstreamRequestBody::Empty, None),
