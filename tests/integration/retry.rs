@@ -2,9 +2,9 @@
 //! 409 or stall is recovered on another target; the budget keeps a total outage from
 //! multiplying the load; a POST that may have been processed is not sent twice without an
 //! `Idempotency-Key`; a long `Retry-After` ends the retries; hedging answers from the faster
-//! target within the budget; gRPC trailers-only statuses are retried; and the retries are
-//! counted in `raahi_retries_total`, `raahi_retry_budget_exhausted_total` and
-//! `raahi_hedges_total`.
+//! target within the budget; gRPC trailers-only statuses are retried for calls with a key; the
+//! retries are counted in `raahi_retries_total`, `raahi_retry_budget_exhausted_total` and
+//! `raahi_hedges_total`, and named in the access log.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -679,27 +679,41 @@ fn call(text: &str) -> EchoRequest {
     }
 }
 
-/// A trailers-only UNAVAILABLE (14) is retried on the healthy origin when the route asks.
+/// A gRPC call is a POST: once it got an answer (a trailers-only UNAVAILABLE) it may have been
+/// processed, so without an `Idempotency-Key` it is not sent again even though the route
+/// names `unavailable` (TRAFFIC.md §5's safety rule); the status goes to the client as it is.
 #[tokio::test]
-async fn a_grpc_unavailable_is_retried_on_another_target() {
+async fn a_grpc_unavailable_without_an_idempotency_key_is_passed_on() {
     let failing = FailingGrpcUpstream::start(14).await;
     let healthy = GrpcOrigin::start("b").await;
     let gateway = grpc_gateway(&failing, &healthy).await;
     let mut grpc = client(gateway.proxy).await;
+    let mut unavailable = 0;
     for i in 0..10 {
-        let reply = grpc
-            .unary(call(&format!("call {i}")))
-            .await
-            .unwrap_or_else(|status| panic!("call {i}: {status:?}"))
-            .into_inner();
-        assert_eq!(reply.origin, "b");
+        match grpc.unary(call(&format!("call {i}"))).await {
+            Ok(reply) => assert_eq!(reply.into_inner().origin, "b"),
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+                assert_eq!(status.message(), "failing-origin", "{status:?}");
+                unavailable += 1;
+            }
+        }
     }
-    assert!(failing.hits() >= 1, "the failing origin was never picked");
-    assert!(retries(&gateway, "grpc", "grpc_status").await >= 1.0);
+    assert!(
+        unavailable >= 1,
+        "round robin never picked the failing origin"
+    );
+    assert_eq!(failing.hits(), unavailable, "each call reached it once");
+    assert_eq!(
+        healthy.calls(),
+        10 - unavailable as u64,
+        "no call went on to b"
+    );
+    assert_eq!(retries(&gateway, "grpc", "grpc_status").await, 0.0);
 }
 
-/// The same with an `Idempotency-Key` in the call's metadata: a key makes any request safe
-/// to send again, so this holds whichever way gRPC's POSTs are classed.
+/// With an `Idempotency-Key` in the call's metadata the same UNAVAILABLE is retried on the
+/// healthy origin (tonic sends no Content-Length: the streamed body is kept for the retry).
 #[tokio::test]
 async fn a_grpc_unavailable_with_an_idempotency_key_is_retried() {
     let failing = FailingGrpcUpstream::start(14).await;
@@ -797,61 +811,129 @@ async fn a_grpc_call_read_ahead_with_an_idempotency_key_is_retried() {
 // The access log
 // ---------------------------------------------------------------------------------------
 
-/// The access line of a retried request names its attempts and why it was retried.
-#[tokio::test]
-async fn the_access_log_names_the_attempts_and_the_retry_reason() {
-    let failing = FixedUpstream::start("a", Answer::status(503)).await;
-    let healthy = FixedUpstream::start("b", Answer::status(200)).await;
-    let mut process = RaahiProcess::serve(&[
+/// A `raahi serve` process writing JSON access lines.
+async fn logging_process() -> RaahiProcess {
+    RaahiProcess::serve(&[
         ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN),
         ("RAAHI_LOG_FORMAT", "json"),
     ])
-    .await;
+    .await
+}
+
+/// A service `name` (ejection off) over `targets` and a route for the paths under
+/// `/{name}` with `retry`.
+async fn logged_route(process: &RaahiProcess, name: &str, targets: &[Value], retry: Value) {
     let service = process
-        .create(
-            "/api/v1/services",
-            json!({"name": "web", "ejection": false}),
-        )
+        .create("/api/v1/services", json!({"name": name, "ejection": false}))
         .await;
     let service = service["id"].as_i64().unwrap();
-    for target in [failing.target(), healthy.target()] {
+    for target in targets {
         process
-            .create(&format!("/api/v1/services/{service}/targets"), target)
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                target.clone(),
+            )
             .await;
     }
     process
         .create(
             "/api/v1/routes",
-            json!({"name": "web", "service_id": service, "retry": {}}),
+            json!({"name": name, "service_id": service, "path_prefix": format!("/{name}"),
+                   "retry": retry}),
         )
         .await;
+}
+
+/// GETs `path` with fresh request ids until `first` received one (round robin picks it
+/// within two requests); the status of that request and its id.
+async fn get_until_hit(process: &RaahiProcess, path: &str, first: &FixedUpstream) -> (u16, String) {
     let http = reqwest::Client::new();
-    // Round robin picks a first within two requests.
-    let mut retried_id = None;
     for i in 0..4 {
-        let id = format!("retry-log-{i}");
-        let before = failing.hits();
+        let id = format!("{}-{i}", path.trim_start_matches('/'));
+        let before = first.hits();
         let response = http
-            .get(format!("http://{}/r", process.proxy))
+            .get(format!("http://{}{path}", process.proxy))
             .header("x-request-id", &id)
             .send()
             .await
             .unwrap();
-        assert_eq!(response.status(), 200);
-        if failing.hits() > before {
-            retried_id = Some(id);
-            break;
+        let status = response.status().as_u16();
+        if first.hits() > before {
+            return (status, id);
         }
     }
-    let id = retried_id.expect("round robin picked the failing target first once");
+    panic!("four requests to {path} and none reached {}", first.name);
+}
+
+/// The fields of the access line of request `id`, and the line.
+async fn access_fields(process: &mut RaahiProcess, id: &str) -> (Value, String) {
+    let id_field = format!("\"request_id\":\"{id}\"");
     let line = process
-        .stderr_line(|line| line.contains("raahi::access") && line.contains(&id))
+        .stderr_line(|line| line.contains("raahi::access") && line.contains(&id_field))
         .await;
     let entry: Value = serde_json::from_str(&line).expect("a JSON line");
-    let fields = &entry["fields"];
+    (entry["fields"].clone(), line)
+}
+
+/// The access line of a retried request names its attempts and why it was retried.
+#[tokio::test]
+async fn the_access_log_names_the_attempts_and_the_retry_reason() {
+    let failing = FixedUpstream::start("a", Answer::status(503)).await;
+    let healthy = FixedUpstream::start("b", Answer::status(200)).await;
+    let mut process = logging_process().await;
+    logged_route(
+        &process,
+        "web",
+        &[failing.target(), healthy.target()],
+        json!({}),
+    )
+    .await;
+    let (status, id) = get_until_hit(&process, "/web", &failing).await;
+    assert_eq!(status, 200);
+    let (fields, line) = access_fields(&mut process, &id).await;
     assert_eq!(fields["attempts"], 2, "{line}");
     assert_eq!(fields["retry_reason"], "status", "{line}");
-    assert_eq!(fields["hedged"], false, "{line}");
-    assert_eq!(fields["retry_budget_exhausted"], false, "{line}");
     assert_eq!(fields["target"], healthy.addr.to_string(), "{line}");
+    // Written when true (or not at all): neither happened here.
+    assert_ne!(fields["hedged"], true, "{line}");
+    assert_ne!(fields["retry_budget_exhausted"], true, "{line}");
+}
+
+/// The access line tells a hedged request, and a failure the budget kept from a retry.
+#[tokio::test]
+async fn the_access_log_names_hedges_and_an_exhausted_budget() {
+    let slow =
+        FixedUpstream::start("slow", Answer::status(200).after(Duration::from_secs(1))).await;
+    let fast = FixedUpstream::start("fast", Answer::status(200)).await;
+    let down = FixedUpstream::start("down", Answer::status(503)).await;
+    let mut process = logging_process().await;
+    logged_route(
+        &process,
+        "hedge",
+        &[slow.target(), fast.target()],
+        json!({"attempts": 2, "hedge_after_ms": 50}),
+    )
+    .await;
+    // No budget at all: the first retry is refused.
+    logged_route(
+        &process,
+        "down",
+        &[down.target()],
+        json!({"budget": {"percent": 0, "min_per_second": 0}}),
+    )
+    .await;
+
+    let (status, id) = get_until_hit(&process, "/hedge", &slow).await;
+    assert_eq!(status, 200);
+    let (fields, line) = access_fields(&mut process, &id).await;
+    assert_eq!(fields["hedged"], true, "{line}");
+    assert_eq!(fields["attempts"], 2, "{line}");
+    assert_eq!(fields["target"], fast.addr.to_string(), "{line}");
+
+    let (status, id) = get_until_hit(&process, "/down", &down).await;
+    assert_eq!(status, 503);
+    let (fields, line) = access_fields(&mut process, &id).await;
+    assert_eq!(fields["retry_budget_exhausted"], true, "{line}");
+    assert_eq!(fields["attempts"], 1, "{line}");
+    assert_eq!(down.hits(), 1, "the refused retry was not sent");
 }
