@@ -9,6 +9,8 @@
 // that shows routes opens, and again whenever a route event (or a fresh snapshot) arrives.
 // A route's limits live on its own read (`routes/{id}/rate-limit`), refreshed with the routes,
 // with a service page's runtime and whenever the stream says a limit tripped or cleared.
+// A service's retries come with its runtime: the rate is the change in retries sent between
+// two reads, over the time between them.
 
 const API = new URL('../api/v1/', document.baseURI);
 const TOKEN_KEY = 'raahi.token';
@@ -17,6 +19,8 @@ const BACKOFF_MAX_MS = 10000;
 // The server sends a comment every 15 s: a stream silent for this long is dead.
 const STREAM_SILENCE_MS = 45000;
 const RUNTIME_POLL_MS = 2000;
+// Reads of a service's retries further apart than this give no rate (the page was elsewhere).
+const RETRY_RATE_GAP_MS = 10000;
 const ACTIVITY_MAX = 40;
 const HISTORY_MAX = 50;
 // Routes read per request (the API's largest page); more pages follow `next`.
@@ -33,6 +37,8 @@ const state = {
   // Route id -> {view (what the gateway counts), refusing: {rate_limit, max_in_flight}}.
   limits: new Map(),
   limitsApi: true, // false once `routes/{id}/rate-limit` answered 404: read /metrics instead
+  // Service id -> {view (the runtime's `retries`), sent (their sum), at (ms), rate (per s)}.
+  retries: new Map(),
   limitsLoad: { running: false, again: false, at: 0 },
   loaded: false, // a snapshot has arrived
   lastId: null,
@@ -924,6 +930,7 @@ async function pollRuntime(id) {
     state.services.set(id, { ...service, panic_picks: answer.data.panic_picks });
     changed = true;
   }
+  if (answer.data.retries && updateRetries(id, answer.data.retries, Date.now())) changed = true;
   for (const runtime of answer.data.targets ?? []) {
     const target = state.targets.get(runtime.id);
     if (target && target.in_flight !== runtime.in_flight) {
@@ -952,6 +959,23 @@ async function pollRuntime(id) {
   if (changed) scheduleRender();
 }
 
+/**
+ * Keeps a service's latest `retries` and its retry rate: retries sent since the read before,
+ * per second. A first read, or one long after the one before (the page was elsewhere), has no
+ * rate yet. Returns whether anything shown changed.
+ */
+function updateRetries(id, view, now) {
+  const sent = Object.values(view.sent ?? {}).reduce((sum, n) => sum + Number(n), 0);
+  const before = state.retries.get(id);
+  let rate = null;
+  if (before && now > before.at && now - before.at <= RETRY_RATE_GAP_MS) {
+    // Counters start again at zero when the service is created anew: no negative rate.
+    rate = Math.max(0, sent - before.sent) / ((now - before.at) / 1000);
+  }
+  state.retries.set(id, { view, sent, at: now, rate });
+  return !before || before.rate !== rate || JSON.stringify(before.view) !== JSON.stringify(view);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Session
 // ---------------------------------------------------------------------------------------------
@@ -968,6 +992,7 @@ function enter(token, session) {
   state.openTarget = null;
   state.routes = emptyRoutes();
   state.limits = new Map();
+  state.retries = new Map();
   state.limitsApi = true;
   state.limitsLoad = { running: false, again: false, at: 0 };
   state.revealRoute = currentRoute().routeId;
@@ -988,6 +1013,7 @@ function signOut(message = '') {
   state.targets = new Map();
   state.sources = new Map();
   state.routes = emptyRoutes();
+  state.retries = new Map();
   state.revealRoute = null;
   state.loaded = false;
   state.lastId = null;
@@ -1804,7 +1830,8 @@ function servicePage(id) {
           stat('Health checks', checkText),
           stat('Ejection', ejectionText),
           stat('Available', `${c.available} of ${targets.length}`, c.available === 0 && targets.length ? 'bad' : ''),
-          stat('Panic picks', String(service.panic_picks ?? 0), service.panic_picks ? 'bad' : ''))),
+          stat('Panic picks', String(service.panic_picks ?? 0), service.panic_picks ? 'bad' : ''),
+          retryStats(service))),
       legend()),
     h('section', { class: 'panel', 'aria-labelledby': 'targets-title' },
       h('h2', { id: 'targets-title' }, 'Targets'),
@@ -1818,6 +1845,43 @@ function servicePage(id) {
         : h('p', { class: 'muted' }, 'None: this service\u2019s targets are added through the API.')),
     serviceRoutesSection(id),
     activitySection(id));
+}
+
+/** `0/s`, `0.5/s`, `12/s`: a retry rate, to a tenth below 10 per second. */
+function perSecondText(rate) {
+  if (rate === null || rate === undefined) return '—';
+  return `${rate >= 10 ? Math.round(rate) : Math.round(rate * 10) / 10}/s`;
+}
+
+/**
+ * A service's retries on this gateway (TRAFFIC.md §5): the rate with the retries sent by
+ * reason, the budget's window and its refusals, and the hedges. Stream services never retry.
+ */
+function retryStats(service) {
+  if (service.protocol === 'tcp' || service.protocol === 'tls') return null;
+  const entry = state.retries.get(service.id);
+  const view = entry?.view;
+  const count = (value) => (view ? String(value ?? 0) : '—');
+  const reasons = Object.entries(view?.sent ?? {}).filter(([, n]) => n > 0)
+    .map(([reason, n]) => `${reason} ${n}`).join(', ');
+  const rate = entry?.rate;
+  return [
+    stat('Retries', h('span', { 'data-testid': 'service-retries' },
+      h('span', { 'data-testid': 'service-retry-rate',
+        title: 'Retries sent per second, between the last two reads' }, perSecondText(rate)),
+      ' · ', h('span', { 'data-testid': 'service-retries-sent' }, count(entry?.sent)), ' sent',
+      reasons ? h('span', { class: 'muted small', 'data-testid': 'service-retry-reasons' },
+        ` (${reasons})`) : null), rate ? 'warn-text' : ''),
+    stat('Retry budget', h('span', { 'data-testid': 'service-retry-budget' },
+      h('span', { 'data-testid': 'service-retry-budget-exhausted' }, count(view?.budget_exhausted)),
+      ' refused',
+      view ? h('span', { class: 'muted small', 'data-testid': 'service-retry-window',
+        title: 'Retries and hedges the budget allowed, and requests, in its 10 s window' },
+      ` · ${plural(view.window_retries, 'retry', 'retries')} for `,
+      `${plural(view.window_requests, 'request')} in the last 10 s`) : null),
+    view?.budget_exhausted ? 'bad' : ''),
+    stat('Hedges', h('span', { 'data-testid': 'service-hedges' }, count(view?.hedges))),
+  ];
 }
 
 function targetTable(targets, sources, now) {

@@ -17,8 +17,8 @@ use prometheus_client::registry::Registry;
 
 use super::AdminState;
 use crate::clock::unix_ms;
-use crate::model::{Health, Id, SourceState};
-use crate::snapshot::REFUSAL_CODES;
+use crate::model::{Health, Id, Protocol, SourceState};
+use crate::snapshot::{RetryCounters, RetryReason, REFUSAL_CODES};
 
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 const SOURCE_STATES: [SourceState; 5] = [
@@ -238,6 +238,27 @@ struct ServiceSample {
     h2: Option<[u64; 3]>,
     /// Sessions re-pinned, for services with session persistence.
     sessions_repinned: Option<u64>,
+    /// Retries, for services that carry HTTP (stream services never retry).
+    retries: Option<RetrySample>,
+}
+
+/// A service's retries on this gateway.
+#[derive(Debug, Default)]
+struct RetrySample {
+    /// Retries sent, by [`RetryReason`].
+    sent: [u64; RetryReason::ALL.len()],
+    budget_exhausted: u64,
+    hedges: u64,
+}
+
+impl RetrySample {
+    fn read(counters: &RetryCounters) -> RetrySample {
+        RetrySample {
+            sent: std::array::from_fn(|index| counters.sent[index].load(Ordering::Relaxed)),
+            budget_exhausted: counters.budget_exhausted.load(Ordering::Relaxed),
+            hedges: counters.hedges.load(Ordering::Relaxed),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -384,6 +405,8 @@ async fn gather(state: &AdminState) -> Scrape {
                 .session_persistence
                 .as_ref()
                 .map(|_| counters.sessions_repinned.load(Ordering::Relaxed)),
+            retries: (!matches!(service.service.protocol, Protocol::Tcp | Protocol::Tls))
+                .then(|| RetrySample::read(&counters.retries)),
             h2: matches!(
                 service.service.protocol,
                 crate::model::Protocol::H2c | crate::model::Protocol::Https
@@ -924,6 +947,43 @@ impl Collector for Scrape {
                 Some((service.labels.clone(), service.sessions_repinned?))
             }),
         )?;
+        let retries = || {
+            self.services
+                .iter()
+                .filter_map(|service| Some((&service.labels, service.retries.as_ref()?)))
+        };
+        counter(
+            &mut encoder,
+            "raahi_retries",
+            "Retries sent to a service's targets on this gateway, by what the attempt before met: \
+             connect_failure, refused (an HTTP/2 stream never processed), reset, per_try_timeout, \
+             status (an HTTP status the retry policy names), grpc_status (a gRPC status in a \
+             trailers-only answer). Hedges count in raahi_hedges.",
+            retries().flat_map(|(labels, sample)| {
+                RetryReason::ALL.iter().map(move |reason| {
+                    (
+                        with(labels, ("reason", reason.name().to_owned())),
+                        sample.sent[*reason as usize],
+                    )
+                })
+            }),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_retry_budget_exhausted",
+            "Retries and hedges a service's retry budget refused on this gateway (retries and \
+             hedges in the last 10 s may reach budget.percent of the requests plus \
+             budget.min_per_second times 10): the failure went to the client as it was.",
+            retries().map(|(labels, sample)| (labels.clone(), sample.budget_exhausted)),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_hedges",
+            "Hedged attempts sent to a service's targets on this gateway: a second attempt \
+             while the first had no response headers after the route's hedge_after_ms (each \
+             spends the retry budget).",
+            retries().map(|(labels, sample)| (labels.clone(), sample.hedges)),
+        )?;
         gauge(
             &mut encoder,
             "raahi_target_in_flight_requests",
@@ -1092,6 +1152,20 @@ mod tests {
         }
     }
 
+    fn service(name: &str, retries: Option<RetrySample>) -> ServiceSample {
+        ServiceSample {
+            labels: vec![("service", name.to_owned())],
+            panic_picks: 0,
+            connect_errors: 0,
+            timeouts: 0,
+            queued: 0,
+            overloaded: 0,
+            h2: None,
+            sessions_repinned: None,
+            retries,
+        }
+    }
+
     async fn text(scrape: Scrape) -> String {
         let response = encode(scrape);
         let body = axum::body::to_bytes(response.into_body(), usize::MAX)
@@ -1148,6 +1222,69 @@ mod tests {
             shown.len(),
             5,
             "no series for routes without the limit: {shown:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn retries_have_every_reason_for_http_services_and_none_for_streams() {
+        let mut sent = [0; RetryReason::ALL.len()];
+        sent[RetryReason::ConnectFailure as usize] = 5;
+        sent[RetryReason::Status as usize] = 2;
+        let text = text(Scrape {
+            services: vec![
+                service(
+                    "web",
+                    Some(RetrySample {
+                        sent,
+                        budget_exhausted: 3,
+                        hedges: 4,
+                    }),
+                ),
+                service("idle", Some(RetrySample::default())),
+                service("postgres", None),
+            ],
+            ..Scrape::default()
+        })
+        .await;
+        for line in [
+            "# TYPE raahi_retries counter",
+            "# TYPE raahi_retry_budget_exhausted counter",
+            "# TYPE raahi_hedges counter",
+            "raahi_retries_total{service=\"web\",reason=\"connect_failure\"} 5",
+            "raahi_retries_total{service=\"web\",reason=\"refused\"} 0",
+            "raahi_retries_total{service=\"web\",reason=\"reset\"} 0",
+            "raahi_retries_total{service=\"web\",reason=\"per_try_timeout\"} 0",
+            "raahi_retries_total{service=\"web\",reason=\"status\"} 2",
+            "raahi_retries_total{service=\"web\",reason=\"grpc_status\"} 0",
+            "raahi_retry_budget_exhausted_total{service=\"web\"} 3",
+            "raahi_hedges_total{service=\"web\"} 4",
+            "raahi_retries_total{service=\"idle\",reason=\"grpc_status\"} 0",
+            "raahi_retry_budget_exhausted_total{service=\"idle\"} 0",
+            "raahi_hedges_total{service=\"idle\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let retry_lines = |service: &str| {
+            text.lines()
+                .filter(|line| {
+                    [
+                        "raahi_retries_total{",
+                        "raahi_retry_budget_exhausted_total{",
+                        "raahi_hedges_total{",
+                    ]
+                    .iter()
+                    .any(|series| line.starts_with(series))
+                        && line.contains(&format!("service=\"{service}\""))
+                })
+                .count()
+        };
+        // Six reasons, the budget and the hedges: cardinality bounded by the services.
+        assert_eq!(retry_lines("web"), 8, "{text}");
+        assert_eq!(retry_lines("idle"), 8, "{text}");
+        assert_eq!(
+            retry_lines("postgres"),
+            0,
+            "a stream service never retries: {text}"
         );
     }
 }

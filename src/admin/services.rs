@@ -18,8 +18,8 @@ use utoipa::ToSchema;
 
 use crate::clock::unix_ms;
 use crate::model::{HashOn, Health, Id, LbPolicy, Service, ServiceSpec};
-use crate::snapshot::ServiceRuntime;
-use std::collections::HashMap;
+use crate::snapshot::{RetryCounters, RetryReason, ServiceRuntime};
+use std::collections::{BTreeMap, HashMap};
 
 pub fn router() -> OpenApiRouter<AdminState> {
     OpenApiRouter::new()
@@ -124,6 +124,25 @@ pub struct ServiceRuntimeView {
     pub sessions: Option<SessionsView>,
     /// Targets in rotation (active, enabled, weight > 0).
     pub targets: Vec<TargetRuntimeView>,
+    /// Retries and hedges sent to the service on this gateway, and its retry budget's window.
+    pub retries: RetriesView,
+}
+
+/// A service's retries on this gateway (TRAFFIC.md §5).
+#[derive(Serialize, ToSchema, Debug, PartialEq)]
+pub struct RetriesView {
+    /// Requests sent to the service in the retry budget's window (the last 10 s, by the second).
+    pub window_requests: u64,
+    /// Retries and hedges the budget allowed in that window.
+    pub window_retries: u64,
+    /// Retries sent since start, by what the attempt before met: `connect_failure`, `refused`,
+    /// `reset`, `per_try_timeout`, `status`, `grpc_status` (every reason, zeros included).
+    pub sent: BTreeMap<String, u64>,
+    /// Retries and hedges the budget refused since start: the failure went to the client as it
+    /// was.
+    pub budget_exhausted: u64,
+    /// Hedged attempts sent since start.
+    pub hedges: u64,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -195,6 +214,7 @@ async fn service_runtime(
             hashing: None,
             sessions: None,
             targets: Vec::new(),
+            retries: retries_view(&RetryCounters::default(), tokio::time::Instant::now()),
         },
         Some(service) => {
             let shares = hash_shares(service);
@@ -223,10 +243,30 @@ async fn service_runtime(
                         hash_share: shares.get(&index).copied(),
                     })
                     .collect(),
+                retries: retries_view(&service.counters.retries, tokio::time::Instant::now()),
             }
         }
     };
     Ok(Json(view))
+}
+
+fn retries_view(counters: &RetryCounters, now: tokio::time::Instant) -> RetriesView {
+    let window = counters.totals(now);
+    RetriesView {
+        window_requests: window.requests,
+        window_retries: window.retries,
+        sent: RetryReason::ALL
+            .iter()
+            .map(|reason| {
+                (
+                    reason.name().to_owned(),
+                    counters.sent[*reason as usize].load(Ordering::Relaxed),
+                )
+            })
+            .collect(),
+        budget_exhausted: counters.budget_exhausted.load(Ordering::Relaxed),
+        hedges: counters.hedges.load(Ordering::Relaxed),
+    }
 }
 
 fn hashing_view(service: &ServiceRuntime) -> Option<HashingView> {
@@ -295,4 +335,55 @@ fn sessions_view(service: &ServiceRuntime, now: u64) -> Option<SessionsView> {
         repinned: service.counters.sessions_repinned.load(Ordering::Relaxed),
         draining,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RetryBudget;
+    use serde_json::json;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_retries_view_reads_the_window_and_every_reason() {
+        let counters = RetryCounters::default();
+        let budget = RetryBudget {
+            percent: 50.0,
+            min_per_second: 0,
+        };
+        for _ in 0..4 {
+            counters.request(Instant::now());
+        }
+        assert!(counters.try_spend(Instant::now(), &budget));
+        counters.sent(RetryReason::ConnectFailure);
+        assert!(counters.try_spend(Instant::now(), &budget));
+        counters.hedges.fetch_add(1, Ordering::Relaxed);
+        // Half of four requests: a third is refused.
+        assert!(!counters.try_spend(Instant::now(), &budget));
+        counters.sent(RetryReason::GrpcStatus);
+        counters.sent(RetryReason::GrpcStatus);
+
+        let view = serde_json::to_value(retries_view(&counters, Instant::now())).unwrap();
+        assert_eq!(
+            view,
+            json!({
+                "window_requests": 4,
+                "window_retries": 2,
+                "sent": {
+                    "connect_failure": 1, "refused": 0, "reset": 0,
+                    "per_try_timeout": 0, "status": 0, "grpc_status": 2
+                },
+                "budget_exhausted": 1,
+                "hedges": 1
+            })
+        );
+
+        // The window forgets; the totals since start stay.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let view = retries_view(&counters, Instant::now());
+        assert_eq!((view.window_requests, view.window_retries), (0, 0));
+        assert_eq!(view.sent["connect_failure"], 1);
+        assert_eq!(view.budget_exhausted, 1);
+    }
 }

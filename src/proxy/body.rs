@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
@@ -16,6 +16,7 @@ use super::accounting::{Answering, InFlight};
 use super::budget::Reservation;
 use super::h1client::ResponseBody;
 use super::h2client::H2ResponseBody;
+use super::replay::{BodyCopy, KeepCopy};
 use super::spool::{SpoolReader, SpooledBody};
 use crate::clock::unix_ms;
 
@@ -302,6 +303,13 @@ enum HeldContent {
         /// Held while any attempt still has the bytes.
         _reservation: Arc<Reservation>,
     },
+    /// A streamed body kept as it went to a first attempt (see `replay`).
+    Pieces {
+        pieces: Arc<[Bytes]>,
+        /// Their bytes together.
+        length: u64,
+        _reservation: Arc<Reservation>,
+    },
     Spooled(SpooledBody),
 }
 
@@ -326,6 +334,28 @@ impl BufferedBody {
             trailers,
         }
     }
+
+    /// A body held as the `pieces` it came in, `length` bytes together; one piece (or none)
+    /// is held like a body read ahead.
+    pub(super) fn pieces(
+        mut pieces: Vec<Bytes>,
+        length: u64,
+        trailers: Option<HeaderMap>,
+        reservation: Reservation,
+    ) -> BufferedBody {
+        if pieces.len() <= 1 {
+            let data = pieces.pop().unwrap_or_default();
+            return BufferedBody::in_memory(data, trailers, reservation);
+        }
+        BufferedBody {
+            content: HeldContent::Pieces {
+                pieces: pieces.into(),
+                length,
+                _reservation: Arc::new(reservation),
+            },
+            trailers,
+        }
+    }
 }
 
 /// The request body sent upstream. A streaming body that the upstream client never started to
@@ -334,6 +364,16 @@ pub enum UpstreamRequestBody {
     Empty,
     Buffered {
         data: Option<Bytes>,
+        trailers: Option<HeaderMap>,
+        _reservation: Arc<Reservation>,
+    },
+    /// Held in memory in several pieces, each sent as a data frame of its own.
+    Pieces {
+        pieces: Arc<[Bytes]>,
+        /// The next piece to send.
+        next: usize,
+        /// Bytes of the pieces not sent yet.
+        remaining: u64,
         trailers: Option<HeaderMap>,
         _reservation: Arc<Reservation>,
     },
@@ -350,6 +390,17 @@ impl UpstreamRequestBody {
         match &body.content {
             HeldContent::Memory { data, _reservation } => UpstreamRequestBody::Buffered {
                 data: Some(data.clone()).filter(|data| !data.is_empty()),
+                trailers,
+                _reservation: _reservation.clone(),
+            },
+            HeldContent::Pieces {
+                pieces,
+                length,
+                _reservation,
+            } => UpstreamRequestBody::Pieces {
+                pieces: pieces.clone(),
+                next: 0,
+                remaining: *length,
                 trailers,
                 _reservation: _reservation.clone(),
             },
@@ -372,6 +423,8 @@ pub struct UntouchedBody {
     /// Set when the body went past the route's size limit.
     too_large: Arc<AtomicBool>,
     progress: Arc<BodyProgress>,
+    /// What went up so far, kept for a retry to send again (`streaming_kept`).
+    copy: Option<Box<BodyCopy>>,
 }
 
 /// How a streaming upload moves, to tell a stalled upload from a slow one and say who stalls.
@@ -411,11 +464,38 @@ pub struct StreamingBody {
     /// The client's body went past the route's size limit.
     pub too_large: Arc<AtomicBool>,
     pub progress: Arc<BodyProgress>,
+    /// Where the copy of a body streamed with `streaming_kept` is left once it ended whole.
+    kept: Option<Arc<OnceLock<BufferedBody>>>,
+}
+
+impl StreamingBody {
+    /// The whole body as it went up, to send again like a body read ahead: only when it was
+    /// streamed with a copy kept (`UpstreamRequestBody::streaming_kept`), reached its end, and
+    /// stayed within the copy's cap and the buffer budget. The body holds its budget share
+    /// until it and its clones are gone.
+    pub fn kept_whole(&self) -> Option<BufferedBody> {
+        self.kept.as_ref()?.get().cloned()
+    }
 }
 
 impl UpstreamRequestBody {
-    /// Wraps `body`; the receiver yields it back if it is dropped before its first read.
-    pub fn streaming(body: ClientBody) -> (UpstreamRequestBody, StreamingBody) {
+    /// Wraps `body`; the receiver yields it back if it is dropped before its first read. With
+    /// `keep`, a copy of what goes up is kept (see `replay`) for
+    /// [`StreamingBody::kept_whole`].
+    pub fn streaming_kept(
+        body: ClientBody,
+        keep: Option<KeepCopy>,
+    ) -> (UpstreamRequestBody, StreamingBody) {
+        let (copy, kept) = match keep {
+            Some(keep) => {
+                let kept = Arc::new(OnceLock::new());
+                (
+                    Some(Box::new(BodyCopy::new(keep, kept.clone()))),
+                    Some(kept),
+                )
+            }
+            None => (None, None),
+        };
         let (give_back, returned) = oneshot::channel();
         let sent = Arc::new(Notify::new());
         let failed = Arc::new(AtomicBool::new(false));
@@ -429,6 +509,7 @@ impl UpstreamRequestBody {
             failed: failed.clone(),
             too_large: too_large.clone(),
             progress: progress.clone(),
+            copy,
         };
         (
             UpstreamRequestBody::Streaming(body),
@@ -438,6 +519,7 @@ impl UpstreamRequestBody {
                 failed,
                 too_large,
                 progress,
+                kept,
             },
         )
     }
@@ -446,6 +528,9 @@ impl UpstreamRequestBody {
 impl Drop for UntouchedBody {
     fn drop(&mut self) {
         if self.polled {
+            if let (Some(copy), Some(inner)) = (self.copy.take(), self.inner.as_mut()) {
+                copy.finish_if_ended(inner);
+            }
             return;
         }
         if let (Some(body), Some(give_back)) = (self.inner.take(), self.give_back.take()) {
@@ -472,6 +557,22 @@ impl Body for UpstreamRequestBody {
                         .map(|trailers| Ok(Frame::trailers(trailers))),
                 })
             }
+            UpstreamRequestBody::Pieces {
+                pieces,
+                next,
+                remaining,
+                trailers,
+                ..
+            } => Poll::Ready(match pieces.get(*next) {
+                Some(piece) => {
+                    *next += 1;
+                    *remaining -= piece.len() as u64;
+                    Some(Ok(Frame::data(piece.clone())))
+                }
+                None => trailers
+                    .take()
+                    .map(|trailers| Ok(Frame::trailers(trailers))),
+            }),
             UpstreamRequestBody::Spooled { reader, trailers } => {
                 Poll::Ready(match ready!(reader.poll_chunk(cx)) {
                     Some(Ok(data)) => Some(Ok(Frame::data(data))),
@@ -509,6 +610,20 @@ impl Body for UpstreamRequestBody {
                     Poll::Ready(None) => true,
                     Poll::Pending => false,
                 };
+                if let Some(copy) = body.copy.as_deref_mut() {
+                    let kept = match &polled {
+                        Poll::Ready(Some(Ok(frame))) => copy.keep(frame),
+                        Poll::Ready(Some(Err(_))) => false,
+                        Poll::Ready(None) | Poll::Pending => true,
+                    };
+                    if !kept {
+                        body.copy = None;
+                    } else if finished {
+                        if let Some(copy) = body.copy.take() {
+                            copy.finish();
+                        }
+                    }
+                }
                 if finished {
                     body.sent.notify_one();
                 }
@@ -523,6 +638,12 @@ impl Body for UpstreamRequestBody {
             UpstreamRequestBody::Buffered { data, trailers, .. } => {
                 data.is_none() && trailers.is_none()
             }
+            UpstreamRequestBody::Pieces {
+                pieces,
+                next,
+                trailers,
+                ..
+            } => *next == pieces.len() && trailers.is_none(),
             UpstreamRequestBody::Spooled { reader, trailers } => {
                 reader.remaining() == 0 && trailers.is_none()
             }
@@ -538,6 +659,7 @@ impl Body for UpstreamRequestBody {
             UpstreamRequestBody::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |data| data.len() as u64))
             }
+            UpstreamRequestBody::Pieces { remaining, .. } => SizeHint::with_exact(*remaining),
             UpstreamRequestBody::Spooled { reader, .. } => SizeHint::with_exact(reader.remaining()),
             UpstreamRequestBody::Streaming(body) => body
                 .inner

@@ -26,6 +26,7 @@ mod plain_target;
 mod pool;
 mod rate_limit;
 mod redirect;
+mod replay;
 mod retry;
 mod session_cookie;
 mod sni;

@@ -46,7 +46,7 @@ impl RetryReason {
 const WINDOW_SECONDS: u64 = 10;
 /// A bucket's cell holds its second in the high bits and its count in the low ones, so one
 /// compare-and-swap moves it to a new second and one add counts.
-const COUNT_BITS: u32 = 40;
+const COUNT_BITS: u32 = 32;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 
 /// One second's requests and retries (hedges included).
@@ -132,8 +132,11 @@ impl RetryCounters {
         totals
     }
 
+    /// Seconds since the counters began, in the cell's 32 bits (136 years).
     fn second(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.origin).as_secs() & (u64::MAX >> COUNT_BITS)
+        now.saturating_duration_since(self.origin)
+            .as_secs()
+            .min(u64::MAX >> COUNT_BITS)
     }
 
     fn bucket(&self, second: u64) -> &Bucket {
@@ -280,6 +283,18 @@ mod tests {
         // Same bucket, ten seconds older: it must not add to the newer second's count.
         counters.request(early);
         assert_eq!(counters.totals(Instant::now()).requests, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_window_keeps_counting_after_half_a_year() {
+        let counters = RetryCounters::default();
+        // Past 2^24 seconds (194 days), where a narrower second would have wrapped.
+        tokio::time::advance(Duration::from_secs((1 << 24) + 5)).await;
+        counters.request(Instant::now());
+        assert_eq!(counters.totals(Instant::now()).requests, 1);
+        assert_eq!(spend_all(&counters, &budget(0.0, 1)), 10);
+        tokio::time::advance(Duration::from_secs(400 * 86_400)).await;
+        assert_eq!(spend_all(&counters, &budget(0.0, 1)), 10);
     }
 
     #[test]

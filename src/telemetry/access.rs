@@ -78,6 +78,14 @@ fn format_line(buffer: &mut Vec<u8>, layout: Layout, fill: impl FnOnce(&mut Fiel
     }
 }
 
+/// One line as `layout` lays it out, for tests of the fields their callers write.
+#[cfg(test)]
+pub(crate) fn format_for_test(layout: Layout, fill: impl FnOnce(&mut Fields<'_>)) -> String {
+    let mut buffer = Vec::new();
+    format_line(&mut buffer, layout, fill);
+    String::from_utf8(buffer).expect("access lines are UTF-8")
+}
+
 /// The fields of one line, in the order they are added. Names are the caller's identifiers
 /// (plain ASCII, never escaped); values are escaped or quoted as the layout needs.
 pub struct Fields<'a> {
@@ -126,6 +134,13 @@ impl Fields<'_> {
         if let Some(value) = value {
             self.u64(name, value);
         }
+    }
+
+    /// `true` or `false`: a JSON boolean, a bare word in logfmt.
+    pub fn bool(&mut self, name: &str, value: bool) {
+        self.name(name);
+        self.buffer
+            .extend_from_slice(if value { b"true" } else { b"false" });
     }
 
     /// An address as a string; IPv4 without the formatting machinery, as most clients are.
@@ -256,11 +271,7 @@ mod tests {
     use super::*;
     use std::net::{Ipv4Addr, Ipv6Addr};
 
-    fn line(layout: Layout, fill: impl FnOnce(&mut Fields<'_>)) -> String {
-        let mut buffer = Vec::new();
-        format_line(&mut buffer, layout, fill);
-        String::from_utf8(buffer).unwrap()
-    }
+    use super::format_for_test as line;
 
     fn every_kind(fields: &mut Fields<'_>) {
         fields.str("request_id", "id with \"quotes\"\n");
@@ -274,6 +285,8 @@ mod tests {
         fields.opt_u64("bytes", None);
         fields.millis("duration_ms", Duration::from_micros(12_045));
         fields.opt_millis("upstream_ms", Some(Duration::from_micros(7)));
+        fields.bool("hedged", true);
+        fields.bool("cached", false);
     }
 
     #[test]
@@ -296,6 +309,8 @@ mod tests {
         assert_eq!(fields["route_id"], -3);
         assert_eq!(fields["duration_ms"], 12.045);
         assert_eq!(fields["upstream_ms"], 0.007);
+        assert_eq!(fields["hedged"], true);
+        assert_eq!(fields["cached"], false);
         assert!(fields.get("route").is_none() && fields.get("bytes").is_none());
         let timestamp = entry["timestamp"].as_str().unwrap();
         let parsed = chrono::DateTime::parse_from_rfc3339(timestamp).unwrap();
@@ -326,7 +341,8 @@ mod tests {
             " status=200 ",
             " route_id=-3 ",
             " duration_ms=12.045 ",
-            " upstream_ms=0.007\n",
+            " upstream_ms=0.007 ",
+            " hedged=true cached=false\n",
         ] {
             assert!(text.contains(pair), "{pair:?} missing in {text}");
         }

@@ -6,6 +6,7 @@ pub mod api;
 pub mod browser;
 pub mod consul;
 pub mod fake_server;
+pub mod fixed_upstream;
 pub mod grpc;
 pub mod knot;
 pub mod kubernetes;

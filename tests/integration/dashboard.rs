@@ -3,8 +3,9 @@
 //! disabled through the API, a health check that starts failing and its history), admin buttons
 //! for admins only, a 401 that returns to the sign-in form, and the stream status while the
 //! gateway is down and after it is back, and the routes page (rules, shares, filters) with the
-//! routes a service page lists, both following route changes live, and a route's limits with
-//! the refusals real requests met. Screenshots go to
+//! routes a service page lists, both following route changes live, a route's limits with
+//! the refusals real requests met, and a service's retries while real requests are retried.
+//! Screenshots go to
 //! `<target>/dashboard-artifacts/`.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
@@ -1615,5 +1616,148 @@ async fn a_rate_limited_route_shows_its_limit_and_refusals() {
         assert!(listed.contains(needle), "{needle:?} in {listed:?}");
     }
     browser.screenshot("service-route-limits").await;
+    browser.close().await;
+}
+
+/// Reads a service page's retry figures, as text (null where the page shows none), into `s`.
+const RETRIES_SCRIPT: &str =
+    "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+     const text = (id) => { const el = page && page.querySelector(`[data-testid=\"${id}\"]`); \
+       return el ? el.textContent.replace(/\\s+/g, ' ').trim() : null; }; \
+     const s = { rate: text('service-retry-rate'), sent: text('service-retries-sent'), \
+       reasons: text('service-retry-reasons'), \
+       exhausted: text('service-retry-budget-exhausted'), \
+       window: text('service-retry-window'), hedges: text('service-hedges') };";
+
+/// A service page shows the retries sent to the service (by reason, and their rate while they
+/// are sent), what its retry budget refused and its hedges, as the runtime view and the metrics
+/// count them. Half the requests to a service whose other target is a closed port meet a
+/// connect failure there and are retried on the live one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_page_shows_its_retries_live() {
+    let gateway = TestGateway::start().await;
+    let live = common::Upstream::start("live").await;
+    // Bound and dropped: nothing listens there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    // Without ejection the closed port keeps its turn: retries go on while requests do.
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "flaky", "max_attempts": 3, "ejection": false}),
+        )
+        .await;
+    for target in [
+        json!({"host": "127.0.0.1", "port": closed.port()}),
+        common::target(&live, 1, 0),
+    ] {
+        gateway
+            .create(&format!("/api/v1/services/{service}/targets"), target)
+            .await;
+    }
+    gateway.route_all_to(service).await;
+
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
+        .await;
+    let until = |condition: &str| {
+        format!("{RETRIES_SCRIPT} return s.sent !== null && ({condition}) ? s : null;")
+    };
+    // Two reads of the runtime make a rate.
+    let shown = browser
+        .wait_for("no retries, at no rate", WAIT, &until("s.rate === '0/s'"))
+        .await;
+    assert_eq!(shown["sent"], "0", "{shown}");
+    assert_eq!(shown["exhausted"], "0", "{shown}");
+    assert_eq!(shown["hedges"], "0", "{shown}");
+    assert!(
+        shown["reasons"].is_null(),
+        "no reason before a retry: {shown}"
+    );
+
+    // Requests while the page reads the runtime: some are retried each second.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = tokio::spawn({
+        let stop = stop.clone();
+        let client = gateway.http.clone();
+        let url = gateway.proxy_url("/retried");
+        async move {
+            let mut sent = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let response = client.get(&url).send().await.expect("proxy answers");
+                assert_eq!(response.status(), 200, "a connect failure is retried");
+                sent += 1;
+                // At most 5 retries a second: within the default budget's floor (10 a second).
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            sent
+        }
+    });
+    let shown = browser
+        .wait_for(
+            "retries at a rate, with their reason",
+            WAIT,
+            &until("s.rate !== '0/s' && s.rate !== '—' && s.reasons !== null"),
+        )
+        .await;
+    stop.store(true, Ordering::SeqCst);
+    let requests = traffic.await.expect("the requests");
+    assert!(requests > 0);
+    assert!(
+        shown["reasons"]
+            .as_str()
+            .unwrap()
+            .starts_with("(connect_failure "),
+        "{shown}"
+    );
+    browser.screenshot("service-retries").await;
+
+    // Once the requests stop, the page comes to what the runtime view and the metrics count.
+    let (status, view) = gateway
+        .api("GET", &format!("/api/v1/services/{service}/runtime"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{view}");
+    let retries = &view["retries"];
+    let connect_failures = retries["sent"]["connect_failure"].as_u64().unwrap();
+    assert!(connect_failures >= 1, "{view}");
+    for (reason, count) in retries["sent"].as_object().unwrap() {
+        if reason != "connect_failure" {
+            assert_eq!(count, 0, "only connect failures: {view}");
+        }
+    }
+    assert_eq!(retries["budget_exhausted"], 0, "{view}");
+    assert_eq!(retries["hedges"], 0, "{view}");
+    // Each request met the closed port at most once: at most one retry each.
+    let window = (
+        retries["window_requests"].as_u64().unwrap(),
+        retries["window_retries"].as_u64().unwrap(),
+    );
+    assert!(window.0 >= window.1, "{view}");
+    assert_eq!(
+        gateway
+            .metric(r#"raahi_retries_total{service="flaky",reason="connect_failure"}"#)
+            .await,
+        connect_failures
+    );
+    let shown = browser
+        .wait_for(
+            "the retries counted, at no rate once the requests stopped",
+            WAIT,
+            &until(&format!(
+                "s.rate === '0/s' && s.sent === '{connect_failures}'"
+            )),
+        )
+        .await;
+    assert_eq!(
+        shown["reasons"],
+        format!("(connect_failure {connect_failures})"),
+        "{shown}"
+    );
+    assert_eq!(shown["exhausted"], "0", "{shown}");
+    assert_eq!(shown["hedges"], "0", "{shown}");
     browser.close().await;
 }

@@ -42,6 +42,7 @@ mod rate_limit;
 mod rate_limit_cluster;
 mod registration;
 mod request_spool;
+mod retry;
 mod retry_api;
 mod route_rules;
 mod smoke;

@@ -9,8 +9,8 @@ use http::{header, HeaderValue, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
 
 use super::{rewrite, Exchange, ProxyBody};
-use crate::snapshot::RouteEntry;
-use crate::telemetry::access;
+use crate::snapshot::{RetryReason, RouteEntry};
+use crate::telemetry::access::{self, Fields};
 use crate::telemetry::trace::trace_id_hex;
 use opentelemetry::trace::TraceId;
 
@@ -49,6 +49,7 @@ pub(super) struct Entry {
     backend: Option<Arc<str>>,
     target: Option<Authority>,
     upstream_elapsed: Option<Duration>,
+    retries: Retries,
     status: u16,
     bytes: Option<u64>,
     started: Instant,
@@ -78,6 +79,12 @@ impl Entry {
             backend: exchange.backend.clone(),
             target: exchange.target.clone(),
             upstream_elapsed: exchange.upstream_elapsed,
+            retries: Retries {
+                attempts: exchange.attempts,
+                retried: exchange.retried,
+                hedged: exchange.hedged,
+                budget_exhausted: exchange.budget_exhausted,
+            },
             status: response.status().as_u16(),
             bytes: headers
                 .get(header::CONTENT_LENGTH)
@@ -120,11 +127,42 @@ impl Entry {
             fields.opt_u64("bytes", self.bytes);
             fields.millis("duration_ms", self.started.elapsed());
             fields.opt_millis("upstream_ms", self.upstream_elapsed);
+            self.retries.write(fields);
             if let Some(trace_id) = self.trace_id {
                 let mut hex = [0u8; 32];
                 fields.str("trace_id", trace_id_hex(trace_id, &mut hex));
             }
         });
+    }
+}
+
+/// What the retry policy did for one request (TRAFFIC.md §5), as its access line tells it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Retries {
+    /// Attempts sent upstream, hedges included.
+    attempts: u8,
+    /// Why the last retry was sent.
+    retried: Option<RetryReason>,
+    hedged: bool,
+    /// The answer is a failure the retry budget kept from being retried.
+    budget_exhausted: bool,
+}
+
+impl Retries {
+    /// `attempts` once one was sent, `retry_reason` when a retry was, and `hedged` and
+    /// `retry_budget_exhausted` only when true: a request that went once to its target adds
+    /// only `attempts=1`.
+    fn write(&self, fields: &mut Fields<'_>) {
+        if self.attempts >= 1 {
+            fields.u64("attempts", u64::from(self.attempts));
+        }
+        fields.opt_str("retry_reason", self.retried.map(RetryReason::name));
+        if self.hedged {
+            fields.bool("hedged", true);
+        }
+        if self.budget_exhausted {
+            fields.bool("retry_budget_exhausted", true);
+        }
     }
 }
 
@@ -136,5 +174,71 @@ fn protocol(version: Version) -> &'static str {
         Version::HTTP_2 => "HTTP/2.0",
         Version::HTTP_3 => "HTTP/3.0",
         _ => "HTTP/?",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::access::{format_for_test, Layout};
+
+    fn json_fields(retries: Retries) -> serde_json::Value {
+        let text = format_for_test(Layout::Json, |fields| retries.write(fields));
+        let mut entry: serde_json::Value = serde_json::from_str(&text).unwrap();
+        entry["fields"].take()
+    }
+
+    #[test]
+    fn a_request_without_an_attempt_has_no_retry_fields() {
+        assert_eq!(json_fields(Retries::default()), serde_json::json!({}));
+    }
+
+    #[test]
+    fn one_attempt_names_only_the_attempts() {
+        let retries = Retries {
+            attempts: 1,
+            ..Retries::default()
+        };
+        assert_eq!(json_fields(retries), serde_json::json!({"attempts": 1}));
+    }
+
+    #[test]
+    fn a_retried_hedged_request_names_all_four() {
+        let retries = Retries {
+            attempts: 3,
+            retried: Some(RetryReason::PerTryTimeout),
+            hedged: true,
+            budget_exhausted: true,
+        };
+        assert_eq!(
+            json_fields(retries),
+            serde_json::json!({
+                "attempts": 3,
+                "retry_reason": "per_try_timeout",
+                "hedged": true,
+                "retry_budget_exhausted": true
+            })
+        );
+        let text = format_for_test(Layout::Logfmt, |fields| retries.write(fields));
+        assert!(
+            text.ends_with(
+                " attempts=3 retry_reason=per_try_timeout hedged=true \
+                 retry_budget_exhausted=true\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_budget_refusal_after_one_attempt_says_so_without_a_reason() {
+        let retries = Retries {
+            attempts: 1,
+            budget_exhausted: true,
+            ..Retries::default()
+        };
+        assert_eq!(
+            json_fields(retries),
+            serde_json::json!({"attempts": 1, "retry_budget_exhausted": true})
+        );
     }
 }

@@ -72,7 +72,7 @@ pub(super) fn maybe_copy(state: &Arc<ProxyState>, route: &Arc<RouteEntry>, reque
 }
 
 /// Reads a mirror's answer to its end (within bounds), so its connection goes back to the pool.
-async fn drain<B: http_body::Body + Unpin>(mut body: B, timeout: Duration) {
+pub(super) async fn drain<B: http_body::Body + Unpin>(mut body: B, timeout: Duration) {
     let reading = async {
         let mut read = 0usize;
         while let Some(Ok(frame)) = body.frame().await {

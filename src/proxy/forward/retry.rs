@@ -25,6 +25,7 @@ use crate::proxy::detach::FinishOnDrop;
 use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
+use crate::proxy::replay::KeepCopy;
 use crate::proxy::retry::{Resend, Retriable, RetryRule, IDEMPOTENCY_KEY};
 use crate::proxy::ProxyState;
 use crate::snapshot::{
@@ -43,10 +44,16 @@ struct Attempts<'a> {
     grpc: bool,
     /// One attempt's wait for response headers.
     response_timeout: Duration,
+    /// The longest pause of a streaming upload in which no byte moves: the service's and the
+    /// route's attempt timeout, not the retry policy's per-try one, which is about answers.
+    stall_timeout: Duration,
     /// The client's gRPC deadline and the timeout it came as.
     grpc_deadline: Option<(Instant, Duration)>,
     /// A route holding its requests to `max_in_flight` counts the ones its clients abandon too.
     counted_route: Option<Arc<RouteStats>>,
+    /// The most of a streaming gRPC body kept while it goes, so a retry can send it again
+    /// (the route's `request_buffer_bytes`); None: nothing is kept.
+    keep_streamed: Option<u64>,
 }
 
 /// How one attempt ended, when it did not end the request.
@@ -63,8 +70,8 @@ pub(super) type Sent = (Response<UpstreamBody>, InFlight, Id);
 /// route's retry policy (`proxy::retry`): a failure or an answer the policy names may be
 /// followed by another attempt, preferably on a target not tried yet, after a jittered
 /// backoff (or the target's `Retry-After`), while the service's retry budget allows it. An
-/// answer kept from a retry (the budget spent, no attempts left, or not safe to repeat) goes
-/// to the client as it is.
+/// answer kept from a retry (the budget spent, no attempts left, no target, or not safe to
+/// repeat) goes to the client as it is.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn send_with_retries(
     state: &ProxyState,
@@ -79,6 +86,7 @@ pub(super) async fn send_with_retries(
     let service: &ServiceRuntime = &backend.service;
     let started = Instant::now();
     service.counters.retries.request(started);
+    let idempotency_key = outgoing.headers.contains_key(&IDEMPOTENCY_KEY);
     let attempts = Attempts::new(
         state,
         service,
@@ -88,33 +96,33 @@ pub(super) async fn send_with_retries(
         attempt_timeout,
         &rule,
         started,
+        idempotency_key,
     );
-    let idempotency_key = outgoing.headers.contains_key(&IDEMPOTENCY_KEY);
-    if let Some(hedge_after) = rule.hedges(&resend(&outgoing, idempotency_key)) {
-        if !outgoing.upgrade {
-            return Box::pin(send_hedged(
-                &attempts,
-                backend,
-                outgoing,
-                exchange,
-                preference,
-                &rule,
-                hedge_after,
-            ))
-            .await;
-        }
+    let body_at_hand = matches!(outgoing.body, PendingBody::Empty | PendingBody::Buffered(_));
+    if let Some(hedge_after) = rule
+        .hedges(&resend(&outgoing, idempotency_key))
+        .filter(|_| body_at_hand && !outgoing.upgrade)
+    {
+        return Box::pin(send_hedged(
+            &attempts,
+            backend,
+            outgoing,
+            exchange,
+            preference,
+            &rule,
+            hedge_after,
+        ))
+        .await;
     }
     let mut tried = Tried::default();
     let mut last_failure: Option<UpstreamFailure> = None;
-    let mut reason: Option<RetryReason> = None;
-    let mut answered = false;
-    for attempt in 1..=rule.attempts {
-        // Held to the end of the attempt, past its recorded outcome: a half-open trial must
-        // not pass to the next request before its verdict.
-        let Some(pick) = pick(backend, preference, &tried, attempt == 1, answered) else {
-            break;
-        };
-        let target = pick.target;
+    // Held to the end of its attempt, past its recorded outcome: a half-open trial must not
+    // pass to the next request before its verdict.
+    let mut next = pick(backend, preference, &tried, true, false);
+    let mut attempt = 0;
+    while let Some(picked) = next.take() {
+        attempt += 1;
+        let target = picked.target;
         tried.push(target.id);
         exchange.target = Some(target.authority.clone());
         exchange.attempts = exchange.attempts.saturating_add(1);
@@ -124,41 +132,45 @@ pub(super) async fn send_with_retries(
                 &mut outgoing,
                 target,
                 scheme_name(service),
-                reason.map(RetryReason::name),
+                exchange.retried.map(RetryReason::name),
             );
         }
         let may_retry_later = attempt < rule.attempts;
         let end = attempts.send(target, &mut outgoing, may_retry_later).await;
+        // The outcome is recorded: the trial (if it was one) is over.
+        drop(picked);
         exchange.upstream_elapsed = Some(started.elapsed());
         let failure = match end? {
             AttemptEnd::Answered(response, in_flight) => {
                 if let Some(trace) = exchange.trace.as_deref_mut() {
                     super::span::attempt_answered(trace, &response);
                 }
-                let retriable = rule.after_answer(
-                    response.status(),
-                    response.headers(),
-                    grpc,
-                    &resend(&outgoing, idempotency_key),
-                );
-                let delay = match retriable {
-                    Ok(retriable) if may_retry_later => attempts.allow_retry(
+                let retriable = rule
+                    .after_answer(
+                        response.status(),
+                        response.headers(),
+                        grpc,
+                        &resend(&outgoing, idempotency_key),
+                    )
+                    .ok()
+                    .filter(|_| may_retry_later);
+                let retry = retriable.and_then(|retriable| {
+                    let again = pick(backend, preference, &tried, false, true)?;
+                    let delay = attempts.allow_retry(
                         &rule,
                         attempt,
                         retriable.retry_after,
                         retriable.reason,
                         exchange,
-                    ),
-                    _ => None,
-                };
-                let Some(delay) = delay else {
+                    )?;
+                    Some((again, delay))
+                });
+                let Some((again, delay)) = retry else {
                     return Ok((response, in_flight, target.id));
                 };
-                // Dropped unread: the target's connection closes rather than carry the rest.
-                drop((response, in_flight, pick));
-                reason = exchange.retried;
-                answered = true;
+                discard(response, in_flight);
                 tokio::time::sleep(delay).await;
+                next = Some(again);
                 continue;
             }
             AttemptEnd::Failed(failure) => failure,
@@ -166,25 +178,25 @@ pub(super) async fn send_with_retries(
         if let Some(trace) = exchange.trace.as_deref_mut() {
             trace.fail_attempt(failure.code());
         }
-        drop(pick);
         tracing::debug!(target = %target.authority, attempt, error = %failure, "upstream attempt failed");
         if failure.is_unprocessed() {
             // The target declined only this stream (it was going away, or full): another of
             // its connections may take it, so it stays a candidate for the next attempt.
             tried.forget(target.id);
         }
-        let next = rule
+        let reason = rule
             .after_failure(&failure, &resend(&outgoing, idempotency_key))
             .filter(|_| may_retry_later);
         last_failure = Some(failure);
-        let Some(delay) =
-            next.and_then(|next| attempts.allow_retry(&rule, attempt, None, next, exchange))
-        else {
-            break;
-        };
-        reason = exchange.retried;
-        answered = false;
-        tokio::time::sleep(delay).await;
+        let retry = reason.and_then(|reason| {
+            let again = pick(backend, preference, &tried, false, false)?;
+            let delay = attempts.allow_retry(&rule, attempt, None, reason, exchange)?;
+            Some((again, delay))
+        });
+        if let Some((again, delay)) = retry {
+            tokio::time::sleep(delay).await;
+            next = Some(again);
+        }
     }
     Err(match last_failure {
         Some(failure) => ProxyError::Upstream(failure),
@@ -192,18 +204,29 @@ pub(super) async fn send_with_retries(
     })
 }
 
-/// An attempt of a hedged request: its own copy of the request on its way, and its pick.
+/// An answer the policy retries is not read: one with a small body of known length is read to
+/// its end on a task of its own, so its HTTP/1.1 connection goes back to the pool rather than
+/// close (a retried 503 each time would otherwise cost a connection each time).
+fn discard(response: Response<UpstreamBody>, in_flight: InFlight) {
+    const SMALL: u64 = 64 * 1024;
+    let small = http_body::Body::size_hint(response.body())
+        .upper()
+        .is_some_and(|upper| upper <= SMALL);
+    if !small || http_body::Body::is_end_stream(response.body()) {
+        return;
+    }
+    tokio::spawn(async move {
+        super::mirror::drain(response.into_body(), Duration::from_secs(1)).await;
+        drop(in_flight);
+    });
+}
+
+/// An attempt of a hedged request: its own copy of the request on its way, its pick, and the
+/// number of its span when the request is traced.
 struct Running<'s, F> {
     attempt: Pin<Box<F>>,
     pick: Pick<'s>,
-}
-
-/// An answer the policy would retry, kept while another attempt may still do better.
-struct Held<'s> {
-    response: Response<UpstreamBody>,
-    in_flight: InFlight,
-    pick: Pick<'s>,
-    retriable: Retriable,
+    span: Option<u32>,
 }
 
 /// Sends an idempotent request whose body is at hand, and when no answer came after
@@ -224,26 +247,15 @@ async fn send_hedged<'s>(
     let counters = &attempts.service.counters.retries;
     let mut tried = Tried::default();
     let mut last_failure: Option<UpstreamFailure> = None;
-    let mut held: Option<Held<'s>> = None;
+    // An answer the policy would retry, kept while another attempt may still do better.
+    let mut held: Option<(Response<UpstreamBody>, InFlight, Id, Retriable)> = None;
     let mut sent = 0;
     let mut running = [None, None];
-    loop {
-        let reason = exchange.retried.map(RetryReason::name);
-        let Some(first) = launch(
-            attempts,
-            backend,
-            &outgoing,
-            exchange,
-            preference,
-            &mut tried,
-            sent == 0,
-            held.is_some(),
-            reason,
-        ) else {
-            break;
-        };
-        // A retry replaces the answer it follows, as without hedging.
-        held = None;
+    let mut next = launch(
+        attempts, backend, &outgoing, exchange, preference, &tried, true, false, false,
+    );
+    while let Some(first) = next.take() {
+        tried.push(first.pick.target.id);
         sent += 1;
         running[0] = Some(first);
         let mut hedge_at = Some(Instant::now() + hedge_after);
@@ -256,17 +268,19 @@ async fn send_hedged<'s>(
                 end = finish(two) => (1, end),
                 _ = sleep_until_some(hedge) => {
                     hedge_at = None;
+                    let Some(hedged) = launch(attempts, backend, &outgoing, exchange, preference, &tried, false, false, true) else {
+                        continue;
+                    };
+                    // Not started yet: refused by the budget, it is dropped unsent.
                     if !counters.try_spend(Instant::now(), &rule.budget) {
-                        exchange.budget_exhausted = true;
                         continue;
                     }
-                    if let Some(hedged) = launch(attempts, backend, &outgoing, exchange, preference, &mut tried, false, false, Some(HEDGE)) {
-                        counters.hedges.fetch_add(1, Ordering::Relaxed);
-                        exchange.hedged = true;
-                        sent += 1;
-                        let free = running.iter_mut().find(|slot| slot.is_none());
-                        *free.expect("a hedge starts beside one attempt") = Some(hedged);
-                    }
+                    counters.hedges.fetch_add(1, Ordering::Relaxed);
+                    exchange.hedged = true;
+                    tried.push(hedged.pick.target.id);
+                    sent += 1;
+                    let free = running.iter_mut().find(|slot| slot.is_none());
+                    *free.expect("a hedge starts beside one attempt") = Some(hedged);
                     continue;
                 }
             };
@@ -275,7 +289,13 @@ async fn send_hedged<'s>(
                 .take()
                 .expect("a finished attempt was running");
             let target = finished.pick.target;
-            match end? {
+            let others_run = running.iter().any(Option::is_some);
+            let end = match end {
+                // A full target's queue refused this attempt; the other may still answer.
+                Err(ProxyError::UpstreamOverloaded { .. }) if others_run => continue,
+                end => end?,
+            };
+            match end {
                 AttemptEnd::Answered(response, in_flight) => {
                     let retriable = rule.after_answer(
                         response.status(),
@@ -287,47 +307,82 @@ async fn send_hedged<'s>(
                         // The winner: the attempt still running is dropped with `running`.
                         exchange.target = Some(target.authority.clone());
                         if let Some(trace) = exchange.trace.as_deref_mut() {
-                            super::span::attempt_answered(trace, &response);
+                            if let Some(number) = finished.span {
+                                super::span::numbered_attempt_answered(trace, number, &response);
+                            }
+                            for loser in running.iter().flatten() {
+                                if let Some(number) = loser.span {
+                                    trace.fail_attempt_numbered(number, "cancelled");
+                                }
+                            }
                         }
                         return Ok((response, in_flight, target.id));
                     };
-                    held = Some(Held {
-                        response,
-                        in_flight,
-                        pick: finished.pick,
-                        retriable,
-                    });
+                    if let (Some(trace), Some(number)) =
+                        (exchange.trace.as_deref_mut(), finished.span)
+                    {
+                        super::span::numbered_attempt_answered(trace, number, &response);
+                    }
+                    if let Some((response, in_flight, _, _)) = held.take() {
+                        discard(response, in_flight);
+                    }
+                    held = Some((response, in_flight, target.id, retriable));
                 }
                 AttemptEnd::Failed(failure) => {
                     tracing::debug!(target = %target.authority, error = %failure, "upstream attempt failed");
+                    if let (Some(trace), Some(number)) =
+                        (exchange.trace.as_deref_mut(), finished.span)
+                    {
+                        trace.fail_attempt_numbered(number, failure.code());
+                    }
                     if failure.is_unprocessed() {
                         tried.forget(target.id);
+                    }
+                    if held.is_none() {
+                        exchange.target = Some(target.authority.clone());
                     }
                     last_failure = Some(failure);
                 }
             }
         }
         // Nothing runs: retry what the policy names, after its wait, or pass on what came.
-        let next = match &held {
-            Some(held) => Some((held.retriable.reason, held.retriable.retry_after)),
+        let after_answer = held.is_some();
+        let reason = match &held {
+            Some((_, _, _, retriable)) => Some((retriable.reason, retriable.retry_after)),
             None => last_failure
                 .as_ref()
                 .and_then(|failure| rule.after_failure(failure, &resend(&outgoing, false)))
                 .map(|reason| (reason, None)),
         };
-        let delay = next
+        let retry = reason
             .filter(|_| sent < rule.attempts)
             .and_then(|(reason, retry_after)| {
-                attempts.allow_retry(rule, sent, retry_after, reason, exchange)
+                let again = launch(
+                    attempts,
+                    backend,
+                    &outgoing,
+                    exchange,
+                    preference,
+                    &tried,
+                    false,
+                    after_answer,
+                    false,
+                )?;
+                let delay = attempts.allow_retry(rule, sent, retry_after, reason, exchange)?;
+                Some((again, delay))
             });
-        let Some(delay) = delay else {
+        let Some((again, delay)) = retry else {
             break;
         };
+        // A retry replaces the answer it follows, as without hedging.
+        if let Some((response, in_flight, _, _)) = held.take() {
+            discard(response, in_flight);
+        }
         tokio::time::sleep(delay).await;
+        next = Some(again);
     }
-    if let Some(held) = held {
-        exchange.target = Some(held.pick.target.authority.clone());
-        return Ok((held.response, held.in_flight, held.pick.target.id));
+    if let Some((response, in_flight, target, _)) = held {
+        return Ok((response, in_flight, target));
     }
     Err(match last_failure {
         Some(failure) => ProxyError::Upstream(failure),
@@ -335,11 +390,8 @@ async fn send_hedged<'s>(
     })
 }
 
-/// The retry reason a hedged attempt's span names.
-const HEDGE: &str = "hedge";
-
-/// Picks a target for the next attempt of a hedged request and starts it on its own copy of
-/// the request.
+/// Picks a target for the next attempt of a hedged request and readies it on its own copy of
+/// the request; it starts when first polled, so one dropped before is never sent.
 #[allow(clippy::too_many_arguments)]
 fn launch<'s>(
     attempts: &Attempts<'s>,
@@ -347,11 +399,12 @@ fn launch<'s>(
     outgoing: &Outgoing,
     exchange: &mut Exchange,
     preference: Preference,
-    tried: &mut Tried,
+    tried: &Tried,
     first_attempt: bool,
     again_after_answer: bool,
-    reason: Option<&'static str>,
+    hedge: bool,
 ) -> Option<Running<'s, impl std::future::Future<Output = Result<AttemptEnd, ProxyError>> + 's>> {
+    let mut copy = outgoing.try_clone()?;
     let pick = pick(
         backend,
         preference,
@@ -359,26 +412,29 @@ fn launch<'s>(
         first_attempt,
         again_after_answer,
     )?;
-    let mut copy = outgoing.try_clone()?;
     let target = pick.target;
-    tried.push(target.id);
     exchange.target = Some(target.authority.clone());
     exchange.attempts = exchange.attempts.saturating_add(1);
-    if let Some(trace) = exchange.trace.as_deref_mut() {
-        super::span::attempt_started(
-            trace,
-            &mut copy,
-            target,
-            scheme_name(attempts.service),
-            reason,
-        );
-    }
+    let span = exchange.trace.as_deref_mut().map(|trace| {
+        let scheme = scheme_name(attempts.service);
+        if hedge {
+            super::span::hedge_started(trace, &mut copy, target, scheme)
+        } else {
+            let reason = exchange.retried.map(RetryReason::name);
+            super::span::attempt_started(trace, &mut copy, target, scheme, reason);
+            trace.next_attempt() - 1
+        }
+    });
     let sending = attempts.clone_for_hedge();
     let attempt = Box::pin(async move {
         let mut copy = copy;
         sending.send(target, &mut copy, true).await
     });
-    Some(Running { attempt, pick })
+    Some(Running {
+        attempt,
+        pick,
+        span,
+    })
 }
 
 /// Waits for the attempt in `slot`, or forever when none runs there.
@@ -451,11 +507,12 @@ impl<'a> Attempts<'a> {
         attempt_timeout: Option<Duration>,
         rule: &RetryRule<'_>,
         started: Instant,
+        idempotency_key: bool,
     ) -> Attempts<'a> {
         // A route's per-attempt timeouts shorten the service's, never lengthen it.
-        let response_timeout = Duration::from_millis(service.service.timeouts.response_header_ms)
-            .min(attempt_timeout.unwrap_or(Duration::MAX))
-            .min(rule.per_try_timeout.unwrap_or(Duration::MAX));
+        let stall_timeout = Duration::from_millis(service.service.timeouts.response_header_ms)
+            .min(attempt_timeout.unwrap_or(Duration::MAX));
+        let response_timeout = stall_timeout.min(rule.per_try_timeout.unwrap_or(Duration::MAX));
         // The client's gRPC deadline bounds the wait for an answer, and each attempt passes on
         // what is left of it.
         let grpc_deadline = grpc
@@ -468,13 +525,23 @@ impl<'a> Attempts<'a> {
             .as_ref()
             .filter(|route| route.route.max_in_flight.is_some())
             .map(|route| route.stats.clone());
+        // gRPC bodies always stream (a call may stream both ways); a unary call's is small and
+        // ends at once, so a copy kept as it goes lets the policy retry the call. A call is a
+        // POST: only one with `Idempotency-Key` may be sent again once a target had it.
+        let keep_streamed = exchange
+            .route
+            .as_ref()
+            .map(|route| route.route.request_buffer_bytes)
+            .filter(|cap| grpc && idempotency_key && *cap > 0 && rule.attempts > 1);
         Attempts {
             state,
             service,
             grpc,
             response_timeout,
+            stall_timeout,
             grpc_deadline,
             counted_route,
+            keep_streamed,
         }
     }
 
@@ -485,8 +552,10 @@ impl<'a> Attempts<'a> {
             service: self.service,
             grpc: self.grpc,
             response_timeout: self.response_timeout,
+            stall_timeout: self.stall_timeout,
             grpc_deadline: self.grpc_deadline,
             counted_route: self.counted_route.clone(),
+            keep_streamed: self.keep_streamed,
         }
     }
 
@@ -535,6 +604,7 @@ impl<'a> Attempts<'a> {
                 reason,
             })?;
         let mut response_timeout = self.response_timeout;
+        let mut stall_timeout = self.stall_timeout;
         let mut deadline_binds = false;
         if let Some((deadline, timeout)) = self.grpc_deadline {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -551,6 +621,7 @@ impl<'a> Attempts<'a> {
                 response_timeout = left;
                 deadline_binds = true;
             }
+            stall_timeout = stall_timeout.min(left);
         }
         let counted_route = &self.counted_route;
         let mut client =
@@ -559,7 +630,14 @@ impl<'a> Attempts<'a> {
                 .for_target(service, target, outgoing.upgrade, outgoing.host_from_client);
         let mut fell_back = false;
         let (outcome, streaming) = loop {
-            let (body, streaming) = take_body(outgoing);
+            let keep = self
+                .keep_streamed
+                .filter(|_| may_retry_later)
+                .map(|cap| KeepCopy {
+                    cap,
+                    budget: state.bodies.budget.clone(),
+                });
+            let (body, streaming) = take_body(outgoing, keep);
             let outcome = match &client {
                 UpstreamClient::Plain(plain) => {
                     // Written straight from the request kept for retries: no copy of its fields.
@@ -576,7 +654,8 @@ impl<'a> Attempts<'a> {
                         let response = plain.send(head, body, finish_if_abandoned).await?;
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
                     };
-                    await_response(sending, streaming.as_ref(), response_timeout).await
+                    await_response(sending, streaming.as_ref(), response_timeout, stall_timeout)
+                        .await
                 }
                 UpstreamClient::Tls(tls) => {
                     let request = tls_request(outgoing, body, target, may_retry_later);
@@ -591,7 +670,8 @@ impl<'a> Attempts<'a> {
                         };
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
                     };
-                    await_response(sending, streaming.as_ref(), response_timeout).await
+                    await_response(sending, streaming.as_ref(), response_timeout, stall_timeout)
+                        .await
                 }
                 UpstreamClient::H2(h2) => {
                     // A client that goes away resets the upstream stream: on HTTP/2 that costs the
@@ -608,7 +688,8 @@ impl<'a> Attempts<'a> {
                         let response = h2.send(request, body).await?;
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::H2))
                     };
-                    await_response(sending, streaming.as_ref(), response_timeout).await
+                    await_response(sending, streaming.as_ref(), response_timeout, stall_timeout)
+                        .await
                 }
             };
             if let Ok(Err(UpstreamError::H2(error))) = &outcome {
@@ -657,6 +738,10 @@ impl<'a> Attempts<'a> {
                         unavailable.then_some(FailureCause::GrpcUnavailable)
                     });
                 record_outcome(service, target, failure);
+                // A body sent whole and kept may go again if the policy retries this answer.
+                if let Some(whole) = streaming.as_ref().and_then(StreamingBody::kept_whole) {
+                    outgoing.body = PendingBody::Buffered(whole);
+                }
                 return Ok(AttemptEnd::Answered(response, in_flight));
             }
             Ok(Err(error)) => {
@@ -706,7 +791,10 @@ impl<'a> Attempts<'a> {
         }
         drop(in_flight);
         if let Some(streaming) = streaming {
-            outgoing.body = reclaim(streaming.returned);
+            outgoing.body = match streaming.kept_whole() {
+                Some(whole) => PendingBody::Buffered(whole),
+                None => reclaim(streaming.returned),
+            };
         }
         if failure.is_connect() {
             counters.connect_errors.fetch_add(1, Ordering::Relaxed);
@@ -734,17 +822,18 @@ enum NoResponse {
 
 /// Waits for the upstream's response headers. Their timeout starts once the request body has
 /// been sent in full: a slow upload is the client's pace, not a slow upstream. While the body
-/// streams, the same timeout bounds a pause in which no byte moves, so a hung upstream or a
-/// vanished client cannot hold the request forever. An upstream may still answer early (e.g.
+/// streams, `stall` bounds a pause in which no byte moves, so a hung upstream or a vanished
+/// client cannot hold the request forever. An upstream may still answer early (e.g.
 /// 413) while the body is streaming.
 async fn await_response<F: std::future::Future>(
     response: F,
     body: Option<&StreamingBody>,
     timeout: Duration,
+    stall: Duration,
 ) -> Result<F::Output, NoResponse> {
     tokio::pin!(response);
     if let Some(body) = body {
-        let limit_ms = timeout.as_millis() as u64;
+        let limit_ms = stall.as_millis() as u64;
         loop {
             let moved_ms = body.progress.last_moved_ms();
             let idle_ms = unix_ms().saturating_sub(moved_ms);
@@ -796,8 +885,12 @@ impl Tried {
 }
 
 /// The body for one attempt: a streaming body goes to it (and comes back if the attempt drops
-/// it unread); an empty one can be sent again.
-fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingBody>) {
+/// it unread, or as the copy `keep` asks for when it was sent whole); an empty one can be sent
+/// again.
+fn take_body(
+    outgoing: &mut Outgoing,
+    keep: Option<KeepCopy>,
+) -> (UpstreamRequestBody, Option<StreamingBody>) {
     match std::mem::replace(&mut outgoing.body, PendingBody::Consumed) {
         PendingBody::Empty => {
             outgoing.body = PendingBody::Empty;
@@ -809,7 +902,7 @@ fn take_body(outgoing: &mut Outgoing) -> (UpstreamRequestBody, Option<StreamingB
             (upload, None)
         }
         PendingBody::Streaming(body) => {
-            let (body, streaming) = UpstreamRequestBody::streaming(body);
+            let (body, streaming) = UpstreamRequestBody::streaming_kept(body, keep);
             (body, Some(streaming))
         }
         PendingBody::Consumed => (UpstreamRequestBody::Empty, None),

@@ -66,9 +66,41 @@ pub(super) fn attempt_started(
     }
 }
 
+/// Opens the client span of a hedged attempt on `target`, beside the attempt still running,
+/// and gives its number.
+pub(super) fn hedge_started(
+    trace: &mut RequestTrace,
+    outgoing: &mut Outgoing,
+    target: &TargetRuntime,
+    scheme: &'static str,
+) -> u32 {
+    let number = trace.next_attempt();
+    let traceparent = trace.start_hedge(
+        outgoing.method.clone(),
+        scheme,
+        target.authority.clone(),
+        outgoing.path_and_query.clone(),
+    );
+    outgoing.headers.insert(TRACEPARENT.clone(), traceparent);
+    if !trace.continues_caller() {
+        outgoing.headers.remove(&TRACESTATE);
+    }
+    number
+}
+
 /// The target answered the attempt (its span ends with the response body).
 pub(super) fn attempt_answered<B>(trace: &mut RequestTrace, response: &Response<B>) {
-    let Some(attempt) = trace.attempt() else {
+    let number = trace.next_attempt() - 1;
+    numbered_attempt_answered(trace, number, response);
+}
+
+/// The target answered attempt `number` (its span ends with the response body).
+pub(super) fn numbered_attempt_answered<B>(
+    trace: &mut RequestTrace,
+    number: u32,
+    response: &Response<B>,
+) {
+    let Some(attempt) = trace.attempt_numbered(number) else {
         return;
     };
     attempt.status = response.status().as_u16();

@@ -324,6 +324,13 @@ async fn connect_upstream(
         ) else {
             break;
         };
+        // A retry has a target to go to: now it may spend the budget.
+        if !first_attempt {
+            if !retries.try_spend(Instant::now(), &RetryBudget::default()) {
+                break;
+            }
+            retries.sent(RetryReason::ConnectFailure);
+        }
         let target = pick.target;
         tried.push(target.id);
         *last_target = Some(target.authority.clone());
@@ -358,13 +365,9 @@ async fn connect_upstream(
         // connect failure may go elsewhere; a rule that says otherwise ends the attempts.
         let retry_allowed = failure.retry() == Retry::Any;
         last_failure = Some(failure);
-        if !retry_allowed
-            || attempt == attempts
-            || !retries.try_spend(Instant::now(), &RetryBudget::default())
-        {
+        if !retry_allowed {
             break;
         }
-        retries.sent(RetryReason::ConnectFailure);
     }
     Err(match last_failure {
         Some(failure) => StreamError::Upstream(failure),

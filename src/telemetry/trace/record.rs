@@ -116,6 +116,49 @@ impl RequestTrace {
         retry_reason: Option<&'static str>,
     ) -> HeaderValue {
         self.end_attempt();
+        self.open_attempt(method, scheme, authority, path_and_query, retry_reason)
+    }
+
+    /// Opens the client span of a hedged attempt, beside the one still running.
+    pub fn start_hedge(
+        &mut self,
+        method: Method,
+        scheme: &'static str,
+        authority: Authority,
+        path_and_query: PathAndQuery,
+    ) -> HeaderValue {
+        self.open_attempt(method, scheme, authority, path_and_query, Some("hedge"))
+    }
+
+    /// The attempt numbered `attempt` (from 1), to note what came of it.
+    pub fn attempt_numbered(&mut self, attempt: u32) -> Option<&mut AttemptFacts> {
+        self.attempts.get_mut((attempt as usize).checked_sub(1)?)
+    }
+
+    /// Attempt `attempt` failed with `code` (or, cancelled, lost to its hedge twin): its span
+    /// ends now.
+    pub fn fail_attempt_numbered(&mut self, attempt: u32, code: &'static str) {
+        if let Some(facts) = self.attempt_numbered(attempt) {
+            facts.error = Some(code);
+            if facts.end_ns == 0 {
+                facts.end_ns = unix_nanos();
+            }
+        }
+    }
+
+    /// The number the next attempt's span gets.
+    pub fn next_attempt(&self) -> u32 {
+        self.attempts.len() as u32 + 1
+    }
+
+    fn open_attempt(
+        &mut self,
+        method: Method,
+        scheme: &'static str,
+        authority: Authority,
+        path_and_query: PathAndQuery,
+        retry_reason: Option<&'static str>,
+    ) -> HeaderValue {
         let span_id = SpanId::from(nonzero_u64());
         let attempt = self.attempts.len() as u32 + 1;
         self.attempts.push(AttemptFacts {
