@@ -1855,10 +1855,10 @@ function perSecondText(rate) {
 
 /**
  * A service's retries on this gateway (TRAFFIC.md §5): the rate with the retries sent by
- * reason, the budget's window and its refusals, and the hedges. Stream services never retry.
+ * reason, the budget's window and its refusals, and the hedges; a stream service's are its
+ * connect retries.
  */
 function retryStats(service) {
-  if (service.protocol === 'tcp' || service.protocol === 'tls') return null;
   const entry = state.retries.get(service.id);
   const view = entry?.view;
   const count = (value) => (view ? String(value ?? 0) : '—');

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 
 use super::AdminState;
 use crate::clock::unix_ms;
-use crate::model::{Health, Id, Protocol, SourceState};
+use crate::model::{Health, Id, SourceState};
 use crate::snapshot::{RetryCounters, RetryReason, REFUSAL_CODES};
 
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
@@ -238,7 +238,7 @@ struct ServiceSample {
     h2: Option<[u64; 3]>,
     /// Sessions re-pinned, for services with session persistence.
     sessions_repinned: Option<u64>,
-    /// Retries, for services that carry HTTP (stream services never retry).
+    /// Retries: requests' and, for stream services, connections' connect retries.
     retries: Option<RetrySample>,
 }
 
@@ -405,8 +405,7 @@ async fn gather(state: &AdminState) -> Scrape {
                 .session_persistence
                 .as_ref()
                 .map(|_| counters.sessions_repinned.load(Ordering::Relaxed)),
-            retries: (!matches!(service.service.protocol, Protocol::Tcp | Protocol::Tls))
-                .then(|| RetrySample::read(&counters.retries)),
+            retries: Some(RetrySample::read(&counters.retries)),
             h2: matches!(
                 service.service.protocol,
                 crate::model::Protocol::H2c | crate::model::Protocol::Https
@@ -1226,7 +1225,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn retries_have_every_reason_for_http_services_and_none_for_streams() {
+    async fn retries_have_every_reason_for_every_sampled_service() {
         let mut sent = [0; RetryReason::ALL.len()];
         sent[RetryReason::ConnectFailure as usize] = 5;
         sent[RetryReason::Status as usize] = 2;
@@ -1284,7 +1283,7 @@ mod tests {
         assert_eq!(
             retry_lines("postgres"),
             0,
-            "a stream service never retries: {text}"
+            "a service without a sample has no series: {text}"
         );
     }
 }

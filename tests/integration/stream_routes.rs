@@ -1102,3 +1102,79 @@ async fn a_target_drained_by_discovery_keeps_its_open_connection() {
     round_trip(&mut open, b"two").await;
     assert_eq!(finish(open).await, "|eof:old");
 }
+
+/// Connections share their service's retry budget (TRAFFIC.md §5): with every target down, a
+/// connection's connect retries stop once the window's retries reach 20 % of its connections
+/// plus the floor of 10 a second, where three attempts each would triple the connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_retries_of_a_service_that_is_down_stay_within_the_budget() {
+    let gateway = TestGateway::start().await;
+    let dead: Vec<Value> = (0..3)
+        .map(|_| json!({"host": "127.0.0.1", "port": free_addr().port()}))
+        .collect();
+    let service = stream_service(&gateway, "down", "tcp", &dead).await;
+    // Ejection off: every target stays in rotation, so only the budget can stop the retries.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(json!({"ejection": false})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let listen = free_addr();
+    stream_route(&gateway, listen, None, service).await;
+    // A whole exchange, so the probe's own attempts are over before the baseline is read.
+    wait_until("the stream route listens", DEADLINE, || async {
+        !matches!(
+            exchange(listen, b"x").await,
+            Err(error) if error.kind() == io::ErrorKind::ConnectionRefused
+        )
+    })
+    .await;
+    let before = gateway.metrics_text().await;
+    let errors = |metrics: &str| {
+        metric(
+            metrics,
+            "raahi_upstream_connect_errors_total",
+            &["service=\"down\""],
+        )
+        .unwrap_or(0.0)
+    };
+    let started = std::time::Instant::now();
+    const CONNECTIONS: u32 = 150;
+    for _ in 0..CONNECTIONS {
+        // The gateway closes each connection once its attempts are spent.
+        let _ = exchange(listen, b"x").await;
+    }
+    let windows = started.elapsed().as_secs() / 10 + 1;
+    let metrics = gateway.metrics_text().await;
+    let connects = errors(&metrics) - errors(&before);
+    let retried = |metrics: &str| {
+        metric(
+            metrics,
+            "raahi_retries_total",
+            &["service=\"down\"", "reason=\"connect_failure\""],
+        )
+        .unwrap_or(0.0)
+    };
+    let retries = retried(&metrics) - retried(&before);
+    let n = f64::from(CONNECTIONS);
+    assert!(
+        connects >= n + 100.0,
+        "the floor's retries were sent: {connects} connects for {n} connections"
+    );
+    assert!(
+        connects <= n + 0.2 * n + 100.0 * windows as f64,
+        "{connects} connects for {n} connections: past the budget (three attempts each: {})",
+        3.0 * n
+    );
+    assert_eq!(retries, connects - n, "each retry is counted:\n{metrics}");
+    let exhausted = metric(
+        &metrics,
+        "raahi_retry_budget_exhausted_total",
+        &["service=\"down\""],
+    )
+    .unwrap_or(0.0);
+    assert!(exhausted >= 1.0, "refusals are counted:\n{metrics}");
+}

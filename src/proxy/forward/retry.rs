@@ -116,8 +116,8 @@ pub(super) async fn send_with_retries(
     }
     let mut tried = Tried::default();
     let mut last_failure: Option<UpstreamFailure> = None;
-    // Held to the end of its attempt, past its recorded outcome: a half-open trial must not
-    // pass to the next request before its verdict.
+    // A pick is held from before its backoff to past its attempt's recorded outcome: a
+    // half-open trial must not pass to another request before its verdict.
     let mut next = pick(backend, preference, &tried, true, false);
     let mut attempt = 0;
     while let Some(picked) = next.take() {
