@@ -186,10 +186,7 @@ impl RequestTrace {
 
     /// The current attempt failed with `code`: its span ends now.
     pub fn fail_attempt(&mut self, code: &'static str) {
-        if let Some(attempt) = self.attempts.last_mut() {
-            attempt.error = Some(code);
-        }
-        self.end_attempt();
+        self.fail_attempt_numbered(self.attempts.len() as u32, code);
     }
 
     fn end_attempt(&mut self) {
