@@ -62,6 +62,7 @@ pub enum EventBody {
     Source(SourceEvent),
     Config(ConfigEvent),
     Route(RouteEvent),
+    Canary(CanaryEvent),
 }
 
 impl EventBody {
@@ -72,6 +73,7 @@ impl EventBody {
             EventBody::Source(_) => "source",
             EventBody::Config(_) => "config",
             EventBody::Route(_) => "route",
+            EventBody::Canary(_) => "canary",
         }
     }
 }
@@ -184,6 +186,23 @@ pub struct RouteEvent {
     pub refused_total: u64,
     /// Why, in a sentence ("12 requests refused in 250 ms: over 5 requests per second per
     /// client IP, burst 5").
+    pub reason: String,
+}
+
+/// A route's canary moved (TRAFFIC.md §4), as this gateway applied it: a step, a hold, a
+/// rollback, a promotion, an operator's action, or a new canary.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CanaryEvent {
+    pub route_id: Id,
+    /// The route's name.
+    pub name: String,
+    pub state: crate::model::CanaryState,
+    /// The step in force (0-based).
+    pub step: u32,
+    /// The canary backend's percent now, and before (null for a new canary).
+    pub weight: u8,
+    pub previous_weight: Option<u8>,
+    pub round: i64,
     pub reason: String,
 }
 

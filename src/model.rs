@@ -4,10 +4,15 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+mod canary;
 pub mod path;
 mod retry;
 mod route_rules;
 
+pub use canary::{
+    last_step, latency_bucket, Canary, CanaryAction, CanaryCounts, CanaryDecision, CanaryMove,
+    CanaryState, CanaryStatus, IntervalCounts, LATENCY_BUCKETS, MIN_CANARY_INTERVAL_MS,
+};
 pub use retry::{RetryBackoff, RetryBudget, RetryOn, RetryPolicy, MAX_RETRY_DELAY_MS};
 pub use route_rules::{
     parse_template, Backend, Condition, ConditionTest, Cors, HeaderFilter, Mirror, RateLimit,
@@ -540,6 +545,10 @@ pub struct Route {
     /// Requests of the route in flight at once on this gateway (503 `too_many_requests` past
     /// it); null: no limit.
     pub max_in_flight: Option<u32>,
+    /// One backend's share moved step by step while it behaves (TRAFFIC.md §4); null: none.
+    pub canary: Option<Canary>,
+    /// Where the canary stands (read-only; `GET .../canary` tells more); null without one.
+    pub canary_status: Option<CanaryStatus>,
     /// `resources-file` when a declarative resources file manages it; null otherwise.
     pub managed_by: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -979,6 +988,8 @@ pub struct RouteSpec {
     pub rate_limit: Option<RateLimit>,
     #[serde(default)]
     pub max_in_flight: Option<u32>,
+    #[serde(default)]
+    pub canary: Option<Canary>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -1109,6 +1120,7 @@ impl Route {
             retry: self.retry.clone(),
             rate_limit: self.rate_limit.clone(),
             max_in_flight: self.max_in_flight,
+            canary: self.canary.clone(),
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::model::path::{self, EscapedSlashes};
 use crate::model::{Id, RateLimit, Route, Service, StreamRoute, Target};
 
 mod backends;
+mod canary;
 mod header_filter;
 mod rate_limit;
 mod retries;
@@ -29,6 +30,7 @@ mod sessions;
 mod stream;
 
 pub use backends::{BackendRuntime, Backends, Subset};
+pub use canary::{canary_weights, is_error as is_canary_error, CanaryCounters, Outcome};
 pub use header_filter::{CompiledHeaderFilter, Variables};
 pub use rate_limit::{Decision, KeyUse, RateLimiter};
 pub use retries::{RetryCounters, RetryReason, WindowTotals};
@@ -172,6 +174,9 @@ pub struct RouteStats {
     /// The route's key table, kept while its `rate_limit` is unchanged; only the control task
     /// locks it.
     limiter: std::sync::Mutex<Option<Arc<RateLimiter>>>,
+    /// The outcomes of the route's canary by backend, kept while the route has a canary and
+    /// the same number of backends; only the control task locks it.
+    canary: std::sync::Mutex<Option<Arc<CanaryCounters>>>,
 }
 
 /// Copies of a route's requests sent to its mirror.
@@ -203,6 +208,27 @@ impl RouteStats {
                 let limiter = Arc::new(RateLimiter::new(rate_limit));
                 *kept = Some(limiter.clone());
                 Some(limiter)
+            }
+        }
+    }
+
+    /// The canary's counters for a route with `backends` backends: the ones built before while
+    /// the number is the same, so no outcome is lost to a rebuild. None forgets them.
+    pub fn canary_counters_for(&self, backends: Option<usize>) -> Option<Arc<CanaryCounters>> {
+        let mut kept = self
+            .canary
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(backends) = backends else {
+            *kept = None;
+            return None;
+        };
+        match kept.as_ref() {
+            Some(counters) if counters.backends() == backends => Some(counters.clone()),
+            _ => {
+                let counters = Arc::new(CanaryCounters::new(backends));
+                *kept = Some(counters.clone());
+                Some(counters)
             }
         }
     }
@@ -543,6 +569,8 @@ pub struct RouteEntry {
     pub stats: Arc<RouteStats>,
     /// The route's `rate_limit`, compiled.
     pub limiter: Option<Arc<RateLimiter>>,
+    /// Where the outcomes of a canary route's requests are counted, by backend position.
+    pub canary: Option<Arc<CanaryCounters>>,
     compiled: Arc<CompiledRoute>,
 }
 
@@ -564,12 +592,21 @@ impl RouteEntry {
         services: &HashMap<Id, Arc<ServiceRuntime>>,
         stats: Arc<RouteStats>,
     ) -> Option<RouteEntry> {
+        let canary_weights = match (&route.canary, &route.canary_status) {
+            (Some(canary), Some(status)) => {
+                Some(canary_weights(&route.backends, canary, status.weight))
+            }
+            _ => None,
+        };
         let mut backends = Vec::with_capacity(route.backends.len());
-        for backend in &route.backends {
+        for (index, backend) in route.backends.iter().enumerate() {
             let service = services.get(&backend.service_id)?.clone();
-            backends.push(BackendRuntime::new(service, backend, |label| {
-                stats.backend_requests(label)
-            }));
+            let mut runtime =
+                BackendRuntime::new(service, backend, |label| stats.backend_requests(label));
+            if let Some(weights) = &canary_weights {
+                runtime.weight = weights[index];
+            }
+            backends.push(runtime);
         }
         let mirror = match &route.mirror {
             Some(mirror) => Some(BackendRuntime::new(
@@ -582,6 +619,7 @@ impl RouteEntry {
         Some(RouteEntry {
             backends: Backends::new(backends, stats.backend_cursor.clone()),
             limiter: stats.limiter_for(route.rate_limit.as_ref()),
+            canary: stats.canary_counters_for(route.canary.as_ref().map(|_| route.backends.len())),
             mirror,
             compiled,
             stats,

@@ -15,6 +15,7 @@ use crate::model::{
 use crate::tls::{self, ParsedCertificate, TlsError};
 
 mod affinity;
+mod canary;
 mod json;
 mod limits;
 mod retry;

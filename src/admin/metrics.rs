@@ -211,6 +211,8 @@ struct RouteSample {
     rate_limit: Option<RateLimitSample>,
     /// For routes with `max_in_flight`: (in flight now, refused past it).
     in_flight: Option<(u64, u64)>,
+    /// For canary routes: the canary backend's percent of the route's requests now.
+    canary_weight: Option<u8>,
     responses: [u64; 5],
     buckets: Vec<(f64, u64)>,
     latency_sum: f64,
@@ -465,6 +467,12 @@ async fn gather(state: &AdminState) -> Scrape {
                 keys: limiter.keys(),
                 default_rate: limiter.default_rate(),
             }),
+            canary_weight: route
+                .route
+                .canary_status
+                .as_ref()
+                .filter(|_| route.route.canary.is_some())
+                .map(|status| status.weight),
             in_flight: route.route.max_in_flight.map(|_| {
                 (
                     route.stats.in_flight.load(Ordering::Relaxed),
@@ -882,6 +890,16 @@ impl Collector for Scrape {
              gateway: the route's rate, or under scope cluster this gateway's default share.",
             rate_limits().map(|(labels, sample)| (labels, sample.default_rate)),
         )?;
+        gauge(
+            &mut encoder,
+            "raahi_canary_weight",
+            "The canary backend's percent of a canary route's requests, as this gateway applies \
+             it.",
+            self.routes.iter().filter_map(|route| {
+                let weight = route.canary_weight?;
+                Some((vec![("route", route.name.clone())], i64::from(weight)))
+            }),
+        )?;
         let in_flight = || {
             self.routes.iter().filter_map(|route| {
                 let (now, refused) = route.in_flight?;
@@ -1144,6 +1162,7 @@ mod tests {
             mirror_dropped: 0,
             has_mirror: false,
             rate_limit: None,
+            canary_weight: None,
             in_flight: None,
             responses: [0; 5],
             buckets: Vec::new(),

@@ -2,6 +2,7 @@
 //! `/healthz` and `/readyz`. The OpenAPI document is generated from the handlers.
 
 pub mod auth;
+mod canary;
 mod certificates;
 mod error;
 mod event_budget;
@@ -123,6 +124,7 @@ pub fn router(state: AdminState) -> Router {
         .merge(targets::router())
         .merge(routes::router())
         .merge(rate_limits::router())
+        .merge(canary::router())
         .merge(tokens::router())
         .merge(sources::router())
         .merge(stream_routes::router())

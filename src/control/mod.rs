@@ -12,6 +12,7 @@
 //! serving while reloads are retried with backoff.
 
 mod build;
+mod canary;
 mod cluster;
 mod desired;
 mod edge;
@@ -36,6 +37,7 @@ use crate::store::{ChangePosition, ChangeSet, Store, StoreError};
 
 use build::{build_changed, build_full};
 pub use build::{build_snapshot, CarriedState};
+pub use canary::{interval_over, judge, Canaries, CANARY_SYNC};
 use cluster::ClusterEvent;
 pub use cluster::ClusterSettings;
 use desired::Desired;
@@ -54,6 +56,8 @@ pub enum ControlError {
     Store(#[from] StoreError),
     #[error("the store did not answer the rate-limit exchange within {0:?}")]
     RateExchangeTimeout(std::time::Duration),
+    #[error("the store did not take the canary counts within {0:?}")]
+    CanaryFlushTimeout(std::time::Duration),
 }
 
 /// Refresh counters of one discovery source, for metrics.
@@ -129,9 +133,15 @@ pub struct ControlHandle {
     events: Arc<EventLog>,
     reload_stats: Arc<ReloadStats>,
     rate_shares: RateShares,
+    canaries: Canaries,
 }
 
 impl ControlHandle {
+    /// What the canary task knows: which canaries this gateway judges.
+    pub fn canaries(&self) -> &Canaries {
+        &self.canaries
+    }
+
     /// What the cluster rate-limit exchange knows, for the admin view and metrics.
     pub fn rate_shares(&self) -> &RateShares {
         &self.rate_shares
@@ -282,6 +292,9 @@ struct ControlTask {
     _listener: Option<cluster::ListenerTask>,
     /// Exchanges cluster rate-limit demand; stops when dropped.
     _rate_share: rate_share::RateShareTask,
+    /// Adds canary counts to the store and judges canaries; stops when dropped.
+    _canary: canary::CanaryTask,
+    canaries: Canaries,
     next_runner_generation: u64,
     outcomes: mpsc::Sender<RefreshOutcome>,
     /// Stream listeners and served certificates, kept in step with each snapshot.
@@ -490,6 +503,7 @@ impl ControlTask {
         mut outcomes: mpsc::Receiver<RefreshOutcome>,
         mut cluster_events: mpsc::Receiver<ClusterEvent>,
         mut verdicts: mpsc::Receiver<health::HealthVerdict>,
+        mut canary_moves: mpsc::Receiver<()>,
     ) {
         // Passive ejection only flips atomics on the request path; this is how soon it is seen.
         let mut runtime_watch = tokio::time::interval(RUNTIME_WATCH_INTERVAL);
@@ -521,6 +535,11 @@ impl ControlTask {
                         self.rebuild_logged().await;
                     }
                     MovedSources::Any
+                }
+                Some(()) = canary_moves.recv() => {
+                    // A canary this gateway judges moved: apply it now, not at the notification.
+                    self.apply_logged().await;
+                    MovedSources::None
                 }
                 Some(event) = cluster_events.recv() => {
                     self.handle_cluster_events(event, &mut cluster_events).await;
@@ -686,6 +705,13 @@ pub async fn start(
     // Bounded: a check loop that finds it full drops the detail, never the change.
     let (verdict_sender, verdict_receiver) = mpsc::channel(1024);
     let observer = observe::Observer::new(events.clone(), store.instance_id().to_owned());
+    let (canary_moved, canary_moves) = mpsc::channel(1);
+    let (canaries, canary_task) = canary::spawn(
+        store.clone(),
+        snapshots.clone(),
+        cluster.lease,
+        canary_moved,
+    );
     let (rate_shares, rate_share_task) = rate_share::spawn(
         store.clone(),
         store.instance_id().to_owned(),
@@ -709,6 +735,8 @@ pub async fn start(
         periodic_resync_at: shared.then(|| now + cluster.resync),
         _listener: listener,
         _rate_share: rate_share_task,
+        _canary: canary_task,
+        canaries: canaries.clone(),
         next_runner_generation: 1,
         outcomes: outcome_sender,
         edge: Edge::new(edge),
@@ -739,6 +767,7 @@ pub async fn start(
             outcome_receiver,
             cluster_receiver,
             verdict_receiver,
+            canary_moves,
         )
         .await
     });
@@ -751,6 +780,7 @@ pub async fn start(
             events,
             reload_stats,
             rate_shares,
+            canaries,
         },
         join,
     ))

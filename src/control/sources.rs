@@ -361,6 +361,10 @@ impl ControlTask {
     /// the shutdown so the sources are not taken back meanwhile.
     pub(super) async fn release_leases(&mut self) {
         self.lease_round_at = tokio::time::Instant::now() + Duration::from_secs(3600);
+        self.canaries.stop_judging();
+        if let Err(error) = self.store.release_canary_leases().await {
+            tracing::warn!(%error, "cannot release the canary leases; they expire on their own");
+        }
         let now = self.clock.now();
         let held: Vec<(Id, Option<SourceProgress>)> = self
             .sources

@@ -7,6 +7,7 @@ mod accounting;
 mod affinity;
 mod body;
 mod budget;
+mod canary;
 mod client;
 pub mod connect_timing;
 mod connector;

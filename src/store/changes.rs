@@ -200,9 +200,12 @@ impl Store {
                 }
                 let routes: Option<Vec<RouteRow>> = if changes.routes {
                     Some(
-                        sqlx::query_as("SELECT * FROM routes ORDER BY id")
-                            .fetch_all(&mut *tx)
-                            .await?,
+                        sqlx::query_as(&format!(
+                            "{} ORDER BY routes.id",
+                            super::rows::ROUTE_SELECT
+                        ))
+                        .fetch_all(&mut *tx)
+                        .await?,
                     )
                 } else {
                     None

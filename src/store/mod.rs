@@ -23,6 +23,7 @@ macro_rules! on_pool {
     };
 }
 
+mod canary;
 mod certificates;
 mod changes;
 mod leases;
@@ -37,6 +38,7 @@ mod targets;
 #[path = "../../tests/common/postgres.rs"]
 mod test_postgres;
 mod tokens;
+pub use canary::{CountsReport, JudgedCanary};
 pub use certificates::NewCertificate;
 pub use changes::{ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS};
 pub use rate_limits::{DemandReport, DemandRow, RateExchange};
@@ -205,9 +207,12 @@ impl Store {
             )
             .fetch_all(&mut *transaction)
             .await?;
-                let routes = sqlx::query_as::<_, RouteRow>("SELECT * FROM routes ORDER BY id")
-                    .fetch_all(&mut *transaction)
-                    .await?;
+                let routes = sqlx::query_as::<_, RouteRow>(&format!(
+                    "{} ORDER BY routes.id",
+                    rows::ROUTE_SELECT
+                ))
+                .fetch_all(&mut *transaction)
+                .await?;
                 let stream_routes = sqlx::query_as::<_, stream_routes::StreamRouteRow>(
                     "SELECT * FROM stream_routes ORDER BY id",
                 )

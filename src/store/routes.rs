@@ -2,7 +2,7 @@
 //! beyond the original columns are one JSON document (`rules`); `route_services` lists every
 //! service a route sends to (backends and mirror) so that one in use cannot be deleted.
 
-use super::rows::{RouteRow, RouteRules};
+use super::rows::{RouteRow, RouteRules, ROUTE_SELECT};
 use super::{
     convert_all, foreign_key, found, json_text, now_ms, unique_name_conflict, Page, Store,
     StoreError,
@@ -12,7 +12,7 @@ use crate::model::{Id, Route, RouteSpec};
 /// Stores a route's columns and its `route_services` in one transaction; `$id` None inserts.
 /// Gives the route's id, or None when the route to update does not exist.
 macro_rules! write_route {
-    ($pool:ident, $spec:expr, $id:expr, $services:expr) => {{
+    ($pool:ident, $spec:expr, $id:expr, $services:expr, $now_sql:expr) => {{
         let spec: &RouteSpec = $spec;
         let now = now_ms();
         let mut transaction = $pool.begin().await?;
@@ -79,6 +79,7 @@ macro_rules! write_route {
                 id
             }
         };
+        super::canary::sync_route_canary!(transaction, id, spec, $now_sql);
         for service_id in $services {
             sqlx::query("INSERT INTO route_services (route_id, service_id) VALUES ($1, $2)")
                 .bind(id)
@@ -93,9 +94,9 @@ macro_rules! write_route {
 
 impl Store {
     pub async fn list_routes(&self, page: Page) -> Result<Vec<Route>, StoreError> {
-        let rows = on_pool!(self, |pool| sqlx::query_as::<_, RouteRow>(
-            "SELECT * FROM routes WHERE id > $1 ORDER BY id LIMIT $2"
-        )
+        let rows = on_pool!(self, |pool| sqlx::query_as::<_, RouteRow>(&format!(
+            "{ROUTE_SELECT} WHERE routes.id > $1 ORDER BY routes.id LIMIT $2"
+        ))
         .bind(page.after_id())
         .bind(i64::from(page.limit))
         .fetch_all(pool)
@@ -104,9 +105,9 @@ impl Store {
     }
 
     pub async fn get_route(&self, id: Id) -> Result<Route, StoreError> {
-        on_pool!(self, |pool| sqlx::query_as::<_, RouteRow>(
-            "SELECT * FROM routes WHERE id = $1"
-        )
+        on_pool!(self, |pool| sqlx::query_as::<_, RouteRow>(&format!(
+            "{ROUTE_SELECT} WHERE routes.id = $1"
+        ))
         .bind(id)
         .fetch_optional(pool)
         .await)?
@@ -132,12 +133,14 @@ impl Store {
         id: Option<Id>,
         services: &[Id],
     ) -> Result<Id, StoreError> {
+        let now_sql = self.now_sql();
         let written = async {
             on_pool!(self, |pool| write_route!(
                 pool,
                 spec,
                 id,
-                services.iter().copied()
+                services.iter().copied(),
+                now_sql
             ))
         };
         match written.await {

@@ -4,9 +4,10 @@ use chrono::{DateTime, TimeZone, Utc};
 
 use super::StoreError;
 use crate::model::{
-    Backend, Condition, Cors, DiscoverySource, HeaderFilter, Health, LbPolicy, Mirror, Protocol,
-    ProviderKind, RateLimit, Redirect, RetryPolicy, Rewrite, Role, Route, RouteSpec, RouteTimeouts,
-    Service, SourceProgress, SourceStanding, SourceState, Target, TargetState, Timeouts, Token,
+    Backend, Canary, CanaryStatus, Condition, Cors, DiscoverySource, HeaderFilter, Health,
+    LbPolicy, Mirror, Protocol, ProviderKind, RateLimit, Redirect, RetryPolicy, Rewrite, Role,
+    Route, RouteSpec, RouteTimeouts, Service, SourceProgress, SourceStanding, SourceState, Target,
+    TargetState, Timeouts, Token,
 };
 
 pub(super) fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
@@ -180,6 +181,12 @@ impl TryFrom<TargetRow> for Target {
     }
 }
 
+/// Routes with where their canary stands.
+pub(super) const ROUTE_SELECT: &str = "SELECT routes.*, c.state AS canary_state,
+        c.step AS canary_step, c.weight AS canary_weight, c.round AS canary_round,
+        c.interval_started_ms AS canary_interval_started_ms, c.reason AS canary_reason
+    FROM routes LEFT JOIN route_canaries c ON c.route_id = routes.id";
+
 #[derive(sqlx::FromRow)]
 pub(super) struct RouteRow {
     id: i64,
@@ -198,6 +205,29 @@ pub(super) struct RouteRow {
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
+    canary_state: Option<String>,
+    canary_step: Option<i64>,
+    canary_weight: Option<i64>,
+    canary_round: Option<i64>,
+    canary_interval_started_ms: Option<i64>,
+    canary_reason: Option<String>,
+}
+
+/// Where the route's canary stands, from the joined `route_canaries` columns.
+fn canary_status_of(row: &RouteRow) -> Result<Option<CanaryStatus>, StoreError> {
+    let (Some(state), Some(step), Some(weight), Some(round), Some(started), Some(reason)) = (
+        row.canary_state.as_deref(),
+        row.canary_step,
+        row.canary_weight,
+        row.canary_round,
+        row.canary_interval_started_ms,
+        row.canary_reason.clone(),
+    ) else {
+        return Ok(None);
+    };
+    super::canary::status_of(state, step, weight, round, started, reason)
+        .map(Some)
+        .ok_or_else(|| StoreError::Corrupt(format!("route {} canary status", row.id)))
 }
 
 impl TryFrom<RouteRow> for Route {
@@ -205,6 +235,7 @@ impl TryFrom<RouteRow> for Route {
     fn try_from(row: RouteRow) -> Result<Self, StoreError> {
         let rules: RouteRules = serde_json::from_str(&row.rules)
             .map_err(|e| StoreError::Corrupt(format!("route {} rules: {e}", row.id)))?;
+        let canary_status = canary_status_of(&row)?;
         // Routes stored before backends existed name their one service in the column.
         let backends = match (rules.backends.is_empty(), row.service_id) {
             (true, Some(service_id)) => vec![Backend::whole(service_id)],
@@ -233,6 +264,8 @@ impl TryFrom<RouteRow> for Route {
             retry: rules.retry,
             rate_limit: rules.rate_limit,
             max_in_flight: rules.max_in_flight,
+            canary_status,
+            canary: rules.canary,
             preserve_host: row.preserve_host,
             strip_prefix: row.strip_prefix,
             priority: i32::try_from(row.priority)
@@ -419,6 +452,8 @@ pub(super) struct RouteRules {
     pub rate_limit: Option<RateLimit>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub canary: Option<Canary>,
 }
 
 impl RouteRules {
@@ -440,6 +475,7 @@ impl RouteRules {
             retry: spec.retry.clone(),
             rate_limit: spec.rate_limit.clone(),
             max_in_flight: spec.max_in_flight,
+            canary: spec.canary.clone(),
         }
     }
 }

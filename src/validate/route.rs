@@ -84,6 +84,9 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
         super::limits::rate_limit(rate_limit)?;
     }
     super::limits::max_in_flight(spec.max_in_flight)?;
+    if let Some(canary) = &spec.canary {
+        super::canary::canary(canary, spec.backends.len())?;
+    }
     Ok(spec)
 }
 

@@ -7,9 +7,10 @@ use super::Observer;
 use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{
-    ConfigChangeKind, ConfigEvent, ConfigKind, ConfigObject, EventBody, ServiceView, SourceView,
+    CanaryEvent, ConfigChangeKind, ConfigEvent, ConfigKind, ConfigObject, EventBody, ServiceView,
+    SourceView,
 };
-use crate::model::{Certificate, DiscoverySource, Id, Service};
+use crate::model::{Certificate, DiscoverySource, Id, Route, Service};
 use crate::snapshot::Snapshot;
 use crate::store::ChangeSet;
 
@@ -76,9 +77,24 @@ impl Observer {
             self.report_services(&previous_services, &services, snapshot);
             self.report_sources(&previous_sources, &sources, entries);
             if let Some(routes) = &routes {
-                self.report_plain(ConfigKind::Route, &self.routes, routes, |route| {
-                    (route.service_id, Some(route.name.clone()))
-                });
+                self.report_canaries(&self.routes, routes);
+                // A canary's move is a `canary` event, not a change of the route's settings.
+                let settings = |routes: &HashMap<Id, Route>| -> HashMap<Id, Route> {
+                    routes
+                        .iter()
+                        .map(|(id, route)| {
+                            let mut route = route.clone();
+                            route.canary_status = None;
+                            (*id, route)
+                        })
+                        .collect()
+                };
+                self.report_plain(
+                    ConfigKind::Route,
+                    &settings(&self.routes),
+                    &settings(routes),
+                    |route| (route.service_id, Some(route.name.clone())),
+                );
             }
             if let Some(stream_routes) = &stream_routes {
                 self.report_plain(
@@ -172,6 +188,39 @@ impl Observer {
     }
 
     /// Routes, stream routes and certificates: created, changed or deleted, without the object.
+    /// One `canary` event per route whose canary moved (a new round) or started.
+    fn report_canaries(&self, previous: &HashMap<Id, Route>, current: &HashMap<Id, Route>) {
+        for (id, route) in current {
+            let Some(status) = &route.canary_status else {
+                continue;
+            };
+            let before = previous
+                .get(id)
+                .and_then(|route| route.canary_status.as_ref());
+            if before.is_some_and(|before| before.round == status.round) {
+                continue;
+            }
+            let service_id = route
+                .canary
+                .as_ref()
+                .and_then(|canary| route.backends.get(canary.backend_index()))
+                .map(|backend| backend.service_id);
+            self.log.record(
+                service_id,
+                EventBody::Canary(CanaryEvent {
+                    route_id: *id,
+                    name: route.name.clone(),
+                    state: status.state,
+                    step: status.step,
+                    weight: status.weight,
+                    previous_weight: before.map(|before| before.weight),
+                    round: status.round,
+                    reason: status.reason.clone(),
+                }),
+            );
+        }
+    }
+
     fn report_plain<T: PartialEq>(
         &self,
         kind: ConfigKind,

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use super::accounting::{Answering, InFlight, RouteSlot};
 use super::body::{BodyEnd, UpstreamBody, UpstreamResponseBody};
+use super::canary::CanaryTally;
 use super::error::ProxyError;
 use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
@@ -81,6 +82,8 @@ pub(super) struct Exchange {
     pub route: Option<Arc<RouteEntry>>,
     /// The route's backend the request went to (its metrics label).
     pub backend: Option<Arc<str>>,
+    /// Its position in the route's backends.
+    pub backend_index: Option<usize>,
     /// The target of the last attempt.
     pub target: Option<Authority>,
     /// From the first attempt's start to the upstream's response headers (or the failure).
@@ -161,8 +164,13 @@ pub fn handle<'a>(
             }
         };
         let elapsed = started.elapsed();
+        let mut canary = None;
         match &exchange.route {
-            Some(route) => route.stats.record(response.status().as_u16(), elapsed),
+            Some(route) => {
+                let status = response.status().as_u16();
+                route.stats.record(status, elapsed);
+                canary = CanaryTally::of(route, exchange.backend_index, status, elapsed);
+            }
             None => {
                 state.counters.unrouted.fetch_add(1, Ordering::Relaxed);
             }
@@ -188,8 +196,13 @@ pub fn handle<'a>(
                 entry.write(None);
             }
         }
+        // A gRPC answer's canary outcome waits for its trailers' status too.
+        let canary_at_end = canary.take_if(|_| grpc);
+        if let Some(canary) = canary {
+            canary.count(None);
+        }
         match response.body_mut() {
-            Either::Left(body) if entry.is_some() || trace.is_some() => {
+            Either::Left(body) if entry.is_some() || trace.is_some() || canary_at_end.is_some() => {
                 body.at_end(Box::new(move |end| {
                     if let Some(entry) = entry {
                         entry.write(end.grpc_status);
@@ -197,9 +210,15 @@ pub fn handle<'a>(
                     if let Some(trace) = trace {
                         span::finished(trace, end);
                     }
+                    if let Some(canary) = canary_at_end {
+                        canary.count(end.grpc_status);
+                    }
                 }))
             }
             _ => {
+                if let Some(canary) = canary_at_end {
+                    canary.count(super::grpc::status_in(response.headers()));
+                }
                 if let Some(entry) = entry {
                     entry.write(None);
                 }
@@ -297,6 +316,11 @@ fn forward<'a>(
         backend.requests.fetch_add(1, Ordering::Relaxed);
         let service = backend.service.clone();
         exchange.backend = Some(backend.label.clone());
+        exchange.backend_index = route
+            .backends
+            .list()
+            .iter()
+            .position(|listed| std::ptr::eq(listed, backend));
         if let Some(trace) = exchange.trace.as_deref_mut() {
             span::backend_chosen(trace, &backend.label);
         }
