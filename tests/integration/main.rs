@@ -15,6 +15,7 @@ mod common;
 
 mod admin_api;
 mod affinity;
+mod canary;
 mod cli;
 mod cli_status;
 mod cluster;
