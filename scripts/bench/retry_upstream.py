@@ -12,6 +12,8 @@ Keep-alive; reads request bodies by Content-Length or chunked coding. --mode:
                    other (every 100th request of each target, under round robin, would stall
                    the targets in step: a hedge sent to the next target would often be its
                    stalled one)
+  500-1-in-10      every 10th request it receives: 500 "failed", the others 200 (scripts/bench-canary.sh)
+GET /__mode/<mode> switches the mode at once (answered 200 with Connection: close, not counted).
 A request counts as a hit as soon as its head has been read, whatever happens to it after (a
 proxy that cancels a hedged or timed-out attempt still cost the target one). GET /__hits is not
 counted: it answers, with Connection: close, one JSON object
@@ -26,7 +28,7 @@ import os
 import signal
 import time
 
-MODES = ("ok", "503", "stall-1-in-100")
+MODES = ("ok", "503", "stall-1-in-100", "500-1-in-10")
 STATE = {"name": "", "mode": "ok", "hits": 0, "stalled": 0, "per_second": {}}
 STALL_EVERY = 100
 STALL = 2.0
@@ -43,6 +45,8 @@ def response(status, reason, body, name, close=False):
 
 OK = b""
 OK_CLOSE = b""
+FAILED = b""
+FAILED_CLOSE = b""
 UNAVAILABLE = b""
 UNAVAILABLE_CLOSE = b""
 
@@ -98,6 +102,15 @@ async def handle(reader, writer):
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
                 await writer.drain()
                 return
+            if target.startswith(b"/__mode/"):
+                mode = target[len(b"/__mode/"):].decode(errors="replace")
+                ok = mode in MODES
+                if ok:
+                    STATE["mode"] = mode
+                status = b"200 OK" if ok else b"404 Not Found"
+                writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                return
             STATE["hits"] += 1
             second = str(int(time.time()))
             per_second = STATE["per_second"]
@@ -119,6 +132,9 @@ async def handle(reader, writer):
                 await asyncio.sleep(STALL)
             if STATE["mode"] == "503":
                 writer.write(UNAVAILABLE_CLOSE if close else UNAVAILABLE)
+            elif STATE["mode"] == "500-1-in-10" and STATE["hits"] % 10 == 0:
+                STATE["failed"] = STATE.get("failed", 0) + 1
+                writer.write(FAILED_CLOSE if close else FAILED)
             else:
                 writer.write(OK_CLOSE if close else OK)
             await writer.drain()
@@ -131,7 +147,7 @@ async def handle(reader, writer):
 
 
 async def main():
-    global OK, OK_CLOSE, UNAVAILABLE, UNAVAILABLE_CLOSE, STALL_EVERY, STALL
+    global OK, OK_CLOSE, FAILED, FAILED_CLOSE, UNAVAILABLE, UNAVAILABLE_CLOSE, STALL_EVERY, STALL
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", choices=MODES, default="ok")
@@ -146,6 +162,8 @@ async def main():
     RANDOM.seed(f"retry-upstream-{args.name}")
     OK = response(200, "OK", b"ok\n", args.name)
     OK_CLOSE = response(200, "OK", b"ok\n", args.name, close=True)
+    FAILED = response(500, "Internal Server Error", b"failed\n", args.name)
+    FAILED_CLOSE = response(500, "Internal Server Error", b"failed\n", args.name, close=True)
     UNAVAILABLE = response(503, "Service Unavailable", b"unavailable\n", args.name)
     UNAVAILABLE_CLOSE = response(503, "Service Unavailable", b"unavailable\n", args.name, close=True)
     server = await asyncio.start_server(handle, "127.0.0.1", args.port, backlog=4096,

@@ -322,7 +322,7 @@ impl Store {
     }
 
     /// Adds this gateway's counts of one flush, stamped with the database's clock, and deletes
-    /// anyone's counts an hour old.
+    /// anyone's counts (and leases) an hour old.
     pub async fn add_canary_counts(&self, reports: &[CountsReport]) -> Result<(), StoreError> {
         let now = self.now_sql();
         let instance = self.instance_id();
@@ -360,10 +360,16 @@ impl Store {
                 }
                 query.execute(&mut *transaction).await?;
             }
-            sqlx::query("DELETE FROM canary_counts WHERE at_ms < $1")
-                .bind(at - FORGET_COUNTS_AFTER_MS)
-                .execute(&mut *transaction)
-                .await?;
+            // Leases an hour past their expiry belong to routes deleted or no longer judged.
+            for sql in [
+                "DELETE FROM canary_counts WHERE at_ms < $1",
+                "DELETE FROM canary_leases WHERE expires_at < $1",
+            ] {
+                sqlx::query(sql)
+                    .bind(at - FORGET_COUNTS_AFTER_MS)
+                    .execute(&mut *transaction)
+                    .await?;
+            }
             transaction.commit().await?;
         });
         Ok(())
