@@ -116,7 +116,7 @@ mod tests {
         observer.report_locality(&snapshot);
         observer.prime(&Default::default());
         let mut watch = tokio::time::interval(std::time::Duration::from_millis(250));
-        let mut tick = |observer: &mut Observer| {
+        let tick = |observer: &mut Observer| {
             refresh_zone_splits(&snapshot, crate::clock::unix_ms());
             observer.report_locality(&snapshot);
         };
