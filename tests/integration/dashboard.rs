@@ -1056,6 +1056,16 @@ async fn an_h2c_service_shows_its_protocol_and_grpc_check() {
     browser.close().await;
 }
 
+/// A browser signed in as an admin, on the page of `service`.
+async fn service_page(gateway: &TestGateway, service: i64) -> Browser {
+    let browser = Browser::start().await;
+    sign_in(&browser, gateway, ADMIN_TOKEN).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
+        .await;
+    browser
+}
+
 /// JavaScript reading the service page's stats named `names` into `shown` (the value of each,
 /// null when absent), null while the page is not drawn; a script ends it with its `return`.
 fn service_stats_js(names: &[&str]) -> String {
@@ -1086,11 +1096,7 @@ async fn a_hashing_service_names_its_key_and_its_sessions() {
             }),
         )
         .await;
-    let browser = Browser::start().await;
-    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
-    browser
-        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
-        .await;
+    let browser = service_page(&gateway, service).await;
     let stats_script = |expected: &str| {
         format!(
             "{}return shown[0] === {expected:?} ? shown : null;",
@@ -1150,11 +1156,7 @@ async fn a_zoned_service_shows_its_split_live() {
     gateway
         .create(&format!("/api/v1/services/{service}/targets"), other)
         .await;
-    let browser = Browser::start().await;
-    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
-    browser
-        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
-        .await;
+    let browser = service_page(&gateway, service).await;
     let locality_script = |starts: &str| {
         format!(
             "{}return shown[0] && shown[0].startsWith({starts:?}) ? shown[0] : null;",
