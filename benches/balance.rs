@@ -116,6 +116,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
             hash_on: None,
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,
@@ -130,6 +131,7 @@ fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         counters: Default::default(),
         discovery_gap: None,
         sessions: None,
+        locality: None,
     }
 }
 

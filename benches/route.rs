@@ -28,6 +28,7 @@ fn service() -> ServiceRuntime {
             hash_on: None,
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,
@@ -42,6 +43,7 @@ fn service() -> ServiceRuntime {
         counters: Default::default(),
         discovery_gap: None,
         sessions: None,
+        locality: None,
     }
 }
 

@@ -28,6 +28,7 @@ fn config(services: i64, targets_per_service: i64) -> RoutingConfig {
             hash_on: None,
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,

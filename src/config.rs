@@ -149,6 +149,10 @@ pub struct ClusterConfig {
     /// store (TRAFFIC.md §6).
     #[serde(default = "ClusterConfig::default_rate_sync_ms")]
     pub rate_sync_ms: u64,
+    /// The zone this gateway runs in (e.g. `eu-west-1a`): services with `locality` keep their
+    /// requests on targets labelled with it (TRAFFIC.md §4). Unset: no zone, locality is off.
+    #[serde(default)]
+    pub zone: Option<String>,
 }
 
 impl ClusterConfig {
@@ -194,6 +198,7 @@ impl Default for ClusterConfig {
             lease_ms: Self::default_lease_ms(),
             resync_ms: Self::default_resync_ms(),
             rate_sync_ms: Self::default_rate_sync_ms(),
+            zone: None,
         }
     }
 }
@@ -740,6 +745,7 @@ const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("RAAHI_CLUSTER_LEASE_MS", "cluster.lease_ms"),
     ("RAAHI_CLUSTER_RESYNC_MS", "cluster.resync_ms"),
     ("RAAHI_CLUSTER_RATE_SYNC_MS", "cluster.rate_sync_ms"),
+    ("RAAHI_CLUSTER_ZONE", "cluster.zone"),
     ("RAAHI_RESOURCES_FILE", "resources.file"),
     ("RAAHI_LOG_FORMAT", "log.format"),
     ("RAAHI_TRACING_OTLP_ENDPOINT", "tracing.otlp_endpoint"),
@@ -825,6 +831,15 @@ impl Config {
             if id.is_empty() || id.len() > 63 || !id.bytes().all(|b| b.is_ascii_graphic()) {
                 return Err(invalid(
                     "cluster.instance_id",
+                    "must be 1 to 63 printable ASCII characters without spaces",
+                ));
+            }
+        }
+        if let Some(zone) = &self.cluster.zone {
+            // A Kubernetes label value's limit, and what a zone label can hold.
+            if zone.is_empty() || zone.len() > 63 || !zone.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(invalid(
+                    "cluster.zone",
                     "must be 1 to 63 printable ASCII characters without spaces",
                 ));
             }
@@ -1367,6 +1382,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("cluster.lease_ms"), "{error}");
+    }
+
+    #[test]
+    fn cluster_zone_is_unset_by_default_set_by_file_or_environment_and_checked() {
+        let defaults = Config::from_parts("c", None, &[]).unwrap();
+        assert_eq!(defaults.cluster.zone, None);
+        let file = "[cluster]\nzone = \"eu-west-1a\"\n";
+        let from_file = Config::from_parts("c", Some(file), &[]).unwrap();
+        assert_eq!(from_file.cluster.zone.as_deref(), Some("eu-west-1a"));
+        let config = Config::from_parts(
+            "c",
+            Some(file),
+            &env(&[("RAAHI_CLUSTER_ZONE", "eu-west-1b")]),
+        )
+        .unwrap();
+        assert_eq!(
+            config.cluster.zone.as_deref(),
+            Some("eu-west-1b"),
+            "the environment wins"
+        );
+        for bad in ["", "zone a", &"z".repeat(64)] {
+            let error = Config::from_parts("c", None, &env(&[("RAAHI_CLUSTER_ZONE", bad)]))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("cluster.zone"), "{bad:?}: {error}");
+        }
     }
 
     #[test]

@@ -63,6 +63,7 @@ pub enum EventBody {
     Config(ConfigEvent),
     Route(RouteEvent),
     Canary(CanaryEvent),
+    Locality(LocalityEvent),
 }
 
 impl EventBody {
@@ -74,6 +75,7 @@ impl EventBody {
             EventBody::Config(_) => "config",
             EventBody::Route(_) => "route",
             EventBody::Canary(_) => "canary",
+            EventBody::Locality(_) => "locality",
         }
     }
 }
@@ -203,6 +205,37 @@ pub struct CanaryEvent {
     pub weight: u8,
     pub previous_weight: Option<u8>,
     pub round: i64,
+    pub reason: String,
+}
+
+/// Where a service with `locality` sends its requests (TRAFFIC.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ZoneSplitKind {
+    /// Only to the targets in the gateway's zone.
+    ZoneOnly,
+    /// To every target of every zone, as without locality.
+    AllZones,
+}
+
+/// A service's zone split changed on this gateway (or was first decided, `from` null).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LocalityEvent {
+    /// The service's name (its id is the event's `service_id`).
+    pub name: String,
+    /// The gateway's zone (`cluster.zone`).
+    pub zone: String,
+    pub from: Option<ZoneSplitKind>,
+    pub to: ZoneSplitKind,
+    /// How the zone's targets were chosen: `hints` (Kubernetes EndpointSlice `hints.forZones`)
+    /// or `labels` (the targets' `zone` label).
+    pub basis: &'static str,
+    /// The zone's targets counted (in the priority tier the service picks from) and how many
+    /// were available.
+    pub available: u32,
+    pub total: u32,
+    pub min_available_percent: u32,
+    /// Why, in a sentence ("1 of 3 targets in zone a available (33 % < 70 %)").
     pub reason: String,
 }
 

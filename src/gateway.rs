@@ -137,6 +137,7 @@ fn cluster_settings(config: &Config) -> ClusterSettings {
         lease: Duration::from_millis(config.cluster.lease_ms),
         resync: Duration::from_millis(config.cluster.resync_ms),
         rate_sync: Duration::from_millis(config.cluster.rate_sync_ms),
+        zone: config.cluster.zone.as_deref().map(Into::into),
     }
 }
 

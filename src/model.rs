@@ -66,6 +66,29 @@ pub enum HashOn {
     ClientIp,
 }
 
+/// Zone-aware routing (TRAFFIC.md §4): while at least `min_available_percent` of the targets in
+/// the gateway's zone (`cluster.zone`) are available, requests go only to them; below it, to
+/// every target of every zone, as if the service had no locality.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Locality {
+    /// 0–100; 70 when left out.
+    #[serde(default = "Locality::default_min_available_percent")]
+    pub min_available_percent: u32,
+}
+
+/// The target metadata key where Kubernetes discovery puts the zone names of an endpoint's
+/// EndpointSlice `hints.forZones` (a list of strings; absent when the endpoint has none).
+pub const ZONE_HINTS_KEY: &str = "zone_hints";
+
+impl Locality {
+    pub const DEFAULT_MIN_AVAILABLE_PERCENT: u32 = 70;
+
+    fn default_min_available_percent() -> u32 {
+        Self::DEFAULT_MIN_AVAILABLE_PERCENT
+    }
+}
+
 /// Cookie-based session persistence (TRAFFIC.md §5): Raahi sets an opaque cookie naming the
 /// target, and a request carrying it goes back to that target while it is active or draining
 /// and available.
@@ -385,6 +408,8 @@ pub struct Service {
     pub hash_balance_factor: Option<u32>,
     /// Sticky sessions by cookie; null: off.
     pub session_persistence: Option<SessionPersistence>,
+    /// Keep requests in the gateway's zone; null: off (every zone alike).
+    pub locality: Option<Locality>,
     pub timeouts: Timeouts,
     /// Attempts per request, the first included (a retry goes to another target).
     pub max_attempts: u32,
@@ -901,6 +926,8 @@ pub struct ServiceSpec {
     #[serde(default)]
     pub session_persistence: Option<SessionPersistence>,
     #[serde(default)]
+    pub locality: Option<Locality>,
+    #[serde(default)]
     pub timeouts: Timeouts,
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
@@ -1049,6 +1076,7 @@ impl Service {
             hash_on: self.hash_on.clone(),
             hash_balance_factor: self.hash_balance_factor,
             session_persistence: self.session_persistence.clone(),
+            locality: self.locality,
             timeouts: self.timeouts,
             max_attempts: self.max_attempts,
             health_check: self.health_check.clone(),

@@ -557,3 +557,29 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
     }
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::model::Locality;
+
+    #[test]
+    fn a_service_declares_locality_with_the_apis_field_names() {
+        let text = "[[services]]\nname = \"web\"\nlocality = { min_available_percent = 80 }\n";
+        let resources = super::parse("r.toml", text).unwrap();
+        assert_eq!(
+            resources.services[0].spec.locality,
+            Some(Locality {
+                min_available_percent: 80
+            })
+        );
+        let text = "[[services]]\nname = \"web\"\nlocality = { min_available_percent = 101 }\n";
+        let Err(error) = super::parse("r.toml", text) else {
+            panic!("101 % is refused");
+        };
+        let error = error.to_string();
+        assert!(
+            error.contains("services[0].locality.min_available_percent"),
+            "{error}"
+        );
+    }
+}

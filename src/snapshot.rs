@@ -23,6 +23,7 @@ use crate::model::{Id, RateLimit, Route, Service, StreamRoute, Target};
 mod backends;
 mod canary;
 mod header_filter;
+mod locality;
 mod rate_limit;
 mod retries;
 mod route_match;
@@ -32,6 +33,7 @@ mod stream;
 pub use backends::{BackendRuntime, Backends, Subset};
 pub use canary::{canary_weights, is_error as is_canary_error, CanaryCounters, Outcome};
 pub use header_filter::{CompiledHeaderFilter, Variables};
+pub use locality::{ZoneBasis, ZoneDecision, ZoneSplit};
 pub use rate_limit::{Decision, KeyUse, RateLimiter};
 pub use retries::{RetryCounters, RetryReason, WindowTotals};
 pub use route_match::{cookie_value, query_value, Conditions, RequestView};
@@ -85,6 +87,10 @@ pub struct ServiceCounters {
     pub sessions_repinned: AtomicU64,
     /// The retry budget's window and what retries and hedges were sent for.
     pub retries: RetryCounters,
+    /// With a zone split (`locality` and `cluster.zone`): picks made among the zone's targets,
+    /// and picks made among every zone's.
+    pub zone_picks: AtomicU64,
+    pub all_zone_picks: AtomicU64,
 }
 
 /// Gateway-wide counters of the data path (for metrics).
@@ -293,6 +299,9 @@ pub struct ServiceRuntime {
     pub discovery_gap: Option<Box<str>>,
     /// With `session_persistence`: the targets a cookie may name, draining ones included.
     pub sessions: Option<Box<SessionTargets>>,
+    /// With `locality` on a gateway with `cluster.zone`: the zone's targets and whether they
+    /// take the requests now.
+    pub locality: Option<Box<ZoneSplit>>,
 }
 
 /// What a request brings to its pick besides the targets to skip: the target its session
@@ -477,6 +486,10 @@ impl ServiceRuntime {
     /// A pick by `choice` among the targets of `subset` (all when None): an available target,
     /// claiming a half-open one's trial (a lost race picks again, up to [`TRIAL_RACES`]); else,
     /// when allowed, a panic pick that ignores health and ejection but not `skip`.
+    ///
+    /// Without a subset, a zone split in force narrows the pick to the zone's targets first; when
+    /// none of them is available (the control task has not looked since), the pick is over
+    /// every zone, as without locality. A subset's pick ignores locality.
     fn pick_by(
         &self,
         subset: Option<&Subset>,
@@ -484,7 +497,32 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
+        let split = self.locality.as_deref().filter(|_| subset.is_none());
+        if let Some(split) = split {
+            if let Some((balancer, members)) = split.in_force() {
+                if let Some(pick) = self.pick_among(balancer, Some(members), choice, &skip, false) {
+                    self.counters.zone_picks.fetch_add(1, Ordering::Relaxed);
+                    return Some(pick);
+                }
+            }
+        }
         let (balancer, members) = self.members(subset);
+        let pick = self.pick_among(balancer, members, choice, &skip, allow_panic);
+        if split.is_some() && pick.is_some() {
+            self.counters.all_zone_picks.fetch_add(1, Ordering::Relaxed);
+        }
+        pick
+    }
+
+    /// A pick by `choice` among `members` (all targets when None) through their `balancer`.
+    fn pick_among(
+        &self,
+        balancer: &Balancer,
+        members: Option<&[u32]>,
+        choice: Choice,
+        skip: &impl Fn(&TargetRuntime) -> bool,
+        allow_panic: bool,
+    ) -> Option<Pick<'_>> {
         let clock = lazy_clock();
         let target_at = |index: usize| &self.targets[target_index(members, index)];
         let available = |index: usize| {
@@ -1211,6 +1249,7 @@ mod tests {
                 hash_on: None,
                 hash_balance_factor: None,
                 session_persistence: None,
+                locality: None,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
                 health_check: None,
@@ -1225,6 +1264,7 @@ mod tests {
             counters: Default::default(),
             discovery_gap: None,
             sessions: None,
+            locality: None,
         }
     }
 

@@ -218,6 +218,14 @@ pub fn service(mut spec: ServiceSpec) -> Result<ServiceSpec, ValidationError> {
     ejection(&spec.ejection)?;
     upstream_limits(&spec.limits)?;
     affinity::affinity(&mut spec)?;
+    if let Some(locality) = spec.locality {
+        if locality.min_available_percent > 100 {
+            return Err(ValidationError::new(
+                "locality.min_available_percent",
+                "locality.min_available_percent must be from 0 to 100 (percent of the zone's targets)",
+            ));
+        }
+    }
     if spec.max_attempts == 0 || spec.max_attempts > MAX_ATTEMPTS {
         return Err(ValidationError::new(
             "max_attempts",
@@ -518,6 +526,7 @@ mod tests {
             hash_on: None,
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,
@@ -530,6 +539,24 @@ mod tests {
             Err(error) => error.field,
             other => panic!("expected a validation error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn locality_takes_a_percent_from_0_to_100() {
+        use crate::model::Locality;
+        let with = |min_available_percent| {
+            service(ServiceSpec {
+                locality: Some(Locality {
+                    min_available_percent,
+                }),
+                ..service_spec()
+            })
+        };
+        assert_eq!(field_of(with(101)), "locality.min_available_percent");
+        assert!(with(0).is_ok());
+        assert!(with(100).is_ok());
+        let defaulted: Locality = serde_json::from_str("{}").unwrap();
+        assert_eq!(defaulted.min_available_percent, 70);
     }
 
     #[test]

@@ -39,6 +39,9 @@ const state = {
   limitsApi: true, // false once `routes/{id}/rate-limit` answered 404: read /metrics instead
   // Service id -> {view (the runtime's `retries`), sent (their sum), at (ms), rate (per s)}.
   retries: new Map(),
+  // Service id -> the runtime's `locality` (the zone split in force and why), from polls and
+  // `locality` events.
+  localities: new Map(),
   limitsLoad: { running: false, again: false, at: 0 },
   loaded: false, // a snapshot has arrived
   lastId: null,
@@ -419,6 +422,7 @@ function onStreamEvent(event) {
     case 'source': applySource(payload); break;
     case 'config': applyConfig(payload); break;
     case 'route': applyRoute(payload); break;
+    case 'locality': applyLocality(payload); break;
     default: return;
   }
   scheduleRender();
@@ -536,6 +540,25 @@ function applyRoute(event) {
     tone: tripped ? 'bad' : 'good',
   });
   if (routesShown()) loadLimits();
+}
+
+/** A service's zone split changed (TRAFFIC.md §4): to the zone only, or to every zone. */
+function applyLocality(event) {
+  const known = state.localities.get(event.service_id);
+  state.localities.set(event.service_id, {
+    ...(known ?? {}), zone: event.zone, in_force: event.to, basis: event.basis,
+    available: event.available, total: event.total,
+    min_available_percent: event.min_available_percent, reason: event.reason,
+  });
+  remember({
+    id: event.id,
+    at: event.at,
+    kind: 'locality',
+    service_id: event.service_id,
+    what: `service ${event.name} ${event.to === 'zone_only' ? `in zone ${event.zone} only` : 'over every zone'}`,
+    reason: event.reason,
+    tone: event.to === 'zone_only' ? 'good' : 'warn',
+  });
 }
 
 function changeText(event) {
@@ -931,6 +954,11 @@ async function pollRuntime(id) {
     changed = true;
   }
   if (answer.data.retries && updateRetries(id, answer.data.retries, Date.now())) changed = true;
+  const locality = answer.data.locality;
+  if (locality && JSON.stringify(state.localities.get(id)) !== JSON.stringify(locality)) {
+    state.localities.set(id, locality);
+    changed = true;
+  }
   for (const runtime of answer.data.targets ?? []) {
     const target = state.targets.get(runtime.id);
     if (target && target.in_flight !== runtime.in_flight) {
@@ -1803,6 +1831,20 @@ function sessionsText(service) {
   return `cookie ${sessions.cookie}${limits.length ? ` (${limits.join(', ')})` : ''}`;
 }
 
+// Where the service's requests go by zone, and why: "zone a only (3 of 3 available, ≥ 70 %)".
+function localityText(service, view) {
+  if (!service.locality) return null;
+  const threshold = `≥ ${service.locality.min_available_percent} %`;
+  if (!view) return `configured (${threshold})`;
+  switch (view.in_force) {
+    case 'zone_only':
+      return `zone ${view.zone} only (${view.available} of ${view.total} available, ${threshold}${view.basis === 'hints' ? ', by hints' : ''})`;
+    case 'all_zones': return `every zone: ${view.reason}`;
+    case 'no_zone_configured': return 'off: the gateway has no cluster.zone';
+    default: return `configured (${threshold})`;
+  }
+}
+
 function servicePage(id) {
   const service = state.services.get(id);
   if (!service) return notFoundView(`There is no service ${id} (it may have been deleted).`);
@@ -1827,6 +1869,9 @@ function servicePage(id) {
         h('dl', { class: 'stats inline' },
           stat('Balancing', balancingText(service)),
           stat('Sessions', sessionsText(service)),
+          localityText(service, state.localities.get(id)) === null ? null
+            : stat('Locality', localityText(service, state.localities.get(id)),
+              state.localities.get(id)?.in_force === 'all_zones' ? 'warn-text' : ''),
           stat('Health checks', checkText),
           stat('Ejection', ejectionText),
           stat('Available', `${c.available} of ${targets.length}`, c.available === 0 && targets.length ? 'bad' : ''),

@@ -242,6 +242,16 @@ struct ServiceSample {
     sessions_repinned: Option<u64>,
     /// Retries: requests' and, for stream services, connections' connect retries.
     retries: Option<RetrySample>,
+    /// For services with a zone split: whether the zone alone takes the requests now, and the
+    /// picks made among the zone's targets and among every zone's.
+    locality: Option<LocalitySample>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LocalitySample {
+    in_zone: bool,
+    zone_picks: u64,
+    all_zone_picks: u64,
 }
 
 /// A service's retries on this gateway.
@@ -408,6 +418,11 @@ async fn gather(state: &AdminState) -> Scrape {
                 .as_ref()
                 .map(|_| counters.sessions_repinned.load(Ordering::Relaxed)),
             retries: Some(RetrySample::read(&counters.retries)),
+            locality: service.locality.as_deref().map(|split| LocalitySample {
+                in_zone: split.decision().in_force.is_some(),
+                zone_picks: counters.zone_picks.load(Ordering::Relaxed),
+                all_zone_picks: counters.all_zone_picks.load(Ordering::Relaxed),
+            }),
             h2: matches!(
                 service.service.protocol,
                 crate::model::Protocol::H2c | crate::model::Protocol::Https
@@ -964,6 +979,34 @@ impl Collector for Scrape {
                 Some((service.labels.clone(), service.sessions_repinned?))
             }),
         )?;
+        let localities = || {
+            self.services
+                .iter()
+                .filter_map(|service| Some((&service.labels, service.locality?)))
+        };
+        gauge(
+            &mut encoder,
+            "raahi_locality_in_zone",
+            "1 while a service with locality sends its requests only to the gateway's zone \
+             (at least locality.min_available_percent of the zone's targets available), 0 while \
+             it spreads them over every zone.",
+            localities().map(|(labels, sample)| (labels.clone(), i64::from(sample.in_zone))),
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_locality_picks",
+            "Picks of a service with locality, by the targets picked among: zone (the gateway's \
+             zone only) or all_zones.",
+            localities().flat_map(|(labels, sample)| {
+                [
+                    (with(labels, ("set", "zone".to_owned())), sample.zone_picks),
+                    (
+                        with(labels, ("set", "all_zones".to_owned())),
+                        sample.all_zone_picks,
+                    ),
+                ]
+            }),
+        )?;
         let retries = || {
             self.services
                 .iter()
@@ -1181,6 +1224,7 @@ mod tests {
             h2: None,
             sessions_repinned: None,
             retries,
+            locality: None,
         }
     }
 

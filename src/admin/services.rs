@@ -126,6 +126,34 @@ pub struct ServiceRuntimeView {
     pub targets: Vec<TargetRuntimeView>,
     /// Retries and hedges sent to the service on this gateway, and its retry budget's window.
     pub retries: RetriesView,
+    /// The zone split in force and why (TRAFFIC.md §4).
+    pub locality: LocalityView,
+}
+
+/// Where a service's requests go by zone on this gateway (TRAFFIC.md §4).
+#[derive(Serialize, ToSchema, Debug, PartialEq)]
+pub struct LocalityView {
+    /// The gateway's zone (`cluster.zone`); null when none is configured.
+    pub zone: Option<String>,
+    /// `zone_only` (the zone's targets take every request), `all_zones` (below the threshold:
+    /// every target of every zone), `no_zone_configured` (the service has `locality`, the gateway
+    /// no `cluster.zone`) or `no_locality`.
+    pub in_force: &'static str,
+    /// The service's `locality.min_available_percent`; null without `locality`.
+    pub min_available_percent: Option<u32>,
+    /// How the zone's targets were chosen: `hints` (every target carries Kubernetes
+    /// EndpointSlice `hints.forZones`) or `labels` (their `zone` label); null without a split.
+    pub basis: Option<&'static str>,
+    /// The zone's targets counted (those in the priority tier the service picks from) and how
+    /// many of them were available at the last look (every 250 ms).
+    pub available: u32,
+    pub total: u32,
+    /// Picks made among the zone's targets, and among every zone's, since the split was built
+    /// (counted across rebuilds of the service).
+    pub zone_picks: u64,
+    pub all_zone_picks: u64,
+    /// Why, in a sentence.
+    pub reason: String,
 }
 
 /// A service's retries on this gateway (TRAFFIC.md §5).
@@ -194,6 +222,8 @@ pub struct TargetRuntimeView {
     pub available: bool,
     /// Under hashing: the share of its tier's keys this target owns (slots / table size).
     pub hash_share: Option<f64>,
+    /// With a zone split: whether the target is one of the zone's (null without one).
+    pub in_zone: Option<bool>,
 }
 
 #[utoipa::path(get, path = "/services/{id}/runtime", tag = "services",
@@ -215,6 +245,7 @@ async fn service_runtime(
             sessions: None,
             targets: Vec::new(),
             retries: retries_view(&RetryCounters::default(), tokio::time::Instant::now()),
+            locality: LocalityView::without_runtime(state.control.zone()),
         },
         Some(service) => {
             let shares = hash_shares(service);
@@ -241,13 +272,72 @@ async fn service_runtime(
                         in_flight: target.load.in_flight(),
                         available: target.health.is_available(|| now),
                         hash_share: shares.get(&index).copied(),
+                        in_zone: service
+                            .locality
+                            .as_deref()
+                            .map(|split| split.contains(index)),
                     })
                     .collect(),
                 retries: retries_view(&service.counters.retries, tokio::time::Instant::now()),
+                locality: locality_view(service, state.control.zone()),
             }
         }
     };
     Ok(Json(view))
+}
+
+impl LocalityView {
+    /// A service not in the snapshot (yet): nothing decided.
+    fn without_runtime(zone: Option<&str>) -> LocalityView {
+        LocalityView {
+            zone: zone.map(str::to_owned),
+            in_force: "no_locality",
+            min_available_percent: None,
+            basis: None,
+            available: 0,
+            total: 0,
+            zone_picks: 0,
+            all_zone_picks: 0,
+            reason: "the service is not in the routing snapshot".to_owned(),
+        }
+    }
+}
+
+fn locality_view(service: &ServiceRuntime, zone: Option<&str>) -> LocalityView {
+    let counters = &service.counters;
+    let mut view = LocalityView {
+        zone: zone.map(str::to_owned),
+        in_force: "no_locality",
+        min_available_percent: service
+            .service
+            .locality
+            .map(|locality| locality.min_available_percent),
+        basis: None,
+        available: 0,
+        total: 0,
+        zone_picks: counters.zone_picks.load(Ordering::Relaxed),
+        all_zone_picks: counters.all_zone_picks.load(Ordering::Relaxed),
+        reason: "the service has no locality: every zone alike".to_owned(),
+    };
+    let Some(split) = service.locality.as_deref() else {
+        if service.service.locality.is_some() {
+            view.in_force = "no_zone_configured";
+            view.reason =
+                "the gateway has no cluster.zone (RAAHI_CLUSTER_ZONE): every zone alike".to_owned();
+        }
+        return view;
+    };
+    let decision = split.decision();
+    view.in_force = if decision.in_force.is_some() {
+        "zone_only"
+    } else {
+        "all_zones"
+    };
+    view.basis = Some(split.basis().as_str());
+    view.available = decision.available;
+    view.total = decision.total;
+    view.reason = split.reason(decision);
+    view
 }
 
 fn retries_view(counters: &RetryCounters, now: tokio::time::Instant) -> RetriesView {

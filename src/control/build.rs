@@ -13,7 +13,7 @@ use crate::model::{
 };
 use crate::snapshot::{
     authority_text, RouteStats, ServiceCounters, ServiceRuntime, SessionTargets, Snapshot,
-    SnapshotChange, StreamStats, TargetRuntime,
+    SnapshotChange, StreamStats, TargetRuntime, ZoneSplit,
 };
 use crate::store::ChangeSet;
 
@@ -31,9 +31,20 @@ pub struct CarriedState {
     service_targets: HashMap<Id, Vec<Id>>,
     /// Hashing services' tables, reused by the next build of a tier whose members are the same.
     hash_tables: HashMap<Id, HashTables>,
+    /// The gateway's zone (`cluster.zone`), fixed for the process: services with `locality`
+    /// are split against it at every build.
+    zone: Option<Arc<str>>,
 }
 
 impl CarriedState {
+    /// Nothing carried yet, for a gateway in `zone`.
+    pub fn in_zone(zone: Option<Arc<str>>) -> CarriedState {
+        CarriedState {
+            zone,
+            ..CarriedState::default()
+        }
+    }
+
     /// The live health of a target, created from its stored health the first time.
     pub fn health_of(&mut self, target: &Target) -> Arc<TargetHealth> {
         self.health
@@ -211,6 +222,16 @@ fn build_service(
         .and_then(|authority| HeaderValue::from_str(authority).ok());
     let sources: Vec<&SourceStanding> = desired.sources_of(service.id).iter().collect();
     let all_targets: Vec<&Target> = targets.iter().map(|target| &**target).collect();
+    let locality = match (&carried.zone, service.locality) {
+        (Some(zone), Some(locality)) => Some(Box::new(ZoneSplit::build(
+            zone.clone(),
+            locality,
+            service.lb_policy,
+            &runtimes,
+            crate::clock::unix_ms(),
+        ))),
+        _ => None,
+    };
     ServiceRuntime {
         service: service.clone(),
         upstream_host,
@@ -219,6 +240,7 @@ fn build_service(
         counters: carried.counters.entry(service.id).or_default().clone(),
         discovery_gap: discovery_gap(&sources, &all_targets),
         sessions,
+        locality,
     }
 }
 
@@ -331,6 +353,7 @@ pub(super) mod tests {
             hash_on: None,
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Default::default(),
             max_attempts: 2,
             health_check: None,

@@ -32,7 +32,7 @@ const RECONNECT_BACKOFF_START: Duration = Duration::from_millis(100);
 const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Settings for sharing a store with other instances.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ClusterSettings {
     /// How long a source lease lasts without renewal; renewed every third of it.
     pub lease: Duration,
@@ -40,6 +40,8 @@ pub struct ClusterSettings {
     pub resync: Duration,
     /// Period of the demand exchange of cluster-scope rate limits.
     pub rate_sync: Duration,
+    /// This gateway's zone (`cluster.zone`), for services with `locality`.
+    pub zone: Option<std::sync::Arc<str>>,
 }
 
 impl Default for ClusterSettings {
@@ -48,6 +50,7 @@ impl Default for ClusterSettings {
             lease: Duration::from_secs(15),
             resync: Duration::from_secs(15),
             rate_sync: Duration::from_millis(250),
+            zone: None,
         }
     }
 }

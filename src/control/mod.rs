@@ -134,6 +134,7 @@ pub struct ControlHandle {
     reload_stats: Arc<ReloadStats>,
     rate_shares: RateShares,
     canaries: Canaries,
+    zone: Option<Arc<str>>,
 }
 
 impl ControlHandle {
@@ -151,6 +152,11 @@ impl ControlHandle {
     /// shutdown), so the other gateways take over its share at their next exchange.
     pub async fn stop_rate_sharing(&self) {
         self.rate_shares.stop().await;
+    }
+
+    /// This gateway's zone (`cluster.zone`).
+    pub fn zone(&self) -> Option<&str> {
+        self.zone.as_deref()
     }
 
     /// The log of what the control task changed or saw, for the event stream and histories.
@@ -367,12 +373,11 @@ impl ControlTask {
             )
         };
         self.snapshots.publish(snapshot);
-        self.observer.changes_loaded(
-            &self.desired,
-            &changes,
-            &self.snapshots.load(),
-            &self.sources,
-        );
+        let published = self.snapshots.load();
+        self.observer
+            .changes_loaded(&self.desired, &changes, &published, &self.sources);
+        // Each split was decided as it was built; a new one (or a changed one) is news now.
+        self.observer.report_locality(&published);
         self.edge
             .sync_stream_listeners(&self.desired.stream_routes, self.clock.now());
         if changes.everything || changes.certificates {
@@ -554,12 +559,17 @@ impl ControlTask {
                     while let Ok(more) = verdicts.try_recv() {
                         self.observer.note_health(more);
                     }
-                    self.observer.report_runtime(&self.snapshots.load());
+                    let snapshot = self.snapshots.load();
+                    self.observer.report_runtime(&snapshot);
+                    // A verdict may move a zone below its threshold: decide now, not at the tick.
+                    self.split_zones(&snapshot);
                     MovedSources::None
                 }
                 _ = runtime_watch.tick() => {
                     let snapshot = self.snapshots.load();
                     self.observer.report_runtime(&snapshot);
+                    // Ejections end by the clock: only a look finds their zones whole again.
+                    self.split_zones(&snapshot);
                     // Only on the tick: its spacing is what "refused in the last look" means.
                     self.observer.report_limits(&snapshot, tokio::time::Instant::now());
                     self.trim_change_log_when_due().await;
@@ -653,6 +663,12 @@ impl ControlTask {
         }
     }
 
+    /// Decides every zone split again (TRAFFIC.md §4) and records the ones that changed.
+    fn split_zones(&mut self, snapshot: &crate::snapshot::Snapshot) {
+        observe::refresh_zone_splits(snapshot, crate::clock::unix_ms());
+        self.observer.report_locality(snapshot);
+    }
+
     async fn rebuild_logged(&mut self) {
         if let Err(error) = self.rebuild().await {
             tracing::error!(%error, "routing snapshot not rebuilt; the previous one stays live");
@@ -718,11 +734,12 @@ pub async fn start(
         snapshots.clone(),
         cluster.rate_sync,
     );
+    let zone = cluster.zone.clone();
     let mut task = ControlTask {
         store,
         snapshots,
         clock: Clock::new(),
-        carried: CarriedState::default(),
+        carried: CarriedState::in_zone(zone.clone()),
         generation: 0,
         sources: HashMap::new(),
         source_stats: SourceStatsMap::default(),
@@ -730,9 +747,9 @@ pub async fn start(
         resync_at: None,
         store_failures: 0,
         rebuild_due: false,
-        cluster,
         lease_round_at: now + cluster.lease / 3,
         periodic_resync_at: shared.then(|| now + cluster.resync),
+        cluster,
         _listener: listener,
         _rate_share: rate_share_task,
         _canary: canary_task,
@@ -781,6 +798,7 @@ pub async fn start(
             reload_stats,
             rate_shares,
             canaries,
+            zone,
         },
         join,
     ))

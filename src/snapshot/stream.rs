@@ -261,6 +261,7 @@ mod tests {
                 hash_on: None,
                 hash_balance_factor: None,
                 session_persistence: None,
+                locality: None,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
                 health_check: None,
@@ -275,6 +276,7 @@ mod tests {
             counters: Default::default(),
             discovery_gap: None,
             sessions: None,
+            locality: None,
         })
     }
 

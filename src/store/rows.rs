@@ -53,6 +53,7 @@ pub(super) struct ServiceRow {
     hash_on: Option<String>,
     hash_balance_factor: Option<i64>,
     session_persistence: Option<String>,
+    locality: Option<String>,
     managed_by: Option<String>,
     created_at: i64,
     updated_at: i64,
@@ -117,6 +118,11 @@ impl TryFrom<ServiceRow> for Service {
                 .session_persistence
                 .as_deref()
                 .map(|text| json(text, "session_persistence"))
+                .transpose()?,
+            locality: row
+                .locality
+                .as_deref()
+                .map(|text| json(text, "locality"))
                 .transpose()?,
             managed_by: row.managed_by,
             created_at: time(row.created_at)?,

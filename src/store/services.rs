@@ -39,9 +39,9 @@ impl Store {
             "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
                 lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
                 max_attempts, health_check, ejection, limits, created_at, updated_at, keepalive_ms,
-                hash_on, hash_balance_factor, session_persistence)
+                hash_on, hash_balance_factor, session_persistence, locality)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                $18, $19, $20)
+                $18, $19, $20, $21)
              RETURNING id",
         )
         .bind(&spec.name)
@@ -64,6 +64,7 @@ impl Store {
         .bind(spec.hash_on.as_ref().map(json_value))
         .bind(spec.hash_balance_factor.map(i64::from))
         .bind(spec.session_persistence.as_ref().map(json_value))
+        .bind(spec.locality.as_ref().map(json_value))
         .fetch_one(pool)
         .await)
         .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
@@ -76,7 +77,7 @@ impl Store {
                 tls_verify = $5, tls_ca_pem = $6, lb_policy = $7, connect_timeout_ms = $8, response_header_timeout_ms = $9,
                 idle_timeout_ms = $10, max_attempts = $11, health_check = $12, ejection = $13,
                 limits = $14, updated_at = $15, keepalive_ms = $17, hash_on = $18,
-                hash_balance_factor = $19, session_persistence = $20
+                hash_balance_factor = $19, session_persistence = $20, locality = $21
              WHERE id = $16",
         )
         .bind(&spec.name)
@@ -99,6 +100,7 @@ impl Store {
         .bind(spec.hash_on.as_ref().map(json_value))
         .bind(spec.hash_balance_factor.map(i64::from))
         .bind(spec.session_persistence.as_ref().map(json_value))
+        .bind(spec.locality.as_ref().map(json_value))
         .execute(pool)
         .await
 .map(|done| done.rows_affected()))

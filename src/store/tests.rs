@@ -83,6 +83,7 @@ fn service_spec(name: &str) -> ServiceSpec {
         hash_on: None,
         hash_balance_factor: None,
         session_persistence: None,
+        locality: None,
         timeouts: Timeouts::default(),
         max_attempts: 2,
         health_check: None,

@@ -155,6 +155,7 @@ pub struct Ep {
     zone: Option<String>,
     pod: Option<String>,
     hostname: Option<String>,
+    for_zones: Option<Vec<String>>,
 }
 
 impl Ep {
@@ -170,6 +171,7 @@ impl Ep {
             zone: None,
             pod: None,
             hostname: None,
+            for_zones: None,
         }
     }
 
@@ -209,6 +211,14 @@ impl Ep {
         self
     }
 
+    /// `hints.forZones`: the zones the EndpointSlice controller allocated the endpoint to
+    /// (discovery.k8s.io/v1 `EndpointHints`: a list of `{"name": zone}`, at most 8).
+    pub fn for_zones(mut self, zones: &[&str]) -> Ep {
+        assert!(zones.len() <= 8, "the API allows at most 8 forZones");
+        self.for_zones = Some(zones.iter().map(|zone| (*zone).to_owned()).collect());
+        self
+    }
+
     /// `hostname`
     pub fn hostname(mut self, hostname: &str) -> Ep {
         self.hostname = Some(hostname.to_owned());
@@ -243,6 +253,10 @@ impl Ep {
         }
         if let Some(zone) = &self.zone {
             endpoint.insert("zone".into(), json!(zone));
+        }
+        if let Some(zones) = &self.for_zones {
+            let for_zones: Vec<Value> = zones.iter().map(|zone| json!({"name": zone})).collect();
+            endpoint.insert("hints".into(), json!({"forZones": for_zones}));
         }
         Value::Object(endpoint)
     }

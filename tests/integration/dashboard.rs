@@ -23,7 +23,7 @@ use bytes::Bytes;
 use common::browser::Browser;
 use common::fake_server::Listening;
 use common::registry::Registry;
-use common::{wait_until, TestGateway, ADMIN_TOKEN};
+use common::{target, test_config_with, wait_until, TestGateway, Upstream, ADMIN_TOKEN};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
@@ -1056,6 +1056,29 @@ async fn an_h2c_service_shows_its_protocol_and_grpc_check() {
     browser.close().await;
 }
 
+/// A browser signed in as an admin, on the page of `service`.
+async fn service_page(gateway: &TestGateway, service: i64) -> Browser {
+    let browser = Browser::start().await;
+    sign_in(&browser, gateway, ADMIN_TOKEN).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
+        .await;
+    browser
+}
+
+/// JavaScript reading the service page's stats named `names` into `shown` (the value of each,
+/// null when absent), null while the page is not drawn; a script ends it with its `return`.
+fn service_stats_js(names: &[&str]) -> String {
+    format!(
+        "const page = document.querySelector('[data-testid=\"service-page\"]'); \
+         if (!page) return null; \
+         const text = name => {{ const s = [...page.querySelectorAll('.stat')] \
+           .find(s => s.querySelector('dt').textContent === name); \
+           return s ? s.querySelector('dd').textContent : null; }}; \
+         const shown = {names:?}.map(text); "
+    )
+}
+
 /// A hashing service names its policy with the key it hashes and its bound, and a service
 /// with sessions names its cookie and timeouts; a change through the API shows live.
 #[tokio::test]
@@ -1073,20 +1096,11 @@ async fn a_hashing_service_names_its_key_and_its_sessions() {
             }),
         )
         .await;
-    let browser = Browser::start().await;
-    sign_in(&browser, &gateway, ADMIN_TOKEN).await;
-    browser
-        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
-        .await;
+    let browser = service_page(&gateway, service).await;
     let stats_script = |expected: &str| {
         format!(
-            "const page = document.querySelector('[data-testid=\"service-page\"]'); \
-             if (!page) return null; \
-             const text = name => {{ const s = [...page.querySelectorAll('.stat')] \
-               .find(s => s.querySelector('dt').textContent === name); \
-               return s ? s.querySelector('dd').textContent : null; }}; \
-             const shown = [text('Balancing'), text('Sessions')]; \
-             return shown[0] === {expected:?} ? shown : null;"
+            "{}return shown[0] === {expected:?} ? shown : null;",
+            service_stats_js(&["Balancing", "Sessions"])
         )
     };
     let shown = browser
@@ -1114,6 +1128,57 @@ async fn a_hashing_service_names_its_key_and_its_sessions() {
         )
         .await;
     assert_eq!(shown[1], "off");
+    browser.close().await;
+}
+
+/// A service with `locality` on a gateway with `cluster.zone` names the split in force on its
+/// page, and the page follows the split's change live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zoned_service_shows_its_split_live() {
+    let dir = std::sync::Arc::new(tempfile::tempdir().expect("temp dir"));
+    let config = test_config_with(dir.path(), &[("RAAHI_CLUSTER_ZONE", "a")]);
+    let gateway = TestGateway::start_with(dir, config).await;
+    let a1 = Upstream::start("a1").await;
+    let b1 = Upstream::start("b1").await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "zoned", "locality": {"min_available_percent": 70}}),
+        )
+        .await;
+    let mut in_zone = target(&a1, 100, 0);
+    in_zone["metadata"] = json!({"zone": "a"});
+    let in_zone = gateway
+        .create(&format!("/api/v1/services/{service}/targets"), in_zone)
+        .await;
+    let mut other = target(&b1, 100, 0);
+    other["metadata"] = json!({"zone": "b"});
+    gateway
+        .create(&format!("/api/v1/services/{service}/targets"), other)
+        .await;
+    let browser = service_page(&gateway, service).await;
+    let locality_script = |starts: &str| {
+        format!(
+            "{}return shown[0] && shown[0].startsWith({starts:?}) ? shown[0] : null;",
+            service_stats_js(&["Locality"])
+        )
+    };
+    let shown = browser
+        .wait_for("the zone split", WAIT, &locality_script("zone a only"))
+        .await;
+    assert_eq!(shown, "zone a only (1 of 1 available, ≥ 70 %)");
+    let (status, _) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/targets/{in_zone}"),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let shown = browser
+        .wait_for("every zone, live", WAIT, &locality_script("every zone"))
+        .await;
+    assert_eq!(shown, "every zone: no target is labelled with zone a");
     browser.close().await;
 }
 

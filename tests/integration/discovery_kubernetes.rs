@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 const WAIT: Duration = Duration::from_secs(10);
 /// How fast a slice change must reach the data path (the goal).
 const PROPAGATION: Duration = Duration::from_secs(1);
-const NAMESPACE: &str = "shop";
+pub(crate) const NAMESPACE: &str = "shop";
 const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.first";
 
 // ---------------------------------------------------------------------------------------------
@@ -34,13 +34,13 @@ const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.first";
 
 /// Pods of one Service: upstreams answering their name, all on one port, at 127.0.1.1,
 /// 127.0.1.2, ... (and `::1` for a name starting with "v6").
-struct Pods {
+pub(crate) struct Pods {
     port: u16,
-    pods: Vec<Upstream>,
+    pub(crate) pods: Vec<Upstream>,
 }
 
 impl Pods {
-    async fn start(names: &[&str]) -> Pods {
+    pub(crate) async fn start(names: &[&str]) -> Pods {
         for _ in 0..50 {
             let probe = std::net::TcpListener::bind("127.0.1.1:0").expect("bind 127.0.1.1");
             let port = probe.local_addr().unwrap().port();
@@ -66,7 +66,7 @@ impl Pods {
         panic!("no port free on every loopback address");
     }
 
-    fn ip(&self, name: &str) -> String {
+    pub(crate) fn ip(&self, name: &str) -> String {
         self.pod(name).addr.ip().to_string()
     }
 
@@ -107,7 +107,7 @@ fn address_for(index: usize, name: &str) -> IpAddr {
 }
 
 /// A slice `name` of Service `web` with one port named `http`.
-fn slice(pods: &Pods, name: &str, endpoints: Vec<Ep>) -> Slice {
+pub(crate) fn slice(pods: &Pods, name: &str, endpoints: Vec<Ep>) -> Slice {
     let mut slice = Slice::new(NAMESPACE, name, "web").port(Some("http"), pods.port);
     for endpoint in endpoints {
         slice = slice.endpoint(endpoint);
@@ -115,13 +115,13 @@ fn slice(pods: &Pods, name: &str, endpoints: Vec<Ep>) -> Slice {
     slice
 }
 
-struct Cluster {
-    fake: KubeFake,
+pub(crate) struct Cluster {
+    pub(crate) fake: KubeFake,
     token_dir: tempfile::TempDir,
 }
 
 impl Cluster {
-    async fn start() -> Cluster {
+    pub(crate) async fn start() -> Cluster {
         Self::with(KubeFake::start().await)
     }
 
@@ -144,7 +144,7 @@ impl Cluster {
     }
 
     /// A `kubernetes` source for Service `web`, with `extra` merged into its config.
-    fn source(&self, extra: Value) -> Value {
+    pub(crate) fn source(&self, extra: Value) -> Value {
         let mut config = json!({
             "service": "web",
             "namespace": NAMESPACE,

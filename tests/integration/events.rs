@@ -20,20 +20,24 @@ const WAIT: Duration = Duration::from_secs(10);
 
 /// One Server-Sent Event.
 #[derive(Debug, Clone)]
-struct Sse {
-    id: Option<u64>,
-    event: String,
-    data: Value,
+pub(crate) struct Sse {
+    pub(crate) id: Option<u64>,
+    pub(crate) event: String,
+    pub(crate) data: Value,
 }
 
 /// An event-stream client reading through reqwest.
-struct Stream {
+pub(crate) struct Stream {
     response: reqwest::Response,
     buffer: String,
 }
 
 impl Stream {
-    async fn open(gateway: &TestGateway, query: &str, last_event_id: Option<u64>) -> Stream {
+    pub(crate) async fn open(
+        gateway: &TestGateway,
+        query: &str,
+        last_event_id: Option<u64>,
+    ) -> Stream {
         let mut request = gateway
             .http
             .get(gateway.admin_url(&format!("/api/v1/events{query}")))
@@ -79,7 +83,7 @@ impl Stream {
     }
 
     /// Events until one matches (returns it), failing after 10 s.
-    async fn until(&mut self, what: &str, matches: impl Fn(&Sse) -> bool) -> Sse {
+    pub(crate) async fn until(&mut self, what: &str, matches: impl Fn(&Sse) -> bool) -> Sse {
         self.until_within(what, WAIT, matches).await
     }
 

@@ -1319,3 +1319,53 @@ async fn kube_rs_over_tls_with_a_token_file() {
         other => panic!("expected a 401 Status, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn zone_hints_are_served_as_the_controller_writes_them() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = KubeFake::start().await;
+    fake.apply(
+        Slice::new("shop", "web-h", "web")
+            .port(Some("http"), 8080)
+            .endpoint(Ep::new(&["10.0.0.1"]).zone("zone-a").for_zones(&["zone-a"]))
+            .endpoint(
+                Ep::new(&["10.0.0.2"])
+                    .zone("zone-b")
+                    .for_zones(&["zone-a", "zone-c"]),
+            )
+            .endpoint(Ep::new(&["10.0.0.3"]).zone("zone-b")),
+    );
+    let list = get_as(&fake, &slices("shop"), None).await;
+    assert_eq!(list.status, 200);
+    let endpoints = &list.body["items"][0]["endpoints"];
+    assert_eq!(
+        endpoints[0]["hints"],
+        json!({"forZones": [{"name": "zone-a"}]})
+    );
+    assert_eq!(
+        endpoints[1]["hints"],
+        json!({"forZones": [{"name": "zone-a"}, {"name": "zone-c"}]})
+    );
+    assert!(endpoints[2].get("hints").is_none(), "no hints: no field");
+
+    // The typed client reads them as discovery.k8s.io/v1 EndpointHints.
+    let client = kube::Client::try_from(kube::Config::new(fake.url().parse().unwrap())).unwrap();
+    let api: Api<EndpointSlice> = Api::namespaced(client, "shop");
+    let slice = api.get("web-h").await.unwrap();
+    let zones: Vec<Vec<String>> = slice
+        .endpoints
+        .iter()
+        .map(|endpoint| {
+            endpoint
+                .hints
+                .iter()
+                .flat_map(|hints| hints.for_zones.iter().flatten())
+                .map(|zone| zone.name.clone())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        zones,
+        [vec!["zone-a"], vec!["zone-a", "zone-c"], Vec::<&str>::new()]
+    );
+}

@@ -37,6 +37,7 @@ mod health;
 mod health_tls;
 mod kubernetes_fake;
 mod layering;
+mod locality;
 mod operability;
 mod proxy;
 mod rate_limit;

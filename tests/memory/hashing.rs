@@ -31,6 +31,7 @@ fn config(policy: LbPolicy) -> RoutingConfig {
             hash_on: policy.is_hashing().then(|| HashOn::Header("x-user".into())),
             hash_balance_factor: None,
             session_persistence: None,
+            locality: None,
             timeouts: Timeouts::default(),
             max_attempts: 3,
             health_check: None,

@@ -12,6 +12,7 @@
 
 mod config;
 mod limits;
+mod locality;
 mod runtime;
 mod sources;
 mod targets;
@@ -30,6 +31,7 @@ use crate::model::{
 use crate::snapshot::Snapshot;
 use crate::store::ChangeSet;
 
+pub(super) use locality::refresh_zone_splits;
 pub use targets::target_view;
 
 /// Where a target in rotation stood at the last look.
@@ -81,6 +83,8 @@ pub(super) struct Observer {
     deciding_checks: HashMap<Id, CheckResult>,
     /// Each route's limits as last looked at, to tell when one trips or clears.
     limits: HashMap<(Id, RouteLimit), limits::WatchedLimit>,
+    /// Where each service with a zone split sent its requests at the last look.
+    zone_splits: HashMap<Id, crate::events::ZoneSplitKind>,
 }
 
 impl Observer {
@@ -102,6 +106,7 @@ impl Observer {
             health_reasons: HashMap::new(),
             deciding_checks: HashMap::new(),
             limits: HashMap::new(),
+            zone_splits: HashMap::new(),
         }
     }
 

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use super::{KubernetesConfig, PortRef};
 use crate::discovery::{revision_of, Discovered};
-use crate::model::Endpoint;
+use crate::model::{Endpoint, ZONE_HINTS_KEY};
 
 /// What the config asks of the slices.
 #[derive(Debug, Clone, PartialEq)]
@@ -298,6 +298,18 @@ fn endpoint_of(
     if let Some(zone) = &endpoint.zone {
         metadata.insert("zone".to_owned(), json!(zone));
     }
+    // The zones the EndpointSlice controller allocated the endpoint to; a service with
+    // `locality` follows them as kube-proxy does when every endpoint has them (TRAFFIC.md §4).
+    let for_zones: Vec<&str> = endpoint
+        .hints
+        .iter()
+        .flat_map(|hints| hints.for_zones.iter().flatten())
+        .map(|zone| zone.name.as_str())
+        .filter(|name| !name.is_empty())
+        .collect();
+    if !for_zones.is_empty() {
+        metadata.insert(ZONE_HINTS_KEY.to_owned(), json!(for_zones));
+    }
     if readiness == Readiness::Terminating {
         metadata.insert("terminating".to_owned(), json!(true));
     }
@@ -404,6 +416,31 @@ pub(super) mod tests {
             json!({"pod": "web-10.0.0.1", "node": "node-1", "zone": "zone-a"})
         );
         assert_eq!(discovered.refused, None);
+    }
+
+    #[test]
+    fn zone_hints_are_kept_in_metadata_only_when_given() {
+        let mut hinted = endpoint("10.0.0.1", true, true, false);
+        hinted["hints"] = json!({"forZones": [{"name": "zone-a"}, {"name": "zone-b"}]});
+        let mut empty = endpoint("10.0.0.2", true, true, false);
+        empty["hints"] = json!({"forZones": []});
+        let bare = endpoint("10.0.0.3", true, true, false);
+        let discovered = set(
+            vec![slice(
+                "web-1",
+                "IPv4",
+                http_port(),
+                json!([hinted, empty, bare]),
+            )],
+            None,
+        )
+        .unwrap();
+        let hints: Vec<Option<&Value>> = discovered
+            .endpoints
+            .iter()
+            .map(|endpoint| endpoint.metadata.get(ZONE_HINTS_KEY))
+            .collect();
+        assert_eq!(hints, [Some(&json!(["zone-a", "zone-b"])), None, None]);
     }
 
     #[test]

@@ -399,6 +399,7 @@ mod tests {
                 hash_on: None,
                 hash_balance_factor: None,
                 session_persistence: None,
+                locality: None,
                 timeouts: Timeouts::default(),
                 max_attempts: 3,
                 health_check: None,
@@ -413,6 +414,7 @@ mod tests {
             counters: Default::default(),
             discovery_gap: None,
             sessions: None,
+            locality: None,
         };
         let route = Route {
             id: 7,
