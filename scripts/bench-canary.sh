@@ -33,66 +33,13 @@ for cmd in h2load curl python3 runuser; do
 done
 [[ -x $PG_BIN/initdb ]] || die "PostgreSQL is missing at $PG_BIN (apt-get install postgresql-15)"
 
-if [[ -n ${RAAHI_BIN:-} ]]; then
-    [[ -x $RAAHI_BIN ]] || die "RAAHI_BIN=$RAAHI_BIN is not an executable file"
-else
-    log "building raahi (cargo build --release)"
-    (cd "$REPO" && cargo build --release >&2)
-    RAAHI_BIN=${CARGO_TARGET_DIR:-$REPO/target}/release/raahi
-    [[ $RAAHI_BIN == /* ]] || RAAHI_BIN=$REPO/$RAAHI_BIN
-fi
-
-WORK=$(mktemp -d /tmp/raahi-canary.XXXXXX)
-chmod 755 "$WORK"
-PIDS=()
-PG_DATA=$WORK/pg/data
-cleanup() {
-    local rc=$? pid
-    trap - EXIT INT TERM
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-    [[ -d $PG_DATA ]] && runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$PG_DATA" -m immediate stop >/dev/null 2>&1 || true
-    if [[ -n ${OUT:-} ]]; then
-        mkdir -p "$OUT" && cp -r "$WORK"/. "$OUT"/ && log "kept the output in $OUT"
-    fi
-    rm -rf "$WORK"
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-USED_PORTS=" "
-free_port() { # sets FREE_PORT to a port no local socket uses
-    local port hex
-    while :; do
-        port=$((20000 + RANDOM % 12000))
-        [[ $USED_PORTS == *" $port "* ]] && continue
-        hex=$(printf '%04X' "$port")
-        grep -qE "^ *[0-9]+: [0-9A-F]+:$hex " /proc/net/tcp /proc/net/tcp6 2>/dev/null && continue
-        USED_PORTS+="$port "
-        FREE_PORT=$port
-        return 0
-    done
-}
-
-wait_200() { # URL SECONDS
-    local deadline=$((SECONDS + $2))
-    until [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 --noproxy '*' "$1" || true) == 200 ]]; do
-        ((SECONDS < deadline)) || die "$1 does not answer 200 after $2 s"
-        sleep 0.2
-    done
-}
-
+# shellcheck source=bench/cluster-lib.sh
+source "$SCRIPT_DIR/bench/cluster-lib.sh"
+resolve_raahi_bin
+bench_workdir canary
 now_ms() { date +%s%3N; }
 
-# PostgreSQL: a throwaway cluster (initdb refuses to run as root)
-mkdir -p "$WORK/pg" && chown postgres "$WORK/pg"
-free_port && pg_port=$FREE_PORT
-runuser -u postgres -- "$PG_BIN/initdb" -D "$PG_DATA" -A trust -U postgres --no-sync >/dev/null
-runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$WORK/pg/log" -w \
-    -o "-p $pg_port -k $WORK/pg -c listen_addresses=127.0.0.1 -c fsync=off" start >/dev/null
-DATABASE_URL="postgres://postgres@127.0.0.1:$pg_port/postgres"
+start_postgres
 
 # Targets: counting asyncio servers (scripts/bench/retry_upstream.py), two stable, three canary.
 declare -A UPSTREAM_PORT
