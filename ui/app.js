@@ -11,6 +11,9 @@
 // with a service page's runtime and whenever the stream says a limit tripped or cleared.
 // A service's retries come with its runtime: the rate is the change in retries sent between
 // two reads, over the time between them.
+// A route's canary (TRAFFIC.md §4) is read from `routes/{id}/canary` while the routes page
+// shows it: again on every `canary` event for that route, and every 2 s while it progresses
+// and the page is visible (the interval's counts change with no event).
 
 const API = new URL('../api/v1/', document.baseURI);
 const TOKEN_KEY = 'raahi.token';
@@ -25,6 +28,8 @@ const ACTIVITY_MAX = 40;
 const HISTORY_MAX = 50;
 // Routes read per request (the API's largest page); more pages follow `next`.
 const ROUTES_PAGE = 1000;
+// How often the view of a progressing canary on screen is read again.
+const CANARY_POLL_MS = 2000;
 
 const state = {
   token: null,
@@ -39,6 +44,8 @@ const state = {
   limitsApi: true, // false once `routes/{id}/rate-limit` answered 404: read /metrics instead
   // Service id -> {view (the runtime's `retries`), sent (their sum), at (ms), rate (per s)}.
   retries: new Map(),
+  // Route id -> {view (`routes/{id}/canary`), error, loading, again, at (ms of the last read)}.
+  canaries: new Map(),
   limitsLoad: { running: false, again: false, at: 0 },
   loaded: false, // a snapshot has arrived
   lastId: null,
@@ -419,6 +426,7 @@ function onStreamEvent(event) {
     case 'source': applySource(payload); break;
     case 'config': applyConfig(payload); break;
     case 'route': applyRoute(payload); break;
+    case 'canary': applyCanary(payload); break;
     default: return;
   }
   scheduleRender();
@@ -538,6 +546,58 @@ function applyRoute(event) {
   if (routesShown()) loadLimits();
 }
 
+/**
+ * A route's canary moved: a step, a hold, a rollback, a promotion, an operator's action or a
+ * new canary. The route's status is updated at once (its backends' shares follow it) and the
+ * canary's view is read again where it is shown. A hold (a new interval at the same weight)
+ * is left out of the recent changes: it comes every interval.
+ */
+function applyCanary(event) {
+  const route = state.routes.items.find((r) => r.id === event.route_id);
+  const before = route?.canary_status ?? null;
+  if (route && (!before || before.round <= event.round)) {
+    route.canary_status = {
+      ...(before ?? {}), state: event.state, step: event.step, weight: event.weight,
+      round: event.round, reason: event.reason,
+    };
+  }
+  const held = event.state === 'progressing' && event.previous_weight === event.weight
+    && (before === null || before.state === 'progressing');
+  if (!held) {
+    remember({
+      id: event.id,
+      at: event.at,
+      kind: 'canary',
+      service_id: event.service_id,
+      what: `route ${event.name} canary ${canaryMoveText(event)}`,
+      reason: event.reason,
+      tone: canaryTone(event.state),
+    });
+  }
+  if (canaryRoutesShown().some((r) => r.id === event.route_id)) loadCanary(event.route_id);
+}
+
+function canaryMoveText(event) {
+  const from = event.previous_weight;
+  switch (event.state) {
+    case 'rolled_back': return from === null ? 'rolled back: 0 %' : `rolled back: ${from} → 0 %`;
+    case 'promoted': return from === null ? 'promoted: 100 %' : `promoted: ${from} → 100 %`;
+    case 'paused': return `paused at ${event.weight} %`;
+    default:
+      if (from === null || from === undefined) return `started at ${event.weight} %`;
+      return from === event.weight ? `resumed at ${event.weight} %` : `${from} → ${event.weight} %`;
+  }
+}
+
+function canaryTone(word) {
+  switch (word) {
+    case 'promoted': return 'good';
+    case 'rolled_back': return 'bad';
+    case 'paused': return 'warn';
+    default: return 'info';
+  }
+}
+
 function changeText(event) {
   // An ejection's `to` is when it ends; a revision's is an opaque token.
   if (event.change === 'ejected') return event.to ? `ejected until ${formatTime(event.to)}` : 'ejected';
@@ -645,12 +705,14 @@ async function loadRoutes() {
       if (failure) {
         routes.error = failure;
       } else {
+        keepNewerCanaryStatus(routes.items, items);
         routes.items = items;
         routes.loaded = true;
         routes.error = '';
       }
     } while (routes.again);
     loadLimits();
+    loadCanaries();
   } catch (error) {
     if (error instanceof SignedOut || generation !== state.generation) return;
     routes.error = `Cannot reach the gateway: ${error.message}`;
@@ -896,6 +958,120 @@ function routeLimits(route) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Route canaries (TRAFFIC.md §4): where each stands, the interval being judged, its history
+// ---------------------------------------------------------------------------------------------
+
+/** Keeps a route's canary status from `old` where it is newer than the one just read. */
+function keepNewerCanaryStatus(old, items) {
+  const known = new Map(old.filter((r) => r.canary_status).map((r) => [r.id, r.canary_status]));
+  for (const route of items) {
+    const before = known.get(route.id);
+    if (before && route.canary_status && before.round > route.canary_status.round) {
+      route.canary_status = before;
+    }
+  }
+}
+
+/** The canary routes whose progress the page shows in full (the routes page). */
+function canaryRoutesShown() {
+  if (!state.session || !state.routes.loaded || currentRoute().name !== 'routes') return [];
+  return state.routes.items.filter((r) => r.canary);
+}
+
+function canaryEntry(id) {
+  let entry = state.canaries.get(id);
+  if (!entry) {
+    entry = { view: null, error: '', loading: false, again: false, missing: false, at: 0 };
+    state.canaries.set(id, entry);
+  }
+  return entry;
+}
+
+function loadCanaries() {
+  for (const route of canaryRoutesShown()) loadCanary(route.id);
+}
+
+/**
+ * Reads a route's canary view. Calls made while a read is under way are folded into one
+ * more read after it.
+ */
+async function loadCanary(id) {
+  const entry = canaryEntry(id);
+  if (entry.loading) {
+    entry.again = true;
+    return;
+  }
+  entry.loading = true;
+  const generation = state.generation;
+  try {
+    do {
+      entry.again = false;
+      entry.at = Date.now();
+      const answer = await api('GET', `routes/${id}/canary`);
+      if (generation !== state.generation) return;
+      if (answer.ok && answer.data && typeof answer.data === 'object') {
+        entry.view = answer.data;
+        entry.error = '';
+        noteCanaryView(id, answer.data);
+      } else if (answer.status === 404) {
+        // The canary is gone (the route event on its way reads the routes again), or the
+        // gateway has no such endpoint: what the route list says is all there is.
+        entry.view = null;
+        entry.missing = endpointMissing(answer.data);
+        entry.error = '';
+      } else {
+        entry.error = `Cannot read its canary: ${errorMessage(answer.status, answer.data)}`;
+      }
+      scheduleRender();
+    } while (entry.again);
+  } catch (error) {
+    if (error instanceof SignedOut || generation !== state.generation) return;
+    entry.error = `Cannot reach the gateway: ${error.message}`;
+    scheduleRender();
+  } finally {
+    if (generation === state.generation) entry.loading = false;
+  }
+}
+
+/** A canary view read (or answered to an action): the route's status follows it when newer. */
+function noteCanaryView(id, view) {
+  const route = state.routes.items.find((r) => r.id === id);
+  if (!route || !view.interval) return;
+  const before = route.canary_status;
+  if (before && before.round > view.interval.round) return;
+  route.canary_status = {
+    state: view.state, step: view.step, weight: view.weight, round: view.interval.round,
+    interval_started_ms: new Date(view.interval.started_at).getTime(), reason: view.reason,
+  };
+}
+
+/** Where a route's canary stands: its view or the route's status, whichever is newer. */
+function canaryStatusOf(route) {
+  const view = state.canaries.get(route.id)?.view;
+  const status = route.canary_status ?? null;
+  if (view && view.interval && (!status || view.interval.round >= status.round)) {
+    return { state: view.state, step: view.step, weight: view.weight, round: view.interval.round,
+      reason: view.reason };
+  }
+  return status;
+}
+
+/**
+ * Reads the progressing canaries on screen again every CANARY_POLL_MS while the page is
+ * visible: the interval's counts grow with no event.
+ */
+function pollCanaries(now) {
+  if (state.stream.state !== 'live' || document.visibilityState !== 'visible') return;
+  for (const route of canaryRoutesShown()) {
+    const entry = canaryEntry(route.id);
+    if (!entry.missing && !entry.loading && now - entry.at >= CANARY_POLL_MS
+      && canaryStatusOf(route)?.state === 'progressing') {
+      loadCanary(route.id);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Runtime counters on a service page (in flight, panic picks)
 // ---------------------------------------------------------------------------------------------
 
@@ -993,6 +1169,7 @@ function enter(token, session) {
   state.routes = emptyRoutes();
   state.limits = new Map();
   state.retries = new Map();
+  state.canaries = new Map();
   state.limitsApi = true;
   state.limitsLoad = { running: false, again: false, at: 0 };
   state.revealRoute = currentRoute().routeId;
@@ -1014,6 +1191,7 @@ function signOut(message = '') {
   state.sources = new Map();
   state.routes = emptyRoutes();
   state.retries = new Map();
+  state.canaries = new Map();
   state.revealRoute = null;
   state.loaded = false;
   state.lastId = null;
@@ -1479,11 +1657,11 @@ function overviewPage() {
     activitySection(null));
 }
 
-/** Recent changes: all, a service's (`serviceId`), or those of one configuration `kind`. */
-function activitySection(serviceId, kind = null) {
+/** Recent changes: all, a service's (`serviceId`), or those of some `kinds` of event. */
+function activitySection(serviceId, kinds = null) {
   const items = state.activity.filter((a) => (serviceId === null || a.service_id === serviceId)
-    && (kind === null || a.kind === kind))
-    .slice(0, serviceId === null && kind === null ? 15 : 10);
+    && (kinds === null || kinds.includes(a.kind)))
+    .slice(0, serviceId === null && kinds === null ? 15 : 10);
   return h('section', { class: 'activity', 'aria-labelledby': 'activity-title',
     'data-testid': 'activity' },
   h('h2', { id: 'activity-title' }, 'Recent changes'),
@@ -1509,9 +1687,23 @@ function percentText(value) {
   return `${Math.round(value * 10) / 10} %`;
 }
 
-/** Each backend's share of the route's requests, in percent of the total weight. */
+/**
+ * Each backend's share of the route's requests, in percent of the total weight; with a canary,
+ * the canary backend's weight now and the others sharing the rest in their proportions (as the
+ * gateway computes them, in ten-thousandths).
+ */
 function backendShares(route) {
   const backends = route.backends ?? [];
+  const status = route.canary ? canaryStatusOf(route) : null;
+  if (status) {
+    const at = route.canary.backend;
+    const others = backends.reduce((sum, b, i) => (i === at ? sum : sum + Number(b.weight ?? 0)), 0);
+    const rest = 100 * (100 - status.weight);
+    return backends.map((b, i) => {
+      if (i === at) return status.weight;
+      return others > 0 ? Math.floor((rest * Number(b.weight ?? 0)) / others) / 100 : 0;
+    });
+  }
   const total = backends.reduce((sum, b) => sum + Number(b.weight ?? 0), 0);
   return backends.map((b) => (total > 0 ? (Number(b.weight ?? 0) * 100) / total : 0));
 }
@@ -1584,13 +1776,15 @@ function routeBackends(route) {
     return h('span', { class: 'muted' }, route.redirect ? 'none: Raahi answers' : 'none');
   }
   const shares = backendShares(route);
+  const canaryAt = route.canary ? route.canary.backend : null;
   return h('ul', { class: 'backends' }, backends.map((b, i) => h('li', {
     class: 'backend', 'data-key': `backend-${i}`, 'data-testid': `route-${route.id}-backend-${i}`,
     'data-service-id': b.service_id, 'data-share': String(Math.round(shares[i] * 10) / 10),
   },
   h('span', { class: 'backend-head' },
     serviceRef(b.service_id), ' ',
-    h('span', { class: 'share', title: `weight ${b.weight}` }, percentText(shares[i]))),
+    h('span', { class: 'share', title: canaryAt === null ? `weight ${b.weight}`
+      : `weight ${b.weight}; the canary sets the shares now` }, percentText(shares[i]))),
   subsetChips(b.subset),
   h('meter', { class: 'share-bar', min: 0, max: 100, value: shares[i], 'aria-hidden': 'true' }))));
 }
@@ -1724,7 +1918,7 @@ function routesPage(picked) {
   list.error ? h('p', { class: 'error-box', role: 'alert', 'data-testid': 'routes-error' },
     list.error) : null,
   h('section', { class: 'panel', 'aria-label': 'HTTP routes' }, body),
-  activitySection(null, 'route'));
+  activitySection(null, ['route', 'canary']));
 }
 
 /** What a route sends to service `id`: each backend's share (with its subset) and the mirror. */
@@ -2109,7 +2303,10 @@ function kv(label, value) {
 
 function tick() {
   const now = Date.now();
-  if (state.session) pollRefusingLimits(now);
+  if (state.session) {
+    pollRefusingLimits(now);
+    pollCanaries(now);
+  }
   for (const el of document.querySelectorAll('time[data-rel]')) {
     el.textContent = relativeText(el.getAttribute('datetime'), now);
   }
