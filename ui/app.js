@@ -11,6 +11,9 @@
 // with a service page's runtime and whenever the stream says a limit tripped or cleared.
 // A service's retries come with its runtime: the rate is the change in retries sent between
 // two reads, over the time between them.
+// A route's canary (TRAFFIC.md §4) is read from `routes/{id}/canary` while the routes page
+// shows it: again on every `canary` event for that route, and every 2 s while it progresses
+// and the page is visible (the interval's counts change with no event).
 
 const API = new URL('../api/v1/', document.baseURI);
 const TOKEN_KEY = 'raahi.token';
@@ -25,6 +28,8 @@ const ACTIVITY_MAX = 40;
 const HISTORY_MAX = 50;
 // Routes read per request (the API's largest page); more pages follow `next`.
 const ROUTES_PAGE = 1000;
+// How often the view of a progressing canary on screen is read again.
+const CANARY_POLL_MS = 2000;
 
 const state = {
   token: null,
@@ -42,6 +47,8 @@ const state = {
   // Service id -> the runtime's `locality` (the zone split in force and why), from polls and
   // `locality` events.
   localities: new Map(),
+  // Route id -> {view (`routes/{id}/canary`), error, loading, again, at (ms of the last read)}.
+  canaries: new Map(),
   limitsLoad: { running: false, again: false, at: 0 },
   loaded: false, // a snapshot has arrived
   lastId: null,
@@ -423,6 +430,7 @@ function onStreamEvent(event) {
     case 'config': applyConfig(payload); break;
     case 'route': applyRoute(payload); break;
     case 'locality': applyLocality(payload); break;
+    case 'canary': applyCanary(payload); break;
     default: return;
   }
   scheduleRender();
@@ -561,6 +569,58 @@ function applyLocality(event) {
   });
 }
 
+/**
+ * A route's canary moved: a step, a hold, a rollback, a promotion, an operator's action or a
+ * new canary. The route's status is updated at once (its backends' shares follow it) and the
+ * canary's view is read again where it is shown. A hold (a new interval at the same weight)
+ * is left out of the recent changes: it comes every interval.
+ */
+function applyCanary(event) {
+  const route = state.routes.items.find((r) => r.id === event.route_id);
+  const before = route?.canary_status ?? null;
+  if (route && (!before || before.round <= event.round)) {
+    route.canary_status = {
+      ...(before ?? {}), state: event.state, step: event.step, weight: event.weight,
+      round: event.round, reason: event.reason,
+    };
+  }
+  const held = event.state === 'progressing' && event.previous_weight === event.weight
+    && (before === null || before.state === 'progressing');
+  if (!held) {
+    remember({
+      id: event.id,
+      at: event.at,
+      kind: 'canary',
+      service_id: event.service_id,
+      what: `route ${event.name} canary ${canaryMoveText(event)}`,
+      reason: event.reason,
+      tone: canaryTone(event.state),
+    });
+  }
+  if (canaryRoutesShown().some((r) => r.id === event.route_id)) loadCanary(event.route_id);
+}
+
+function canaryMoveText(event) {
+  const from = event.previous_weight;
+  switch (event.state) {
+    case 'rolled_back': return from === null ? 'rolled back: 0 %' : `rolled back: ${from} → 0 %`;
+    case 'promoted': return from === null ? 'promoted: 100 %' : `promoted: ${from} → 100 %`;
+    case 'paused': return `paused at ${event.weight} %`;
+    default:
+      if (from === null || from === undefined) return `started at ${event.weight} %`;
+      return from === event.weight ? `resumed at ${event.weight} %` : `${from} → ${event.weight} %`;
+  }
+}
+
+function canaryTone(word) {
+  switch (word) {
+    case 'promoted': return 'good';
+    case 'rolled_back': return 'bad';
+    case 'paused': return 'warn';
+    default: return 'info';
+  }
+}
+
 function changeText(event) {
   // An ejection's `to` is when it ends; a revision's is an opaque token.
   if (event.change === 'ejected') return event.to ? `ejected until ${formatTime(event.to)}` : 'ejected';
@@ -668,12 +728,14 @@ async function loadRoutes() {
       if (failure) {
         routes.error = failure;
       } else {
+        keepNewerCanaryStatus(routes.items, items);
         routes.items = items;
         routes.loaded = true;
         routes.error = '';
       }
     } while (routes.again);
     loadLimits();
+    loadCanaries();
   } catch (error) {
     if (error instanceof SignedOut || generation !== state.generation) return;
     routes.error = `Cannot reach the gateway: ${error.message}`;
@@ -919,6 +981,120 @@ function routeLimits(route) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Route canaries (TRAFFIC.md §4): where each stands, the interval being judged, its history
+// ---------------------------------------------------------------------------------------------
+
+/** Keeps a route's canary status from `old` where it is newer than the one just read. */
+function keepNewerCanaryStatus(old, items) {
+  const known = new Map(old.filter((r) => r.canary_status).map((r) => [r.id, r.canary_status]));
+  for (const route of items) {
+    const before = known.get(route.id);
+    if (before && route.canary_status && before.round > route.canary_status.round) {
+      route.canary_status = before;
+    }
+  }
+}
+
+/** The canary routes whose progress the page shows in full (the routes page). */
+function canaryRoutesShown() {
+  if (!state.session || !state.routes.loaded || currentRoute().name !== 'routes') return [];
+  return state.routes.items.filter((r) => r.canary);
+}
+
+function canaryEntry(id) {
+  let entry = state.canaries.get(id);
+  if (!entry) {
+    entry = { view: null, error: '', loading: false, again: false, missing: false, at: 0 };
+    state.canaries.set(id, entry);
+  }
+  return entry;
+}
+
+function loadCanaries() {
+  for (const route of canaryRoutesShown()) loadCanary(route.id);
+}
+
+/**
+ * Reads a route's canary view. Calls made while a read is under way are folded into one
+ * more read after it.
+ */
+async function loadCanary(id) {
+  const entry = canaryEntry(id);
+  if (entry.loading) {
+    entry.again = true;
+    return;
+  }
+  entry.loading = true;
+  const generation = state.generation;
+  try {
+    do {
+      entry.again = false;
+      entry.at = Date.now();
+      const answer = await api('GET', `routes/${id}/canary`);
+      if (generation !== state.generation) return;
+      if (answer.ok && answer.data && typeof answer.data === 'object') {
+        entry.view = answer.data;
+        entry.error = '';
+        noteCanaryView(id, answer.data);
+      } else if (answer.status === 404) {
+        // The canary is gone (the route event on its way reads the routes again), or the
+        // gateway has no such endpoint: what the route list says is all there is.
+        entry.view = null;
+        entry.missing = endpointMissing(answer.data);
+        entry.error = '';
+      } else {
+        entry.error = `Cannot read its canary: ${errorMessage(answer.status, answer.data)}`;
+      }
+      scheduleRender();
+    } while (entry.again);
+  } catch (error) {
+    if (error instanceof SignedOut || generation !== state.generation) return;
+    entry.error = `Cannot reach the gateway: ${error.message}`;
+    scheduleRender();
+  } finally {
+    if (generation === state.generation) entry.loading = false;
+  }
+}
+
+/** A canary view read (or answered to an action): the route's status follows it when newer. */
+function noteCanaryView(id, view) {
+  const route = state.routes.items.find((r) => r.id === id);
+  if (!route || !view.interval) return;
+  const before = route.canary_status;
+  if (before && before.round > view.interval.round) return;
+  route.canary_status = {
+    state: view.state, step: view.step, weight: view.weight, round: view.interval.round,
+    interval_started_ms: new Date(view.interval.started_at).getTime(), reason: view.reason,
+  };
+}
+
+/** Where a route's canary stands: its view or the route's status, whichever is newer. */
+function canaryStatusOf(route) {
+  const view = state.canaries.get(route.id)?.view;
+  const status = route.canary_status ?? null;
+  if (view && view.interval && (!status || view.interval.round >= status.round)) {
+    return { state: view.state, step: view.step, weight: view.weight, round: view.interval.round,
+      reason: view.reason };
+  }
+  return status;
+}
+
+/**
+ * Reads the progressing canaries on screen again every CANARY_POLL_MS while the page is
+ * visible: the interval's counts grow with no event.
+ */
+function pollCanaries(now) {
+  if (state.stream.state !== 'live' || document.visibilityState !== 'visible') return;
+  for (const route of canaryRoutesShown()) {
+    const entry = canaryEntry(route.id);
+    if (!entry.missing && !entry.loading && now - entry.at >= CANARY_POLL_MS
+      && canaryStatusOf(route)?.state === 'progressing') {
+      loadCanary(route.id);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Runtime counters on a service page (in flight, panic picks)
 // ---------------------------------------------------------------------------------------------
 
@@ -1021,6 +1197,7 @@ function enter(token, session) {
   state.routes = emptyRoutes();
   state.limits = new Map();
   state.retries = new Map();
+  state.canaries = new Map();
   state.limitsApi = true;
   state.limitsLoad = { running: false, again: false, at: 0 };
   state.revealRoute = currentRoute().routeId;
@@ -1042,6 +1219,7 @@ function signOut(message = '') {
   state.sources = new Map();
   state.routes = emptyRoutes();
   state.retries = new Map();
+  state.canaries = new Map();
   state.revealRoute = null;
   state.loaded = false;
   state.lastId = null;
@@ -1507,11 +1685,11 @@ function overviewPage() {
     activitySection(null));
 }
 
-/** Recent changes: all, a service's (`serviceId`), or those of one configuration `kind`. */
-function activitySection(serviceId, kind = null) {
+/** Recent changes: all, a service's (`serviceId`), or those of some `kinds` of event. */
+function activitySection(serviceId, kinds = null) {
   const items = state.activity.filter((a) => (serviceId === null || a.service_id === serviceId)
-    && (kind === null || a.kind === kind))
-    .slice(0, serviceId === null && kind === null ? 15 : 10);
+    && (kinds === null || kinds.includes(a.kind)))
+    .slice(0, serviceId === null && kinds === null ? 15 : 10);
   return h('section', { class: 'activity', 'aria-labelledby': 'activity-title',
     'data-testid': 'activity' },
   h('h2', { id: 'activity-title' }, 'Recent changes'),
@@ -1537,9 +1715,23 @@ function percentText(value) {
   return `${Math.round(value * 10) / 10} %`;
 }
 
-/** Each backend's share of the route's requests, in percent of the total weight. */
+/**
+ * Each backend's share of the route's requests, in percent of the total weight; with a canary,
+ * the canary backend's weight now and the others sharing the rest in their proportions (as the
+ * gateway computes them, in ten-thousandths).
+ */
 function backendShares(route) {
   const backends = route.backends ?? [];
+  const status = route.canary ? canaryStatusOf(route) : null;
+  if (status) {
+    const at = route.canary.backend;
+    const others = backends.reduce((sum, b, i) => (i === at ? sum : sum + Number(b.weight ?? 0)), 0);
+    const rest = 100 * (100 - status.weight);
+    return backends.map((b, i) => {
+      if (i === at) return status.weight;
+      return others > 0 ? Math.floor((rest * Number(b.weight ?? 0)) / others) / 100 : 0;
+    });
+  }
   const total = backends.reduce((sum, b) => sum + Number(b.weight ?? 0), 0);
   return backends.map((b) => (total > 0 ? (Number(b.weight ?? 0) * 100) / total : 0));
 }
@@ -1612,13 +1804,16 @@ function routeBackends(route) {
     return h('span', { class: 'muted' }, route.redirect ? 'none: Raahi answers' : 'none');
   }
   const shares = backendShares(route);
+  const canaryAt = route.canary ? route.canary.backend : null;
   return h('ul', { class: 'backends' }, backends.map((b, i) => h('li', {
     class: 'backend', 'data-key': `backend-${i}`, 'data-testid': `route-${route.id}-backend-${i}`,
     'data-service-id': b.service_id, 'data-share': String(Math.round(shares[i] * 10) / 10),
   },
   h('span', { class: 'backend-head' },
-    serviceRef(b.service_id), ' ',
-    h('span', { class: 'share', title: `weight ${b.weight}` }, percentText(shares[i]))),
+    h('span', null, serviceRef(b.service_id),
+      i === canaryAt ? [' ', badge('canary-backend', 'canary')] : null), ' ',
+    h('span', { class: 'share', title: canaryAt === null ? `weight ${b.weight}`
+      : `weight ${b.weight}; the canary sets the shares now` }, percentText(shares[i]))),
   subsetChips(b.subset),
   h('meter', { class: 'share-bar', min: 0, max: 100, value: shares[i], 'aria-hidden': 'true' }))));
 }
@@ -1707,7 +1902,8 @@ function routeRow(route, picked) {
   },
   h('th', { scope: 'row', class: 'route-name' },
     h('span', { 'data-testid': `route-name-${route.id}` }, route.name),
-    notes.length ? h('div', { class: 'muted small' }, notes.join(' · ')) : null),
+    notes.length ? h('div', { class: 'muted small' }, notes.join(' · ')) : null,
+    route.canary ? h('div', null, canaryBadge(route)) : null),
   h('td', null, routeMatch(route)),
   h('td', null, routeConditions(route)),
   h('td', null, routeBackends(route)),
@@ -1751,8 +1947,245 @@ function routesPage(picked) {
       h('p', { class: 'muted', 'data-testid': 'routes-summary' }, summary))),
   list.error ? h('p', { class: 'error-box', role: 'alert', 'data-testid': 'routes-error' },
     list.error) : null,
+  canariesSection(routes),
   h('section', { class: 'panel', 'aria-label': 'HTTP routes' }, body),
-  activitySection(null, 'route'));
+  activitySection(null, ['route', 'canary']));
+}
+
+// ---------------------------------------------------------------------------------------------
+// A route's canary: its steps, weight, the interval being judged and its decisions
+// ---------------------------------------------------------------------------------------------
+
+/** What an operator may ask of a canary in each state (others would change nothing, or 409). */
+const CANARY_VERBS = {
+  progressing: ['pause', 'promote', 'rollback'],
+  paused: ['resume', 'promote', 'rollback'],
+  rolled_back: ['resume', 'promote'],
+  promoted: ['rollback'],
+};
+const CANARY_VERB_LABEL = { pause: 'Pause', resume: 'Resume', promote: 'Promote', rollback: 'Roll back' };
+
+/** `rolled back`, `progressing`. */
+function stateWord(word) {
+  return String(word).replace(/_/g, ' ');
+}
+
+function stateClass(word) {
+  return String(word).replace(/_/g, '-');
+}
+
+/** `0.5 %`, `12.35 %`: an error share to two decimals. */
+function errorPercentText(value) {
+  if (value === null || value === undefined) return '—';
+  return `${Math.round(Number(value) * 100) / 100} %`;
+}
+
+/** `1.2 ms`, `480 ms`, `2 s`; `—` without timed requests. */
+function p99Text(ms) {
+  if (ms === null || ms === undefined) return '—';
+  if (ms >= 1000) return spanText(ms);
+  return `${ms >= 100 ? Math.round(ms) : Math.round(ms * 10) / 10} ms`;
+}
+
+function canaryCountsText(c) {
+  return `${plural(c.requests ?? 0, 'request')} · ${errorPercentText(c.error_percent)} errors · `
+    + `p99 ${p99Text(c.p99_ms)}`;
+}
+
+/** `canary 25 % · progressing`, coloured by the state, the last decision's reason on hover. */
+function canaryBadge(route) {
+  const status = canaryStatusOf(route);
+  const st = status?.state ?? 'pending';
+  return badge(`canary-${stateClass(st)}`,
+    `canary ${status ? `${status.weight} %` : '…'} · ${stateWord(st)}`, {
+      'data-testid': `route-canary-${route.id}`, 'data-state': st,
+      'data-weight': status ? String(status.weight) : null, title: status?.reason ?? null,
+    });
+}
+
+/** The steps in a row (5 % → 25 % → 50 % → 100 %): passed, the one in force, those to come. */
+function canarySteps(route, status, compact = false) {
+  const steps = route.canary.steps ?? [];
+  const st = status?.state ?? 'pending';
+  const at = status?.step ?? 0;
+  return h('ol', {
+    class: `canary-steps${compact ? ' compact' : ''}`,
+    'data-testid': compact ? null : `canary-steps-${route.id}`,
+    'aria-label': `Canary steps: ${steps.map((w) => `${w} %`).join(', ')}`,
+  }, steps.map((weight, i) => {
+    let phase;
+    if (st === 'promoted' || i < at) phase = 'done';
+    else if (i === at && status) phase = st === 'rolled_back' ? 'failed' : 'current';
+    else phase = 'next';
+    const words = { done: 'passed', current: `in force (${stateWord(st)})`,
+      failed: 'rolled back here', next: 'to come' };
+    return h('li', {
+      class: `step step-${phase}`, 'data-key': `step-${i}`, 'data-phase': phase,
+      'aria-current': phase === 'current' ? 'step' : null,
+      title: `Step ${i + 1}, ${weight} %: ${words[phase]}`,
+    }, `${weight} %`);
+  }));
+}
+
+/** The canary routes of the routes page, each with its progress. */
+function canariesSection(routes) {
+  const canaries = routes.filter((r) => r.canary);
+  if (canaries.length === 0) return null;
+  return h('section', { class: 'panel', 'aria-labelledby': 'canaries-title',
+    'data-testid': 'canaries', 'data-key': 'canaries' },
+  h('h2', { id: 'canaries-title' }, 'Canaries'),
+  h('div', { class: 'canary-cards' }, canaries.map(canaryCard)));
+}
+
+function canaryIntervalText(route, view, st) {
+  const interval = view?.interval;
+  if (!interval) return '—';
+  const round = `round ${interval.round} · `;
+  const testid = `canary-interval-${route.id}`;
+  if (st === 'progressing' && interval.ends_at) {
+    return h('span', { 'data-testid': testid }, round, 'started ',
+      relTime(interval.started_at), ' · ends ', relTime(interval.ends_at));
+  }
+  if (st === 'paused') {
+    return h('span', { 'data-testid': testid }, round, 'paused ',
+      relTime(interval.started_at), ' · not judged while paused');
+  }
+  return h('span', { 'data-testid': testid }, round, `${stateWord(st)} `,
+    relTime(interval.started_at), ' · no longer judged');
+}
+
+function canaryBoundsText(canary) {
+  const p99 = canary.max_p99_ms === null || canary.max_p99_ms === undefined
+    ? 'p99 not judged' : `p99 ≤ ${p99Text(canary.max_p99_ms)}`;
+  return `every ${spanText(canary.step_interval_ms)}, at least ${plural(canary.min_requests, 'request')}`
+    + ` to the canary · errors ≤ ${canary.max_error_percent} % · ${p99}`;
+}
+
+function canaryCard(route) {
+  const canary = route.canary;
+  const entry = state.canaries.get(route.id);
+  const view = entry?.view ?? null;
+  const status = canaryStatusOf(route);
+  const st = status?.state ?? 'pending';
+  const weight = status ? status.weight : null;
+  const backend = (route.backends ?? [])[canary.backend];
+  const key = `canary-${route.id}`;
+  return h('article', {
+    class: `canary-card canary-${stateClass(st)}`, 'data-key': key, 'data-testid': key,
+    'data-state': st, 'data-weight': weight === null ? null : String(weight),
+    'data-step': status ? String(status.step) : null,
+    'data-round': status ? String(status.round) : null,
+    'aria-labelledby': `${key}-name`,
+  },
+  h('header', { class: 'canary-head' },
+    h('h3', { id: `${key}-name` }, h('a', { href: `#/routes/${route.id}` }, route.name)),
+    badge(`canary-${stateClass(st)}`, stateWord(st), { 'data-testid': `canary-state-${route.id}` }),
+    h('span', { class: 'muted small' }, 'canary backend ',
+      backend ? serviceRef(backend.service_id) : `#${canary.backend}`)),
+  h('div', { class: 'canary-progress' },
+    h('div', { class: 'canary-weight' },
+      h('strong', { 'data-testid': `canary-weight-${route.id}` }, weight === null ? '—' : `${weight} %`),
+      h('span', { class: 'muted small' }, ' of the route\u2019s requests')),
+    canarySteps(route, status)),
+  h('dl', { class: 'kv canary-kv' },
+    kv('Last decision', h('span', { 'data-testid': `canary-reason-${route.id}` },
+      status?.reason ?? '—')),
+    kv('Interval', canaryIntervalText(route, view, st)),
+    kv('Judged by', h('span', { 'data-testid': `canary-judged-by-${route.id}` }, view
+      ? view.judged_by ?? h('span', { class: 'muted' }, 'no gateway holds its lease') : '—')),
+    kv('Bounds', canaryBoundsText(canary))),
+  view ? canaryCounts(route, view)
+    : entry?.error ? null : h('p', { class: 'muted small' }, 'Loading…'),
+  state.session.role === 'admin' ? canaryActions(route, st) : null,
+  entry?.error ? h('p', { class: 'action-error', role: 'alert' }, entry.error) : null,
+  view ? canaryHistory(route, view) : null);
+}
+
+/** Each backend's share and requests in the interval being judged, by every gateway. */
+function canaryCounts(route, view) {
+  const counts = view.interval?.counts ?? [];
+  const limit = route.canary.max_error_percent;
+  return h('div', { class: 'table-wrap canary-counts-wrap' },
+    h('table', { class: 'grid canary-counts', 'data-testid': `canary-counts-${route.id}` },
+      h('caption', { class: 'sr-only' },
+        'Each backend\u2019s share, and its requests in the interval being judged (every gateway\u2019s)'),
+      h('thead', null, h('tr', null,
+        h('th', { scope: 'col' }, 'Backend'),
+        h('th', { scope: 'col', class: 'num' }, 'Share'),
+        h('th', { scope: 'col', class: 'num' }, 'Requests'),
+        h('th', { scope: 'col', class: 'num' }, 'Errors'),
+        h('th', { scope: 'col', class: 'num' }, 'Error %'),
+        h('th', { scope: 'col', class: 'num' }, 'p99'))),
+      h('tbody', null, (view.weights ?? []).map((w, i) => {
+        const c = counts[i] ?? {};
+        const over = w.canary && Number(c.error_percent ?? 0) > limit;
+        return h('tr', { 'data-key': `backend-${i}`, 'data-backend': String(i),
+          'data-canary': String(Boolean(w.canary)), class: w.canary ? 'canary-row' : null },
+        h('th', { scope: 'row' }, serviceRef(w.service_id),
+          w.canary ? [' ', badge('canary-backend', 'canary')] : null),
+        h('td', { class: 'num', 'data-field': 'share' }, percentText(w.percent)),
+        h('td', { class: 'num', 'data-field': 'requests' }, String(c.requests ?? 0)),
+        h('td', { class: 'num', 'data-field': 'errors' }, String(c.errors ?? 0)),
+        h('td', { class: over ? 'num bad' : 'num', 'data-field': 'error-percent' },
+          errorPercentText(c.error_percent ?? 0)),
+        h('td', { class: 'num', 'data-field': 'p99' }, p99Text(c.p99_ms)));
+      }))));
+}
+
+function canaryActions(route, st) {
+  const key = `canary-${route.id}`;
+  const busy = state.busy.has(key);
+  const error = state.errors.get(key);
+  const first = (route.canary.steps ?? [])[0];
+  const hint = {
+    pause: 'Hold the canary at its weight; it is not judged while paused',
+    resume: st === 'rolled_back' ? `Start again at step 1 (${first} %)`
+      : 'Judge the canary again, from a new interval',
+    promote: 'Send the canary backend every request (100 %) now',
+    rollback: 'Send the canary backend nothing (0 %) now',
+  };
+  return h('div', { class: 'canary-actions' },
+    (CANARY_VERBS[st] ?? []).map((verb) => h('button', {
+      type: 'button', class: verb === 'rollback' ? 'btn btn-small btn-warn' : 'btn btn-small',
+      // Keyed: a button that goes away takes its focus with it, never handing it to another.
+      'data-key': `canary-${verb}`,
+      'data-testid': `canary-${verb}-${route.id}`, 'data-focus': `canary-${verb}-${route.id}`,
+      'data-action': `canary-${verb}`, 'data-id': route.id, disabled: busy, title: hint[verb],
+    }, CANARY_VERB_LABEL[verb])),
+    error ? h('p', { class: 'action-error', role: 'alert', 'data-testid': `action-error-${key}` },
+      error) : null);
+}
+
+/** The canary's decisions, newest first, each with the canary backend's counts it was taken on. */
+function canaryHistory(route, view) {
+  const oldestFirst = view.history ?? [];
+  const at = route.canary.backend;
+  const items = oldestFirst.map((d, i) => {
+    const before = oldestFirst[i - 1];
+    let tone = canaryTone(d.state);
+    if (d.state === 'progressing' && before) {
+      if (d.weight > before.weight) tone = 'good';
+      else if (d.weight === before.weight && before.state === 'progressing') tone = 'muted';
+    }
+    return { d, tone };
+  }).reverse();
+  return h('section', { class: 'canary-decisions', 'aria-labelledby': `canary-${route.id}-history` },
+    h('h4', { id: `canary-${route.id}-history` }, 'Decisions',
+      h('span', { class: 'muted small' }, ` · newest first · ${plural(items.length, 'entry', 'entries')}`)),
+    items.length === 0 ? h('p', { class: 'muted small' }, 'None yet.')
+      : h('ol', { class: 'history-list canary-history', 'data-testid': `canary-history-${route.id}` },
+        items.map(({ d, tone }) => {
+          const c = (d.counts ?? [])[at];
+          return h('li', {
+            class: `tone-${tone}`, 'data-key': `decision-${d.round}`, 'data-testid': 'canary-decision',
+            'data-round': String(d.round), 'data-state': d.state, 'data-weight': String(d.weight),
+          },
+          h('span', { class: 'activity-time' }, absTime(d.at)),
+          h('span', { class: 'history-change' }, `${stateWord(d.state)} · ${d.weight} %`),
+          h('span', { class: 'decision-counts small', 'data-field': 'counts' },
+            c ? canaryCountsText(c) : h('span', { class: 'muted' }, 'no interval judged')),
+          h('span', { class: 'activity-reason' }, d.reason));
+        })));
 }
 
 /** What a route sends to service `id`: each backend's share (with its subset) and the mirror. */
@@ -1768,6 +2201,7 @@ function serviceRoles(route, id) {
     roles.push(h('span', { class: 'role-line' },
       badge('mirror', `mirror ${percentText(route.mirror.percent ?? 100)}`)));
   }
+  if (route.canary) roles.push(h('span', { class: 'role-line' }, canaryBadge(route)));
   return roles;
 }
 
@@ -1789,7 +2223,8 @@ function serviceRoutesSection(id) {
       serviceRoles(route, id).map((role) => [' ', role]),
       h('span', { class: 'muted small route-where' },
         `${hosts.length ? hosts.join(', ') : 'any host'} · ${form} `, h('code', null, path)),
-      hasLimits(route) ? routeLimits(route) : null);
+      hasLimits(route) ? routeLimits(route) : null,
+      route.canary ? canarySteps(route, canaryStatusOf(route), true) : null);
     }));
   }
   return h('section', { class: 'panel', 'aria-labelledby': 'service-routes-title',
@@ -2113,6 +2548,21 @@ function runAction(action, id) {
       state.openTarget = null;
       scheduleRender();
       break;
+    case 'canary-pause':
+    case 'canary-resume':
+    case 'canary-promote':
+    case 'canary-rollback': {
+      // Taken on the canary as the gateway has it: one that moved meanwhile may answer 409,
+      // whose message shows beside the buttons.
+      const verb = action.slice('canary-'.length);
+      act(`canary-${id}`, 'POST', `routes/${id}/canary/${verb}`, undefined, (view) => {
+        if (view && typeof view === 'object') {
+          canaryEntry(id).view = view;
+          noteCanaryView(id, view);
+        }
+      });
+      break;
+    }
     default:
   }
 }
@@ -2154,7 +2604,10 @@ function kv(label, value) {
 
 function tick() {
   const now = Date.now();
-  if (state.session) pollRefusingLimits(now);
+  if (state.session) {
+    pollRefusingLimits(now);
+    pollCanaries(now);
+  }
   for (const el of document.querySelectorAll('time[data-rel]')) {
     el.textContent = relativeText(el.getAttribute('datetime'), now);
   }

@@ -4,8 +4,8 @@
 //! for admins only, a 401 that returns to the sign-in form, and the stream status while the
 //! gateway is down and after it is back, and the routes page (rules, shares, filters) with the
 //! routes a service page lists, both following route changes live, a route's limits with
-//! the refusals real requests met, and a service's retries while real requests are retried.
-//! Screenshots go to
+//! the refusals real requests met, a service's retries while real requests are retried, and a
+//! route's canary stepping up, paused, promoted and rolled back live. Screenshots go to
 //! `<target>/dashboard-artifacts/`.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` (scripts/test.sh installs them); without
@@ -1824,5 +1824,582 @@ async fn a_service_page_shows_its_retries_live() {
     );
     assert_eq!(shown["exhausted"], "0", "{shown}");
     assert_eq!(shown["hedges"], "0", "{shown}");
+    browser.close().await;
+}
+
+/// Reads a canary card of the routes page into `c` (null where it is not drawn): its state,
+/// weight and step, the steps with their phase, the interval's counts by backend, the
+/// decisions as listed (newest first), the action buttons and an action's error.
+fn canary_card_script(route: i64) -> String {
+    format!(
+        "const card = document.querySelector('[data-testid=\"canary-{route}\"]'); \
+         if (!card) return null; \
+         const text = (el) => el ? el.textContent.replace(/\\s+/g, ' ').trim() : null; \
+         const field = (el, name) => text(el.querySelector(`[data-field=\"${{name}}\"]`)); \
+         const c = {{ state: card.getAttribute('data-state'), \
+           weight: card.getAttribute('data-weight'), step: card.getAttribute('data-step'), \
+           badge: text(card.querySelector('[data-testid=\"canary-state-{route}\"]')), \
+           shown_weight: text(card.querySelector('[data-testid=\"canary-weight-{route}\"]')), \
+           steps: [...card.querySelectorAll('.canary-steps li')] \
+             .map(li => [text(li), li.getAttribute('data-phase')]), \
+           reason: text(card.querySelector('[data-testid=\"canary-reason-{route}\"]')), \
+           interval: text(card.querySelector('[data-testid=\"canary-interval-{route}\"]')), \
+           judged_by: text(card.querySelector('[data-testid=\"canary-judged-by-{route}\"]')), \
+           counts: [...card.querySelectorAll('[data-testid=\"canary-counts-{route}\"] tbody tr')] \
+             .map(tr => ({{ canary: tr.getAttribute('data-canary'), share: field(tr, 'share'), \
+               requests: field(tr, 'requests'), errors: field(tr, 'errors'), \
+               error_percent: field(tr, 'error-percent'), p99: field(tr, 'p99') }})), \
+           history: [...card.querySelectorAll('[data-testid=\"canary-decision\"]')] \
+             .map(li => ({{ round: Number(li.getAttribute('data-round')), \
+               state: li.getAttribute('data-state'), weight: Number(li.getAttribute('data-weight')), \
+               counts: field(li, 'counts'), text: text(li) }})), \
+           buttons: [...card.querySelectorAll('[data-action^=\"canary-\"]')] \
+             .map(b => b.getAttribute('data-action')), \
+           error: text(card.querySelector('[data-testid=\"action-error-canary-{route}\"]')) }};"
+    )
+}
+
+/// Waits until the canary card of `route` is drawn and `condition` (on `c`) holds; returns `c`.
+async fn wait_canary(browser: &Browser, what: &str, route: i64, condition: &str) -> Value {
+    browser
+        .wait_for(
+            what,
+            WAIT,
+            &format!(
+                "{} return ({condition}) ? c : null;",
+                canary_card_script(route)
+            ),
+        )
+        .await
+}
+
+/// Holds the event stream's bytes in the page while `window.holdEvents` is true and delivers
+/// them, in order, once it is false again: the page acts meanwhile on what it last showed, as
+/// it does when the gateway moved something a moment before its event arrives. A read already
+/// waiting when the hold begins is held too (it is checked after the read).
+const HOLD_EVENTS_SCRIPT: &str = "const original = window.fetch.bind(window); \
+     window.holdEvents = false; \
+     window.fetch = async (input, init) => { \
+       const response = await original(input, init); \
+       if (!String(input).endsWith('/api/v1/events') || !response.body) return response; \
+       const reader = response.body.getReader(); \
+       const held = new ReadableStream({ \
+         async pull(controller) { \
+           const { value, done } = await reader.read(); \
+           while (window.holdEvents) await new Promise((resolve) => setTimeout(resolve, 20)); \
+           if (done) controller.close(); else controller.enqueue(value); \
+         }, \
+         cancel(reason) { return reader.cancel(reason); }, \
+       }); \
+       return new Response(held, { status: response.status, headers: response.headers }); \
+     }; \
+     return true;";
+
+/// A route's canary on the routes page, live: its state, weight and step agree with
+/// `GET .../canary`; a step taken while real requests flow shows without a reload (the
+/// weight changes, the decision joins the history); the interval's counts of a canary with a
+/// long interval refresh with no event; an admin pauses it with the button; an action the
+/// gateway refuses (409, the canary having moved meanwhile) shows the gateway's message; the
+/// Roll back button brings it to `rolled_back` at 0 %; a viewer sees it with no button.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_shows_its_progress_and_decisions_live() {
+    let gateway = TestGateway::start().await;
+    let stable = common::Upstream::start("stable").await;
+    let next = common::Upstream::start("next").await;
+    let stable_id = gateway
+        .service_with_targets("shop", &[common::target(&stable, 100, 0)])
+        .await;
+    let next_id = gateway
+        .service_with_targets("shop-next", &[common::target(&next, 100, 0)])
+        .await;
+    let backends = json!([{"service_id": stable_id}, {"service_id": next_id}]);
+    // Judged every second on at least 3 requests to the canary: held while nothing is sent.
+    let shop = gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "shop", "hosts": ["shop.test"], "backends": backends,
+                "canary": {"backend": 1, "steps": [5, 25, 50, 100], "step_interval_ms": 1000,
+                    "min_requests": 3}}),
+        )
+        .await;
+    // Judged once in ten minutes: no decision, so no event, while the test runs.
+    let slow = gateway
+        .create(
+            "/api/v1/routes",
+            json!({"name": "slow", "hosts": ["slow.test"], "backends": backends,
+                "canary": {"backend": 1, "steps": [50, 100], "step_interval_ms": 600_000,
+                    "min_requests": 1000}}),
+        )
+        .await;
+    let (status, created) = gateway
+        .api(
+            "POST",
+            "/api/v1/tokens",
+            Some(json!({"name": "canary-viewer", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let viewer = created["token"].as_str().expect("a token").to_owned();
+    let canary_view = |route: i64| {
+        let gateway = &gateway;
+        async move {
+            let (status, view) = gateway
+                .api("GET", &format!("/api/v1/routes/{route}/canary"), None)
+                .await;
+            assert_eq!(status, StatusCode::OK, "{view}");
+            view
+        }
+    };
+
+    let browser = Browser::start().await;
+    browser.goto(&gateway.admin_url("/ui/#/routes")).await;
+    browser
+        .wait_for(
+            "the sign-in form",
+            WAIT,
+            "return document.querySelector('[data-testid=\"token-input\"]') !== null;",
+        )
+        .await;
+    browser.eval(HOLD_EVENTS_SCRIPT).await;
+    browser
+        .by_test_id("token-input")
+        .await
+        .send_keys(ADMIN_TOKEN)
+        .await
+        .expect("type the token");
+    browser
+        .by_test_id("sign-in")
+        .await
+        .click()
+        .await
+        .expect("click sign in");
+    browser
+        .eval(
+            "window.cspViolations = []; document.addEventListener('securitypolicyviolation', \
+               (e) => window.cspViolations.push(`${e.violatedDirective} ${e.blockedURI}`)); \
+             document.documentElement.dataset.unreloaded = 'yes'; return true;",
+        )
+        .await;
+
+    // The card agrees with the API: progressing at step 1 (5 %), judged by this gateway.
+    let view = wait_until("the canary judged by a gateway", WAIT, || async {
+        let view = canary_view(shop).await;
+        view["judged_by"].is_string().then_some(view)
+    })
+    .await;
+    assert_eq!(
+        (&view["state"], &view["weight"]),
+        (&json!("progressing"), &json!(5))
+    );
+    let shown = wait_canary(
+        &browser,
+        "the canary card as the API has it",
+        shop,
+        &format!(
+            "c.state === {state} && c.weight === '{weight}' && c.step === '{step}' \
+             && c.judged_by === {judge} && c.counts.length === 2 && c.history.length > 0",
+            state = view["state"],
+            weight = view["weight"],
+            step = view["step"],
+            judge = view["judged_by"],
+        ),
+    )
+    .await;
+    assert_eq!(shown["badge"], "progressing", "{shown}");
+    assert_eq!(shown["shown_weight"], "5 %", "{shown}");
+    assert_eq!(
+        shown["steps"],
+        json!([
+            ["5 %", "current"],
+            ["25 %", "next"],
+            ["50 %", "next"],
+            ["100 %", "next"]
+        ]),
+        "{shown}"
+    );
+    assert_eq!(
+        (&shown["counts"][0]["share"], &shown["counts"][1]["share"]),
+        (&json!("95 %"), &json!("5 %")),
+        "{shown}"
+    );
+    assert_eq!(shown["counts"][1]["canary"], "true", "{shown}");
+    assert!(
+        shown["interval"].as_str().unwrap().contains(" · ends "),
+        "{shown}"
+    );
+    assert_eq!(
+        shown["buttons"],
+        json!(["canary-pause", "canary-promote", "canary-rollback"]),
+        "{shown}"
+    );
+    let rounds: Vec<i64> = shown["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["round"].as_i64().unwrap())
+        .collect();
+    assert!(
+        rounds.windows(2).all(|pair| pair[0] > pair[1]),
+        "newest first: {rounds:?}"
+    );
+    let decisions_before = rounds.len();
+    // The route's row shares the requests as the canary does now.
+    let shares = browser
+        .eval(&format!(
+            "return [0, 1].map(i => document.querySelector( \
+               '[data-testid=\"route-{shop}-backend-' + i + '\"]').getAttribute('data-share'));"
+        ))
+        .await;
+    assert_eq!(shares, json!(["95", "5"]));
+
+    // The slow canary's counts grow with no event: the page reads the view again by itself.
+    for _ in 0..20 {
+        let response = gateway
+            .http
+            .get(gateway.proxy_url("/"))
+            .header("host", "slow.test")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let counted = wait_canary(
+        &browser,
+        "the slow canary's interval counts, refreshed",
+        slow,
+        "c.counts.length === 2 && c.counts[0].requests === '10' && c.counts[1].requests === '10'",
+    )
+    .await;
+    let view = canary_view(slow).await;
+    assert_eq!(view["interval"]["counts"][1]["requests"], 10, "{view}");
+    assert_eq!(counted["counts"][1]["error_percent"], "0 %", "{counted}");
+    assert_ne!(
+        counted["counts"][1]["p99"], "—",
+        "timed requests: {counted}"
+    );
+    assert_eq!(counted["state"], "progressing", "{counted}");
+
+    // Requests to the shop until the canary steps up; the page follows without a reload.
+    let traffic = tokio::spawn({
+        let client = gateway.http.clone();
+        let url = gateway.proxy_url("/");
+        let admin = gateway.admin_url(&format!("/api/v1/routes/{shop}/canary"));
+        async move {
+            let end = Instant::now() + Duration::from_secs(30);
+            loop {
+                // Checked often: few requests reach the next step before the traffic stops.
+                for _ in 0..5 {
+                    let response = client
+                        .get(&url)
+                        .header("host", "shop.test")
+                        .send()
+                        .await
+                        .expect("proxy answers");
+                    assert_eq!(response.status(), StatusCode::OK);
+                }
+                let view: Value = client
+                    .get(&admin)
+                    .bearer_auth(ADMIN_TOKEN)
+                    .send()
+                    .await
+                    .expect("admin answers")
+                    .json()
+                    .await
+                    .expect("a canary view");
+                if view["weight"] != 5 {
+                    return view;
+                }
+                assert!(Instant::now() < end, "no step within 30 s: {view}");
+            }
+        }
+    });
+    let stepped = traffic.await.expect("the requests");
+    assert_eq!(stepped["state"], "progressing", "{stepped}");
+    let shown = wait_canary(
+        &browser,
+        "the step shown live, with its decision",
+        shop,
+        &format!(
+            "c.weight !== '5' && c.history.length > {decisions_before} \
+             && c.history.some(d => d.state === 'progressing' && String(d.weight) === c.weight)"
+        ),
+    )
+    .await;
+    let weight: u64 = shown["weight"].as_str().unwrap().parse().unwrap();
+    assert!([25, 50].contains(&weight), "{shown}");
+    let decision = shown["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["weight"] == weight && d["state"] == "progressing")
+        .unwrap();
+    // The decision names the canary's counts it was taken on.
+    assert!(
+        decision["counts"]
+            .as_str()
+            .unwrap()
+            .contains(" requests · "),
+        "{decision}"
+    );
+    assert_eq!(
+        browser
+            .eval("return document.documentElement.dataset.unreloaded;")
+            .await,
+        "yes",
+        "the page was not reloaded"
+    );
+    browser.screenshot("canary-progressing").await;
+
+    // Paused with its button: held where it is, as the API has it.
+    browser
+        .by_test_id(&format!("canary-pause-{shop}"))
+        .await
+        .click()
+        .await
+        .expect("click Pause");
+    let shown = wait_canary(
+        &browser,
+        "the canary paused",
+        shop,
+        "c.state === 'paused' && c.history.length > 0 && c.history[0].state === 'paused'",
+    )
+    .await;
+    let view = canary_view(shop).await;
+    assert_eq!(view["state"], "paused", "{view}");
+    assert_eq!(shown["weight"], view["weight"].to_string(), "{shown}");
+    assert_eq!(shown["badge"], "paused", "{shown}");
+    assert_eq!(
+        shown["buttons"],
+        json!(["canary-resume", "canary-promote", "canary-rollback"]),
+        "{shown}"
+    );
+    assert!(
+        shown["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("paused by an operator"),
+        "{shown}"
+    );
+
+    // Promoted through the API while the page has not heard of it yet: its Resume is refused
+    // (409) and the page shows why.
+    let promoted = browser
+        .eval(&format!(
+            "window.holdEvents = true; \
+             return (async () => {{ \
+               const answer = await fetch('/api/v1/routes/{shop}/canary/promote', {{ \
+                 method: 'POST', headers: {{ \
+                   Authorization: `Bearer ${{sessionStorage.getItem('raahi.token')}}` }} }}); \
+               const card = document.querySelector('[data-testid=\"canary-{shop}\"]'); \
+               const shown = card.getAttribute('data-state'); \
+               card.querySelector('[data-testid=\"canary-resume-{shop}\"]').click(); \
+               return [answer.status, shown]; \
+             }})();"
+        ))
+        .await;
+    assert_eq!(
+        promoted,
+        json!([200, "paused"]),
+        "promoted while the page still showed it paused"
+    );
+    let shown = wait_canary(
+        &browser,
+        "the refused resume's message",
+        shop,
+        "c.error !== null",
+    )
+    .await;
+    assert_eq!(
+        shown["state"], "paused",
+        "the promotion not heard of yet: {shown}"
+    );
+    let error = shown["error"].as_str().unwrap();
+    assert!(
+        error.contains("the canary is promoted") && error.contains("HTTP 409"),
+        "{shown}"
+    );
+    browser
+        .eval("window.holdEvents = false; return true;")
+        .await;
+    let shown = wait_canary(
+        &browser,
+        "the canary promoted",
+        shop,
+        "c.state === 'promoted' && c.weight === '100'",
+    )
+    .await;
+    assert_eq!(
+        shown["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s[1].as_str().unwrap())
+            .collect::<Vec<_>>(),
+        ["done"; 4],
+        "{shown}"
+    );
+    assert_eq!(shown["buttons"], json!(["canary-rollback"]), "{shown}");
+
+    // Rolled back with its button: 0 %, the step it stood at marked, the decision listed.
+    browser
+        .by_test_id(&format!("canary-rollback-{shop}"))
+        .await
+        .click()
+        .await
+        .expect("click Roll back");
+    let shown = wait_canary(
+        &browser,
+        "the canary rolled back",
+        shop,
+        "c.state === 'rolled_back' && c.history.length > 0 && c.history[0].state === 'rolled_back'",
+    )
+    .await;
+    let view = canary_view(shop).await;
+    assert_eq!(
+        (&view["state"], &view["weight"]),
+        (&json!("rolled_back"), &json!(0)),
+        "{view}"
+    );
+    assert_eq!(shown["weight"], "0", "{shown}");
+    assert_eq!(shown["shown_weight"], "0 %", "{shown}");
+    assert_eq!(shown["badge"], "rolled back", "{shown}");
+    assert_eq!(shown["error"], Value::Null, "{shown}");
+    assert_eq!(shown["history"][0]["weight"], 0, "{shown}");
+    assert!(
+        shown["history"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("rolled back by an operator"),
+        "{shown}"
+    );
+    assert_eq!(
+        shown["steps"][3],
+        json!(["100 %", "failed"]),
+        "rolled back from the last step: {shown}"
+    );
+    assert_eq!(
+        shown["buttons"],
+        json!(["canary-resume", "canary-promote"]),
+        "{shown}"
+    );
+    assert_eq!(
+        shown["counts"][1]["share"], "0 %",
+        "the canary takes nothing: {shown}"
+    );
+    browser
+        .wait_for(
+            "the route's shares and the activity following the rollback",
+            WAIT,
+            &format!(
+                "const share = (i) => document.querySelector( \
+                   '[data-testid=\"route-{shop}-backend-' + i + '\"]').getAttribute('data-share'); \
+                 return share(0) === '100' && share(1) === '0' \
+                   && [...document.querySelectorAll('[data-testid=\"activity\"] li')] \
+                     .some(li => li.textContent.includes('route shop canary rolled back: 100 → 0 %'));"
+            ),
+        )
+        .await;
+    browser.screenshot("canary-rolled-back").await;
+
+    // The canary backend's service page lists the route with the canary where it stands.
+    browser
+        .eval(&format!(
+            "location.hash = '#/services/{next_id}'; return true;"
+        ))
+        .await;
+    let listed = browser
+        .wait_for(
+            "the route on the canary backend's page",
+            WAIT,
+            &format!(
+                "const li = document.querySelector('[data-testid=\"service-route-{shop}\"]'); \
+                 const badge = li && li.querySelector('[data-testid=\"route-canary-{shop}\"]'); \
+                 return badge && badge.getAttribute('data-state') === 'rolled_back' \
+                   ? [li.textContent.replace(/\\s+/g, ' ').trim(), \
+                      [...li.querySelectorAll('.canary-steps li')].map(s => s.getAttribute('data-phase'))] \
+                   : null;"
+            ),
+        )
+        .await;
+    let text = listed[0].as_str().unwrap();
+    for needle in ["shop", "backend 0 %", "canary 0 % · rolled back"] {
+        assert!(text.contains(needle), "{needle:?} in {text:?}");
+    }
+    assert_eq!(listed[1], json!(["done", "done", "done", "failed"]));
+    browser
+        .wait_for(
+            "the canary's moves in the service's activity",
+            WAIT,
+            "return [...document.querySelectorAll('[data-testid=\"activity\"] li')] \
+               .some(li => li.textContent.includes('route shop canary rolled back: 100 → 0 %'));",
+        )
+        .await;
+    browser.screenshot("canary-service").await;
+    assert_eq!(
+        browser
+            .eval("return document.documentElement.dataset.unreloaded;")
+            .await,
+        "yes",
+        "the page was not reloaded"
+    );
+    assert_eq!(
+        browser.eval("return window.cspViolations;").await,
+        json!([]),
+        "the page broke its own Content-Security-Policy"
+    );
+
+    // A viewer sees the canary where it stands, and no button.
+    browser
+        .by_test_id("sign-out")
+        .await
+        .click()
+        .await
+        .expect("sign out");
+    sign_in(&browser, &gateway, &viewer).await;
+    browser
+        .eval("location.hash = '#/routes'; return true;")
+        .await;
+    let shown = wait_canary(
+        &browser,
+        "the rolled-back canary for a viewer",
+        shop,
+        "c.state === 'rolled_back' && c.counts.length === 2 && c.history.length > 0",
+    )
+    .await;
+    assert_eq!(
+        browser.test_id_attr("who", "data-role").await.as_deref(),
+        Some("viewer")
+    );
+    assert_eq!(shown["buttons"], json!([]), "{shown}");
+    assert_eq!(
+        count(&browser, "[data-action^=\"canary-\"]").await,
+        0,
+        "no canary button anywhere"
+    );
+
+    // A phone's width: the cards fit (their tables scroll in their boxes).
+    browser.resize(390, 844).await;
+    let widths = browser
+        .wait_for(
+            "the narrow routes page",
+            WAIT,
+            &format!(
+                "return window.innerWidth === 390 \
+                   && document.querySelector('[data-testid=\"canary-{shop}\"]') \
+                   ? [document.documentElement.scrollWidth, window.innerWidth] : null;"
+            ),
+        )
+        .await;
+    assert!(
+        widths[0].as_u64() <= widths[1].as_u64(),
+        "the canaries overflow a phone's width: {widths}"
+    );
+    browser
+        .eval(&format!(
+            "document.querySelector('[data-testid=\"canary-{shop}\"]').scrollIntoView(); \
+             return true;"
+        ))
+        .await;
+    browser.screenshot("canary-phone").await;
     browser.close().await;
 }
