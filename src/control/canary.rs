@@ -213,7 +213,10 @@ impl<S: CanaryStore> Judge<S> {
     async fn turn(&mut self) {
         let routes = self.followed();
         let flushed = self.flush(&routes).await;
-        let judged = if self.shared.stopped.load(Ordering::Relaxed) {
+        // An interval is judged only once this gateway's counts are in the store: judged
+        // without them (a flush failed), the errors they hold could be missed and the canary
+        // stepped up on the rest.
+        let judged = if self.shared.stopped.load(Ordering::Relaxed) || flushed.is_err() {
             Ok(())
         } else {
             self.judge_due(&routes).await

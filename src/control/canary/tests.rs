@@ -829,3 +829,26 @@ async fn a_restart_mid_step_judges_at_the_original_interval_end() {
     assert_eq!(moves[0].counts[1].requests, 12);
     assert_eq!(second.applied_weight(1), 100);
 }
+#[tokio::test(start_paused = true)]
+async fn an_interval_whose_counts_did_not_reach_the_store_is_not_judged() {
+    let store = FakeStore::new();
+    store.set_canary(1, CanaryState::Progressing, 0, 1, Duration::ZERO);
+    let mut harness = Harness::start(&store);
+    harness.serve(1, 1, 40, 0);
+    run_applying(&mut harness, ms(4_500)).await;
+    // The errors of the interval's last second are taken at 5 s, and that flush fails: the
+    // interval is not judged without them...
+    harness.serve(1, 1, 10, 10);
+    store.books().failing_flushes = 1;
+    run_applying(&mut harness, ms(5_500)).await;
+    assert!(store.moves().is_empty(), "{:?}", store.moves());
+    // ... but at the next turn, with them.
+    run_applying(&mut harness, ms(6_500)).await;
+    let moves = store.moves();
+    assert_eq!(moves.len(), 1);
+    assert_eq!(moves[0].to.state, CanaryState::RolledBack);
+    assert_eq!(
+        (moves[0].counts[1].requests, moves[0].counts[1].errors),
+        (50, 10)
+    );
+}
