@@ -293,17 +293,25 @@ impl<S: CanaryStore> Judge<S> {
             .collect();
         *lock(&self.shared.held) = held.clone();
         let mut moved_any = false;
+        let mut failed = None;
         for route in progressing {
             if !held.contains(&route.route_id) || !self.may_be_due(route) {
                 continue;
             }
-            moved_any |= self.judge_one(route).await?;
+            // One route's failure neither holds the others back nor hides their moves: on
+            // SQLite this notice is the only way this gateway hears of them.
+            match self.judge_one(route).await {
+                Ok(moved) => moved_any |= moved,
+                Err(error) => {
+                    failed.get_or_insert(error);
+                }
+            }
         }
         if moved_any {
             // Full: a reload is coming anyway.
             let _ = self.moved.try_send(());
         }
-        Ok(())
+        failed.map_or(Ok(()), |error| Err(error.into()))
     }
 
     /// Whether the route's interval may be over by the store's clock as last estimated.

@@ -852,3 +852,23 @@ async fn an_interval_whose_counts_did_not_reach_the_store_is_not_judged() {
         (50, 10)
     );
 }
+#[tokio::test(start_paused = true)]
+async fn a_route_that_cannot_be_judged_neither_holds_nor_hides_the_others() {
+    let store = FakeStore::new();
+    for route_id in 1..=3 {
+        store.set_canary(route_id, CanaryState::Progressing, 0, 1, Duration::ZERO);
+    }
+    store.books().failing_judged.insert(2);
+    let mut harness = Harness::start(&store);
+    for route_id in 1..=3 {
+        harness.serve(route_id, 1, 20, 0);
+    }
+    until(&store, ms(5_500)).await;
+    let moved: Vec<Id> = store.moves().iter().map(|moved| moved.route_id).collect();
+    assert_eq!(moved, vec![1, 3], "route 3 is judged after route 2 failed");
+    assert!(harness.canaries.last_error().is_some());
+    assert!(
+        harness.told(),
+        "routes 1 and 3 moved: this gateway must apply them though route 2 failed"
+    );
+}
