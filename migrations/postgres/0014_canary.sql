@@ -1,11 +1,12 @@
 -- Canaries (TRAFFIC.md §4; src/store/canary.rs). Mirrors migrations/sqlite/0014_canary.sql,
--- which says what each table is for.
+-- which says what each table is for. Every integer is BIGINT, as in the other tables: the store
+-- reads them all as i64, which an INTEGER (INT4) column refuses to decode into.
 CREATE TABLE route_canaries (
     route_id            BIGINT  PRIMARY KEY REFERENCES routes(id) ON DELETE CASCADE,
     spec                TEXT    NOT NULL,
     state               TEXT    NOT NULL,
-    step                INTEGER NOT NULL,
-    weight              INTEGER NOT NULL,
+    step                BIGINT  NOT NULL,
+    weight              BIGINT  NOT NULL,
     round               BIGINT  NOT NULL,
     interval_started_ms BIGINT  NOT NULL,
     reason              TEXT    NOT NULL
@@ -18,8 +19,8 @@ CREATE TABLE canary_decisions (
     round       BIGINT  NOT NULL,
     at_ms       BIGINT  NOT NULL,
     state       TEXT    NOT NULL,
-    step        INTEGER NOT NULL,
-    weight      INTEGER NOT NULL,
+    step        BIGINT  NOT NULL,
+    weight      BIGINT  NOT NULL,
     reason      TEXT    NOT NULL,
     counts      TEXT    NOT NULL,
     PRIMARY KEY (route_id, round)
@@ -29,7 +30,7 @@ CREATE TABLE canary_counts (
     route_id    BIGINT  NOT NULL,
     instance_id TEXT    NOT NULL,
     at_ms       BIGINT  NOT NULL,
-    backend     INTEGER NOT NULL,
+    backend     BIGINT  NOT NULL,
     requests    BIGINT  NOT NULL,
     errors      BIGINT  NOT NULL,
     latency     TEXT    NOT NULL,
