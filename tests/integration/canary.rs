@@ -2,12 +2,12 @@
 //! the traffic share following each step exactly; a canary answering 10 % 500s rolled back and
 //! sent nothing afterwards; the view, the operator's actions and their refusals; `canary`
 //! events and `raahi_canary_weight`; the declarative file; a restart mid-step; a gRPC canary
-//! failing in its trailers.
+//! failing in its trailers; two gateways on PostgreSQL sharing one canary.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,8 +22,8 @@ use tokio::time::Instant;
 use crate::common::fake_server::Listening;
 use crate::common::grpc::{client as grpc_client, Code, EchoRequest, GrpcOrigin};
 use crate::common::{
-    assert_error, holds_for, test_config, test_config_with, wait_until, TestGateway, Upstream,
-    ADMIN_TOKEN,
+    assert_error, cluster_config, holds_for, postgres, target, test_config, test_config_with,
+    wait_until, TestGateway, Upstream, ADMIN_TOKEN,
 };
 
 /// Longest wait for what a gateway does on its own with the short intervals used here.
@@ -1041,4 +1041,155 @@ async fn a_grpc_canary_failing_in_its_trailers_is_rolled_back() {
         assert_eq!(reply.origin, "stable");
     }
     assert_eq!(canary.calls(), calls);
+}
+
+/// Gateways `gw-a` and `gw-b` on one PostgreSQL database, with leases of `LEASE_MS`.
+async fn two_gateways(database: &str) -> (TestGateway, TestGateway) {
+    let mut gateways = Vec::new();
+    for id in ["gw-a", "gw-b"] {
+        let dir = Arc::new(tempfile::tempdir().unwrap());
+        gateways.push(TestGateway::start_with(dir, cluster_config(database, id, LEASE_MS)).await);
+    }
+    let b = gateways.pop().unwrap();
+    (gateways.pop().unwrap(), b)
+}
+
+const LEASE_MS: u64 = 3_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_postgres_share_one_canary() {
+    const INTERVAL_MS: u64 = 3_000;
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_gateways(&database).await;
+    let stable = Upstream::start("stable").await;
+    // The canary's share is the route's, whatever the number of its instances.
+    let instances = [
+        Upstream::start("canary-1").await,
+        Upstream::start("canary-2").await,
+        Upstream::start("canary-3").await,
+    ];
+    let canary = Hits(&instances);
+    let stable_id = a
+        .service_with_targets("stable", &[target(&stable, 100, 0)])
+        .await;
+    let targets: Vec<Value> = instances
+        .iter()
+        .map(|instance| target(instance, 100, 0))
+        .collect();
+    let canary_id = a.service_with_targets("canary", &targets).await;
+    let route = canary_route(
+        &a,
+        "shop",
+        (stable_id, canary_id),
+        json!({"backend": 1, "steps": [5, 50, 100], "step_interval_ms": INTERVAL_MS,
+               "min_requests": 5}),
+    )
+    .await;
+    for gateway in [&a, &b] {
+        wait_until("every gateway applies the first step", WAIT, || async {
+            applied_weight(gateway, "shop").await == Some(5)
+        })
+        .await;
+    }
+    // Each gateway's own schedule gives exactly 5 % of its requests: 2 of 40 through one,
+    // 3 of 60 through the other.
+    for (gateway, count) in [(&a, 40), (&b, 60)] {
+        let hits = canary.hits();
+        send_ok(gateway, count).await;
+        assert_eq!(canary.hits() - hits, count / 20);
+    }
+    // Both views tell the same: one judge, and every gateway's counts summed.
+    let judge = wait_until("one gateway judges, seen alike from both", WAIT, || async {
+        let (one, other) = (canary_view(&a, route).await, canary_view(&b, route).await);
+        let summed = |view: &Value| {
+            let counts = &view["interval"]["counts"];
+            (counted(counts, 0), counted(counts, 1))
+        };
+        match one["judged_by"].as_str() {
+            Some(judge)
+                if one["judged_by"] == other["judged_by"]
+                    && summed(&one) == ((95, 0), (5, 0))
+                    && summed(&other) == summed(&one) =>
+            {
+                Ok(judge.to_owned())
+            }
+            _ => Err(format!("{one}\n{other}")),
+        }
+    })
+    .await;
+    assert!(judge == "gw-a" || judge == "gw-b", "{judge}");
+    // The judge steps up on the sum: 5 canary requests, neither gateway's alone.
+    let moved = wait_until("the next step", WAIT, || async {
+        let view = canary_view(&a, route).await;
+        (view["weight"] == 50).then_some(view)
+    })
+    .await;
+    let seen = Instant::now();
+    let decision = history(&moved).last().unwrap().clone();
+    assert_eq!(decision["round"], 2);
+    assert_eq!(counted(&decision["counts"], 0), (95, 0));
+    assert_eq!(counted(&decision["counts"], 1), (5, 0));
+    // Every gateway applies it within a second.
+    for gateway in [&a, &b] {
+        wait_until(
+            "every gateway applies the step",
+            Duration::from_secs(1).saturating_sub(seen.elapsed()),
+            || async { applied_weight(gateway, "shop").await == Some(50) },
+        )
+        .await;
+    }
+    for gateway in [&a, &b] {
+        let hits = canary.hits();
+        send_ok(gateway, 20).await;
+        assert_eq!(canary.hits() - hits, 10);
+    }
+
+    // The judge dies without a word; the other takes the lease over and the canary goes on.
+    let (mut dead, survivor, survivor_id) = if judge == "gw-a" {
+        (a, b, "gw-b")
+    } else {
+        (b, a, "gw-a")
+    };
+    dead.gateway.take().expect("running").abort();
+    let survivor_judged = AtomicBool::new(false);
+    let promoted = wait_until("the survivor promotes the canary", WAIT, || async {
+        send_ok(&survivor, 20).await;
+        let view = canary_view(&survivor, route).await;
+        if view["judged_by"] == survivor_id {
+            survivor_judged.store(true, Ordering::SeqCst);
+        }
+        if view["state"] == "promoted" {
+            Ok(view)
+        } else {
+            Err(view.to_string())
+        }
+    })
+    .await;
+    assert!(
+        survivor_judged.load(Ordering::SeqCst),
+        "the survivor took the lease over"
+    );
+    assert_eq!(promoted["weight"], 100);
+    let mut weights: Vec<Value> = history(&promoted)
+        .iter()
+        .map(|entry| entry["weight"].clone())
+        .collect();
+    weights.dedup();
+    assert_eq!(weights, vec![json!(5), json!(50), json!(100)]);
+    wait_until("the survivor applies the promotion", WAIT, || async {
+        applied_weight(&survivor, "shop").await == Some(100)
+    })
+    .await;
+    let hits = canary.hits();
+    send_ok(&survivor, 20).await;
+    assert_eq!(canary.hits() - hits, 20);
+}
+
+/// Requests received by a set of upstreams, together.
+struct Hits<'a>(&'a [Upstream]);
+
+impl Hits<'_> {
+    fn hits(&self) -> usize {
+        self.0.iter().map(Upstream::hits).sum()
+    }
 }
