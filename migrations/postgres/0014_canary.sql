@@ -1,5 +1,6 @@
 -- Canaries (TRAFFIC.md §4; src/store/canary.rs). Mirrors migrations/sqlite/0014_canary.sql,
--- which says what each table is for.
+-- which says what each table is for. Every integer is BIGINT, as in the other tables: the store
+-- reads them all as i64, which an INTEGER (INT4) column refuses to decode into.
 CREATE TABLE route_canaries (
     route_id            BIGINT  PRIMARY KEY REFERENCES routes(id) ON DELETE CASCADE,
     spec                TEXT    NOT NULL,

@@ -156,7 +156,7 @@ pub(super) fn spawn<S: CanaryStore>(
         moved,
         shared: canaries.shared.clone(),
         unsent: HashMap::new(),
-        clock_offset_ms: None,
+        store_clock: None,
     };
     let join = tokio::spawn(judge.run());
     (canaries, CanaryTask(join))
@@ -178,9 +178,10 @@ struct Judge<S> {
     shared: Arc<Shared>,
     /// Counts taken but not yet in the store (a flush failed), by route and backend.
     unsent: HashMap<(Id, u32), CanaryCounts>,
-    /// The store's clock minus this process's, from the last judged canary: an interval not
-    /// yet over by that estimate is not read.
-    clock_offset_ms: Option<i64>,
+    /// The store's clock as last read (from the last judged canary) and when: an interval not
+    /// yet over by that reading plus the monotonic time since is not read. Monotonic, not the
+    /// wall clock: a wall-clock step back would otherwise hold every judgement by as much.
+    store_clock: Option<(i64, Instant)>,
 }
 
 impl<S: CanaryStore> Judge<S> {
@@ -212,7 +213,10 @@ impl<S: CanaryStore> Judge<S> {
     async fn turn(&mut self) {
         let routes = self.followed();
         let flushed = self.flush(&routes).await;
-        let judged = if self.shared.stopped.load(Ordering::Relaxed) {
+        // An interval is judged only once this gateway's counts are in the store: judged
+        // without them (a flush failed), the errors they hold could be missed and the canary
+        // stepped up on the rest.
+        let judged = if self.shared.stopped.load(Ordering::Relaxed) || flushed.is_err() {
             Ok(())
         } else {
             self.judge_due(&routes).await
@@ -289,34 +293,47 @@ impl<S: CanaryStore> Judge<S> {
             .collect();
         *lock(&self.shared.held) = held.clone();
         let mut moved_any = false;
+        let mut failed = None;
         for route in progressing {
             if !held.contains(&route.route_id) || !self.may_be_due(route) {
                 continue;
             }
-            moved_any |= self.judge_one(route).await?;
+            // One route's failure neither holds the others back nor hides their moves: on
+            // SQLite this notice is the only way this gateway hears of them.
+            match self.judge_one(route).await {
+                Ok(moved) => moved_any |= moved,
+                Err(error) => {
+                    failed.get_or_insert(error);
+                }
+            }
         }
         if moved_any {
             // Full: a reload is coming anyway.
             let _ = self.moved.try_send(());
         }
-        Ok(())
+        failed.map_or(Ok(()), |error| Err(error.into()))
     }
 
     /// Whether the route's interval may be over by the store's clock as last estimated.
     fn may_be_due(&self, route: &Followed) -> bool {
-        let Some(offset) = self.clock_offset_ms else {
+        let Some((read_ms, read_at)) = self.store_clock else {
             return true;
         };
-        let estimated_now = crate::clock::now().timestamp_millis() + offset;
+        let since = i64::try_from(read_at.elapsed().as_millis()).unwrap_or(i64::MAX);
+        let estimated_now = read_ms.saturating_add(since);
         // A second early rather than late: the store's clock decides.
-        interval_over(&route.canary, &route.status, estimated_now + 1_000)
+        interval_over(
+            &route.canary,
+            &route.status,
+            estimated_now.saturating_add(1_000),
+        )
     }
 
     async fn judge_one(&mut self, route: &Followed) -> Result<bool, StoreError> {
         let Some(judged) = self.store.judged(route.route_id).await? else {
             return Ok(false);
         };
-        self.clock_offset_ms = Some(judged.now_ms - crate::clock::now().timestamp_millis());
+        self.store_clock = Some((judged.now_ms, Instant::now()));
         if !interval_over(&route.canary, &judged.status, judged.now_ms) {
             return Ok(false);
         }
