@@ -44,8 +44,9 @@ CREATE TABLE canary_decisions (
 
 -- Each gateway's counts of each backend of a canary route, one row per backend and flush (about
 -- a second) stamped with the database's clock; the lease holder sums the rows of an interval.
--- `latency`: a JSON object of histogram bucket → count. Runtime state: no triggers, no foreign
--- key (a route deleted meanwhile must not fail a flush); rows an hour old are deleted.
+-- `latency`: a JSON array of counts per latency bucket (src/model/canary.rs). Runtime state: no
+-- triggers, no foreign key (a route deleted meanwhile must not fail a flush); rows an hour old
+-- are deleted.
 CREATE TABLE canary_counts (
     route_id    INTEGER NOT NULL,
     instance_id TEXT    NOT NULL,
