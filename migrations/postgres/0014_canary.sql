@@ -28,15 +28,16 @@ CREATE TABLE canary_decisions (
 
 CREATE TABLE canary_counts (
     route_id    BIGINT  NOT NULL,
+    round       BIGINT  NOT NULL,
     instance_id TEXT    NOT NULL,
-    at_ms       BIGINT  NOT NULL,
     backend     BIGINT  NOT NULL,
     requests    BIGINT  NOT NULL,
     errors      BIGINT  NOT NULL,
     latency     TEXT    NOT NULL,
-    PRIMARY KEY (route_id, instance_id, at_ms, backend)
+    updated_at  BIGINT  NOT NULL,
+    PRIMARY KEY (route_id, round, instance_id, backend)
 );
-CREATE INDEX canary_counts_by_age ON canary_counts (at_ms);
+CREATE INDEX canary_counts_by_age ON canary_counts (updated_at);
 
 CREATE TABLE canary_leases (
     route_id    BIGINT  PRIMARY KEY,

@@ -42,22 +42,23 @@ CREATE TABLE canary_decisions (
     PRIMARY KEY (route_id, round)
 );
 
--- Each gateway's counts of each backend of a canary route, one row per backend and flush (about
--- a second) stamped with the database's clock; the lease holder sums the rows of an interval.
--- `latency`: a JSON array of counts per latency bucket (src/model/canary.rs). Runtime state: no
--- triggers, no foreign key (a route deleted meanwhile must not fail a flush); rows an hour old
--- are deleted.
+-- Each gateway's counts of each backend of a canary route in each round (the interval the
+-- request was served in, as the gateway's snapshot said), added to about once a second; the
+-- lease holder sums the rows of the round it judges. `latency`: a JSON array of counts per
+-- latency bucket (src/model/canary.rs). Runtime state: no triggers, no foreign key (a route
+-- deleted meanwhile must not fail a flush); rows untouched for two days are deleted.
 CREATE TABLE canary_counts (
     route_id    INTEGER NOT NULL,
+    round       INTEGER NOT NULL,
     instance_id TEXT    NOT NULL,
-    at_ms       INTEGER NOT NULL,
     backend     INTEGER NOT NULL,
     requests    INTEGER NOT NULL,
     errors      INTEGER NOT NULL,
     latency     TEXT    NOT NULL,
-    PRIMARY KEY (route_id, instance_id, at_ms, backend)
+    updated_at  INTEGER NOT NULL,
+    PRIMARY KEY (route_id, round, instance_id, backend)
 );
-CREATE INDEX canary_counts_by_age ON canary_counts (at_ms);
+CREATE INDEX canary_counts_by_age ON canary_counts (updated_at);
 
 -- Which gateway judges a route's canary: as source_leases, by the database's clock.
 CREATE TABLE canary_leases (

@@ -30,7 +30,7 @@ use crate::model::{
     Canary, CanaryCounts, CanaryMove, CanaryState, CanaryStatus, Id, IntervalCounts,
 };
 use crate::snapshot::{CanaryCounters, SnapshotHandle};
-use crate::store::{CountsReport, JudgedCanary, Store, StoreError};
+use crate::store::{canary_key, CountsReport, JudgedCanary, Store, StoreError};
 
 /// How often counts are added to the store and due intervals judged.
 pub const CANARY_SYNC: Duration = Duration::from_secs(1);
@@ -60,6 +60,8 @@ pub trait CanaryStore: Send + Sync + 'static {
         moved: &CanaryMove,
         counts: &[IntervalCounts],
     ) -> impl Future<Output = Result<Option<CanaryStatus>, StoreError>> + Send;
+
+    fn release(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 impl CanaryStore for Store {
@@ -83,6 +85,10 @@ impl CanaryStore for Store {
         counts: &[IntervalCounts],
     ) -> Result<Option<CanaryStatus>, StoreError> {
         Store::move_canary(self, route_id, from_round, moved, counts).await
+    }
+
+    async fn release(&self) -> Result<(), StoreError> {
+        self.release_canary_leases().await
     }
 }
 
@@ -152,7 +158,9 @@ pub(super) fn spawn<S: CanaryStore>(
     let judge = Judge {
         store,
         snapshots,
-        lease,
+        // Renewed every second: a shorter lease would lapse between renewals and pass from
+        // gateway to gateway.
+        lease: lease.max(CANARY_SYNC * 3),
         moved,
         shared: canaries.shared.clone(),
         unsent: HashMap::new(),
@@ -165,6 +173,9 @@ pub(super) fn spawn<S: CanaryStore>(
 /// A canary route of the live snapshot.
 struct Followed {
     route_id: Id,
+    /// What the canary was started for ([`canary_key`]): judged only while the store says the
+    /// same, so a gateway whose reloads lag never judges a new canary by its old steps.
+    key: String,
     canary: Canary,
     status: CanaryStatus,
     counters: Arc<CanaryCounters>,
@@ -176,8 +187,10 @@ struct Judge<S> {
     lease: Duration,
     moved: mpsc::Sender<()>,
     shared: Arc<Shared>,
-    /// Counts taken but not yet in the store (a flush failed), by route and backend.
-    unsent: HashMap<(Id, u32), CanaryCounts>,
+    /// Counts taken but not yet in the store (a flush failed), by route, round and backend: kept
+    /// in the round they were served in, so counts held through an outage are never judged
+    /// with a later step's.
+    unsent: HashMap<(Id, i64, u32), CanaryCounts>,
     /// The store's clock as last read (from the last judged canary) and when: an interval not
     /// yet over by that reading plus the monotonic time since is not read. Monotonic, not the
     /// wall clock: a wall-clock step back would otherwise hold every judgement by as much.
@@ -200,9 +213,11 @@ impl<S: CanaryStore> Judge<S> {
             .routes()
             .into_iter()
             .filter_map(|entry| {
+                let canary = entry.route.canary.clone()?;
                 Some(Followed {
                     route_id: entry.route.id,
-                    canary: entry.route.canary.clone()?,
+                    key: canary_key(&canary, &entry.route.backends),
+                    canary,
                     status: entry.route.canary_status.clone()?,
                     counters: entry.canary.clone()?,
                 })
@@ -243,7 +258,7 @@ impl<S: CanaryStore> Judge<S> {
     async fn flush(&mut self, routes: &[Followed]) -> Result<(), ControlError> {
         let live: HashSet<Id> = routes.iter().map(|route| route.route_id).collect();
         self.unsent
-            .retain(|(route_id, _), _| live.contains(route_id));
+            .retain(|(route_id, _, _), _| live.contains(route_id));
         for route in routes {
             for (backend, counts) in route.counters.take().into_iter().enumerate() {
                 if counts.is_empty() {
@@ -251,7 +266,7 @@ impl<S: CanaryStore> Judge<S> {
                 }
                 let backend = u32::try_from(backend).unwrap_or(u32::MAX);
                 self.unsent
-                    .entry((route.route_id, backend))
+                    .entry((route.route_id, route.status.round, backend))
                     .or_default()
                     .add(&counts);
             }
@@ -262,8 +277,9 @@ impl<S: CanaryStore> Judge<S> {
         let reports: Vec<CountsReport> = self
             .unsent
             .iter()
-            .map(|(&(route_id, backend), counts)| CountsReport {
+            .map(|(&(route_id, round, backend), counts)| CountsReport {
                 route_id,
+                round,
                 backend,
                 counts: counts.clone(),
             })
@@ -291,6 +307,12 @@ impl<S: CanaryStore> Judge<S> {
             .await?
             .into_iter()
             .collect();
+        if self.shared.stopped.load(Ordering::Relaxed) {
+            // Stopped while taking them (a graceful shutdown released the leases meanwhile):
+            // free them again, so the next gateway judges at once, not after a lease.
+            self.store.release().await?;
+            return Ok(());
+        }
         *lock(&self.shared.held) = held.clone();
         let mut moved_any = false;
         let mut failed = None;
@@ -334,7 +356,8 @@ impl<S: CanaryStore> Judge<S> {
             return Ok(false);
         };
         self.store_clock = Some((judged.now_ms, Instant::now()));
-        if !interval_over(&route.canary, &judged.status, judged.now_ms) {
+        if judged.spec != route.key || !interval_over(&route.canary, &judged.status, judged.now_ms)
+        {
             return Ok(false);
         }
         let backends = route.counters.backends().max(judged.counts.len());

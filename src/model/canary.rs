@@ -333,9 +333,8 @@ impl CanaryCounts {
         self.errors as f64 * 100.0 / self.requests as f64
     }
 
-    /// The 99th percentile of the time to response headers in milliseconds, as the upper bound
-    /// of its bucket; None without timed requests, infinite when it falls in the last bucket.
-    pub fn p99_ms(&self) -> Option<f64> {
+    /// The latency bucket holding the 99th percentile; None without timed requests.
+    pub fn p99_bucket(&self) -> Option<usize> {
         let timed: u64 = self.latency.iter().sum();
         if timed == 0 {
             return None;
@@ -346,10 +345,30 @@ impl CanaryCounts {
         for (index, count) in self.latency.iter().enumerate() {
             seen += count;
             if seen >= wanted {
-                return Some(latency_bound_micros(index) / 1000.0);
+                return Some(index);
             }
         }
-        Some(f64::INFINITY)
+        Some(LATENCY_BUCKETS - 1)
+    }
+
+    /// The 99th percentile of the time to response headers in milliseconds, as the upper bound
+    /// of its bucket (for display); None without timed requests, infinite in the last bucket.
+    pub fn p99_ms(&self) -> Option<f64> {
+        self.p99_bucket()
+            .map(|bucket| latency_bound_micros(bucket) / 1000.0)
+    }
+
+    /// Whether the 99th percentile is certainly above `max_ms`: its whole bucket lies above
+    /// it. A bucket spans up to 19 %, so a p99 just above the bound within its bucket passes;
+    /// a p99 within bounds never fails.
+    pub fn p99_above(&self, max_ms: u64) -> bool {
+        self.p99_bucket().is_some_and(|bucket| {
+            let lower_micros = match bucket {
+                0 => 0.0,
+                bucket => latency_bound_micros(bucket - 1),
+            };
+            lower_micros >= max_ms as f64 * 1000.0
+        })
     }
 }
 

@@ -17,20 +17,34 @@ use crate::model::{
 
 /// Decisions kept per route; older ones are deleted as new ones come.
 const HISTORY: i64 = 100;
-/// Counts older than this are deleted by whichever gateway flushes next.
-const FORGET_COUNTS_AFTER_MS: i64 = 3_600_000;
-/// Rows written per statement: 7 binds each.
-const COUNTS_PER_STATEMENT: usize = 500;
+/// Counts untouched for this long are deleted by whichever gateway flushes next: longer than
+/// the longest interval (a day), so no round being judged loses any.
+const FORGET_COUNTS_AFTER_MS: i64 = 2 * 86_400_000;
+/// Leases this long past their expiry belong to routes deleted or no longer judged.
+const FORGET_LEASES_AFTER_MS: i64 = 3_600_000;
 
-/// What a canary was started for: a route write that changes it starts the canary again.
-pub(super) fn canary_key(canary: &Canary, backends: &[RouteBackend]) -> String {
-    serde_json::json!({"canary": canary, "backends": backends}).to_string()
+/// What a canary was started for: a route write that changes it starts the canary again. Only
+/// what makes its progress mean something else: the steps, which backend is the canary and what
+/// it sends to, and how many backends share the rest. New bounds, an interval or the other
+/// backends' weights apply from the next judgement, and a promoted canary stays promoted.
+pub fn canary_key(canary: &Canary, backends: &[RouteBackend]) -> String {
+    let canary_backend = backends
+        .get(canary.backend_index())
+        .map(|backend| (backend.service_id, &backend.subset));
+    serde_json::json!({
+        "steps": canary.steps,
+        "backend": canary.backend,
+        "canary_backend": canary_backend,
+        "backends": backends.len(),
+    })
+    .to_string()
 }
 
-/// One backend's counts of one flush.
+/// One backend's counts of one flush, in the round the requests were served in.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CountsReport {
     pub route_id: Id,
+    pub round: i64,
     pub backend: u32,
     pub counts: CanaryCounts,
 }
@@ -38,16 +52,19 @@ pub struct CountsReport {
 /// A canary the judging gateway may decide on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JudgedCanary {
+    /// [`canary_key`] of the canary and backends the status belongs to.
+    pub spec: String,
     pub status: CanaryStatus,
     /// The database's clock now.
     pub now_ms: i64,
-    /// Every gateway's counts since the interval began, by backend position.
+    /// Every gateway's counts of the round being judged, by backend position.
     pub counts: Vec<CanaryCounts>,
 }
 
 /// Upserts the canary row of a route being written: inserted at the first step, or restarted
 /// when its canary or backends changed; the route without a canary loses it. Returns the
-/// round of a (re)start, for its history entry.
+/// round of a (re)start, for its history entry. Rounds go on from the route's history, so a
+/// canary removed and added again never takes a round (or a move read in one) of the last.
 macro_rules! sync_route_canary {
     ($transaction:expr, $route_id:expr, $spec:expr, $now:expr) => {{
         let spec: &crate::model::RouteSpec = $spec;
@@ -65,7 +82,10 @@ macro_rules! sync_route_canary {
                 let sql = format!(
                     "INSERT INTO route_canaries (route_id, spec, state, step, weight, round,
                         interval_started_ms, reason)
-                     VALUES ($1, $2, $3, $4, $5, 1, {now}, $6)
+                     VALUES ($1, $2, $3, $4, $5,
+                        (SELECT COALESCE(MAX(round), 0) + 1 FROM canary_decisions
+                            WHERE route_id = $1),
+                        {now}, $6)
                      ON CONFLICT (route_id) DO UPDATE
                         SET spec = excluded.spec, state = excluded.state, step = excluded.step,
                             weight = excluded.weight, round = route_canaries.round + 1,
@@ -190,6 +210,13 @@ pub(super) fn status_of(
     })
 }
 
+#[derive(sqlx::FromRow)]
+struct JudgedRow {
+    spec: String,
+    #[sqlx(flatten)]
+    status: StatusRow,
+}
+
 impl TryFrom<StatusRow> for CanaryStatus {
     type Error = StoreError;
     fn try_from(row: StatusRow) -> Result<CanaryStatus, StoreError> {
@@ -207,30 +234,19 @@ impl TryFrom<StatusRow> for CanaryStatus {
 
 const STATUS_SQL: &str = "SELECT state, step, weight, round, interval_started_ms, reason
     FROM route_canaries WHERE route_id = $1";
+const JUDGED_SQL: &str = "SELECT spec, state, step, weight, round, interval_started_ms, reason
+    FROM route_canaries WHERE route_id = $1";
 
-fn counts_sql(count: usize) -> String {
-    let rows: Vec<String> = (0..count)
-        .map(|row| {
-            let first = 3 + row * 5;
-            format!(
-                "(${first}, $1, $2, ${}, ${}, ${}, ${})",
-                first + 1,
-                first + 2,
-                first + 3,
-                first + 4
-            )
-        })
-        .collect();
-    format!(
-        "INSERT INTO canary_counts (route_id, instance_id, at_ms, backend, requests, errors, latency)
-         VALUES {}
-         ON CONFLICT (route_id, instance_id, at_ms, backend) DO UPDATE
-            SET requests = canary_counts.requests + excluded.requests,
-                errors = canary_counts.errors + excluded.errors,
-                latency = excluded.latency",
-        rows.join(", ")
-    )
-}
+/// One row of counts, whole: the store adds the flush to what the row held (a histogram is
+/// added in Rust, not SQL).
+const COUNTS_READ_SQL: &str = "SELECT requests, errors, latency FROM canary_counts
+    WHERE route_id = $1 AND round = $2 AND instance_id = $3 AND backend = $4";
+const COUNTS_WRITE_SQL: &str = "INSERT INTO canary_counts
+        (route_id, round, instance_id, backend, requests, errors, latency, updated_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+    ON CONFLICT (route_id, round, instance_id, backend) DO UPDATE
+        SET requests = excluded.requests, errors = excluded.errors, latency = excluded.latency,
+            updated_at = excluded.updated_at";
 
 fn take_leases_sql(now: &str, contested: bool, count: usize) -> String {
     let only_if_free = if contested {
@@ -321,23 +337,15 @@ impl Store {
         row.map(CanaryStatus::try_from).transpose()
     }
 
-    /// Adds this gateway's counts of one flush, stamped with the database's clock, and deletes
-    /// anyone's counts (and leases) an hour old.
+    /// Adds this gateway's counts of one flush to its rows of their rounds, and deletes anyone's
+    /// rows untouched for two days and leases an hour past their expiry. A handful of rows a
+    /// second (one per canary route, round and backend), each read and written whole.
     pub async fn add_canary_counts(&self, reports: &[CountsReport]) -> Result<(), StoreError> {
         let now = self.now_sql();
         let instance = self.instance_id();
-        let reports: Vec<(Id, i64, i64, i64, String)> = reports
+        let reports: Vec<&CountsReport> = reports
             .iter()
             .filter(|report| !report.counts.is_empty())
-            .map(|report| {
-                (
-                    report.route_id,
-                    i64::from(report.backend),
-                    saturating_i64(report.counts.requests),
-                    saturating_i64(report.counts.errors),
-                    latency_text(&report.counts.latency),
-                )
-            })
             .collect();
         if reports.is_empty() {
             return Ok(());
@@ -347,26 +355,44 @@ impl Store {
             let at: i64 = sqlx::query_scalar(&format!("SELECT {now}"))
                 .fetch_one(&mut *transaction)
                 .await?;
-            for chunk in reports.chunks(COUNTS_PER_STATEMENT) {
-                let sql = counts_sql(chunk.len());
-                let mut query = sqlx::query(&sql).bind(instance).bind(at);
-                for (route_id, backend, requests, errors, latency) in chunk {
-                    query = query
-                        .bind(*route_id)
-                        .bind(*backend)
-                        .bind(*requests)
-                        .bind(*errors)
-                        .bind(latency);
-                }
-                query.execute(&mut *transaction).await?;
+            for report in &reports {
+                let backend = i64::from(report.backend);
+                let held: Option<(i64, i64, String)> = sqlx::query_as(COUNTS_READ_SQL)
+                    .bind(report.route_id)
+                    .bind(report.round)
+                    .bind(instance)
+                    .bind(backend)
+                    .fetch_optional(&mut *transaction)
+                    .await?;
+                let mut sum = match held {
+                    Some(held) => counts_of(held)?,
+                    None => CanaryCounts::default(),
+                };
+                sum.add(&report.counts);
+                sqlx::query(COUNTS_WRITE_SQL)
+                    .bind(report.route_id)
+                    .bind(report.round)
+                    .bind(instance)
+                    .bind(backend)
+                    .bind(saturating_i64(sum.requests))
+                    .bind(saturating_i64(sum.errors))
+                    .bind(latency_text(&sum.latency))
+                    .bind(at)
+                    .execute(&mut *transaction)
+                    .await?;
             }
-            // Leases an hour past their expiry belong to routes deleted or no longer judged.
-            for sql in [
-                "DELETE FROM canary_counts WHERE at_ms < $1",
-                "DELETE FROM canary_leases WHERE expires_at < $1",
+            for (sql, age) in [
+                (
+                    "DELETE FROM canary_counts WHERE updated_at < $1",
+                    FORGET_COUNTS_AFTER_MS,
+                ),
+                (
+                    "DELETE FROM canary_leases WHERE expires_at < $1",
+                    FORGET_LEASES_AFTER_MS,
+                ),
             ] {
                 sqlx::query(sql)
-                    .bind(at - FORGET_COUNTS_AFTER_MS)
+                    .bind(at - age)
                     .execute(&mut *transaction)
                     .await?;
             }
@@ -426,54 +452,54 @@ impl Store {
         Ok(())
     }
 
-    /// A canary as the judging gateway sees it: its status, the database's clock, and every
-    /// gateway's counts since its interval began. None when the route has no canary.
+    /// A canary as the judging gateway sees it: what it was started for, its status, the
+    /// database's clock, and every gateway's counts of its round. None when the route has none.
     pub async fn judged_canary(&self, route_id: Id) -> Result<Option<JudgedCanary>, StoreError> {
         let now_sql = format!("SELECT {}", self.now_sql());
         let found = on_pool!(self, |pool| {
             let mut transaction = pool.begin().await?;
-            let status: Option<StatusRow> = sqlx::query_as(STATUS_SQL)
+            let status: Option<JudgedRow> = sqlx::query_as(JUDGED_SQL)
                 .bind(route_id)
                 .fetch_optional(&mut *transaction)
                 .await?;
             let found = match status {
                 None => None,
-                Some(status) => {
+                Some(JudgedRow { spec, status }) => {
                     let now: i64 = sqlx::query_scalar(&now_sql)
                         .fetch_one(&mut *transaction)
                         .await?;
                     let rows: Vec<(i64, i64, i64, String)> = sqlx::query_as(
                         "SELECT backend, requests, errors, latency FROM canary_counts
-                         WHERE route_id = $1 AND at_ms > $2",
+                         WHERE route_id = $1 AND round = $2",
                     )
                     .bind(route_id)
-                    .bind(status.interval_started_ms)
+                    .bind(status.round)
                     .fetch_all(&mut *transaction)
                     .await?;
-                    Some((status, now, rows))
+                    Some((spec, status, now, rows))
                 }
             };
             transaction.commit().await?;
             found
         });
-        let Some((status, now_ms, rows)) = found else {
+        let Some((spec, status, now_ms, rows)) = found else {
             return Ok(None);
         };
         let mut by_backend: HashMap<usize, CanaryCounts> = HashMap::new();
         for (backend, requests, errors, latency) in rows {
             let backend = usize::try_from(backend)
                 .map_err(|_| StoreError::Corrupt("canary counts backend".to_owned()))?;
-            by_backend.entry(backend).or_default().add(&CanaryCounts {
-                requests: u64::try_from(requests).unwrap_or(0),
-                errors: u64::try_from(errors).unwrap_or(0),
-                latency: latency_of(&latency)?,
-            });
+            by_backend
+                .entry(backend)
+                .or_default()
+                .add(&counts_of((requests, errors, latency))?);
         }
         let backends = by_backend.keys().max().map_or(0, |last| last + 1);
         let counts = (0..backends)
             .map(|backend| by_backend.remove(&backend).unwrap_or_default())
             .collect();
         Ok(Some(JudgedCanary {
+            spec,
             status: status.try_into()?,
             now_ms,
             counts,
@@ -490,6 +516,15 @@ fn latency_text(latency: &[u64]) -> String {
     serde_json::to_string(latency).expect("counts always serialise")
 }
 
+/// A row's (requests, errors, latency) as counts.
+fn counts_of((requests, errors, latency): (i64, i64, String)) -> Result<CanaryCounts, StoreError> {
+    Ok(CanaryCounts {
+        requests: u64::try_from(requests).unwrap_or(0),
+        errors: u64::try_from(errors).unwrap_or(0),
+        latency: latency_of(&latency)?,
+    })
+}
+
 fn latency_of(text: &str) -> Result<Vec<u64>, StoreError> {
     serde_json::from_str(text)
         .map_err(|error| StoreError::Corrupt(format!("canary latency counts: {error}")))
@@ -500,10 +535,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn statements_number_their_binds_in_order() {
-        assert!(
-            counts_sql(2).contains("($3, $1, $2, $4, $5, $6, $7), ($8, $1, $2, $9, $10, $11, $12)")
-        );
+    fn lease_statements_number_their_binds_in_order() {
         assert!(take_leases_sql("NOW", true, 2).contains("route_id IN ($3, $4)"));
         assert!(!take_leases_sql("NOW", false, 1).contains("expires_at <="));
     }

@@ -38,7 +38,7 @@ mod targets;
 #[path = "../../tests/common/postgres.rs"]
 mod test_postgres;
 mod tokens;
-pub use canary::{CountsReport, JudgedCanary};
+pub use canary::{canary_key, CountsReport, JudgedCanary};
 pub use certificates::NewCertificate;
 pub use changes::{ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS};
 pub use rate_limits::{DemandReport, DemandRow, RateExchange};

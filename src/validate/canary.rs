@@ -1,17 +1,25 @@
 //! A route's canary (TRAFFIC.md §4).
 
 use super::ValidationError;
-use crate::model::{Canary, MIN_CANARY_INTERVAL_MS};
+use crate::model::{Backend, Canary, MIN_CANARY_INTERVAL_MS};
 
 /// Longest interval a step may be judged over: a day.
 const MAX_CANARY_INTERVAL_MS: u64 = 86_400_000;
 const MAX_STEPS: usize = 100;
 const MAX_MIN_REQUESTS: u64 = 1_000_000_000;
-/// Highest `max_p99_ms`: what the latency histogram still tells apart (about a minute).
-const MAX_P99_MS: u64 = 60_000;
+/// Highest `max_p99_ms`: the latency histogram's last bounded bucket ends at 46 s, so a p99
+/// above a higher bound could not be told from one below it.
+const MAX_P99_MS: u64 = 45_000;
 
-/// `backends`: how many backends the route has (after the `service_id` shorthand).
-pub fn canary(canary: &Canary, backends: usize) -> Result<(), ValidationError> {
+/// `backends`: the route's backends (after the `service_id` shorthand).
+pub fn canary(canary: &Canary, backends: &[Backend]) -> Result<(), ValidationError> {
+    let others_weight: u64 = backends
+        .iter()
+        .enumerate()
+        .filter(|(index, _)| *index != canary.backend_index())
+        .map(|(_, backend)| u64::from(backend.weight))
+        .sum();
+    let backends = backends.len();
     if backends < 2 {
         return Err(ValidationError::new(
             "canary",
@@ -25,6 +33,13 @@ pub fn canary(canary: &Canary, backends: usize) -> Result<(), ValidationError> {
                 "the position of one of the route's {backends} backends (0 to {})",
                 backends - 1
             ),
+        ));
+    }
+    if others_weight == 0 {
+        return Err(ValidationError::new(
+            "canary.backend",
+            "the other backends' weights add up to 0: nothing would take the rest of the \
+             requests, or all of them after a rollback",
         ));
     }
     steps(&canary.steps)?;
@@ -89,13 +104,19 @@ mod tests {
         serde_json::from_value(value).unwrap()
     }
 
-    fn field_of(value: serde_json::Value, backends: usize) -> String {
-        canary(&parsed(value), backends).unwrap_err().field
+    fn backends(count: usize) -> Vec<Backend> {
+        (0..count)
+            .map(|index| Backend::whole(index as i64 + 1))
+            .collect()
+    }
+
+    fn field_of(value: serde_json::Value, count: usize) -> String {
+        canary(&parsed(value), &backends(count)).unwrap_err().field
     }
 
     #[test]
     fn the_defaults_on_two_backends_are_valid() {
-        assert!(canary(&parsed(serde_json::json!({"backend": 1})), 2).is_ok());
+        assert!(canary(&parsed(serde_json::json!({"backend": 1})), &backends(2)).is_ok());
         let defaults = parsed(serde_json::json!({"backend": 1}));
         assert_eq!(defaults.steps, vec![5, 25, 50, 100]);
         assert_eq!(defaults.step_interval_ms, 60_000);
@@ -141,5 +162,13 @@ mod tests {
             field_of(json!({"backend": 1, "max_p99_ms": 0}), 2),
             "canary.max_p99_ms"
         );
+        assert_eq!(
+            field_of(json!({"backend": 1, "max_p99_ms": 45_001}), 2),
+            "canary.max_p99_ms"
+        );
+        let mut idle_stable = backends(2);
+        idle_stable[0].weight = 0;
+        let refused = canary(&parsed(json!({"backend": 1})), &idle_stable).unwrap_err();
+        assert_eq!(refused.field, "canary.backend");
     }
 }

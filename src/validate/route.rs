@@ -85,7 +85,7 @@ pub fn route(mut spec: RouteSpec) -> Result<RouteSpec, ValidationError> {
     }
     super::limits::max_in_flight(spec.max_in_flight)?;
     if let Some(canary) = &spec.canary {
-        super::canary::canary(canary, spec.backends.len())?;
+        super::canary::canary(canary, &spec.backends)?;
     }
     Ok(spec)
 }

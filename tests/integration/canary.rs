@@ -1193,3 +1193,69 @@ impl Hits<'_> {
         self.0.iter().map(Upstream::hits).sum()
     }
 }
+
+/// What a route write does to its canary: new bounds keep its progress (a promoted canary stays
+/// promoted), new steps start it again, and a canary removed and added again goes on from the
+/// route's last round, its history in order.
+#[tokio::test]
+async fn route_writes_restart_a_canary_only_when_its_progress_would_mean_something_else() {
+    let gateway = TestGateway::start().await;
+    let stable = Upstream::start("stable").await;
+    let canary = Upstream::start("canary").await;
+    let services = two_services(&gateway, stable.addr, canary.addr).await;
+    let spec = json!({"backend": 1, "steps": [10, 100], "step_interval_ms": 600_000});
+    let route = canary_route(&gateway, "rewritten", services, spec).await;
+    let patch = |body: Value| {
+        let gateway = &gateway;
+        async move {
+            let (status, answer) = gateway
+                .api("PATCH", &format!("/api/v1/routes/{route}"), Some(body))
+                .await;
+            assert_eq!(status, StatusCode::OK, "{answer}");
+        }
+    };
+    let (status, promoted) = act(&gateway, route, "promote").await;
+    assert_eq!(status, StatusCode::OK, "{promoted}");
+    assert_eq!(round_of(&promoted), 2);
+
+    patch(json!({"canary": {"max_error_percent": 5.0, "max_p99_ms": 800}})).await;
+    let view = canary_view(&gateway, route).await;
+    assert_eq!(
+        (view["state"].clone(), round_of(&view)),
+        (json!("promoted"), 2)
+    );
+    assert_eq!(view["canary"]["max_p99_ms"], 800);
+    assert_eq!(applied_weight(&gateway, "rewritten").await, Some(100));
+
+    patch(json!({"canary": {"steps": [20, 100]}})).await;
+    let view = canary_view(&gateway, route).await;
+    assert_eq!(
+        (
+            view["state"].clone(),
+            view["weight"].clone(),
+            round_of(&view)
+        ),
+        (json!("progressing"), json!(20), 3)
+    );
+
+    patch(json!({"canary": null})).await;
+    let (status, _) = gateway
+        .api("GET", &format!("/api/v1/routes/{route}/canary"), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    patch(json!({"canary": {"backend": 1, "steps": [30, 100], "step_interval_ms": 600_000}})).await;
+    let view = canary_view(&gateway, route).await;
+    assert_eq!((view["weight"].clone(), round_of(&view)), (json!(30), 4));
+    let rounds: Vec<i64> = history(&view)
+        .iter()
+        .map(|entry| entry["round"].as_i64().unwrap())
+        .collect();
+    assert_eq!(rounds, vec![1, 2, 3, 4], "{view}");
+    assert!(
+        history(&view)[3]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("started at step 1 (30 %)"),
+        "{view}"
+    );
+}

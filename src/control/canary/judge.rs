@@ -30,12 +30,19 @@ pub fn judge(canary: &Canary, status: &CanaryStatus, counts: &CanaryCounts) -> C
                 counts.errors, counts.requests, canary.min_requests
             ));
         }
+        // No request at all: the canary backend may have had no available target (its share
+        // went to the others), which holds it as long as it lasts; say so.
+        let why = if counts.requests == 0 {
+            " (none reached the canary backend: has it an available target?)"
+        } else {
+            ""
+        };
         return CanaryMove {
             state: CanaryState::Progressing,
             step: status.step,
             weight: status.weight,
             reason: format!(
-                "{} requests < min_requests {}: step {} ({} %) held",
+                "{} requests < min_requests {}{why}: step {} ({} %) held",
                 counts.requests,
                 canary.min_requests,
                 status.step + 1,
@@ -51,9 +58,10 @@ pub fn judge(canary: &Canary, status: &CanaryStatus, counts: &CanaryCounts) -> C
         ));
     }
     let p99 = counts.p99_ms();
-    if let (Some(max_p99), Some(p99)) = (canary.max_p99_ms, p99) {
-        if p99 > max_p99 as f64 {
-            return rolled_back(format!("p99 {} > max_p99_ms {max_p99}", p99_text(p99)));
+    if let Some(max_p99) = canary.max_p99_ms {
+        if counts.p99_above(max_p99) {
+            let p99 = p99.map_or_else(|| "unknown".to_owned(), p99_text);
+            return rolled_back(format!("p99 up to {p99} > max_p99_ms {max_p99}"));
         }
     }
     let in_bounds = format!(

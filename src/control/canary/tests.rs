@@ -229,6 +229,8 @@ struct Books {
     failing_judged: HashSet<Id>,
     /// Whether this gateway may hold the leases.
     lease_free: bool,
+    /// What `judged` says the canary was started for, when not this test's canary.
+    spec_override: Option<String>,
     flush_calls: Vec<(i64, Vec<CountsReport>)>,
     lease_calls: Vec<(i64, Vec<Id>)>,
     judged_calls: Vec<(i64, Id)>,
@@ -353,10 +355,10 @@ impl CanaryStore for FakeStore {
         let Some(status) = books.statuses.get(&route_id).cloned() else {
             return Ok(None);
         };
-        // As the store: every flush stamped after the interval began.
+        // As the store: every flush of the round being judged.
         let mut counts: Vec<CanaryCounts> = Vec::new();
-        for (at, report) in &books.counts {
-            if report.route_id != route_id || *at <= status.interval_started_ms {
+        for (_, report) in &books.counts {
+            if report.route_id != route_id || report.round != status.round {
                 continue;
             }
             let backend = report.backend as usize;
@@ -366,10 +368,18 @@ impl CanaryStore for FakeStore {
             counts[backend].add(&report.counts);
         }
         Ok(Some(JudgedCanary {
+            spec: books.spec_override.clone().unwrap_or_else(|| {
+                canary_key(&task_canary(), &[Backend::whole(1), Backend::whole(2)])
+            }),
             status,
             now_ms,
             counts,
         }))
+    }
+
+    async fn release(&self) -> Result<(), StoreError> {
+        self.books().lease_free = true;
+        Ok(())
     }
 
     async fn move_canary(
@@ -870,5 +880,94 @@ async fn a_route_that_cannot_be_judged_neither_holds_nor_hides_the_others() {
     assert!(
         harness.told(),
         "routes 1 and 3 moved: this gateway must apply them though route 2 failed"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn counts_held_through_an_outage_stay_in_the_round_they_were_served_in() {
+    let store = FakeStore::new();
+    store.set_canary(1, CanaryState::Progressing, 0, 1, Duration::ZERO);
+    store.books().lease_free = false;
+    store.books().failing_flushes = 1;
+    let mut harness = Harness::start(&store);
+    // Served at round 1, all failing; the flush fails and the counts are kept.
+    harness.serve(1, 1, 10, 10);
+    until(&store, ms(1_500)).await;
+    assert_eq!(store.stored(1, 1), (0, 0));
+    // An operator's action moves the canary to round 2 meanwhile; this gateway applies it.
+    store.set_canary(1, CanaryState::Progressing, 1, 2, Duration::ZERO);
+    harness.apply();
+    harness.serve(1, 1, 5, 0);
+    until(&store, ms(2_500)).await;
+    let rounds: BTreeMap<i64, (u64, u64)> =
+        store
+            .books()
+            .counts
+            .iter()
+            .fold(BTreeMap::new(), |mut rounds, (_, report)| {
+                let entry = rounds.entry(report.round).or_insert((0, 0));
+                entry.0 += report.counts.requests;
+                entry.1 += report.counts.errors;
+                rounds
+            });
+    assert_eq!(
+        rounds,
+        BTreeMap::from([(1, (10, 10)), (2, (5, 0))]),
+        "the old round's errors are not judged with the new step"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_gateway_whose_configuration_lags_the_store_does_not_judge() {
+    let store = FakeStore::new();
+    // The store's canary was started for other steps than this gateway's snapshot says.
+    store.set_canary(1, CanaryState::Progressing, 0, 1, INTERVAL);
+    let mut other = task_canary();
+    other.steps = vec![20, 100];
+    let key = canary_key(&other, &[Backend::whole(1), Backend::whole(2)]);
+    store.books().spec_override = Some(key);
+    let mut harness = Harness::start(&store);
+    for second in 1..=3 {
+        harness.serve(1, 1, 20, 0);
+        until(&store, Duration::from_secs(second) + ms(500)).await;
+    }
+    assert!(!store.judged_at(1).is_empty(), "it read the canary");
+    assert!(
+        store.moves().is_empty(),
+        "and judged nothing on its old steps"
+    );
+    assert!(!harness.told());
+    // Once its configuration agrees, the due interval is judged.
+    store.books().spec_override = None;
+    until(&store, ms(4_500)).await;
+    assert_eq!(store.moves().len(), 1);
+}
+
+#[test]
+fn a_p99_rolls_back_only_when_its_whole_bucket_is_above_the_bound() {
+    let mut canary = canary();
+    canary.max_p99_ms = Some(1_000);
+    let at = status(CanaryState::Progressing, 1, 25);
+    // 900 ms: its bucket reaches past 1,000 ms, but the p99 may be below it: not rolled back.
+    let moved = judge(&canary, &at, &counts(1000, 0, 900));
+    assert_eq!(moved.state, CanaryState::Progressing, "{}", moved.reason);
+    // 1,300 ms: the bucket lies above the bound.
+    let moved = judge(&canary, &at, &counts(1000, 0, 1_300));
+    assert_eq!(moved.state, CanaryState::RolledBack, "{}", moved.reason);
+    assert!(moved.reason.contains("max_p99_ms 1000"), "{}", moved.reason);
+}
+
+#[test]
+fn a_hold_without_any_canary_request_says_why() {
+    let moved = judge(
+        &canary(),
+        &status(CanaryState::Progressing, 1, 25),
+        &counts(0, 0, 5),
+    );
+    assert_eq!(moved.state, CanaryState::Progressing);
+    assert!(
+        moved.reason.contains("none reached the canary backend"),
+        "{}",
+        moved.reason
     );
 }

@@ -316,11 +316,14 @@ fn forward<'a>(
         backend.requests.fetch_add(1, Ordering::Relaxed);
         let service = backend.service.clone();
         exchange.backend = Some(backend.label.clone());
-        exchange.backend_index = route
-            .backends
-            .list()
-            .iter()
-            .position(|listed| std::ptr::eq(listed, backend));
+        // Only a canary counts by backend position (a short search: backends are few).
+        if route.canary.is_some() {
+            exchange.backend_index = route
+                .backends
+                .list()
+                .iter()
+                .position(|listed| std::ptr::eq(listed, backend));
+        }
         if let Some(trace) = exchange.trace.as_deref_mut() {
             span::backend_chosen(trace, &backend.label);
         }
