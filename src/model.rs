@@ -10,8 +10,9 @@ mod retry;
 mod route_rules;
 
 pub use canary::{
-    last_step, latency_bucket, Canary, CanaryAction, CanaryCounts, CanaryDecision, CanaryMove,
-    CanaryState, CanaryStatus, IntervalCounts, LATENCY_BUCKETS, MIN_CANARY_INTERVAL_MS,
+    last_step, latency_bound_micros, latency_bucket, Canary, CanaryAction, CanaryCounts,
+    CanaryDecision, CanaryMove, CanaryState, CanaryStatus, IntervalCounts, LATENCY_BUCKETS,
+    MIN_CANARY_INTERVAL_MS,
 };
 pub use retry::{RetryBackoff, RetryBudget, RetryOn, RetryPolicy, MAX_RETRY_DELAY_MS};
 pub use route_rules::{

@@ -35,6 +35,11 @@ use crate::store::{canary_key, CountsReport, JudgedCanary, Store, StoreError};
 /// How often counts are added to the store and due intervals judged.
 pub const CANARY_SYNC: Duration = Duration::from_secs(1);
 
+/// How long after an interval's end it is judged: every gateway flushes once a second, so by
+/// then the others' counts of the interval's last second are in the store too (a judgement at
+/// the end itself would see only the judge's own).
+pub const ROUND_GRACE: Duration = Duration::from_millis(1_500);
+
 /// Where the counts go and the verdicts come from: the store, or a fake in tests.
 pub trait CanaryStore: Send + Sync + 'static {
     fn add_counts(
@@ -152,6 +157,7 @@ pub(super) fn spawn<S: CanaryStore>(
     store: S,
     snapshots: SnapshotHandle,
     lease: Duration,
+    grace: Duration,
     moved: mpsc::Sender<()>,
 ) -> (Canaries, CanaryTask) {
     let canaries = Canaries::default();
@@ -165,6 +171,8 @@ pub(super) fn spawn<S: CanaryStore>(
         shared: canaries.shared.clone(),
         unsent: HashMap::new(),
         store_clock: None,
+        grace_ms: i64::try_from(grace.as_millis()).unwrap_or(i64::MAX),
+        mismatched: HashSet::new(),
     };
     let join = tokio::spawn(judge.run());
     (canaries, CanaryTask(join))
@@ -195,6 +203,10 @@ struct Judge<S> {
     /// yet over by that reading plus the monotonic time since is not read. Monotonic, not the
     /// wall clock: a wall-clock step back would otherwise hold every judgement by as much.
     store_clock: Option<(i64, Instant)>,
+    /// [`ROUND_GRACE`] in milliseconds.
+    grace_ms: i64,
+    /// Routes whose stored canary differs from this gateway's snapshot, warned about once.
+    mismatched: HashSet<Id>,
 }
 
 impl<S: CanaryStore> Judge<S> {
@@ -231,7 +243,11 @@ impl<S: CanaryStore> Judge<S> {
         // An interval is judged only once this gateway's counts are in the store: judged
         // without them (a flush failed), the errors they hold could be missed and the canary
         // stepped up on the rest.
-        let judged = if self.shared.stopped.load(Ordering::Relaxed) || flushed.is_err() {
+        let stopped = self.shared.stopped.load(Ordering::Relaxed);
+        if stopped {
+            lock(&self.shared.held).clear();
+        }
+        let judged = if stopped || flushed.is_err() {
             Ok(())
         } else {
             self.judge_due(&routes).await
@@ -347,7 +363,9 @@ impl<S: CanaryStore> Judge<S> {
         interval_over(
             &route.canary,
             &route.status,
-            estimated_now.saturating_add(1_000),
+            estimated_now
+                .saturating_add(1_000)
+                .saturating_sub(self.grace_ms),
         )
     }
 
@@ -356,8 +374,19 @@ impl<S: CanaryStore> Judge<S> {
             return Ok(false);
         };
         self.store_clock = Some((judged.now_ms, Instant::now()));
-        if judged.spec != route.key || !interval_over(&route.canary, &judged.status, judged.now_ms)
-        {
+        if judged.spec != route.key {
+            if self.mismatched.insert(route.route_id) {
+                tracing::warn!(
+                    route_id = route.route_id,
+                    "this gateway's configuration of the canary is behind the store's; \
+                     it is not judged here until the next reload"
+                );
+            }
+            return Ok(false);
+        }
+        self.mismatched.remove(&route.route_id);
+        let judged_at = judged.now_ms.saturating_sub(self.grace_ms);
+        if !interval_over(&route.canary, &judged.status, judged_at) {
             return Ok(false);
         }
         let backends = route.counters.backends().max(judged.counts.len());

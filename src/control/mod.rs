@@ -726,6 +726,7 @@ pub async fn start(
         store.clone(),
         snapshots.clone(),
         cluster.lease,
+        canary::ROUND_GRACE,
         canary_moved,
     );
     let (rate_shares, rate_share_task) = rate_share::spawn(

@@ -487,8 +487,11 @@ impl Store {
         };
         let mut by_backend: HashMap<usize, CanaryCounts> = HashMap::new();
         for (backend, requests, errors, latency) in rows {
+            // A route has at most a few backends: a larger position is no row Raahi wrote.
             let backend = usize::try_from(backend)
-                .map_err(|_| StoreError::Corrupt("canary counts backend".to_owned()))?;
+                .ok()
+                .filter(|backend| *backend < 256)
+                .ok_or_else(|| StoreError::Corrupt("canary counts backend".to_owned()))?;
             by_backend
                 .entry(backend)
                 .or_default()

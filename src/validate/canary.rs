@@ -39,7 +39,8 @@ pub fn canary(canary: &Canary, backends: &[Backend]) -> Result<(), ValidationErr
         return Err(ValidationError::new(
             "canary.backend",
             "the other backends' weights add up to 0: nothing would take the rest of the \
-             requests, or all of them after a rollback",
+             requests, or all of them after a rollback (to send everything to a promoted \
+             canary, remove `canary` in the same change)",
         ));
     }
     steps(&canary.steps)?;

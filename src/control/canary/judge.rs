@@ -1,7 +1,10 @@
 //! The canary's verdict on one interval (TRAFFIC.md §4): pure, so every transition is tested
 //! without a store or a clock.
 
-use crate::model::{last_step, Canary, CanaryCounts, CanaryMove, CanaryState, CanaryStatus};
+use crate::model::{
+    last_step, latency_bound_micros, Canary, CanaryCounts, CanaryMove, CanaryState, CanaryStatus,
+    LATENCY_BUCKETS,
+};
 
 /// Whether the interval of a progressing canary has ended by the store's clock `now_ms`.
 pub fn interval_over(canary: &Canary, status: &CanaryStatus, now_ms: i64) -> bool {
@@ -91,6 +94,9 @@ fn p99_text(p99: f64) -> String {
     if p99.is_finite() {
         format!("{p99:.1} ms")
     } else {
-        "over a minute".to_owned()
+        format!(
+            "over {:.0} s",
+            latency_bound_micros(LATENCY_BUCKETS - 2) / 1e6
+        )
     }
 }

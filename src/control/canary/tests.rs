@@ -432,11 +432,16 @@ impl Harness {
     /// The task over `store`, whose canaries (routes 1, 2, ... as the store has them) the
     /// snapshot holds; its first turn is a second from now.
     fn start(store: &FakeStore) -> Harness {
+        Harness::start_with_grace(store, Duration::ZERO)
+    }
+
+    /// The same, judging `grace` after an interval's end (production: [`ROUND_GRACE`]).
+    fn start_with_grace(store: &FakeStore, grace: Duration) -> Harness {
         let mut carried = CarriedState::default();
         let snapshot = build_snapshot(&routing(store), &mut carried, 1);
         let snapshots = SnapshotHandle::new(snapshot);
         let (sender, moved) = mpsc::channel(1);
-        let (canaries, task) = spawn(store.clone(), snapshots.clone(), LEASE, sender);
+        let (canaries, task) = spawn(store.clone(), snapshots.clone(), LEASE, grace, sender);
         Harness {
             store: store.clone(),
             snapshots,
@@ -969,5 +974,43 @@ fn a_hold_without_any_canary_request_says_why() {
         moved.reason.contains("none reached the canary backend"),
         "{}",
         moved.reason
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_interval_is_judged_a_grace_after_its_end_with_the_others_last_counts() {
+    let store = FakeStore::new();
+    store.set_canary(1, CanaryState::Progressing, 0, 1, Duration::ZERO);
+    let harness = Harness::start_with_grace(&store, ROUND_GRACE);
+    harness.serve(1, 1, 20, 0);
+    until(&store, ms(5_500)).await;
+    assert!(store.moves().is_empty(), "not at the interval's end (5 s)");
+    // Another gateway's last second of the interval, flushed after its end: 20 errors.
+    store.books().counts.push((
+        store.now_ms(),
+        CountsReport {
+            route_id: 1,
+            round: 1,
+            backend: 1,
+            counts: CanaryCounts {
+                requests: 20,
+                errors: 20,
+                latency: vec![20],
+            },
+        },
+    ));
+    until(&store, ms(7_500)).await;
+    let moves = store.moves();
+    assert_eq!(moves.len(), 1);
+    assert_eq!(
+        store.since_start(moves[0].at_ms),
+        7_000,
+        "5 s + 1.5 s, at the next turn"
+    );
+    assert_eq!(
+        moves[0].to.state,
+        CanaryState::RolledBack,
+        "judged with the late counts: {}",
+        moves[0].to.reason
     );
 }
