@@ -35,9 +35,9 @@ use crate::store::{canary_key, CountsReport, JudgedCanary, Store, StoreError};
 /// How often counts are added to the store and due intervals judged.
 pub const CANARY_SYNC: Duration = Duration::from_secs(1);
 
-/// How long after an interval's end it is judged: every gateway flushes once a second, so by
-/// then the others' counts of the interval's last second are in the store too (a judgement at
-/// the end itself would see only the judge's own).
+/// How long after an interval's end it is judged (at most a quarter of the interval): every
+/// gateway flushes once a second, so by then the others' counts of the interval's last second
+/// are in the store too (a judgement at the end itself would see only the judge's own).
 pub const ROUND_GRACE: Duration = Duration::from_millis(1_500);
 
 /// Where the counts go and the verdicts come from: the store, or a fake in tests.
@@ -352,6 +352,13 @@ impl<S: CanaryStore> Judge<S> {
         failed.map_or(Ok(()), |error| Err(error.into()))
     }
 
+    /// The wait after an interval's end: [`ROUND_GRACE`], but at most a quarter of a short
+    /// interval, so a bad one is still rolled back within two.
+    fn grace_for(&self, canary: &Canary) -> i64 {
+        let quarter = i64::try_from(canary.step_interval_ms / 4).unwrap_or(i64::MAX);
+        self.grace_ms.min(quarter)
+    }
+
     /// Whether the route's interval may be over by the store's clock as last estimated.
     fn may_be_due(&self, route: &Followed) -> bool {
         let Some((read_ms, read_at)) = self.store_clock else {
@@ -365,7 +372,7 @@ impl<S: CanaryStore> Judge<S> {
             &route.status,
             estimated_now
                 .saturating_add(1_000)
-                .saturating_sub(self.grace_ms),
+                .saturating_sub(self.grace_for(&route.canary)),
         )
     }
 
@@ -385,7 +392,7 @@ impl<S: CanaryStore> Judge<S> {
             return Ok(false);
         }
         self.mismatched.remove(&route.route_id);
-        let judged_at = judged.now_ms.saturating_sub(self.grace_ms);
+        let judged_at = judged.now_ms.saturating_sub(self.grace_for(&route.canary));
         if !interval_over(&route.canary, &judged.status, judged_at) {
             return Ok(false);
         }
