@@ -144,9 +144,9 @@ async fn target_history(
 }
 
 /// Server-Sent Events: `snapshot` first (unless `Last-Event-ID` resumes from the ring), then
-/// `target`, `source` and `config` events with increasing ids, and a `: keep-alive` comment
-/// every 15 s. `?service_id=` keeps one service's events. A client that falls too far behind
-/// is cut off and should reconnect with `Last-Event-ID`.
+/// `target`, `source`, `config`, `route`, `canary` and `locality` events with increasing ids,
+/// and a `: keep-alive` comment every 15 s. `?service_id=` keeps one service's events. A client
+/// that falls too far behind is cut off and should reconnect with `Last-Event-ID`.
 #[utoipa::path(get, path = "/events", tag = "events",
     params(("service_id" = Option<Id>, Query, description = "only this service's events"),
         ("Last-Event-ID" = Option<u64>, Header, description = "resume after this event")),

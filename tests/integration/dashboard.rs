@@ -154,15 +154,7 @@ impl Fixture {
                 ],
             )
             .await;
-        let (status, created) = gateway
-            .api(
-                "POST",
-                "/api/v1/tokens",
-                Some(json!({"name": "ops-viewer", "role": "viewer"})),
-            )
-            .await;
-        assert_eq!(status, StatusCode::CREATED, "{created}");
-        let viewer = created["token"].as_str().expect("a token").to_owned();
+        let viewer = viewer_token(&gateway, "ops-viewer").await;
         Fixture {
             gateway,
             web,
@@ -841,6 +833,19 @@ async fn the_page_says_when_the_stream_is_down_and_recovers_after_a_restart() {
         )
         .await;
     browser.close().await;
+}
+
+/// A new viewer token named `name`: its secret.
+async fn viewer_token(gateway: &TestGateway, name: &str) -> String {
+    let (status, created) = gateway
+        .api(
+            "POST",
+            "/api/v1/tokens",
+            Some(json!({"name": name, "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    created["token"].as_str().expect("a token").to_owned()
 }
 
 /// The files themselves, without a browser: served without a token, with their types and a
@@ -1931,15 +1936,7 @@ async fn a_canary_shows_its_progress_and_decisions_live() {
                     "min_requests": 1000}}),
         )
         .await;
-    let (status, created) = gateway
-        .api(
-            "POST",
-            "/api/v1/tokens",
-            Some(json!({"name": "canary-viewer", "role": "viewer"})),
-        )
-        .await;
-    assert_eq!(status, StatusCode::CREATED, "{created}");
-    let viewer = created["token"].as_str().expect("a token").to_owned();
+    let viewer = viewer_token(&gateway, "canary-viewer").await;
     let canary_view = |route: i64| {
         let gateway = &gateway;
         async move {
