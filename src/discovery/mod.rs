@@ -200,6 +200,9 @@ pub enum DiscoveryError {
     /// The provider cannot tell where or how to reach its registry.
     #[error("{reason}")]
     ClientSetup { reason: String },
+    /// What the source names does not exist in the registry (a Kubernetes Service).
+    #[error("no {what}: {reason}")]
+    Absent { what: String, reason: String },
     /// A watch stream that ended without an error (the registry closed it).
     #[error("watch ended by the registry; reconnecting")]
     WatchEnded,

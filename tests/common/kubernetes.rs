@@ -4,7 +4,11 @@
 //!
 //! - `GET /apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices` (and the all-namespaces
 //!   `GET /apis/discovery.k8s.io/v1/endpointslices`): a **list**, or with `watch` a **watch**;
-//! - `GET /apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}`: a **get**.
+//! - `GET /apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices/{name}`: a **get**;
+//! - core/v1 Services, which the provider reads for their ports:
+//!   `GET /api/v1/namespaces/{namespace}/services/{name}` (a get) and
+//!   `GET /api/v1/namespaces/{namespace}/services` (and `/api/v1/services`) as a list or, with
+//!   `watch`, a watch (with `fieldSelector=metadata.name=<name>` to watch one).
 //!
 //! The controls are what the provider tests need: write and delete slices, compact the history,
 //! restart the "API server" with a new history, end watches, send bookmarks, require a bearer
@@ -93,6 +97,31 @@
 //!   when empty (no `omitempty`; an empty list read back from etcd's protobuf is nil). An update
 //!   that changes nothing is not written (no new resourceVersion, no event); `generation` goes up
 //!   only when `addressType`, `endpoints` or `ports` change (the registry strategy).
+//!
+//! - Services (api-concepts; k8s.io/api `core/v1/types.go`; `registry/core/service`): a Service
+//!   is `{"kind":"Service","apiVersion":"v1","metadata":{..},"spec":{"ports":[{"name","protocol",
+//!   "port","targetPort"}],"selector","clusterIP","clusterIPs","type","sessionAffinity",
+//!   "ipFamilies","ipFamilyPolicy","internalTrafficPolicy"},"status":{"loadBalancer":{}}}`; a
+//!   ServicePort's `name` is `omitempty` (a single port may be unnamed), `targetPort` an int or a
+//!   string; a Service has no `generation`. They share the one resourceVersion sequence (etcd's
+//!   revision) with the slices. A missing one is `404` `services "<name>" not found` with
+//!   `details: {"name": .., "kind": "services"}` (no group: the core group is ""). Its field
+//!   selectors are `metadata.name`, `metadata.namespace`, `spec.clusterIP` and `spec.type`. An
+//!   empty Service as Go serializes it, for a bookmark: `"spec":{}`, `"status":{"loadBalancer":{}}`.
+//! - RBAC denials on Services: `services "<name>" is forbidden: User "<user>" cannot <verb>
+//!   resource "services" in API group "" in the namespace "<ns>"`, details `{"name": ..,
+//!   "kind": "services"}`. A list or watch with a `metadata.name` field selector is authorized
+//!   (and denied) with that name (the request info carries it, so RBAC `resourceNames` can allow
+//!   it), hence `services "web" is forbidden` for the watch of one Service too.
+//!
+//! Two behaviours are switched on by a control rather than always, as only some servers show
+//! them: [`KubeFake::expire_watches_with_status`] answers a watch from a compacted resourceVersion
+//! with HTTP `410` and the `Expired` Status (what a watch served without the watch cache, or by
+//! a proxy or aggregated API server that checks the version before streaming, answers; api-concepts
+//! "410 Gone responses": "clients must handle the case by recognizing the status code 410 Gone")
+//! instead of the `200` stream with one `ERROR` event; [`KubeFake::compact_before_next_continue`]
+//! moves the resourceVersion on and compacts the history just before the next page with a
+//! `continue` token is read, as other writes and an etcd compaction between two pages do.
 //!
 //! Simplifications: the watch cache and etcd share one history (`compact()` expires both); a
 //! `sendInitialEvents=true` watch from a resourceVersion not reached yet starts at the current one
@@ -349,6 +378,158 @@ impl Slice {
     }
 }
 
+/// A ServicePort's `targetPort`: a number or a container port's name.
+#[derive(Clone, Debug)]
+pub enum TargetPort {
+    Number(u16),
+    Name(String),
+}
+
+/// A core/v1 Service, for [`KubeFake::apply_service`]: `type: ClusterIP`, selector `app=<name>`.
+#[derive(Clone, Debug)]
+pub struct Svc {
+    pub namespace: String,
+    pub name: String,
+    ports: Vec<(Option<String>, u16, Option<TargetPort>, String)>,
+    headless: bool,
+    external_name: Option<String>,
+}
+
+impl Svc {
+    pub fn new(namespace: &str, name: &str) -> Svc {
+        Svc {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            ports: Vec::new(),
+            headless: false,
+            external_name: None,
+        }
+    }
+
+    /// Adds a TCP port `port` (named or not) mapped to `target` (None: the same number, as the
+    /// API server defaults it).
+    pub fn port(self, name: Option<&str>, port: u16, target: Option<TargetPort>) -> Svc {
+        self.port_with_protocol(name, port, target, "TCP")
+    }
+
+    pub fn port_with_protocol(
+        mut self,
+        name: Option<&str>,
+        port: u16,
+        target: Option<TargetPort>,
+        protocol: &str,
+    ) -> Svc {
+        self.ports
+            .push((name.map(str::to_owned), port, target, protocol.to_owned()));
+        self
+    }
+
+    /// `clusterIP: None`.
+    pub fn headless(mut self) -> Svc {
+        self.headless = true;
+        self
+    }
+
+    /// `type: ExternalName` with this name.
+    pub fn external_name(mut self, name: &str) -> Svc {
+        self.external_name = Some(name.to_owned());
+        self
+    }
+
+    /// The object as a client would write it, with the fields the API server defaults.
+    pub fn to_json(&self) -> Value {
+        let ports: Vec<Value> = self
+            .ports
+            .iter()
+            .map(|(name, port, target, protocol)| {
+                let mut value = json!({"protocol": protocol, "port": port});
+                if let Some(name) = name {
+                    value["name"] = json!(name);
+                }
+                value["targetPort"] = match target {
+                    None => json!(port),
+                    Some(TargetPort::Number(number)) => json!(number),
+                    Some(TargetPort::Name(name)) => json!(name),
+                };
+                value
+            })
+            .collect();
+        let mut spec = json!({"sessionAffinity": "None"});
+        if !ports.is_empty() {
+            spec["ports"] = json!(ports);
+        }
+        match &self.external_name {
+            Some(external) => {
+                spec["type"] = json!("ExternalName");
+                spec["externalName"] = json!(external);
+            }
+            None => {
+                let ip = if self.headless { "None" } else { "10.96.0.10" };
+                spec["type"] = json!("ClusterIP");
+                spec["clusterIP"] = json!(ip);
+                spec["clusterIPs"] = json!([ip]);
+                spec["selector"] = json!({"app": self.name});
+                spec["ipFamilies"] = json!(["IPv4"]);
+                spec["ipFamilyPolicy"] = json!("SingleStack");
+                spec["internalTrafficPolicy"] = json!("Cluster");
+            }
+        }
+        json!({
+            "kind": "Service",
+            "apiVersion": "v1",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": spec,
+            "status": {"loadBalancer": {}},
+        })
+    }
+}
+
+/// The resources served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resource {
+    EndpointSlices,
+    Services,
+}
+
+impl Resource {
+    fn kind(self) -> &'static str {
+        match self {
+            Resource::EndpointSlices => "EndpointSlice",
+            Resource::Services => "Service",
+        }
+    }
+
+    /// etcd's key prefix: objects are listed in key order.
+    fn key(self, namespace: &str, name: &str) -> String {
+        match self {
+            Resource::EndpointSlices => format!("/registry/endpointslices/{namespace}/{name}"),
+            Resource::Services => format!("/registry/services/specs/{namespace}/{name}"),
+        }
+    }
+
+    fn plural(self) -> &'static str {
+        match self {
+            Resource::EndpointSlices => "endpointslices",
+            Resource::Services => "services",
+        }
+    }
+
+    fn group(self) -> &'static str {
+        match self {
+            Resource::EndpointSlices => GROUP,
+            Resource::Services => "",
+        }
+    }
+
+    /// `GroupResource.String()`: `services`, `endpointslices.discovery.k8s.io`.
+    fn qualified(self) -> String {
+        match self.group() {
+            "" => self.plural().to_owned(),
+            group => format!("{}.{group}", self.plural()),
+        }
+    }
+}
+
 /// One write to the store, kept as history: `object` is the new content (None for a deletion),
 /// `previous` the content it replaced, with its own resourceVersion.
 struct Change {
@@ -358,9 +539,10 @@ struct Change {
     previous: Option<Value>,
 }
 
-/// What a list or watch selects: its namespace (None: all), label and field selectors.
+/// What a list or watch selects: its resource, namespace (None: all), label and field selectors.
 #[derive(Clone, Debug)]
 struct Filter {
+    resource: Resource,
     namespace: Option<String>,
     labels: LabelSelector,
     fields: FieldSelector,
@@ -368,15 +550,17 @@ struct Filter {
 
 impl Filter {
     fn matches(&self, object: &Value) -> bool {
+        if object["kind"] != self.resource.kind() {
+            return false;
+        }
         let metadata = &object["metadata"];
         let namespace = metadata["namespace"].as_str().unwrap_or("");
-        let name = metadata["name"].as_str().unwrap_or("");
         if self.namespace.as_deref().is_some_and(|ns| ns != namespace) {
             return false;
         }
         let empty = Map::new();
         let labels = metadata["labels"].as_object().unwrap_or(&empty);
-        self.labels.matches(labels) && self.fields.matches(namespace, name)
+        self.labels.matches(labels) && self.fields.matches(object)
     }
 
     fn has_selectors(&self) -> bool {
@@ -405,7 +589,10 @@ struct State {
     next_watcher: u64,
     token: Option<String>,
     forbidden: Option<String>,
+    forbidden_services: Option<String>,
     failure: Option<(u16, String)>,
+    expire_watches_with_status: bool,
+    compact_before_next_continue: bool,
     queries: Vec<String>,
     last_authorization: Option<String>,
     max_watch_timeout: Option<Duration>,
@@ -430,10 +617,10 @@ impl State {
     }
 
     fn send_bookmarks(&mut self) {
-        let line = bookmark_line(self.rv, false);
         let rv = self.rv;
         self.watchers.retain(|watcher| {
-            !(watcher.bookmarks && rv >= watcher.after && watcher.tx.send(line.clone()).is_err())
+            let line = bookmark_line(watcher.filter.resource, rv, false);
+            !(watcher.bookmarks && rv >= watcher.after && watcher.tx.send(line).is_err())
         });
     }
 
@@ -470,6 +657,9 @@ struct Shared {
     lists: AtomicUsize,
     watches: AtomicUsize,
     open_watches: AtomicUsize,
+    open_service_watches: AtomicUsize,
+    service_gets: AtomicUsize,
+    service_watches: AtomicUsize,
 }
 
 /// The fake API server. See the module documentation for what it serves.
@@ -513,7 +703,10 @@ impl KubeFake {
                 next_watcher: 0,
                 token: None,
                 forbidden: None,
+                forbidden_services: None,
                 failure: None,
+                expire_watches_with_status: false,
+                compact_before_next_continue: false,
                 queries: Vec::new(),
                 last_authorization: None,
                 max_watch_timeout: None,
@@ -525,6 +718,9 @@ impl KubeFake {
             lists: AtomicUsize::new(0),
             watches: AtomicUsize::new(0),
             open_watches: AtomicUsize::new(0),
+            open_service_watches: AtomicUsize::new(0),
+            service_gets: AtomicUsize::new(0),
+            service_watches: AtomicUsize::new(0),
         });
         let run = serve(shared.clone(), listener, tls.clone());
         let interval = shared.bookmark_interval.subscribe();
@@ -552,8 +748,23 @@ impl KubeFake {
     /// event). `uid` and `creationTimestamp` stay across updates; `generation` goes up when
     /// `addressType`, `endpoints` or `ports` change.
     pub fn apply(&self, slice: Slice) -> u64 {
-        let desired = slice.to_json();
-        let key = format!("{}/{}", slice.namespace, slice.name);
+        let key = Resource::EndpointSlices.key(&slice.namespace, &slice.name);
+        self.write(key, slice.to_json())
+    }
+
+    /// Creates or updates the Service (by namespace and name) and returns its resourceVersion,
+    /// as [`KubeFake::apply`] does for slices (a Service has no `generation`).
+    pub fn apply_service(&self, service: Svc) -> u64 {
+        let key = Resource::Services.key(&service.namespace, &service.name);
+        self.write(key, service.to_json())
+    }
+
+    /// Deletes the Service; false when there was none.
+    pub fn delete_service(&self, namespace: &str, name: &str) -> bool {
+        self.remove(Resource::Services.key(namespace, name))
+    }
+
+    fn write(&self, key: String, desired: Value) -> u64 {
         let rv = {
             let mut state = self.shared.state.lock().unwrap();
             let previous = state.objects.get(&key).cloned();
@@ -581,7 +792,10 @@ impl KubeFake {
     /// Deletes the slice; watchers see `DELETED` with its last content at a new resourceVersion.
     /// Returns false (and writes nothing) when there was no such slice.
     pub fn delete(&self, namespace: &str, name: &str) -> bool {
-        let key = format!("{namespace}/{name}");
+        self.remove(Resource::EndpointSlices.key(namespace, name))
+    }
+
+    fn remove(&self, key: String) -> bool {
         let rv = {
             let mut state = self.shared.state.lock().unwrap();
             let Some(previous) = state.objects.remove(&key) else {
@@ -604,7 +818,10 @@ impl KubeFake {
     /// The stored object (as a watch event carries it), if any.
     pub fn object(&self, namespace: &str, name: &str) -> Option<Value> {
         let state = self.shared.state.lock().unwrap();
-        state.objects.get(&format!("{namespace}/{name}")).cloned()
+        state
+            .objects
+            .get(&Resource::EndpointSlices.key(namespace, name))
+            .cloned()
     }
 
     /// The current resourceVersion (etcd's revision): that of the last write.
@@ -683,6 +900,39 @@ impl KubeFake {
         self.shared.state.lock().unwrap().forbidden = namespace.map(str::to_owned);
     }
 
+    /// RBAC: [`SERVICE_ACCOUNT`] may not read Services in `namespace` (get, list, watch). None
+    /// lifts it.
+    pub fn forbid_services(&self, namespace: Option<&str>) {
+        self.shared.state.lock().unwrap().forbidden_services = namespace.map(str::to_owned);
+    }
+
+    /// From now on (true) a watch from a compacted resourceVersion is answered HTTP `410` with the
+    /// `Expired` Status, not a `200` stream with one `ERROR` event (see the module documentation).
+    pub fn expire_watches_with_status(&self, on: bool) {
+        self.shared.state.lock().unwrap().expire_watches_with_status = on;
+    }
+
+    /// Just before the next list page with a `continue` token is read, other resources are
+    /// written (the resourceVersion moves on) and the history is compacted, as etcd does between
+    /// two pages of a slow list: that page is `410 Expired`.
+    pub fn compact_before_next_continue(&self) {
+        self.shared
+            .state
+            .lock()
+            .unwrap()
+            .compact_before_next_continue = true;
+    }
+
+    /// GETs of one Service so far, whatever their answer.
+    pub fn service_gets(&self) -> usize {
+        self.shared.service_gets.load(Ordering::SeqCst)
+    }
+
+    /// Watch requests on Services so far, whatever their answer.
+    pub fn service_watches(&self) -> usize {
+        self.shared.service_watches.load(Ordering::SeqCst)
+    }
+
     /// From now on every request is answered `status` with a `Status` body carrying `message` (and
     /// the reason the apiserver uses for that code). Open watches go on. None goes back to normal.
     pub fn fail_with(&self, failure: Option<(u16, String)>) {
@@ -715,9 +965,14 @@ impl KubeFake {
         self.shared.watches.load(Ordering::SeqCst)
     }
 
-    /// Watch streams open right now.
+    /// EndpointSlice watch streams open right now.
     pub fn open_watches(&self) -> usize {
         self.shared.open_watches.load(Ordering::SeqCst)
+    }
+
+    /// Service watch streams open right now.
+    pub fn open_service_watches(&self) -> usize {
+        self.shared.open_service_watches.load(Ordering::SeqCst)
     }
 
     /// The raw query strings of every request so far, in order ("" for none).
@@ -785,27 +1040,34 @@ type Answer = Response<Body>;
 
 /// What a request is for.
 enum Target {
-    /// An EndpointSlice collection, in one namespace or all.
-    Collection(Option<String>),
-    Object(String, String),
+    /// A collection, in one namespace or all.
+    Collection(Resource, Option<String>),
+    Object(Resource, String, String),
     Other,
 }
 
 impl Target {
     fn parse(path: &str) -> Target {
-        let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/") else {
+        let (resource, rest) = if let Some(rest) = path.strip_prefix("/apis/discovery.k8s.io/v1/") {
+            (Resource::EndpointSlices, rest)
+        } else if let Some(rest) = path.strip_prefix("/api/v1/") {
+            (Resource::Services, rest)
+        } else {
             return Target::Other;
         };
+        let plural = resource.plural();
         let parts: Vec<&str> = rest.split('/').collect();
         match parts.as_slice() {
-            ["endpointslices"] => Target::Collection(None),
-            ["namespaces", namespace, "endpointslices"] if !namespace.is_empty() => {
-                Target::Collection(Some((*namespace).to_owned()))
-            }
-            ["namespaces", namespace, "endpointslices", name]
-                if !namespace.is_empty() && !name.is_empty() =>
+            [all] if *all == plural => Target::Collection(resource, None),
+            ["namespaces", namespace, collection]
+                if *collection == plural && !namespace.is_empty() =>
             {
-                Target::Object((*namespace).to_owned(), (*name).to_owned())
+                Target::Collection(resource, Some((*namespace).to_owned()))
+            }
+            ["namespaces", namespace, collection, name]
+                if *collection == plural && !namespace.is_empty() && !name.is_empty() =>
+            {
+                Target::Object(resource, (*namespace).to_owned(), (*name).to_owned())
             }
             _ => Target::Other,
         }
@@ -824,16 +1086,19 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
         .map(str::to_owned);
     let is_watch = query.get("watch").is_some_and(go_bool);
     if request.method() == Method::GET {
-        if let Target::Collection(_) = target {
-            let counter = if is_watch {
-                &shared.watches
-            } else {
-                &shared.lists
-            };
+        let counter = match (&target, is_watch) {
+            (Target::Collection(Resource::EndpointSlices, _), true) => Some(&shared.watches),
+            (Target::Collection(Resource::EndpointSlices, _), false) => Some(&shared.lists),
+            (Target::Collection(Resource::Services, _), true)
+            | (Target::Object(Resource::Services, _, _), true) => Some(&shared.service_watches),
+            (Target::Object(Resource::Services, _, _), false) => Some(&shared.service_gets),
+            _ => None,
+        };
+        if let Some(counter) = counter {
             counter.fetch_add(1, Ordering::SeqCst);
         }
     }
-    let (failure, token, forbidden) = {
+    let (failure, token, forbidden, forbidden_services) = {
         let mut state = shared.state.lock().unwrap();
         state.queries.push(raw_query);
         if authorization.is_some() {
@@ -843,6 +1108,7 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
             state.failure.clone(),
             state.token.clone(),
             state.forbidden.clone(),
+            state.forbidden_services.clone(),
         )
     };
     let hanging = *shared.hang.borrow();
@@ -871,7 +1137,7 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
             Some(json!({})),
         ));
     }
-    let (namespace, name) = match &target {
+    let (resource, namespace, name) = match &target {
         Target::Other => {
             return Ok(status_answer(
                 404,
@@ -880,10 +1146,16 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
                 Some(json!({})),
             ))
         }
-        Target::Collection(namespace) => (namespace.clone(), None),
-        Target::Object(namespace, name) => (Some(namespace.clone()), Some(name.clone())),
+        Target::Collection(resource, namespace) => (*resource, namespace.clone(), None),
+        Target::Object(resource, namespace, name) => {
+            (*resource, Some(namespace.clone()), Some(name.clone()))
+        }
     };
-    if let Some(denied) = &forbidden {
+    let denied = match resource {
+        Resource::EndpointSlices => forbidden,
+        Resource::Services => forbidden_services,
+    };
+    if let Some(denied) = &denied {
         if namespace
             .as_ref()
             .is_none_or(|namespace| namespace == denied)
@@ -893,15 +1165,18 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
                 (Some(_), false) => "get",
                 (None, false) => "list",
             };
+            // A list or watch by metadata.name is authorized with that name.
+            let named = name.clone().or_else(|| field_selector_name(&query));
             return Ok(forbidden_answer(
+                resource,
                 verb,
                 namespace.as_deref(),
-                name.as_deref(),
+                named.as_deref(),
             ));
         }
     }
     Ok(match (name, is_watch) {
-        (Some(name), false) => get_answer(&shared, &namespace.unwrap(), &name),
+        (Some(name), false) => get_answer(&shared, resource, &namespace.unwrap(), &name),
         (Some(name), true) => {
             // A watch of one object: a collection watch with a metadata.name field selector.
             let mut query = query;
@@ -909,24 +1184,45 @@ async fn answer(request: Request<Incoming>, shared: Arc<Shared>) -> Result<Answe
             query
                 .pairs
                 .push(("fieldSelector".into(), format!("metadata.name={name}")));
-            watch_answer(&shared, namespace, &query)
+            watch_answer(&shared, resource, namespace, &query)
         }
-        (None, false) => list_answer(&shared, namespace, &query).await,
-        (None, true) => watch_answer(&shared, namespace, &query),
+        (None, false) => list_answer(&shared, resource, namespace, &query).await,
+        (None, true) => watch_answer(&shared, resource, namespace, &query),
     })
 }
 
-fn get_answer(shared: &Shared, namespace: &str, name: &str) -> Answer {
+/// The name a `metadata.name=<name>` field selector asks for, if that is all it asks.
+fn field_selector_name(query: &Query) -> Option<String> {
+    let selector = query.get("fieldSelector")?;
+    let name = selector
+        .strip_prefix("metadata.name==")
+        .or_else(|| selector.strip_prefix("metadata.name="))?;
+    (!name.contains(',')).then(|| name.to_owned())
+}
+
+fn get_answer(shared: &Shared, resource: Resource, namespace: &str, name: &str) -> Answer {
     let state = shared.state.lock().unwrap();
-    match state.objects.get(&format!("{namespace}/{name}")) {
+    match state.objects.get(&resource.key(namespace, name)) {
         Some(object) => json_answer(200, object),
         None => status_answer(
             404,
             "NotFound",
-            &format!("endpointslices.discovery.k8s.io \"{name}\" not found"),
-            Some(json!({"name": name, "group": GROUP, "kind": "endpointslices"})),
+            &format!("{} \"{name}\" not found", resource.qualified()),
+            Some(details(resource, Some(name))),
         ),
     }
+}
+
+/// A Status's `details`: `group` is `omitempty`, so the core group's is left out.
+fn details(resource: Resource, name: Option<&str>) -> Value {
+    let mut details = json!({"kind": resource.plural()});
+    if !resource.group().is_empty() {
+        details["group"] = json!(resource.group());
+    }
+    if let Some(name) = name {
+        details["name"] = json!(name);
+    }
+    details
 }
 
 /// How a list picks its objects.
@@ -944,8 +1240,13 @@ enum Plan {
     },
 }
 
-async fn list_answer(shared: &Shared, namespace: Option<String>, query: &Query) -> Answer {
-    let filter = match filter_from(namespace, query) {
+async fn list_answer(
+    shared: &Shared,
+    resource: Resource,
+    namespace: Option<String>,
+    query: &Query,
+) -> Answer {
+    let filter = match filter_from(resource, namespace, query) {
         Ok(filter) => filter,
         Err(answer) => return answer,
     };
@@ -1056,7 +1357,22 @@ async fn list_answer(shared: &Shared, namespace: Option<String>, query: &Query) 
         }
     }
 
-    let state = shared.state.lock().unwrap();
+    let mut state = shared.state.lock().unwrap();
+    if matches!(
+        plan,
+        Plan::Exact {
+            continued: true,
+            ..
+        }
+    ) && state.compact_before_next_continue
+    {
+        // Other resources were written meanwhile (the revision is cluster-wide), then etcd
+        // compacted: the page's revision is gone.
+        state.compact_before_next_continue = false;
+        state.rv += 1;
+        shared.rv.send_replace(state.rv);
+        state.compact();
+    }
     let (objects, list_rv, limit, start) = match plan {
         Plan::Current { limit } | Plan::AtLeast { limit, .. } => {
             (state.objects.clone(), state.rv, limit, None)
@@ -1111,8 +1427,8 @@ async fn list_answer(shared: &Shared, namespace: Option<String>, query: &Query) 
     json_answer(
         200,
         &json!({
-            "kind": "EndpointSliceList",
-            "apiVersion": API_VERSION,
+            "kind": format!("{}List", resource.kind()),
+            "apiVersion": api_version(resource),
             "metadata": metadata,
             "items": items,
         }),
@@ -1134,11 +1450,21 @@ fn list_item(object: &Value) -> Value {
 struct OpenWatch {
     shared: Arc<Shared>,
     id: u64,
+    resource: Resource,
+}
+
+impl OpenWatch {
+    fn counter(shared: &Shared, resource: Resource) -> &AtomicUsize {
+        match resource {
+            Resource::EndpointSlices => &shared.open_watches,
+            Resource::Services => &shared.open_service_watches,
+        }
+    }
 }
 
 impl Drop for OpenWatch {
     fn drop(&mut self) {
-        self.shared.open_watches.fetch_sub(1, Ordering::SeqCst);
+        OpenWatch::counter(&self.shared, self.resource).fetch_sub(1, Ordering::SeqCst);
         let mut state = self.shared.state.lock().unwrap();
         state.watchers.retain(|watcher| watcher.id != self.id);
     }
@@ -1151,8 +1477,20 @@ struct WatchStream {
     _open: OpenWatch,
 }
 
-fn watch_answer(shared: &Arc<Shared>, namespace: Option<String>, query: &Query) -> Answer {
-    let filter = match filter_from(namespace, query) {
+fn api_version(resource: Resource) -> &'static str {
+    match resource {
+        Resource::EndpointSlices => API_VERSION,
+        Resource::Services => "v1",
+    }
+}
+
+fn watch_answer(
+    shared: &Arc<Shared>,
+    resource: Resource,
+    namespace: Option<String>,
+    query: &Query,
+) -> Answer {
+    let filter = match filter_from(resource, namespace, query) {
         Ok(filter) => filter,
         Err(answer) => return answer,
     };
@@ -1209,12 +1547,19 @@ fn watch_answer(shared: &Arc<Shared>, namespace: Option<String>, query: &Query) 
                 let _ = tx.send(event_bytes("ADDED", object));
             }
             if bookmarks {
-                let _ = tx.send(bookmark_line(state.rv, true));
+                let _ = tx.send(bookmark_line(resource, state.rv, true));
             }
             state.rv
         }
         Some(false) if requested == 0 => state.rv,
         _ => {
+            if requested < state.compacted && state.expire_watches_with_status {
+                let message = format!(
+                    "too old resource version: {requested} ({})",
+                    state.compacted
+                );
+                return status_answer(410, "Expired", &message, None);
+            }
             if requested < state.compacted {
                 let status = status_value(
                     410,
@@ -1250,7 +1595,7 @@ fn watch_answer(shared: &Arc<Shared>, namespace: Option<String>, query: &Query) 
     });
     let cap = state.max_watch_timeout;
     drop(state);
-    shared.open_watches.fetch_add(1, Ordering::SeqCst);
+    OpenWatch::counter(shared, resource).fetch_add(1, Ordering::SeqCst);
 
     let mut lasts = timeout.unwrap_or(DEFAULT_WATCH_TIMEOUT);
     if let Some(cap) = cap {
@@ -1263,6 +1608,7 @@ fn watch_answer(shared: &Arc<Shared>, namespace: Option<String>, query: &Query) 
         _open: OpenWatch {
             shared: shared.clone(),
             id,
+            resource,
         },
     };
     let frames = futures_util::stream::unfold(stream, |mut stream| async move {
@@ -1327,14 +1673,13 @@ fn event_bytes(kind: &str, object: &Value) -> Bytes {
 
 /// A `BOOKMARK` event: an empty EndpointSlice as Go serializes it, with only its
 /// resourceVersion (and the initial-events-end annotation) set.
-fn bookmark_line(rv: u64, initial_events_end: bool) -> Bytes {
+fn bookmark_line(resource: Resource, rv: u64, initial_events_end: bool) -> Bytes {
     let mut metadata = json!({"resourceVersion": rv.to_string()});
     if initial_events_end {
         metadata["annotations"] = json!({INITIAL_EVENTS_END: "true"});
     }
-    event_bytes(
-        "BOOKMARK",
-        &json!({
+    let object = match resource {
+        Resource::EndpointSlices => json!({
             "kind": "EndpointSlice",
             "apiVersion": API_VERSION,
             "metadata": metadata,
@@ -1342,7 +1687,15 @@ fn bookmark_line(rv: u64, initial_events_end: bool) -> Bytes {
             "endpoints": null,
             "ports": null,
         }),
-    )
+        Resource::Services => json!({
+            "kind": "Service",
+            "apiVersion": "v1",
+            "metadata": metadata,
+            "spec": {},
+            "status": {"loadBalancer": {}},
+        }),
+    };
+    event_bytes("BOOKMARK", &object)
 }
 
 /// The stored object for `desired`: server-set metadata from `previous` (or new), at `rv`.
@@ -1352,6 +1705,7 @@ fn stamp(desired: Value, previous: Option<&Value>, rv: u64) -> Value {
         Some(previous) => {
             let metadata = &previous["metadata"];
             let generation = metadata["generation"].as_u64().unwrap_or(1);
+            // A Service changes in `spec`; a slice in its three top-level fields.
             let spec_changed = ["addressType", "endpoints", "ports"]
                 .iter()
                 .any(|field| previous[field] != object[field]);
@@ -1367,17 +1721,20 @@ fn stamp(desired: Value, previous: Option<&Value>, rv: u64) -> Value {
             1,
         ),
     };
+    let is_slice = object["kind"] == "EndpointSlice";
     let metadata = &mut object["metadata"];
     metadata["uid"] = uid;
     metadata["resourceVersion"] = json!(rv.to_string());
-    metadata["generation"] = json!(generation);
+    if is_slice {
+        metadata["generation"] = json!(generation);
+    }
     metadata["creationTimestamp"] = created;
     object
 }
 
 fn same_content(stored: &Value, desired: &Value) -> bool {
     stored["metadata"]["labels"] == desired["metadata"]["labels"]
-        && ["addressType", "endpoints", "ports"]
+        && ["addressType", "endpoints", "ports", "spec"]
             .iter()
             .all(|field| stored[field] == desired[field])
 }
@@ -1409,12 +1766,17 @@ fn parse_resource_version(text: &str) -> Result<u64, Answer> {
 }
 
 #[allow(clippy::result_large_err)]
-fn filter_from(namespace: Option<String>, query: &Query) -> Result<Filter, Answer> {
+fn filter_from(
+    resource: Resource,
+    namespace: Option<String>,
+    query: &Query,
+) -> Result<Filter, Answer> {
     let labels = parse_label_selector(query.get("labelSelector").unwrap_or(""))
         .map_err(|error| bad_request(&error))?;
-    let fields = parse_field_selector(query.get("fieldSelector").unwrap_or(""))
+    let fields = parse_field_selector(resource, query.get("fieldSelector").unwrap_or(""))
         .map_err(|error| bad_request(&error))?;
     Ok(Filter {
+        resource,
         namespace,
         labels,
         fields,
@@ -1509,21 +1871,25 @@ fn invalid_list_options(errors: &[String]) -> Answer {
     )
 }
 
-fn forbidden_answer(verb: &str, namespace: Option<&str>, name: Option<&str>) -> Answer {
+fn forbidden_answer(
+    resource: Resource,
+    verb: &str,
+    namespace: Option<&str>,
+    name: Option<&str>,
+) -> Answer {
     let scope = match namespace {
         Some(namespace) => format!("in the namespace \"{namespace}\""),
         None => "at the cluster scope".to_owned(),
     };
     let named = name.map(|name| format!("\"{name}\" ")).unwrap_or_default();
     let message = format!(
-        "endpointslices.discovery.k8s.io {named}is forbidden: User \"{SERVICE_ACCOUNT}\" cannot \
-         {verb} resource \"endpointslices\" in API group \"{GROUP}\" {scope}"
+        "{} {named}is forbidden: User \"{SERVICE_ACCOUNT}\" cannot {verb} resource \"{}\" in API \
+         group \"{}\" {scope}",
+        resource.qualified(),
+        resource.plural(),
+        resource.group(),
     );
-    let mut details = json!({"group": GROUP, "kind": "endpointslices"});
-    if let Some(name) = name {
-        details["name"] = json!(name);
-    }
-    status_answer(403, "Forbidden", &message, Some(details))
+    status_answer(403, "Forbidden", &message, Some(details(resource, name)))
 }
 
 fn json_answer(code: u16, value: &Value) -> Answer {
@@ -2079,21 +2445,23 @@ fn validate_label_value(value: &str) -> Result<(), &'static str> {
 struct FieldSelector(Vec<(String, bool, String)>);
 
 impl FieldSelector {
-    fn matches(&self, namespace: &str, name: &str) -> bool {
+    fn matches(&self, object: &Value) -> bool {
         self.0.iter().all(|(field, equal, value)| {
-            let have = if field == "metadata.name" {
-                name
-            } else {
-                namespace
+            let have = match field.as_str() {
+                "metadata.name" => &object["metadata"]["name"],
+                "metadata.namespace" => &object["metadata"]["namespace"],
+                "spec.clusterIP" => &object["spec"]["clusterIP"],
+                "spec.type" => &object["spec"]["type"],
+                _ => &Value::Null,
             };
-            (have == value) == *equal
+            (have.as_str().unwrap_or("") == value) == *equal
         })
     }
 }
 
 /// `fields.ParseSelector` plus the EndpointSlice field label conversion: `metadata.name` and
 /// `metadata.namespace` with `=`, `==` or `!=`.
-fn parse_field_selector(input: &str) -> Result<FieldSelector, String> {
+fn parse_field_selector(resource: Resource, input: &str) -> Result<FieldSelector, String> {
     let mut terms = Vec::new();
     if input.is_empty() {
         return Ok(FieldSelector(terms));
@@ -2113,7 +2481,16 @@ fn parse_field_selector(input: &str) -> Result<FieldSelector, String> {
                 "invalid selector: '{input}'; can't understand '{term}'"
             ));
         };
-        if field != "metadata.name" && field != "metadata.namespace" {
+        let supported = match resource {
+            Resource::EndpointSlices => &["metadata.name", "metadata.namespace"][..],
+            Resource::Services => &[
+                "metadata.name",
+                "metadata.namespace",
+                "spec.clusterIP",
+                "spec.type",
+            ][..],
+        };
+        if !supported.contains(&field) {
             return Err(format!("field label not supported: {field}"));
         }
         terms.push((field.to_owned(), equal, value.to_owned()));

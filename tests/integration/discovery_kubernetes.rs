@@ -10,7 +10,7 @@
 
 use crate::common;
 
-use common::kubernetes::{Ep, KubeFake, Slice};
+use common::kubernetes::{Ep, KubeFake, Slice, Svc, TargetPort};
 use common::*;
 
 use std::collections::HashMap;
@@ -115,6 +115,11 @@ pub(crate) fn slice(pods: &Pods, name: &str, endpoints: Vec<Ep>) -> Slice {
     slice
 }
 
+/// Service `web`: port 80 "http" to the pods' container port named "http".
+fn web_service_object() -> Svc {
+    Svc::new(NAMESPACE, "web").port(Some("http"), 80, Some(TargetPort::Name("http".into())))
+}
+
 pub(crate) struct Cluster {
     pub(crate) fake: KubeFake,
     token_dir: tempfile::TempDir,
@@ -127,6 +132,7 @@ impl Cluster {
 
     fn with(fake: KubeFake) -> Cluster {
         fake.require_token(Some(TOKEN));
+        fake.apply_service(web_service_object());
         let token_dir = tempfile::tempdir().expect("a temporary directory");
         std::fs::write(token_dir.path().join("token"), TOKEN).unwrap();
         Cluster { fake, token_dir }
@@ -307,13 +313,15 @@ async fn scaling_up_and_down_reaches_the_data_path_within_a_second() {
     })
     .await;
     let queries = cluster.fake.queries();
+    // The get of the Service (no query), then the list of its slices.
+    assert_eq!(queries[0], "", "{queries:?}");
     assert!(
-        queries[0].contains("labelSelector=kubernetes.io%2Fservice-name%3Dweb"),
+        queries[1].contains("labelSelector=kubernetes.io%2Fservice-name%3Dweb"),
         "{queries:?}"
     );
     let watch = queries
         .iter()
-        .find(|q| q.contains("watch=true"))
+        .find(|q| q.contains("watch=true") && q.contains("labelSelector"))
         .expect("a watch");
     assert!(watch.contains("allowWatchBookmarks=true"), "{watch}");
     assert!(watch.contains("timeoutSeconds=55"), "{watch}");
@@ -480,6 +488,11 @@ async fn a_named_port_is_found_in_each_slice_and_shared_addresses_count_once() {
         }
         slice
     };
+    cluster.fake.apply_service(
+        Svc::new(NAMESPACE, "web")
+            .port(Some("metrics"), 9090, Some(TargetPort::Number(9)))
+            .port(Some("http"), 80, Some(TargetPort::Name("http".into()))),
+    );
     cluster
         .fake
         .apply(with_metrics("web-x1", vec![pods.ready("a")]));
@@ -533,15 +546,14 @@ async fn a_named_port_is_found_in_each_slice_and_shared_addresses_count_once() {
     );
     let status = wait_status(&gateway, missing, "failing", |s| s.state == "failing").await;
     let error = status.last_error.as_deref().unwrap_or_default();
-    assert!(
-        error.contains("no port named \"grpc\"") && error.contains("http="),
-        "{status}"
-    );
-    assert!(
-        error.contains(&format!(
-            "{}/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices",
+    assert_eq!(
+        error,
+        format!(
+            "registry {}/api/v1/namespaces/shop/services/web: spec.ports: Service shop/web has \
+             no port named \"grpc\" (its ports: 9090 \"metrics\" → 9/TCP, 80 \"http\" → \
+             http/TCP)",
             cluster.fake.url()
-        )),
+        ),
         "{status}"
     );
 }
@@ -765,10 +777,14 @@ async fn an_api_server_outage_is_failing_then_stale_then_back() {
 
     cluster.fake.stop();
     let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
-    let error = status.last_error.as_deref().unwrap_or_default();
+    // Whichever watch notices first: the slices' or the Service's.
+    let error = status.error();
     assert!(
         error.contains(&format!(
             "{}/apis/discovery.k8s.io/v1/namespaces/shop/endpointslices?labelSelector=kubernetes.io/service-name=web",
+            cluster.fake.url()
+        )) || error.contains(&format!(
+            "{}/api/v1/namespaces/shop/services",
             cluster.fake.url()
         )),
         "{status}"
@@ -812,15 +828,19 @@ async fn an_api_server_that_stops_answering_is_failing_within_the_wait() {
     // The API server accepts connections and reads requests but answers nothing.
     cluster.fake.hang(true);
     let hung = Instant::now();
-    // A new source's list: failing within timeout_ms.
+    // A new source: failing within timeout_ms.
     let mut listing = cluster.source(json!({"timeout_ms": 500}));
     listing["name"] = json!("listing");
     let listing = gateway.create(&path, listing).await;
+    // Its first request, the get of the Service, is failing within timeout_ms.
     let status = wait_status(&gateway, listing, "failing", |s| s.state == "failing").await;
-    let error = status.last_error.as_deref().unwrap_or_default();
-    assert!(
-        error.contains(&format!("{}/apis/discovery.k8s.io", cluster.fake.url()))
-            && error.contains("the list did not complete within 500 ms (timeout_ms)"),
+    assert_eq!(
+        status.error(),
+        format!(
+            "registry {}/api/v1/namespaces/shop/services/web could not be fetched: no answer \
+             within 500 ms (timeout_ms)",
+            cluster.fake.url()
+        ),
         "{status}"
     );
     // The open watch goes silent: within wait_ms + 5 s (kube-rs's margin) + timeout_ms and a
@@ -1107,6 +1127,7 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
 
     // A server named by hand without token_file gets no token (not even a pod's own).
     let bare = KubeFake::start().await;
+    bare.apply_service(web_service_object());
     bare.apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
     let by_hand = json!({
         "name": "by-hand", "provider": "kubernetes",
@@ -1141,4 +1162,370 @@ async fn a_kubeconfig_gives_the_server_the_credentials_and_the_namespace() {
         "{status}"
     );
     wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Service object: ports, existence, permission
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_port_number_maps_to_the_pods_port_and_follows_service_edits() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    // Port 80 "http" → the pods' port, 81 "alt" → 9 (nothing listens there).
+    let web = |http: u16, alt: u16| {
+        Svc::new(NAMESPACE, "web")
+            .port(Some("http"), http, Some(TargetPort::Number(pods.port)))
+            .port(Some("alt"), alt, Some(TargetPort::Number(9)))
+    };
+    cluster.fake.apply_service(web(80, 81));
+    cluster.fake.apply(
+        Slice::new(NAMESPACE, "web-x1", "web")
+            .port(Some("http"), pods.port)
+            .port(Some("alt"), 9)
+            .endpoint(pods.ready("a")),
+    );
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "web"}))
+        .await;
+    gateway.route_all_to(service).await;
+    let path = format!("/api/v1/services/{service}/discovery-sources");
+    let mut by_service_port = cluster.source(json!({"port": 80}));
+    by_service_port["name"] = json!("by-service-port");
+    // The re-mapped set replaces the only target: not a sudden loss to hold.
+    by_service_port["removal_guard"] = Value::Null;
+    let source = gateway.create(&path, by_service_port).await;
+    // A config written when the number meant the endpoints' port is refused, saying what to set.
+    let mut by_target_port = cluster.source(json!({"port": pods.port}));
+    by_target_port["name"] = json!("by-target-port");
+    let old_style = gateway.create(&path, by_target_port).await;
+
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+    let status = wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    let targets = source_targets(&gateway, service).await;
+    assert!(targets.contains_key(&pods.key("a")), "{:?}", targets.keys());
+    let refused = wait_status(&gateway, old_style, "failing", |s| s.state == "failing").await;
+    assert_eq!(
+        refused.error(),
+        format!(
+            "registry {}/api/v1/namespaces/shop/services/web: spec.ports: Service shop/web has \
+             no port {port} (its ports: 80 \"http\" → {port}/TCP, 81 \"alt\" → 9/TCP); {port} is \
+             the target port of Service port 80: \"port\" is the Service's port, set 80 or \"http\"",
+            cluster.fake.url(),
+            port = pods.port
+        ),
+        "{refused}"
+    );
+
+    // The Service is edited (the slices are not): port 80 is now "alt", so the endpoints'
+    // port is 9, and pod a's target on the pods' port drains.
+    wait_watch_idle(&gateway, source).await;
+    cluster.fake.apply_service(web(82, 80));
+    let moved = format!("{}:9", pods.ip("a"));
+    let status = wait_status(&gateway, source, "re-mapped to port 9", |s| {
+        s.endpoints.active == 1 && s.endpoints.draining == 1
+    })
+    .await;
+    assert_eq!(status.state, "healthy", "{status}");
+    let targets = source_targets(&gateway, service).await;
+    assert_eq!(targets[&moved].state, "active", "{targets:?}");
+    assert_eq!(targets[&pods.key("a")].state, "draining", "{targets:?}");
+
+    // Edited back: served on the pods' port again.
+    wait_watch_idle(&gateway, source).await;
+    cluster.fake.apply_service(web(80, 81));
+    wait_until("back on the pods' port", WAIT, || async {
+        let targets = source_targets(&gateway, service).await;
+        targets
+            .get(&pods.key("a"))
+            .is_some_and(|target| target.state == "active")
+    })
+    .await;
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+    assert!(cluster.fake.service_watches() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_service_is_a_failed_refresh_until_it_exists() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    cluster.fake.delete_service(NAMESPACE, "web");
+    // Slices without their Service (a Service deleted, its slices not yet collected).
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    assert_eq!(
+        status.error(),
+        format!(
+            "no Service shop/web: {}/api/v1/namespaces/shop/services/web answered HTTP 404",
+            cluster.fake.url()
+        ),
+        "{status}"
+    );
+    assert_eq!(status.endpoints.active, 0, "{status}");
+    assert_eq!(
+        cluster.fake.lists(),
+        0,
+        "the slices are not read without the Service"
+    );
+
+    cluster.fake.apply_service(web_service_object());
+    let status = gateway
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
+        .await;
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    wait_serving_only(&gateway, &["a"], 1, WAIT).await;
+
+    // Deleted while followed: failing, and the last set keeps serving (nothing drains).
+    let (_, failures) = applied(&gateway, source);
+    cluster.fake.delete_service(NAMESPACE, "web");
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    assert_eq!(
+        status.error(),
+        "no Service shop/web: it was deleted",
+        "{status}"
+    );
+    assert!(applied(&gateway, source).1 > failures);
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    assert_eq!(status.endpoints.draining, 0, "{status}");
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_permission_on_services_the_error_names_it() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    // A Role with only the EndpointSlice rules: the get is refused.
+    cluster.fake.forbid_services(Some(NAMESPACE));
+    let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    assert_eq!(
+        status.error(),
+        format!(
+            "registry {}/api/v1/namespaces/shop/services/web answered HTTP 403: services \"web\" \
+             is forbidden: User \"system:serviceaccount:raahi:gateway\" cannot get resource \
+             \"services\" in API group \"\" in the namespace \"shop\" (the gateway's account \
+             needs `get` and `watch` on `services` (API group \"\"): see the README's RBAC)",
+            cluster.fake.url()
+        ),
+        "{status}"
+    );
+    cluster.fake.forbid_services(None);
+    gateway
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
+        .await;
+    wait_serving_only(&gateway, &["a"], 1, WAIT).await;
+    wait_until("both watches are open", WAIT, || async {
+        cluster.fake.open_watches() == 1 && cluster.fake.open_service_watches() == 1
+    })
+    .await;
+
+    // `get` granted but not `watch`: the watch of the Service is refused when it is asked again.
+    cluster.fake.forbid_services(Some(NAMESPACE));
+    cluster.fake.close_watches();
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    let error = status.error();
+    assert!(
+        error.contains(&format!(
+            "{}/api/v1/namespaces/shop/services?fieldSelector=metadata.name=web (watch) answered \
+             HTTP 403: services \"web\" is forbidden",
+            cluster.fake.url()
+        )) && error.contains("cannot watch resource \"services\"")
+            && error.contains("needs `get` and `watch` on `services`"),
+        "{status}"
+    );
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 410 Gone however it comes
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_as_a_watch_requests_status_relists_without_a_failure() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a", "b"]).await;
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    wait_until("both watches are open", WAIT, || async {
+        cluster.fake.open_watches() == 1 && cluster.fake.open_service_watches() == 1
+    })
+    .await;
+    let lists = cluster.fake.lists();
+    let (_, failures) = applied(&gateway, source);
+    // As in an_expired_watch_relists_without_a_failure, but the resumed watch request itself
+    // is answered HTTP 410.
+    cluster.fake.expire_watches_with_status(true);
+    cluster
+        .fake
+        .apply(Slice::new(NAMESPACE, "db-x1", "db").port(None, 5432));
+    cluster.fake.compact();
+    cluster.fake.close_watches();
+    cluster.fake.apply(slice(
+        &pods,
+        "web-x1",
+        vec![pods.ready("a"), pods.ready("b")],
+    ));
+    wait_served(&gateway, "b", WAIT).await;
+    assert!(cluster.fake.lists() > lists, "relisted");
+    let status = gateway.source_status(source).await;
+    assert_eq!(status.state, "healthy", "{status}");
+    assert_eq!(status.last_error, None, "{status}");
+    assert_eq!(status.endpoints.draining, 0, "{status}");
+    assert_eq!(applied(&gateway, source).1, failures, "no failed refresh");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_on_a_continue_token_relists_without_a_failure() {
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    // More slices than kube-rs's page of 500: the list takes two pages.
+    for index in 0..500 {
+        cluster
+            .fake
+            .apply(Slice::new(NAMESPACE, &format!("web-e{index:03}"), "web").port(Some("http"), 1));
+    }
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let (_, source) = web_service(&gateway, cluster.source(json!({}))).await;
+    wait_status(&gateway, source, "healthy", |s| s.state == "healthy").await;
+    let lists = cluster.fake.lists();
+    assert_eq!(lists, 2, "two pages");
+    let (_, failures) = applied(&gateway, source);
+
+    // An operator's refresh reads everything again; etcd compacts between the two pages.
+    cluster.fake.compact_before_next_continue();
+    let (code, body) = gateway
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/refresh"),
+            None,
+        )
+        .await;
+    assert_eq!(code, StatusCode::ACCEPTED, "{body}");
+    wait_until("the list was read again whole", WAIT, || async {
+        cluster.fake.lists() >= lists + 4
+    })
+    .await;
+    let status = wait_status(&gateway, source, "watch connected", |s| {
+        s.watch_connected() == Some(true) && s.endpoints.active == 1
+    })
+    .await;
+    assert_eq!(status.state, "healthy", "{status}");
+    assert_eq!(status.last_error, None, "{status}");
+    assert_eq!(status.endpoints.draining, 0, "{status}");
+    assert_eq!(applied(&gateway, source).1, failures, "no failed refresh");
+    wait_serving_only(&gateway, &["a"], 3, WAIT).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// An exec credential plugin
+// ---------------------------------------------------------------------------------------------
+
+/// Whether process `pid` still runs (a zombie waiting to be reaped does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_plugin_that_hangs_is_stopped_after_timeout_ms() {
+    use std::os::unix::fs::PermissionsExt;
+    let gateway = TestGateway::start().await;
+    let cluster = Cluster::start().await;
+    let pods = Pods::start(&["a"]).await;
+    cluster
+        .fake
+        .apply(slice(&pods, "web-x1", vec![pods.ready("a")]));
+    let dir = cluster.token_dir.path();
+    let plugin = dir.join("plugin.sh");
+    let pid_file = dir.join("plugin.pid");
+    // A plugin waiting for a login that never comes.
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\necho $$ > {}\nexec sleep 30\n",
+            pid_file.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+             clusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: gateway\n  user:\n    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: {}\n      interactiveMode: Never\n\
+             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: gateway\n    namespace: {NAMESPACE}\n",
+            cluster.fake.url(),
+            plugin.display()
+        ),
+    )
+    .unwrap();
+    let source = json!({
+        "name": "k8s",
+        "provider": "kubernetes",
+        "config": {
+            "service": "web",
+            "kubeconfig": kubeconfig.display().to_string(),
+            "timeout_ms": 500,
+        },
+    });
+    let (_, source) = web_service(&gateway, source).await;
+    let status = wait_status(&gateway, source, "failing", |s| s.state == "failing").await;
+    assert_eq!(
+        status.error(),
+        format!(
+            "the exec credential plugin {} did not finish within 500 ms (timeout_ms); it was \
+             stopped",
+            plugin.display()
+        ),
+        "{status}"
+    );
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_until("the plugin is stopped", Duration::from_secs(3), || async {
+        !running(pid)
+    })
+    .await;
+
+    // The plugin answers now: its token reaches the API server.
+    std::fs::write(
+        &plugin,
+        format!(
+            "#!/bin/sh\necho '{{\"apiVersion\":\"client.authentication.k8s.io/v1\",\
+             \"kind\":\"ExecCredential\",\"status\":{{\"token\":\"{TOKEN}\"}}}}'\n"
+        ),
+    )
+    .unwrap();
+    let status = gateway
+        .wait_source_status(source, "healthy", 2 * WAIT, |s| s.state == "healthy")
+        .await;
+    assert_eq!(status.endpoints.active, 1, "{status}");
+    assert_eq!(cluster.fake.last_token().as_deref(), Some(TOKEN));
+    wait_serving_only(&gateway, &["a"], 1, WAIT).await;
 }

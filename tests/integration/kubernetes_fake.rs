@@ -1369,3 +1369,156 @@ async fn zone_hints_are_served_as_the_controller_writes_them() {
         [vec!["zone-a"], vec!["zone-a", "zone-c"], Vec::<&str>::new()]
     );
 }
+
+#[tokio::test]
+async fn services_are_got_watched_by_name_refused_and_missing_as_the_api_server_does() {
+    use common::kubernetes::{Svc, TargetPort};
+    let fake = KubeFake::start().await;
+    let services = "/api/v1/namespaces/shop/services";
+    let created = fake.apply_service(
+        Svc::new("shop", "web")
+            .port(Some("http"), 80, Some(TargetPort::Name("http".into())))
+            .port(Some("admin"), 9000, None),
+    );
+    fake.apply_service(Svc::new("shop", "db").headless().port(None, 5432, None));
+
+    let one = get(&fake, &format!("{services}/web")).await;
+    assert_eq!(one.status, 200);
+    let object = &one.body;
+    assert_eq!(object["kind"], "Service");
+    assert_eq!(object["apiVersion"], "v1");
+    assert_eq!(rv_of(object), created);
+    assert!(object["metadata"].get("generation").is_none(), "{object}");
+    assert_eq!(
+        object["spec"]["ports"],
+        json!([
+            {"name": "http", "protocol": "TCP", "port": 80, "targetPort": "http"},
+            {"name": "admin", "protocol": "TCP", "port": 9000, "targetPort": 9000},
+        ])
+    );
+    assert_eq!(object["status"], json!({"loadBalancer": {}}));
+    let db = get(&fake, &format!("{services}/db")).await.body;
+    assert_eq!(db["spec"]["clusterIP"], "None");
+    assert!(db["spec"]["ports"][0].get("name").is_none(), "omitempty");
+    // kube-rs reads it as a core/v1 Service.
+    let parsed: k8s_openapi::api::core::v1::Service =
+        serde_json::from_value(object.clone()).unwrap();
+    assert_eq!(parsed.spec.unwrap().ports.unwrap()[0].port, 80);
+
+    let missing = get(&fake, &format!("{services}/nope")).await;
+    assert_eq!(
+        status_message(&missing, 404, "NotFound"),
+        "services \"nope\" not found"
+    );
+    assert_eq!(
+        missing.body["details"],
+        json!({"name": "nope", "kind": "services"})
+    );
+    let list = get(&fake, services).await.body;
+    assert_eq!(list["kind"], "ServiceList");
+    assert_eq!(names(&list), ["db", "web"]);
+    // Slices are not services.
+    fake.apply(web("shop", "web-a", "10.0.0.1"));
+    assert_eq!(names(&get(&fake, services).await.body), ["db", "web"]);
+    assert_eq!(names(&get(&fake, &slices("shop")).await.body), ["web-a"]);
+
+    // A watch of one Service from the most recent state: its current state first, then its
+    // changes only (not db's, not the slices').
+    let mut watch = Watch::open(
+        &fake,
+        &format!(
+            "{services}?watch=true&fieldSelector=metadata.name%3Dweb&allowWatchBookmarks=true"
+        ),
+    )
+    .await;
+    let first = watch.event().await;
+    assert_eq!(first["type"], "ADDED");
+    assert_eq!(first["object"]["metadata"]["name"], "web");
+    let end = watch.event().await;
+    assert_eq!(end["type"], "BOOKMARK");
+    assert_eq!(end["object"]["kind"], "Service");
+    assert_eq!(
+        end["object"]["metadata"]["annotations"][INITIAL_EVENTS_END],
+        "true"
+    );
+    fake.apply_service(Svc::new("shop", "db").headless().port(None, 5433, None));
+    fake.apply(web("shop", "web-a", "10.0.0.2"));
+    fake.apply_service(Svc::new("shop", "web").port(Some("http"), 81, None));
+    let modified = watch.event().await;
+    assert_eq!(modified["type"], "MODIFIED");
+    assert_eq!(modified["object"]["spec"]["ports"][0]["port"], 81);
+    assert!(fake.delete_service("shop", "web"));
+    let deleted = watch.event().await;
+    assert_eq!(deleted["type"], "DELETED");
+    assert_eq!(fake.service_watches(), 1);
+    assert_eq!(fake.service_gets(), 3);
+
+    // RBAC: the get and the watch by name are refused with the name.
+    fake.forbid_services(Some("shop"));
+    let denied = get(&fake, &format!("{services}/db")).await;
+    assert_eq!(
+        status_message(&denied, 403, "Forbidden"),
+        format!(
+            "services \"db\" is forbidden: User \"{SERVICE_ACCOUNT}\" cannot get resource \
+             \"services\" in API group \"\" in the namespace \"shop\""
+        )
+    );
+    assert_eq!(
+        denied.body["details"],
+        json!({"name": "db", "kind": "services"})
+    );
+    let watch = get(
+        &fake,
+        &format!("{services}?watch=1&fieldSelector=metadata.name%3Ddb"),
+    )
+    .await;
+    assert!(
+        status_message(&watch, 403, "Forbidden").starts_with("services \"db\" is forbidden: User")
+    );
+    assert_eq!(
+        get(&fake, &slices("shop")).await.status,
+        200,
+        "slices still allowed"
+    );
+}
+
+#[tokio::test]
+async fn watch_expiry_as_a_status_and_compaction_between_pages() {
+    let fake = KubeFake::start().await;
+    let old = fake.apply(web("shop", "web-a", "10.0.0.1"));
+    fake.apply(web("shop", "web-b", "10.0.0.2"));
+    fake.compact();
+    fake.expire_watches_with_status(true);
+    let expired = get(
+        &fake,
+        &format!("{}?watch=true&resourceVersion={old}", slices("shop")),
+    )
+    .await;
+    assert!(status_message(&expired, 410, "Expired").starts_with("too old resource version"));
+    fake.expire_watches_with_status(false);
+
+    let first = get(&fake, &format!("{}?limit=1", slices("shop")))
+        .await
+        .body;
+    let token = first["metadata"]["continue"].as_str().unwrap().to_owned();
+    fake.compact_before_next_continue();
+    fake.apply(web("shop", "web-c", "10.0.0.3"));
+    let gone = get(
+        &fake,
+        &format!("{}?limit=1&continue={token}", slices("shop")),
+    )
+    .await;
+    assert!(status_message(&gone, 410, "Expired")
+        .starts_with("The provided continue parameter is too old"));
+    // Only the next one.
+    let page = get(&fake, &format!("{}?limit=1", slices("shop")))
+        .await
+        .body;
+    let token = page["metadata"]["continue"].as_str().unwrap().to_owned();
+    let next = get(
+        &fake,
+        &format!("{}?limit=1&continue={token}", slices("shop")),
+    )
+    .await;
+    assert_eq!(next.status, 200);
+}

@@ -2,6 +2,7 @@
 //! (explicit keys, then the kubeconfig, then the pod's service account), and what every request
 //! goes through beside kube-rs's own stack.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -10,6 +11,7 @@ use std::time::Duration;
 use http::header::AUTHORIZATION;
 use http::HeaderValue;
 
+use super::exec::ExecPlugin;
 use super::{watch_length, KubernetesConfig, SERVICE_NAME_LABEL};
 use crate::discovery::registry_client::error_chain;
 use crate::discovery::runner::WATCH_SPACING;
@@ -24,6 +26,10 @@ pub(super) struct Connection {
     pub(super) namespace: String,
     /// The list URL, as `last_error` names it.
     pub(super) shown_url: String,
+    /// The Service object's URL, as `last_error` names it.
+    pub(super) service_url: String,
+    /// The kubeconfig's exec credential plugin, whose token the follower renews.
+    pub(super) exec: Option<Arc<ExecPlugin>>,
 }
 
 impl Connection {
@@ -34,29 +40,71 @@ impl Connection {
         let in_cluster = config.api_server.is_none() && config.kubeconfig.is_none();
         let mut client_config = base_config(config).await?;
         apply_tls(&mut client_config, config, in_cluster)?;
-        let token = token_of(config, in_cluster)?;
-        if token.is_some() {
-            client_config.auth_info = Default::default();
-        }
+        let timeout = Duration::from_millis(config.timeout_ms);
+        let mut exec = None;
+        let bearer = match token_of(config, in_cluster)? {
+            Some(token) => {
+                client_config.auth_info = Default::default();
+                Some(Bearer::File(token))
+            }
+            None => match client_config.auth_info.exec.take() {
+                Some(plugin) => {
+                    let plugin = Arc::new(ExecPlugin::start(plugin, timeout).await?);
+                    client_config.auth_info = Default::default();
+                    exec = Some(Arc::clone(&plugin));
+                    Some(Bearer::Exec(plugin))
+                }
+                None => None,
+            },
+        };
         apply_timeouts(&mut client_config, config);
         let namespace = namespace_of(config, &client_config);
         let shown_url = list_url(&client_config.cluster_url, &namespace, &config.service);
-        let policy = RequestPolicy::layer(token, Duration::from_millis(config.timeout_ms));
-        let client = kube::client::ClientBuilder::try_from(client_config)
-            .map_err(|err| DiscoveryError::ClientSetup {
-                reason: format!(
-                    "cannot build a client for the API server: {}",
-                    error_chain(&err)
-                ),
-            })?
-            .with_layer(&policy)
-            .build();
+        let service_url = service_url(&client_config.cluster_url, &namespace, &config.service);
+        let client = build_client(client_config, bearer, timeout).await?;
         Ok(Connection {
             client,
             namespace,
             shown_url,
+            service_url,
+            exec,
         })
     }
+}
+
+/// kube-rs's client builder, on a blocking thread and bounded by `timeout_ms`: it may run a
+/// kubeconfig's legacy `auth-provider` command synchronously (exec plugins are run here, in
+/// `exec.rs`, and never reach it).
+async fn build_client(
+    client_config: kube::Config,
+    bearer: Option<Bearer>,
+    timeout: Duration,
+) -> Result<kube::Client, DiscoveryError> {
+    let setup = |reason: String| DiscoveryError::ClientSetup { reason };
+    let building = tokio::task::spawn_blocking(move || {
+        let policy = RequestPolicy::layer(bearer, timeout);
+        kube::client::ClientBuilder::try_from(client_config)
+            .map(|builder| builder.with_layer(&policy).build())
+    });
+    tokio::time::timeout(timeout, building)
+        .await
+        .map_err(|_| {
+            setup(format!(
+                "finding the API server's credentials took longer than {} ms (timeout_ms)",
+                timeout.as_millis()
+            ))
+        })?
+        .map_err(|err| {
+            setup(format!(
+                "finding the API server's credentials failed: {err}"
+            ))
+        })?
+        .map_err(|err| {
+            setup(format!(
+                "cannot build a client for the API server: {}",
+                error_chain(&err)
+            ))
+        })
 }
 
 /// The cluster URL and anything the kubeconfig says.
@@ -141,6 +189,14 @@ fn list_url(cluster_url: &http::Uri, namespace: &str, service: &str) -> String {
     format!(
         "{}/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices\
          ?labelSelector={SERVICE_NAME_LABEL}={service}",
+        base.trim_end_matches('/')
+    )
+}
+
+fn service_url(cluster_url: &http::Uri, namespace: &str, service: &str) -> String {
+    let base = cluster_url.to_string();
+    format!(
+        "{}/api/v1/namespaces/{namespace}/services/{service}",
         base.trim_end_matches('/')
     )
 }
@@ -251,32 +307,50 @@ impl TokenFile {
     }
 }
 
+/// Where a request's bearer token comes from.
+enum Bearer {
+    File(Arc<TokenFile>),
+    Exec(Arc<ExecPlugin>),
+}
+
+impl Bearer {
+    fn current(&self) -> Option<HeaderValue> {
+        match self {
+            Bearer::File(file) => Some(file.current()),
+            Bearer::Exec(plugin) => plugin.current(),
+        }
+    }
+}
+
 /// What every request to the API server goes through, outside kube-rs's own stack:
-/// - the current bearer token (from [`TokenFile`]);
-/// - watch requests at least [`WATCH_SPACING`] apart: kube-rs opens a new watch at once
-///   when one ends, so a proxy that cuts watches would otherwise make it loop;
+/// - the current bearer token (from [`TokenFile`] or the exec plugin's last token);
+/// - the requests of one watch (one path: the slices', the Service's) at least
+///   [`WATCH_SPACING`] apart: kube-rs opens a new watch at once when one ends, so a proxy that
+///   cuts watches would otherwise make it loop;
 /// - a bound on the wait for a watch answer's head (`timeout_ms`), so an API server that
 ///   accepts connections but never answers is a failed refresh, not a watch that looks
 ///   connected (lists are bounded where they are read).
 struct RequestPolicy<S> {
     inner: S,
-    token: Option<Arc<TokenFile>>,
+    bearer: Option<Arc<Bearer>>,
     head_timeout: Duration,
-    last_watch: Option<tokio::time::Instant>,
+    /// By path: the slot of the last watch request.
+    last_watch: HashMap<String, tokio::time::Instant>,
 }
 
 type KubeRequest = http::Request<kube::client::Body>;
 
 impl<S> RequestPolicy<S> {
     fn layer(
-        token: Option<Arc<TokenFile>>,
+        bearer: Option<Bearer>,
         head_timeout: Duration,
     ) -> impl tower::Layer<S, Service = RequestPolicy<S>> {
+        let bearer = bearer.map(Arc::new);
         tower::layer::layer_fn(move |inner| RequestPolicy {
             inner,
-            token: token.clone(),
+            bearer: bearer.clone(),
             head_timeout,
-            last_watch: None,
+            last_watch: HashMap::new(),
         })
     }
 
@@ -291,10 +365,10 @@ impl<S> RequestPolicy<S> {
             return None;
         }
         let now = tokio::time::Instant::now();
-        let slot = self
-            .last_watch
-            .map_or(now, |last| (last + WATCH_SPACING).max(now));
-        self.last_watch = Some(slot);
+        let last = self.last_watch.get(request.uri().path());
+        let slot = last.map_or(now, |last| (*last + WATCH_SPACING).max(now));
+        self.last_watch
+            .insert(request.uri().path().to_owned(), slot);
         Some(slot)
     }
 }
@@ -317,8 +391,8 @@ where
     }
 
     fn call(&mut self, mut request: KubeRequest) -> Self::Future {
-        if let Some(token) = &self.token {
-            request.headers_mut().insert(AUTHORIZATION, token.current());
+        if let Some(header) = self.bearer.as_ref().and_then(|bearer| bearer.current()) {
+            request.headers_mut().insert(AUTHORIZATION, header);
         }
         let slot = self.watch_slot(&request);
         let head_timeout = self.head_timeout;

@@ -1,62 +1,88 @@
-//! One open watch: kube-rs's watcher events kept as the Service's slices, each change (with the
+//! One open watch: kube-rs's watcher events kept as the Service's slices, the Service object
+//! followed beside them (its ports say which slice port `port` means), each change (with the
 //! events that follow it within [`BURST_WINDOW`]) answered as one whole set, errors classified.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher;
 
 use super::client::Connection;
+use super::errors::{is_gone, watcher_failed};
+use super::exec::ExecPlugin;
+use super::ports::slice_port;
+use super::service::{ServiceChanges, ServiceFollower};
 use super::slices::{endpoints_of, name_of, Wanted};
-use super::{watch_seconds, KubernetesConfig, SERVICE_NAME_LABEL};
-use crate::discovery::registry_client::error_chain;
+use super::{watch_seconds, KubernetesConfig, PortRef, SERVICE_NAME_LABEL};
 use crate::discovery::{DiscoveryError, WatchAnswer};
 
+/// How many 410s in a row (without a list completed between them) are routine: an expired watch
+/// and then an expired continue token during its relist are; a server answering 410 to every
+/// request is a failure, not a loop.
+const GONE_IN_A_ROW: u32 = 2;
+
 /// How long after a change the events that follow it are taken into the same set. The
-/// EndpointSlice controller writes a rollout's changes slice by slice, milliseconds apart.
+/// EndpointSlice controller writes a rollout's changes slice by slice, milliseconds apart, and
+/// its slices follow a Service's edit as quickly.
 const BURST_WINDOW: Duration = Duration::from_millis(50);
 
-type SliceEvents =
-    Pin<Box<dyn Stream<Item = Result<watcher::Event<EndpointSlice>, watcher::Error>> + Send>>;
+type SliceItem = Result<watcher::Event<EndpointSlice>, watcher::Error>;
+type SliceEvents = Pin<Box<dyn Stream<Item = SliceItem> + Send>>;
 
-/// One open watch: kube-rs's watcher, the slices it reported, and what the config asks of them.
+/// Starts the slices' watcher again from a list (after a 410 kube-rs would not relist on).
+type Relist = Box<dyn Fn() -> SliceEvents + Send>;
+
+/// What came next: a slice event, or the Service's new state (boxed: a Service is large, and
+/// the two sizes stay close).
+#[allow(clippy::large_enum_variant)] // matched at once, never kept
+enum Next {
+    Slice(Option<SliceItem>),
+    Service(Box<Option<Result<Service, DiscoveryError>>>),
+}
+
+/// One open watch: kube-rs's watcher, the slices it reported, the Service, and what the config
+/// asks of them.
 pub(super) struct Follower {
     url: String,
-    service: String,
-    wanted: Wanted,
+    service_url: String,
+    /// "shop/web", as errors name the Service.
+    shown: String,
+    port: Option<PortRef>,
+    config: Arc<KubernetesConfig>,
     list_timeout: Duration,
     events: SliceEvents,
+    relist: Option<Relist>,
+    service: Service,
+    service_changes: ServiceChanges,
     slices: SliceSet,
+    /// 410s since the last complete list (see [`GONE_IN_A_ROW`]).
+    gone_in_a_row: u32,
+    exec: Option<Arc<ExecPlugin>>,
     /// An error that ended the watch while a burst was being gathered: reported after the
     /// burst's set.
     pending_error: Option<DiscoveryError>,
 }
 
 impl Follower {
-    pub(super) async fn open(config: &KubernetesConfig) -> Result<Follower, DiscoveryError> {
-        // A kubeconfig may run an exec credential plugin, which kube-rs runs synchronously: on a
-        // blocking thread, so it stalls no runtime worker, and bounded by `timeout_ms`.
-        let owned = config.clone();
-        let runtime = tokio::runtime::Handle::current();
-        let opening =
-            tokio::task::spawn_blocking(move || runtime.block_on(Connection::open(&owned)));
-        let setup = |reason: String| DiscoveryError::ClientSetup { reason };
-        let connection = tokio::time::timeout(Duration::from_millis(config.timeout_ms), opening)
-            .await
-            .map_err(|_| {
-                setup(format!(
-                    "finding the API server's credentials took longer than {} ms (timeout_ms)",
-                    config.timeout_ms
-                ))
-            })?
-            .map_err(|err| {
-                setup(format!(
-                    "finding the API server's credentials failed: {err}"
-                ))
-            })??;
+    pub(super) async fn open(config: &Arc<KubernetesConfig>) -> Result<Follower, DiscoveryError> {
+        let connection = Connection::open(config).await?;
+        let services =
+            kube::Api::<Service>::namespaced(connection.client.clone(), &connection.namespace);
+        let mut service_follower = ServiceFollower::new(
+            services,
+            &config.service,
+            &connection.namespace,
+            connection.service_url.clone(),
+            watch_seconds(config),
+            Duration::from_millis(config.timeout_ms),
+        );
+        // A missing Service fails the watch before its slices are read.
+        let service = service_follower.get().await?;
         let api = kube::Api::<EndpointSlice>::namespaced(
             connection.client.clone(),
             &connection.namespace,
@@ -64,21 +90,42 @@ impl Follower {
         let watch_config = watcher::Config::default()
             .labels(&format!("{SERVICE_NAME_LABEL}={}", config.service))
             .timeout(watch_seconds(config));
-        Ok(Follower::new(
+        let relist: Relist = Box::new(move || Box::pin(watcher(api.clone(), watch_config.clone())));
+        let mut follower = Follower::new(
             connection.shown_url,
             config,
-            Box::pin(watcher(api, watch_config)),
-        ))
+            relist(),
+            service,
+            service_follower.changes(),
+        );
+        follower.service_url = connection.service_url;
+        follower.shown = format!("{}/{}", connection.namespace, config.service);
+        follower.relist = Some(relist);
+        follower.exec = connection.exec;
+        Ok(follower)
     }
 
-    fn new(url: String, config: &KubernetesConfig, events: SliceEvents) -> Follower {
+    fn new(
+        url: String,
+        config: &Arc<KubernetesConfig>,
+        events: SliceEvents,
+        service: Service,
+        service_changes: ServiceChanges,
+    ) -> Follower {
         Follower {
+            service_url: url.clone(),
             url,
-            service: config.service.clone(),
-            wanted: Wanted::of(config),
+            shown: config.service.clone(),
+            port: config.port.clone(),
+            config: Arc::clone(config),
             list_timeout: Duration::from_millis(config.timeout_ms),
             events,
+            relist: None,
+            service,
+            service_changes,
             slices: SliceSet::default(),
+            gone_in_a_row: 0,
+            exec: None,
             pending_error: None,
         }
     }
@@ -95,76 +142,149 @@ impl Follower {
     }
 
     /// Waits for the next change, then takes every event arriving within [`BURST_WINDOW`] of
-    /// it, so a burst (a rollout touching several slices, a scale-up written slice by slice) is
-    /// one set and one reconcile.
+    /// it, so a burst (a rollout touching several slices, a scale-up written slice by slice, a
+    /// Service edit and the slices that follow it) is one set and one reconcile.
     async fn next_answer(&mut self) -> Result<WatchAnswer, DiscoveryError> {
         if let Some(error) = self.pending_error.take() {
             return Err(error);
         }
         let mut burst_ends: Option<tokio::time::Instant> = None;
         loop {
-            let event = match burst_ends {
-                Some(deadline) => {
-                    match tokio::time::timeout_at(deadline, self.events.next()).await {
-                        Ok(event) => event,
-                        Err(_) => return self.answer(),
-                    }
-                }
-                None => self.next_event().await?,
+            let next = match burst_ends {
+                Some(deadline) => match tokio::time::timeout_at(deadline, self.next()).await {
+                    Ok(next) => next?,
+                    Err(_) => return self.answer(),
+                },
+                None => self.next_within_list_timeout().await?,
             };
-            let error = match event {
-                None => DiscoveryError::WatchEnded,
-                Some(Ok(event)) => {
-                    if self.slices.apply(event) && burst_ends.is_none() {
-                        burst_ends = Some(tokio::time::Instant::now() + BURST_WINDOW);
+            let changed = match next {
+                Next::Service(service) => match *service {
+                    Some(Ok(service)) => Ok(self.service_changed(service)),
+                    Some(Err(error)) => Err(error),
+                    None => Err(DiscoveryError::WatchEnded),
+                },
+                Next::Slice(Some(Ok(event))) => {
+                    if matches!(event, watcher::Event::InitDone) {
+                        self.gone_in_a_row = 0;
                     }
-                    continue;
+                    Ok(self.slices.apply(event))
                 }
-                // kube-rs relists on its next poll; a compacted history is routine.
-                Some(Err(watcher::Error::WatchError(status))) if status.code == 410 => {
-                    tracing::debug!(url = %self.url, "watch expired (410 Gone); relisting");
-                    continue;
-                }
-                Some(Err(err)) => watcher_failed(&self.url, err),
+                Next::Slice(Some(Err(err))) => self.gone_or_failed(err).map(|()| false),
+                Next::Slice(None) => Err(DiscoveryError::WatchEnded),
             };
-            if burst_ends.is_some() {
-                self.pending_error = Some(error);
-                return self.answer();
+            match changed {
+                Ok(true) if burst_ends.is_none() => {
+                    burst_ends = Some(tokio::time::Instant::now() + BURST_WINDOW);
+                }
+                Ok(_) => {}
+                Err(error) if burst_ends.is_some() => {
+                    self.pending_error = Some(error);
+                    return self.answer();
+                }
+                Err(error) => return Err(error),
             }
-            return Err(error);
         }
+    }
+
+    /// A 410 Gone, however it came, starts a relist (kube-rs relists by itself after an ERROR
+    /// event or a failed list page, not after a watch request answered 410); anything else
+    /// ends the watch.
+    fn gone_or_failed(&mut self, err: watcher::Error) -> Result<(), DiscoveryError> {
+        if !is_gone(&err) || self.gone_in_a_row >= GONE_IN_A_ROW {
+            return Err(watcher_failed(&self.url, err));
+        }
+        tracing::debug!(url = %self.url, error = %err, "history compacted (410 Gone); relisting");
+        self.gone_in_a_row += 1;
+        if matches!(err, watcher::Error::WatchStartFailed(_)) {
+            if let Some(relist) = &self.relist {
+                self.events = relist();
+            }
+        }
+        Ok(())
+    }
+
+    /// True when the Service's new state may change the set.
+    fn service_changed(&mut self, service: Service) -> bool {
+        if service.metadata.resource_version == self.service.metadata.resource_version {
+            return false;
+        }
+        self.service = service;
+        true
     }
 
     /// The next event; while a list is under way, within `timeout_ms` (a page, or the
     /// trampolined steps between pages).
-    async fn next_event(
-        &mut self,
-    ) -> Result<Option<Result<watcher::Event<EndpointSlice>, watcher::Error>>, DiscoveryError> {
+    async fn next_within_list_timeout(&mut self) -> Result<Next, DiscoveryError> {
         if !self.slices.awaiting_list() {
-            return Ok(self.events.next().await);
+            return self.next().await;
         }
-        tokio::time::timeout(self.list_timeout, self.events.next())
-            .await
-            .map_err(|_| DiscoveryError::HttpRequest {
+        let list_timeout = self.list_timeout;
+        match tokio::time::timeout(list_timeout, self.next()).await {
+            Ok(next) => next,
+            Err(_) => Err(DiscoveryError::HttpRequest {
                 url: self.url.clone(),
                 reason: format!(
                     "the list did not complete within {} ms (timeout_ms)",
-                    self.list_timeout.as_millis()
+                    list_timeout.as_millis()
                 ),
-            })
+            }),
+        }
+    }
+
+    /// The next slice event or Service state; meanwhile the exec plugin's token is renewed
+    /// when it is due.
+    async fn next(&mut self) -> Result<Next, DiscoveryError> {
+        loop {
+            let renew_at = self
+                .exec
+                .as_ref()
+                .and_then(|plugin| plugin.renew_at())
+                .map(|at| {
+                    let wait = (at - crate::clock::now()).to_std().unwrap_or_default();
+                    tokio::time::Instant::now() + wait
+                });
+            let renewal = async {
+                match renew_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                event = self.events.next() => return Ok(Next::Slice(event)),
+                service = self.service_changes.next() => return Ok(Next::Service(Box::new(service))),
+                () = renewal => {
+                    if let Some(plugin) = &self.exec {
+                        plugin.renew().await?;
+                    }
+                }
+            }
+        }
     }
 
     fn answer(&self) -> Result<WatchAnswer, DiscoveryError> {
-        let discovered = endpoints_of(&self.slices.slices, &self.wanted).map_err(|reason| {
+        let port =
+            slice_port(&self.service, self.port.as_ref(), &self.shown).map_err(|reason| {
+                DiscoveryError::BadDocument {
+                    url: self.service_url.clone(),
+                    location: "spec.ports".to_owned(),
+                    reason,
+                }
+            })?;
+        let wanted = Wanted::of(&self.config, port);
+        let discovered = endpoints_of(&self.slices.slices, &wanted).map_err(|reason| {
             DiscoveryError::BadDocument {
                 url: self.url.clone(),
-                location: format!("Service {}", self.service),
+                location: format!("Service {}", self.shown),
                 reason,
             }
         })?;
+        let mut position = self.slices.position.clone();
+        if let Some(version) = self.service.metadata.resource_version.as_deref() {
+            keep_newest(&mut position, version);
+        }
         Ok(WatchAnswer {
             discovered,
-            position: self.slices.position.clone(),
+            position,
         })
     }
 }
@@ -229,12 +349,16 @@ impl SliceSet {
     }
 }
 
-/// Keeps in `position` the newer of it and the slice's resource version. Resource versions are
-/// opaque; numeric ones (every real API server's) compare as numbers.
+/// Keeps in `position` the newer of it and the slice's resource version.
 fn newest(position: &mut String, slice: &EndpointSlice) {
-    let Some(version) = slice.metadata.resource_version.as_deref() else {
-        return;
-    };
+    if let Some(version) = slice.metadata.resource_version.as_deref() {
+        keep_newest(position, version);
+    }
+}
+
+/// Keeps in `position` the newer of it and `version`. Resource versions are opaque; numeric
+/// ones (every real API server's) compare as numbers.
+fn keep_newest(position: &mut String, version: &str) {
     let newer = match (version.parse::<u64>(), position.parse::<u64>()) {
         (Ok(seen), Ok(known)) => seen > known,
         _ => true,
@@ -244,60 +368,11 @@ fn newest(position: &mut String, slice: &EndpointSlice) {
     }
 }
 
-fn refused(url: &str, status: &kube::core::Status) -> DiscoveryError {
-    let mut message = if status.message.is_empty() {
-        status.reason.clone()
-    } else {
-        status.message.clone()
-    };
-    if status.code == 401 {
-        message.push_str(" (the API server did not accept the bearer token)");
-    }
-    DiscoveryError::RegistryRefused {
-        url: url.to_owned(),
-        status: status.code,
-        message,
-    }
-}
-
-fn client_failed(url: &str, err: &kube::Error) -> DiscoveryError {
-    match err {
-        kube::Error::Api(status) => refused(url, status),
-        // Our own request policy's refusals read better without kube's "ServiceError: ".
-        kube::Error::Service(err) => DiscoveryError::HttpRequest {
-            url: url.to_owned(),
-            reason: error_chain(err.as_ref()),
-        },
-        kube::Error::SerdeError(err) => DiscoveryError::BadJson {
-            url: url.to_owned(),
-            reason: err.to_string(),
-        },
-        other => DiscoveryError::HttpRequest {
-            url: url.to_owned(),
-            reason: error_chain(other),
-        },
-    }
-}
-
-fn watcher_failed(url: &str, err: watcher::Error) -> DiscoveryError {
-    match &err {
-        watcher::Error::InitialListFailed(err) => client_failed(url, err),
-        watcher::Error::WatchStartFailed(err) | watcher::Error::WatchFailed(err) => {
-            client_failed(&format!("{url} (watch)"), err)
-        }
-        watcher::Error::WatchError(status) => refused(&format!("{url} (watch)"), status),
-        watcher::Error::NoResourceVersion => DiscoveryError::BadDocument {
-            url: url.to_owned(),
-            location: "metadata.resourceVersion".to_owned(),
-            reason: err.to_string(),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::discovery::config;
+    use crate::discovery::kubernetes::ports::tests::service;
     use crate::discovery::kubernetes::slices::tests::{endpoint, http_port, keys, slice};
     use serde_json::{json, Value};
 
@@ -320,19 +395,61 @@ mod tests {
     }
 
     type Item = Result<watcher::Event<EndpointSlice>, watcher::Error>;
+    type ServiceItem = Result<Service, DiscoveryError>;
 
-    /// A follower over a channel of kube-rs events: the test sends events when it likes.
-    fn scripted(timeout_ms: u64) -> (Follower, tokio::sync::mpsc::UnboundedSender<Item>) {
+    fn channel<T: Send + 'static>() -> (
+        tokio::sync::mpsc::UnboundedSender<T>,
+        Pin<Box<dyn Stream<Item = T> + Send>>,
+    ) {
         let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
-        let events = futures_util::stream::unfold(receiver, |mut receiver| async move {
+        let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
             let item = receiver.recv().await?;
             Some((item, receiver))
         });
-        let config = config::parse::<KubernetesConfig>(&json!({
-            "service": "web", "timeout_ms": timeout_ms,
-        }))
-        .unwrap();
-        let follower = Follower::new("https://api/list".to_owned(), &config, Box::pin(events));
+        (sender, Box::pin(stream))
+    }
+
+    /// Service web: port 80 "http" → 8080 and 81 "alt" → 8081, at resource version `version`.
+    fn web_service(version: &str, http: i32, alt: i32) -> Service {
+        let mut service = service(json!([
+            {"name": "http", "port": http, "targetPort": 8080, "protocol": "TCP"},
+            {"name": "alt", "port": alt, "targetPort": 8081, "protocol": "TCP"},
+        ]));
+        service.metadata.resource_version = Some(version.to_owned());
+        service
+    }
+
+    /// A follower over channels of kube-rs events and Service states: the test sends them when
+    /// it likes. `port` 80 is the Service port "http".
+    fn scripted_with_service(
+        timeout_ms: u64,
+    ) -> (
+        Follower,
+        tokio::sync::mpsc::UnboundedSender<Item>,
+        tokio::sync::mpsc::UnboundedSender<ServiceItem>,
+    ) {
+        let (sender, events) = channel::<Item>();
+        let (services, changes) = channel::<ServiceItem>();
+        let config = Arc::new(
+            config::parse::<KubernetesConfig>(&json!({
+                "service": "web", "timeout_ms": timeout_ms, "port": 80,
+            }))
+            .unwrap(),
+        );
+        let follower = Follower::new(
+            "https://api/list".to_owned(),
+            &config,
+            events,
+            web_service("1", 80, 81),
+            changes,
+        );
+        (follower, sender, services)
+    }
+
+    fn scripted(timeout_ms: u64) -> (Follower, tokio::sync::mpsc::UnboundedSender<Item>) {
+        let (mut follower, sender, _) = scripted_with_service(timeout_ms);
+        // The Service never changes (and its watch never ends).
+        follower.service_changes = Box::pin(futures_util::stream::pending());
         (follower, sender)
     }
 
@@ -506,5 +623,88 @@ mod tests {
         follower.next_answer().await.unwrap();
         let idle = tokio::time::timeout(Duration::from_secs(3_600), follower.next_answer()).await;
         assert!(idle.is_err(), "an idle watch waits: {idle:?}");
+    }
+
+    fn two_ports(name: &str, version: &str, address: &str) -> EndpointSlice {
+        let mut slice = slice(
+            name,
+            "IPv4",
+            json!([
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "alt", "port": 8081, "protocol": "TCP"},
+            ]),
+            json!([endpoint(address, true, true, false)]),
+        );
+        slice.metadata.resource_version = Some(version.to_owned());
+        slice
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_service_edit_alone_maps_the_port_anew() {
+        let (mut follower, sender, services) = scripted_with_service(5_000);
+        listed(&sender, vec![two_ports("web-a", "3", "10.0.0.1")]);
+        let first = follower.next_answer().await.unwrap();
+        assert_eq!(keys(&first.discovered), ["10.0.0.1:8080"]);
+        assert_eq!(first.position, "3");
+        // Port 80 now is "alt": the same slices, another endpoint port.
+        services.send(Ok(web_service("9", 82, 80))).unwrap();
+        let remapped = follower.next_answer().await.unwrap();
+        assert_eq!(keys(&remapped.discovered), ["10.0.0.1:8081"]);
+        assert_eq!(remapped.position, "9");
+        // The Service without port 80: a failed refresh naming it.
+        services.send(Ok(web_service("10", 82, 83))).unwrap();
+        let error = follower.next_answer().await.unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("spec.ports: Service web has no port 80"),
+            "{error}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_same_service_again_is_no_change() {
+        let (mut follower, sender, services) = scripted_with_service(5_000);
+        listed(&sender, vec![two_ports("web-a", "3", "10.0.0.1")]);
+        follower.next_answer().await.unwrap();
+        services.send(Ok(web_service("1", 80, 81))).unwrap();
+        let idle = tokio::time::timeout(Duration::from_secs(3_600), follower.next_answer()).await;
+        assert!(
+            idle.is_err(),
+            "no answer for an unchanged Service: {idle:?}"
+        );
+    }
+
+    fn list_gone() -> watcher::Error {
+        watcher::Error::InitialListFailed(kube::Error::Api(
+            kube::core::Status::failure("The provided continue parameter is too old", "Expired")
+                .with_code(410)
+                .boxed(),
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_410_on_a_list_page_relists_and_a_third_in_a_row_fails() {
+        let (mut follower, sender) = scripted(5_000);
+        listed(&sender, vec![event_slice("web-a", "7", &["10.0.0.1"])]);
+        follower.next_answer().await.unwrap();
+        // A relist whose second page finds its continue token expired: kube-rs lists again.
+        sender.send(Err(expired())).unwrap();
+        sender.send(Ok(watcher::Event::Init)).unwrap();
+        sender.send(Err(list_gone())).unwrap();
+        listed(
+            &sender,
+            vec![event_slice("web-a", "9", &["10.0.0.1", "10.0.0.2"])],
+        );
+        let answer = follower.next_answer().await.unwrap();
+        assert_eq!(keys(&answer.discovered), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        // Once the relist completed, 410s are routine again; three before a list completes are
+        // not.
+        for _ in 0..3 {
+            sender.send(Ok(watcher::Event::Init)).unwrap();
+            sender.send(Err(list_gone())).unwrap();
+        }
+        let error = follower.next_answer().await.unwrap_err();
+        assert!(error.to_string().contains("answered HTTP 410"), "{error}");
     }
 }

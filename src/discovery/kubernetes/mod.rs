@@ -7,19 +7,28 @@
 //! - this file: the config (schema, checks) and the provider the runner drives;
 //! - `client.rs`: where the API server is and who we are to it (kubeconfig, `api_server`, the
 //!   pod's service account), and what every request goes through (the token file read again,
-//!   watch requests spaced, answers bounded by `timeout_ms`);
-//! - `follow.rs`: one open watch: kube-rs's events kept as slices, bursts gathered into one set,
-//!   errors classified;
-//! - `slices.rs`: the pure mapping of slices to endpoints.
+//!   each watch's requests spaced, answers bounded by `timeout_ms`);
+//! - `exec.rs`: a kubeconfig's exec credential plugin, run bounded by `timeout_ms`;
+//! - `service.rs`: the Service object, a get and then a watch of it alone;
+//! - `follow.rs`: one open watch: kube-rs's events kept as slices beside the Service, bursts
+//!   gathered into one set, 410s relisted;
+//! - `errors.rs`: how errors read in `last_error` (RBAC refusals name the permission);
+//! - `ports.rs` and `slices.rs`: the pure mappings of `port` through the Service to the slices'
+//!   port, and of slices to endpoints.
 //!
 //! Credentials are read when a watch opens and on every request (the token file), so rotated
 //! bound service-account tokens and a file that appears later both work; a missing file is a
 //! failed refresh naming it, never a config error, since instances sharing a store may differ.
 
 mod client;
+mod errors;
+mod exec;
 mod follow;
+mod ports;
+mod service;
 mod slices;
 
+pub use ports::{slice_port, SlicePort};
 pub use slices::{endpoints_of, Wanted};
 
 use std::sync::Arc;
@@ -42,8 +51,9 @@ use follow::Follower;
 pub const PROVIDER: Registered = Registered {
     provider: ProviderKind::Kubernetes,
     style: FetchStyle::Watch,
-    description: "Watches the EndpointSlices of one Kubernetes Service (list + watch); pods \
-                  becoming ready, terminating or gone reach the data path within about a \
+    description: "Watches the EndpointSlices of one Kubernetes Service (list + watch) and the \
+                  Service itself (get + watch), whose ports map `port` to the endpoints' port; \
+                  pods becoming ready, terminating or gone reach the data path within about a \
                   second. Runs in the cluster with its service account, or outside with \
                   `api_server` or `kubeconfig`.",
     schema: config::schema_of::<KubernetesConfig>,
@@ -68,8 +78,10 @@ pub struct KubernetesConfig {
     /// service-account namespace file), else `default`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
-    /// The Service port's name, or the endpoints' port number; required when the slices carry
-    /// more than one TCP port.
+    /// The Service's port as clients of the Service dial it: its number (`spec.ports[].port`,
+    /// e.g. 80) or its name; the endpoints are reached on the port the Service maps it to (its
+    /// target port, pod by pod). Unset: the Service's only TCP port. For a headless Service
+    /// without ports, the endpoints' port number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<PortRef>,
     /// The API server's URL; unset: the kubeconfig's, else in-cluster from

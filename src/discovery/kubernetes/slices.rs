@@ -5,32 +5,32 @@
 //!   drains them: no new requests, in-flight ones finish) unless no endpoint is ready, when they
 //!   are the set (KEP-1669: a Service whose pods all terminate keeps serving through them);
 //!   anything else is left out;
-//! - the port is the Service port named by `port`, or the slice port with that number, or the
-//!   only TCP port when `port` is unset.
+//! - the port is the slice port named after the Service port `port` chose (`ports.rs`), or, for a
+//!   headless Service without ports, the number given.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::{json, Value};
 
-use super::{KubernetesConfig, PortRef};
+use super::ports::SlicePort;
+use super::KubernetesConfig;
 use crate::discovery::{revision_of, Discovered};
 use crate::model::{Endpoint, ZONE_HINTS_KEY};
 
-/// What the config asks of the slices.
+/// What the config, read through the Service, asks of the slices.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Wanted {
-    pub port: Option<PortRef>,
+    pub port: SlicePort,
     pub weight: u32,
     pub priority: i32,
 }
 
 impl Wanted {
-    pub(super) fn of(config: &KubernetesConfig) -> Wanted {
+    pub(super) fn of(config: &KubernetesConfig, port: SlicePort) -> Wanted {
         Wanted {
-            port: config.port.clone(),
+            port,
             weight: config.weight,
             priority: config.priority,
         }
@@ -59,8 +59,7 @@ fn readiness_of(endpoint: &k8s_openapi::api::discovery::v1::Endpoint) -> Readine
     Readiness::Out
 }
 
-/// The whole endpoint set of a Service's slices (pure). An error when the slices say the
-/// config cannot be served as written (no such port; several ports and none chosen).
+/// The whole endpoint set of a Service's slices (pure). An error when no slice has the port.
 pub fn endpoints_of(
     slices: &BTreeMap<String, EndpointSlice>,
     wanted: &Wanted,
@@ -70,7 +69,6 @@ pub fn endpoints_of(
     let mut port_missing: Vec<String> = Vec::new();
     // Addresses listed but not ready: the API itself says they are leaving.
     let mut not_ready: Vec<SocketAddr> = Vec::new();
-    several_ports(slices, wanted)?;
     for (name, slice) in slices {
         if slice.endpoints.is_empty() {
             continue;
@@ -165,36 +163,6 @@ fn usable_slices(slices: &BTreeMap<String, EndpointSlice>) -> usize {
         .count()
 }
 
-/// With no `port` chosen the slices must agree on one TCP port; otherwise the operator must
-/// choose (guessing would send traffic to a metrics or admin port).
-fn several_ports(slices: &BTreeMap<String, EndpointSlice>, wanted: &Wanted) -> Result<(), String> {
-    if wanted.port.is_some() {
-        return Ok(());
-    }
-    let mut seen: BTreeMap<String, i32> = BTreeMap::new();
-    for slice in slices.values() {
-        for port in tcp_ports(slice) {
-            seen.insert(
-                port.name.clone().unwrap_or_default(),
-                port.port.unwrap_or_default(),
-            );
-        }
-    }
-    if seen.len() <= 1 {
-        return Ok(());
-    }
-    let mut listed = String::new();
-    for (index, (name, number)) in seen.iter().enumerate() {
-        if index > 0 {
-            listed.push_str(", ");
-        }
-        let _ = write!(listed, "{name:?} ({number})");
-    }
-    Err(format!(
-        "the slices carry several TCP ports: {listed}; set \"port\" to the name of the one to use"
-    ))
-}
-
 fn tcp_ports(
     slice: &EndpointSlice,
 ) -> impl Iterator<Item = &k8s_openapi::api::discovery::v1::EndpointPort> {
@@ -214,8 +182,11 @@ fn port_of(slice: &EndpointSlice, wanted: &Wanted) -> Result<u16, String> {
             .filter(|number| *number != 0)
     };
     match &wanted.port {
-        Some(PortRef::Name(name)) => {
-            let Some(port) = ports.iter().find(|port| port.name.as_deref() == Some(name)) else {
+        SlicePort::Named(name) => {
+            let Some(port) = ports
+                .iter()
+                .find(|port| port.name.as_deref().unwrap_or_default() == name)
+            else {
                 return Err(format!(
                     "no port named {name:?} (its ports: {})",
                     describe_ports(ports)
@@ -229,28 +200,16 @@ fn port_of(slice: &EndpointSlice, wanted: &Wanted) -> Result<u16, String> {
             }
             number(port).ok_or_else(|| format!("port {name:?} has no number"))
         }
-        Some(PortRef::Number(wanted_number)) => {
-            let wanted_number = u16::try_from(*wanted_number).unwrap_or(0);
+        SlicePort::Any(wanted_number) => {
             // No ports, or a port without a number, means "all ports".
             let all_ports = ports.is_empty() || ports.iter().any(|port| port.port.is_none());
-            if all_ports || tcp_ports(slice).any(|port| number(port) == Some(wanted_number)) {
-                return Ok(wanted_number);
+            if all_ports || tcp_ports(slice).any(|port| number(port) == Some(*wanted_number)) {
+                return Ok(*wanted_number);
             }
             Err(format!(
-                "no TCP port {wanted_number} (its ports: {}); name the Service port or give the \
-                 endpoints' port number",
+                "no TCP port {wanted_number} (its ports: {})",
                 describe_ports(ports)
             ))
-        }
-        None => {
-            let mut candidates = tcp_ports(slice).filter_map(number);
-            match candidates.next() {
-                Some(port) => Ok(port),
-                None => Err(format!(
-                    "no TCP port (its ports: {}); set \"port\"",
-                    describe_ports(ports)
-                )),
-            }
         }
     }
 }
@@ -369,7 +328,11 @@ pub(super) mod tests {
         json!([{"name": "http", "port": 8080, "protocol": "TCP"}])
     }
 
-    fn wanted(port: Option<PortRef>) -> Wanted {
+    fn http() -> SlicePort {
+        SlicePort::Named("http".to_owned())
+    }
+
+    fn wanted(port: SlicePort) -> Wanted {
         Wanted {
             port,
             weight: 100,
@@ -377,7 +340,7 @@ pub(super) mod tests {
         }
     }
 
-    fn set(slices: Vec<EndpointSlice>, port: Option<PortRef>) -> Result<Discovered, String> {
+    fn set(slices: Vec<EndpointSlice>, port: SlicePort) -> Result<Discovered, String> {
         let slices = slices
             .into_iter()
             .map(|slice| (name_of(&slice), slice))
@@ -405,7 +368,7 @@ pub(super) mod tests {
                     endpoint("10.0.0.2", false, false, false),
                 ]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.1:8080"]);
@@ -432,7 +395,7 @@ pub(super) mod tests {
                 http_port(),
                 json!([hinted, empty, bare]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         let hints: Vec<Option<&Value>> = discovered
@@ -455,7 +418,7 @@ pub(super) mod tests {
                     endpoint("10.0.0.2", false, true, true),
                 ]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&rolling), ["10.0.0.1:8080"]);
@@ -475,7 +438,7 @@ pub(super) mod tests {
                     endpoint("10.0.0.3", false, false, true),
                 ]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&all_terminating), ["10.0.0.1:8080", "10.0.0.2:8080"]);
@@ -499,7 +462,7 @@ pub(super) mod tests {
                 http_port(),
                 json!([{"addresses": ["10.0.0.9"]}]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.9:8080"]);
@@ -525,7 +488,7 @@ pub(super) mod tests {
                     ]),
                 ),
             ],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.1:8080", "10.0.0.2:8080"]);
@@ -552,7 +515,7 @@ pub(super) mod tests {
                     json!([endpoint("fd00::1", true, true, false)]),
                 ),
             ],
-            None,
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.1:8080", "[fd00::1]:8080"]);
@@ -580,13 +543,10 @@ pub(super) mod tests {
                 json!([endpoint("10.0.0.2", true, true, false)]),
             ),
         ];
-        let discovered = set(slices.clone(), Some(PortRef::Name("http".to_owned()))).unwrap();
+        let discovered = set(slices.clone(), http()).unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.1:8080", "10.0.0.2:8081"]);
-        let by_number = set(slices.clone(), Some(PortRef::Number(9090))).unwrap();
-        assert_eq!(keys(&by_number), ["10.0.0.1:9090", "10.0.0.2:9090"]);
-        let unchosen = set(slices, None).unwrap_err();
-        assert!(unchosen.contains("several TCP ports"), "{unchosen}");
-        assert!(unchosen.contains("\"http\""), "{unchosen}");
+        let metrics = set(slices, SlicePort::Named("metrics".to_owned())).unwrap();
+        assert_eq!(keys(&metrics), ["10.0.0.1:9090", "10.0.0.2:9090"]);
     }
 
     #[test]
@@ -597,13 +557,13 @@ pub(super) mod tests {
             http_port(),
             json!([endpoint("10.0.0.1", true, true, false)]),
         )];
-        let error = set(slices.clone(), Some(PortRef::Name("grpc".to_owned()))).unwrap_err();
+        let error = set(slices.clone(), SlicePort::Named("grpc".to_owned())).unwrap_err();
         assert_eq!(
             error,
             "slice web-a: no port named \"grpc\" (its ports: http=8080/TCP)"
         );
-        let error = set(slices, Some(PortRef::Number(80))).unwrap_err();
-        assert!(error.contains("no TCP port 80"), "{error}");
+        let error = set(slices, SlicePort::Named(String::new())).unwrap_err();
+        assert!(error.contains("no port named \"\""), "{error}");
     }
 
     #[test]
@@ -623,7 +583,7 @@ pub(super) mod tests {
                     json!([endpoint("10.0.0.2", true, true, false)]),
                 ),
             ],
-            Some(PortRef::Name("http".to_owned())),
+            http(),
         )
         .unwrap();
         assert_eq!(keys(&discovered), ["10.0.0.1:8080"]);
@@ -645,8 +605,11 @@ pub(super) mod tests {
             dns,
             json!([endpoint("10.0.0.5", true, true, false)]),
         )];
-        assert_eq!(keys(&set(slices.clone(), None).unwrap()), ["10.0.0.5:53"]);
-        let error = set(slices, Some(PortRef::Name("dns".to_owned()))).unwrap_err();
+        assert_eq!(
+            keys(&set(slices.clone(), SlicePort::Named("dns-tcp".to_owned())).unwrap()),
+            ["10.0.0.5:53"]
+        );
+        let error = set(slices, SlicePort::Named("dns".to_owned())).unwrap_err();
         assert!(error.contains("is UDP"), "{error}");
         let headless = vec![slice(
             "db-a",
@@ -655,10 +618,18 @@ pub(super) mod tests {
             json!([endpoint("10.0.0.6", true, true, false)]),
         )];
         assert_eq!(
-            keys(&set(headless.clone(), Some(PortRef::Number(5432))).unwrap()),
+            keys(&set(headless, SlicePort::Any(5432)).unwrap()),
             ["10.0.0.6:5432"]
         );
-        assert!(set(headless, None).unwrap_err().contains("no TCP port"));
+        let numbered = vec![slice(
+            "db-b",
+            "IPv4",
+            json!([{"name": "", "port": 5433}]),
+            json!([endpoint("10.0.0.7", true, true, false)]),
+        )];
+        assert!(set(numbered, SlicePort::Any(5432))
+            .unwrap_err()
+            .contains("no TCP port 5432"));
     }
 
     #[test]
@@ -670,12 +641,12 @@ pub(super) mod tests {
                 http_port(),
                 json!([{"addresses": ["db.example.com"]}]),
             )],
-            None,
+            http(),
         )
         .unwrap();
         assert!(discovered.endpoints.is_empty());
         assert!(discovered.refused.unwrap().contains("addressType FQDN"));
-        let empty = set(vec![], None).unwrap();
+        let empty = set(vec![], http()).unwrap();
         assert!(empty.endpoints.is_empty());
         assert_eq!(empty.refused, None);
     }
@@ -690,7 +661,7 @@ pub(super) mod tests {
                     http_port(),
                     json!([endpoint("10.0.0.1", true, true, false)]),
                 )],
-                None,
+                http(),
             )
             .unwrap()
         };
