@@ -26,6 +26,9 @@ use crate::discovery::{DiscoveryError, WatchAnswer};
 /// request is a failure, not a loop.
 const GONE_IN_A_ROW: u32 = 2;
 
+/// The least time between two runs of the exec plugin to renew its token.
+const MIN_RENEWAL_WAIT: Duration = Duration::from_secs(10);
+
 /// How long after a change the events that follow it are taken into the same set. The
 /// EndpointSlice controller writes a rollout's changes slice by slice, milliseconds apart, and
 /// its slices follow a Service's edit as quickly.
@@ -240,7 +243,11 @@ impl Follower {
                 .as_ref()
                 .and_then(|plugin| plugin.renew_at())
                 .map(|at| {
-                    let wait = (at - crate::clock::now()).to_std().unwrap_or_default();
+                    // A token that expires within the margin is not renewed in a loop.
+                    let wait = (at - crate::clock::now())
+                        .to_std()
+                        .unwrap_or_default()
+                        .max(MIN_RENEWAL_WAIT);
                     tokio::time::Instant::now() + wait
                 });
             let renewal = async {
