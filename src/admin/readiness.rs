@@ -3,9 +3,14 @@
 //! (the shutdown sequence began), so a Kubernetes readiness probe or a load balancer's health
 //! check takes the instance out exactly then. The body says why, and whether the instance is
 //! `degraded` (serving, but something needs an operator's look).
+//!
+//! [`follow`] feeds the same verdict to the Consul registrar, which keeps its check critical
+//! until the gateway is first ready (DESIGN §10).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -16,7 +21,11 @@ use serde::Serialize;
 use super::AdminState;
 use crate::clock::unix_ms;
 use crate::model::{DiscoverySource, SourceProgress, SourceState};
-use crate::registration::{RegistrationState, RegistrationStatus};
+use crate::registration::{GatewayReadiness, RegistrationState, RegistrationStatus};
+use crate::store::{Store, StoreError};
+
+/// How often the registrar's readiness is computed while the gateway starts.
+const FOLLOW_EVERY: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -51,19 +60,41 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
         .as_ref()
         .map(|status| status.borrow().clone());
     let ejected_targets = ejected_targets(&state);
-    let readiness = match state.store.all_sources().await {
+    let readiness = assess_stored(
+        state.store.all_sources().await,
+        state.started_at,
+        ejected_targets,
+        registration,
+        state.draining.load(Ordering::SeqCst),
+    );
+    let code = match readiness.status {
+        ReadyState::Ready => StatusCode::OK,
+        ReadyState::Starting | ReadyState::Draining => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (code, Json(readiness))
+}
+
+/// [`assess`] of the sources as read from the store, or of the store's failure.
+fn assess_stored(
+    sources: Result<Vec<(DiscoverySource, SourceProgress)>, StoreError>,
+    started_at: DateTime<Utc>,
+    ejected_targets: u64,
+    registration: Option<RegistrationStatus>,
+    draining: bool,
+) -> Readiness {
+    match sources {
         Ok(sources) => assess(
             &sources,
             crate::clock::now(),
-            state.started_at,
+            started_at,
             ejected_targets,
             registration,
-            state.draining.load(Ordering::SeqCst),
+            draining,
         ),
         // The data path serves from its last snapshot without the store, so a shared database
         // going down must not take every instance out of rotation at once: ready, degraded.
         Err(error) => Readiness {
-            status: if state.draining.load(Ordering::SeqCst) {
+            status: if draining {
                 ReadyState::Draining
             } else {
                 ReadyState::Ready
@@ -76,12 +107,44 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
             ejected_targets,
             registration,
         },
+    }
+}
+
+/// The registrar's readiness: `/readyz`'s status (same store read, same rules), computed now
+/// and then every [`FOLLOW_EVERY`] while it says `starting`. The registrar waits only for the
+/// first readiness, so the feed ends once the status is anything else: `ready` is sent, while
+/// `draining` is left to the drain sequence, which withdraws the registration itself.
+pub async fn follow(
+    store: Store,
+    started_at: DateTime<Utc>,
+    draining: Arc<AtomicBool>,
+) -> tokio::sync::watch::Receiver<GatewayReadiness> {
+    let status = move || {
+        let (store, draining) = (store.clone(), draining.clone());
+        async move {
+            let draining = draining.load(Ordering::SeqCst);
+            assess_stored(store.all_sources().await, started_at, 0, None, draining).status
+        }
     };
-    let code = match readiness.status {
-        ReadyState::Ready => StatusCode::OK,
-        ReadyState::Starting | ReadyState::Draining => StatusCode::SERVICE_UNAVAILABLE,
+    let first = status().await;
+    let readiness = match first {
+        ReadyState::Ready => GatewayReadiness::Ready,
+        ReadyState::Starting | ReadyState::Draining => GatewayReadiness::Starting,
     };
-    (code, Json(readiness))
+    let (sender, receiver) = tokio::sync::watch::channel(readiness);
+    if first == ReadyState::Starting {
+        tokio::spawn(async move {
+            let mut now = first;
+            while now == ReadyState::Starting {
+                tokio::time::sleep(FOLLOW_EVERY).await;
+                now = status().await;
+            }
+            if now == ReadyState::Ready {
+                let _ = sender.send(GatewayReadiness::Ready);
+            }
+        });
+    }
+    receiver
 }
 
 fn ejected_targets(state: &AdminState) -> u64 {
