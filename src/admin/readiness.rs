@@ -110,9 +110,9 @@ fn assess_stored(
     }
 }
 
-/// The registrar's readiness: `/readyz`'s status (same store read, same rules), computed now
-/// and then every [`FOLLOW_EVERY`] while it says `starting`. The registrar waits only for the
-/// first readiness, so the feed ends once the status is anything else: `ready` is sent, while
+/// The registrar's readiness: `/readyz`'s status (same store read, same rules), computed at
+/// once, then every 100 ms while it says `starting`. The registrar waits only for the first
+/// readiness, so the feed ends once the status is anything else: `ready` is sent, while
 /// `draining` is left to the drain sequence, which withdraws the registration itself.
 pub async fn follow(
     store: Store,
