@@ -216,7 +216,7 @@ impl Drop for Registrar {
 #[error("registration.consul: {0}")]
 pub struct RegistrationError(String);
 
-/// Registers, then updates the check every third of the TTL: failed with the note `starting`
+/// Registers, then updates the check at once and every third of the TTL: failed with the note `starting`
 /// until the gateway is first ready, passed from then on (at once when readiness arrives, not at
 /// the next beat). Registers again when the agent lost the check or could not be reached (an
 /// agent restarted without its data may have lost it).
@@ -251,19 +251,21 @@ async fn keep_registered(
                     status.last_heartbeat_at = Some(crate::clock::now());
                     status.last_error = None;
                 });
-                if ready {
-                    set_state(&status, RegistrationState::Registered);
-                    heartbeat
-                } else {
-                    set_state(&status, RegistrationState::Starting);
-                    // Right after registering, the note: a check of the same id that was
-                    // still passing (a restart within its TTL) keeps its status through a
-                    // registration, so only this update makes it critical.
-                    if first {
-                        Duration::ZERO
+                set_state(
+                    &status,
+                    if ready {
+                        RegistrationState::Registered
                     } else {
-                        heartbeat
-                    }
+                        RegistrationState::Starting
+                    },
+                );
+                // Right after (re-)registering, the update: a check of the same id keeps its
+                // status through a registration (a restart within its TTL: passing while
+                // starting, or critical once ready), so only the update sets it.
+                if first {
+                    Duration::ZERO
+                } else {
+                    heartbeat
                 }
             }
             Err(AgentError::UnknownCheck { .. }) if registered => {
