@@ -283,8 +283,13 @@ impl Gateway {
         let registrar = match &config.registration.consul {
             Some(consul) => {
                 let service_id = consul.service_id.clone().unwrap_or(instance_id);
-                let readiness =
-                    admin::readiness::follow(store.clone(), started_at, draining.clone()).await;
+                let readiness = admin::readiness::follow(
+                    store.clone(),
+                    control.clone(),
+                    started_at,
+                    draining.clone(),
+                )
+                .await;
                 Some(Registrar::start(
                     consul,
                     service_id,

@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use super::AdminState;
 use crate::clock::unix_ms;
+use crate::control::{ControlError, ControlHandle};
 use crate::model::{DiscoverySource, SourceProgress, SourceState};
 use crate::registration::{GatewayReadiness, RegistrationState, RegistrationStatus};
 use crate::store::{Store, StoreError};
@@ -114,19 +115,24 @@ fn assess_stored(
 /// once, then every 100 ms while it says `starting`. The registrar waits only for the first
 /// readiness, so the feed ends once the status is anything else: `ready` is sent, while
 /// `draining` is left to the drain sequence, which withdraws the registration itself.
+///
+/// The store says a source is healthy before this gateway routes to its targets (the control
+/// task stores them first and publishes the snapshot after; on a shared database another
+/// gateway may have refreshed it), so `ready` is sent only once `control` has published a
+/// snapshot built after the store said so.
 pub async fn follow(
     store: Store,
+    control: ControlHandle,
     started_at: DateTime<Utc>,
     draining: Arc<AtomicBool>,
 ) -> tokio::sync::watch::Receiver<GatewayReadiness> {
-    let status = move || {
-        let (store, draining) = (store.clone(), draining.clone());
-        async move {
-            let draining = draining.load(Ordering::SeqCst);
-            assess_stored(store.all_sources().await, started_at, 0, None, draining).status
-        }
+    let mut feed = Follower {
+        store,
+        control,
+        draining,
+        judge: FollowJudge::new(started_at),
     };
-    let first = status().await;
+    let first = feed.status().await;
     let readiness = match first {
         ReadyState::Ready => GatewayReadiness::Ready,
         ReadyState::Starting | ReadyState::Draining => GatewayReadiness::Starting,
@@ -137,7 +143,7 @@ pub async fn follow(
             let mut now = first;
             while now == ReadyState::Starting {
                 tokio::time::sleep(FOLLOW_EVERY).await;
-                now = status().await;
+                now = feed.status().await;
             }
             if now == ReadyState::Ready {
                 let _ = sender.send(GatewayReadiness::Ready);
@@ -145,6 +151,76 @@ pub async fn follow(
         });
     }
     receiver
+}
+
+/// What [`follow`] reads from.
+struct Follower {
+    store: Store,
+    control: ControlHandle,
+    draining: Arc<AtomicBool>,
+    judge: FollowJudge,
+}
+
+impl Follower {
+    async fn status(&mut self) -> ReadyState {
+        let read = self.store.all_sources().await;
+        let draining = self.draining.load(Ordering::SeqCst);
+        match self.judge.judge(read, crate::clock::now(), draining) {
+            ReadyState::Ready => routed(&self.control).await,
+            other => other,
+        }
+    }
+}
+
+/// `Ready` once the live routing holds what the store holds now; `Starting` (asked again at the
+/// next tick) when the control task could not read the store; `Draining` (the feed ends) when
+/// the control task is gone.
+async fn routed(control: &ControlHandle) -> ReadyState {
+    match control.apply().await {
+        Ok(_) => ReadyState::Ready,
+        Err(error) if matches!(*error, ControlError::Stopped) => ReadyState::Draining,
+        Err(error) => {
+            tracing::debug!(%error, "not ready for the registrar yet: the routing is not reloaded");
+            ReadyState::Starting
+        }
+    }
+}
+
+/// The registrar's verdict from successive store reads. Unlike `/readyz`, which answers each
+/// probe on its own, the feed's `ready` is final, so a failed read tells it nothing new: the
+/// last sources read are judged again at the current time (each pending one is still waited
+/// for at most its `timeout_ms`), and before any read succeeded the gateway is still starting.
+struct FollowJudge {
+    started_at: DateTime<Utc>,
+    last_read: Option<Vec<(DiscoverySource, SourceProgress)>>,
+}
+
+impl FollowJudge {
+    fn new(started_at: DateTime<Utc>) -> FollowJudge {
+        FollowJudge {
+            started_at,
+            last_read: None,
+        }
+    }
+
+    fn judge(
+        &mut self,
+        read: Result<Vec<(DiscoverySource, SourceProgress)>, StoreError>,
+        now: DateTime<Utc>,
+        draining: bool,
+    ) -> ReadyState {
+        match read {
+            Ok(sources) => self.last_read = Some(sources),
+            Err(error) => {
+                tracing::debug!(%error, "readiness for the registrar: the store read failed; judging the last sources read")
+            }
+        }
+        match &self.last_read {
+            Some(sources) => assess(sources, now, self.started_at, 0, None, draining).status,
+            None if draining => ReadyState::Draining,
+            None => ReadyState::Starting,
+        }
+    }
 }
 
 fn ejected_targets(state: &AdminState) -> u64 {
@@ -363,6 +439,55 @@ mod tests {
         assert_eq!(
             (readiness.sources["failing"], readiness.sources["disabled"]),
             (1, 1)
+        );
+    }
+
+    fn unreachable() -> Result<Vec<(DiscoverySource, SourceProgress)>, StoreError> {
+        Err(StoreError::Database(sqlx::Error::PoolTimedOut))
+    }
+
+    #[test]
+    fn a_failed_read_tells_the_registrar_feed_nothing_new() {
+        let mut judge = FollowJudge::new(at(0));
+        assert_eq!(
+            judge.judge(unreachable(), at(100), false),
+            ReadyState::Starting,
+            "nothing read yet: still starting, not ready"
+        );
+        let pending = vec![source("registry", SourceState::Pending, false)];
+        assert_eq!(
+            judge.judge(Ok(pending), at(200), false),
+            ReadyState::Starting
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(500), false),
+            ReadyState::Starting,
+            "the last sources read, still on their first refresh"
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(1_500), false),
+            ReadyState::Ready,
+            "the last sources read, waited for at most their timeout_ms"
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(1_600), true),
+            ReadyState::Draining
+        );
+    }
+
+    #[test]
+    fn the_registrar_feed_follows_what_it_reads() {
+        let mut judge = FollowJudge::new(at(0));
+        let pending = vec![source("registry", SourceState::Pending, false)];
+        assert_eq!(
+            judge.judge(Ok(pending), at(100), false),
+            ReadyState::Starting
+        );
+        let healthy = vec![source("registry", SourceState::Healthy, true)];
+        assert_eq!(judge.judge(Ok(healthy), at(200), false), ReadyState::Ready);
+        assert_eq!(
+            FollowJudge::new(at(0)).judge(unreachable(), at(1), true),
+            ReadyState::Draining
         );
     }
 
