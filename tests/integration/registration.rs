@@ -187,33 +187,41 @@ async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_
     );
 }
 
-/// A gateway whose discovery source is still on its first refresh has no targets yet: it is
-/// registered with its check critical (note `starting`) and passes as soon as `/readyz` says
-/// ready, not at the next heartbeat; by then its targets serve.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready() {
-    let fake = ConsulFake::start().await;
-    let upstream = Upstream::start("served").await;
-    // The registry takes its time with the first answer, as a real one under load does.
-    let registry = registry_of(&upstream, Duration::from_millis(3_000)).await;
-    let (_files, resources) = resources_from(&registry);
-    let started = Instant::now();
-    // The next heartbeat is 10 s away: only readiness can make the check pass sooner.
-    let gateway = registered_gateway(
-        &fake,
+/// The metric line of `gw-1`'s registration gauge with `value`.
+fn registered_gauge(value: u8) -> String {
+    format!("raahi_registration_registered{{registry=\"consul\",service_id=\"gw-1\"}} {value}")
+}
+
+/// A gateway on its first refresh of a source whose registry holds its answer, with a TTL of a
+/// minute (the next heartbeat is 20 s away, so only readiness can make the check pass sooner);
+/// the drain delay is `drain_ms`.
+async fn loading_gateway(
+    fake: &ConsulFake,
+    registry: &Registry,
+    resources: &str,
+    drain_ms: &str,
+) -> TestGateway {
+    registry.hold();
+    registered_gateway(
+        fake,
         "gw-1",
         &[
-            ("RAAHI_RESOURCES_FILE", resources.as_str()),
-            ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "30000"),
+            ("RAAHI_RESOURCES_FILE", resources),
+            ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "60000"),
             (
                 "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
-                "60000",
+                "120000",
             ),
+            ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms),
         ],
     )
-    .await;
+    .await
+}
 
-    wait_check(&fake, "gw-1", "critical").await;
+/// Registered `starting` with the check critical and the note `starting`, the registered gauge
+/// at 0, and it stays so for a second.
+async fn assert_registered_starting(fake: &ConsulFake, gateway: &TestGateway) {
+    wait_check(fake, "gw-1", "critical").await;
     let body = fake.last_registration_body().expect("registered");
     assert_eq!(body["Check"]["Status"], "critical", "{body}");
     wait_until("the check's note says starting", WAIT, || async {
@@ -221,13 +229,15 @@ async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready(
             .is_some_and(|output| output.starts_with("starting"))
     })
     .await;
-    let body = wait_until_readyz(&gateway, "registered while starting", |body| {
+    let body = wait_until_readyz(gateway, "registered while starting", |body| {
         body.registration_state()
             .is_some_and(|state| state == "starting")
     })
     .await;
     assert_eq!(body.status, "starting", "{body}");
     assert!(!body.degraded, "starting is the plan, not a fault: {body}");
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(0)), "{metrics}");
     holds_for(
         "critical while the source loads",
         Duration::from_millis(1_000),
@@ -235,17 +245,34 @@ async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready(
     )
     .await;
     assert_eq!(gateway.readyz().await.0, 503);
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(0)), "{metrics}");
+}
 
-    wait_check(&fake, "gw-1", "passing").await;
+/// A gateway whose discovery source is still on its first refresh has no targets yet: it is
+/// registered with its check critical (note `starting`) and passes as soon as `/readyz` says
+/// ready, not at the next heartbeat; by then its targets serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready() {
+    let fake = ConsulFake::start().await;
+    let upstream = Upstream::start("served").await;
+    let registry = registry_of(&upstream, Duration::ZERO).await;
+    let (_files, resources) = resources_from(&registry);
+    let gateway = loading_gateway(&fake, &registry, &resources, "0").await;
+
+    assert_registered_starting(&fake, &gateway).await;
+
+    registry.release();
+    wait_until(
+        "passing at once when ready, not at the next heartbeat",
+        Duration::from_secs(2),
+        || async { fake.agent_check_status("gw-1").as_deref() == Some("passing") },
+    )
+    .await;
     assert_eq!(
         gateway.fetch_status("/").await,
         (200, "served".to_owned()),
         "passing only once its targets serve"
-    );
-    assert!(
-        started.elapsed() < Duration::from_secs(9),
-        "passing at once when ready, not at the next heartbeat: {:?}",
-        started.elapsed()
     );
     let body = wait_until_readyz(&gateway, "registered", |body| {
         body.registration_state()
@@ -253,7 +280,122 @@ async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready(
     })
     .await;
     assert_eq!(body.status, "ready", "{body}");
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(1)), "{metrics}");
     assert_eq!(fake.agent_registrations(), 1, "registered once");
+}
+
+/// Draining while still starting: the check never passes, even when the source resolves during
+/// the drain delay; it is failed with the note `draining`, then the service is deregistered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_drained_while_starting_never_passes_and_is_deregistered() {
+    let fake = Arc::new(ConsulFake::start().await);
+    let upstream = Upstream::start("served").await;
+    let registry = registry_of(&upstream, Duration::ZERO).await;
+    let (_files, resources) = resources_from(&registry);
+    let mut gateway = loading_gateway(&fake, &registry, &resources, "2000").await;
+    let ever_passing = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (fake, ever_passing) = (fake.clone(), ever_passing.clone());
+        async move {
+            loop {
+                if fake.agent_check_status("gw-1").as_deref() == Some("passing") {
+                    ever_passing.store(true, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    assert_registered_starting(&fake, &gateway).await;
+
+    let running = gateway.gateway.take().expect("running");
+    let drained = tokio::spawn(running.drain(std::future::pending()));
+    wait_until(
+        "the check is failed with the note draining",
+        WAIT,
+        || async { fake.agent_check_output("gw-1").as_deref() == Some("draining") },
+    )
+    .await;
+    assert_eq!(fake.agent_check_status("gw-1").as_deref(), Some("critical"));
+    let body = wait_until_readyz(&gateway, "draining and withdrawn", |body| {
+        body.registration_state()
+            .is_some_and(|state| state == "withdrawn")
+    })
+    .await;
+    assert_eq!(body.status, "draining", "{body}");
+    // The source resolves during the drain delay: the gateway serves it, but stays withdrawn.
+    registry.release();
+    wait_until("the drained gateway serves its targets", WAIT, || async {
+        gateway.fetch_status("/").await == (200, "served".to_owned())
+    })
+    .await;
+    assert!(!drained.is_finished(), "within the drain delay");
+    holds_for(
+        "critical, note draining, through the rest of the delay",
+        Duration::from_millis(500),
+        || async {
+            fake.agent_check_status("gw-1").as_deref() == Some("critical")
+                && fake.agent_check_output("gw-1").as_deref() == Some("draining")
+        },
+    )
+    .await;
+
+    drained.await.unwrap();
+    assert!(fake.agent_service("gw-1").is_none(), "deregistered");
+    assert_eq!(fake.agent_deregistrations(), 1);
+    watcher.abort();
+    assert!(
+        !ever_passing.load(Ordering::SeqCst),
+        "the check passed at some point"
+    );
+    assert_eq!(fake.agent_registrations(), 1, "registered once");
+}
+
+/// Consul keeps the status of an existing check id through a new registration (the "check state
+/// snapshot"): a gateway that restarts with the same id after its predecessor's check turned
+/// critical passes its check at once when ready, not at its first heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_the_id_of_a_critical_check_passes_at_once_when_ready() {
+    let fake = ConsulFake::start().await;
+    let crashed = registered_gateway(
+        &fake,
+        "gw-1",
+        &[(
+            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+            "120000",
+        )],
+    )
+    .await;
+    wait_check(&fake, "gw-1", "passing").await;
+    let mut crashed = crashed;
+    crashed.gateway.take().expect("running").abort();
+    wait_check(&fake, "gw-1", "critical").await;
+    let output = fake.agent_check_output("gw-1").unwrap_or_default();
+    assert!(output.starts_with("TTL expired"), "{output}");
+
+    // No sources: ready at once. The next heartbeat is 20 s away.
+    let restarted = Instant::now();
+    let gateway = registered_gateway(
+        &fake,
+        "gw-1",
+        &[
+            ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "60000"),
+            (
+                "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+                "120000",
+            ),
+        ],
+    )
+    .await;
+    wait_until(
+        "the restarted gateway's check passes at once",
+        Duration::from_secs(3),
+        || async { fake.agent_check_status("gw-1").as_deref() == Some("passing") },
+    )
+    .await;
+    assert_eq!(fake.agent_registrations(), 2);
+    assert!(restarted.elapsed() < Duration::from_secs(3));
+    assert_eq!(gateway.readyz().await.0, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
