@@ -276,23 +276,33 @@ impl Gateway {
                 shutdown_signal.clone(),
             ));
         }
-        // Registered once the proxy listens, so a client that finds it can reach it.
+        let draining = Arc::new(AtomicBool::new(false));
+        let started_at = crate::clock::now();
+        // Registered once the proxy listens, so a client that finds it can reach it; its check
+        // passes once `/readyz` first says ready.
         let registrar = match &config.registration.consul {
             Some(consul) => {
                 let service_id = consul.service_id.clone().unwrap_or(instance_id);
+                let readiness = admin::readiness::follow(
+                    store.clone(),
+                    control.clone(),
+                    started_at,
+                    draining.clone(),
+                )
+                .await;
                 Some(Registrar::start(
                     consul,
                     service_id,
                     consul.advertised(proxy_addr),
+                    readiness,
                 )?)
             }
             None => None,
         };
-        let draining = Arc::new(AtomicBool::new(false));
         let admin_state = AdminState {
             store: store.clone(),
             control: control.clone(),
-            started_at: crate::clock::now(),
+            started_at,
             gateway_counters,
             draining: draining.clone(),
             registration: registrar.as_ref().map(Registrar::status),

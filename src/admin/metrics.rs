@@ -644,7 +644,8 @@ impl Collector for Scrape {
                 &mut encoder,
                 "raahi_registration_registered",
                 "1 while this gateway's registration is kept alive by heartbeats; 0 while \
-                 registering, unreachable or withdrawn.",
+                 registering, starting (check critical until the gateway is first ready), \
+                 unreachable or withdrawn.",
                 [(labels.clone(), i64::from(*registered))],
             )?;
             counter(

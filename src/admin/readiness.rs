@@ -3,9 +3,14 @@
 //! (the shutdown sequence began), so a Kubernetes readiness probe or a load balancer's health
 //! check takes the instance out exactly then. The body says why, and whether the instance is
 //! `degraded` (serving, but something needs an operator's look).
+//!
+//! [`follow`] feeds the same verdict to the Consul registrar, which keeps its check critical
+//! until the gateway is first ready (DESIGN §10).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -15,8 +20,13 @@ use serde::Serialize;
 
 use super::AdminState;
 use crate::clock::unix_ms;
+use crate::control::{ControlError, ControlHandle};
 use crate::model::{DiscoverySource, SourceProgress, SourceState};
-use crate::registration::{RegistrationState, RegistrationStatus};
+use crate::registration::{GatewayReadiness, RegistrationState, RegistrationStatus};
+use crate::store::{Store, StoreError};
+
+/// How often the registrar's readiness is computed while the gateway starts.
+const FOLLOW_EVERY: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -51,19 +61,41 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
         .as_ref()
         .map(|status| status.borrow().clone());
     let ejected_targets = ejected_targets(&state);
-    let readiness = match state.store.all_sources().await {
+    let readiness = assess_stored(
+        state.store.all_sources().await,
+        state.started_at,
+        ejected_targets,
+        registration,
+        state.draining.load(Ordering::SeqCst),
+    );
+    let code = match readiness.status {
+        ReadyState::Ready => StatusCode::OK,
+        ReadyState::Starting | ReadyState::Draining => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (code, Json(readiness))
+}
+
+/// [`assess`] of the sources as read from the store, or of the store's failure.
+fn assess_stored(
+    sources: Result<Vec<(DiscoverySource, SourceProgress)>, StoreError>,
+    started_at: DateTime<Utc>,
+    ejected_targets: u64,
+    registration: Option<RegistrationStatus>,
+    draining: bool,
+) -> Readiness {
+    match sources {
         Ok(sources) => assess(
             &sources,
             crate::clock::now(),
-            state.started_at,
+            started_at,
             ejected_targets,
             registration,
-            state.draining.load(Ordering::SeqCst),
+            draining,
         ),
         // The data path serves from its last snapshot without the store, so a shared database
         // going down must not take every instance out of rotation at once: ready, degraded.
         Err(error) => Readiness {
-            status: if state.draining.load(Ordering::SeqCst) {
+            status: if draining {
                 ReadyState::Draining
             } else {
                 ReadyState::Ready
@@ -76,12 +108,119 @@ pub async fn readyz(State(state): State<AdminState>) -> (StatusCode, Json<Readin
             ejected_targets,
             registration,
         },
+    }
+}
+
+/// The registrar's readiness: `/readyz`'s status (same store read, same rules), computed at
+/// once, then every 100 ms while it says `starting`. The registrar waits only for the first
+/// readiness, so the feed ends once the status is anything else: `ready` is sent, while
+/// `draining` is left to the drain sequence, which withdraws the registration itself.
+///
+/// The store says a source is healthy before this gateway routes to its targets (the control
+/// task stores them first and publishes the snapshot after; on a shared database another
+/// gateway may have refreshed it), so `ready` is sent only once `control` has published a
+/// snapshot built after the store said so.
+pub async fn follow(
+    store: Store,
+    control: ControlHandle,
+    started_at: DateTime<Utc>,
+    draining: Arc<AtomicBool>,
+) -> tokio::sync::watch::Receiver<GatewayReadiness> {
+    let mut feed = Follower {
+        store,
+        control,
+        draining,
+        judge: FollowJudge::new(started_at),
     };
-    let code = match readiness.status {
-        ReadyState::Ready => StatusCode::OK,
-        ReadyState::Starting | ReadyState::Draining => StatusCode::SERVICE_UNAVAILABLE,
+    let first = feed.status().await;
+    let readiness = match first {
+        ReadyState::Ready => GatewayReadiness::Ready,
+        ReadyState::Starting | ReadyState::Draining => GatewayReadiness::Starting,
     };
-    (code, Json(readiness))
+    let (sender, receiver) = tokio::sync::watch::channel(readiness);
+    if first == ReadyState::Starting {
+        tokio::spawn(async move {
+            let mut now = first;
+            while now == ReadyState::Starting {
+                tokio::time::sleep(FOLLOW_EVERY).await;
+                now = feed.status().await;
+            }
+            if now == ReadyState::Ready {
+                let _ = sender.send(GatewayReadiness::Ready);
+            }
+        });
+    }
+    receiver
+}
+
+/// What [`follow`] reads from.
+struct Follower {
+    store: Store,
+    control: ControlHandle,
+    draining: Arc<AtomicBool>,
+    judge: FollowJudge,
+}
+
+impl Follower {
+    async fn status(&mut self) -> ReadyState {
+        let read = self.store.all_sources().await;
+        let draining = self.draining.load(Ordering::SeqCst);
+        match self.judge.judge(read, crate::clock::now(), draining) {
+            ReadyState::Ready => routed(&self.control).await,
+            other => other,
+        }
+    }
+}
+
+/// `Ready` once the live routing holds what the store holds now; `Starting` (asked again at the
+/// next tick) when the control task could not read the store; `Draining` (the feed ends) when
+/// the control task is gone.
+async fn routed(control: &ControlHandle) -> ReadyState {
+    match control.apply().await {
+        Ok(_) => ReadyState::Ready,
+        Err(error) if matches!(*error, ControlError::Stopped) => ReadyState::Draining,
+        Err(error) => {
+            tracing::debug!(%error, "not ready for the registrar yet: the routing is not reloaded");
+            ReadyState::Starting
+        }
+    }
+}
+
+/// The registrar's verdict from successive store reads. Unlike `/readyz`, which answers each
+/// probe on its own, the feed's `ready` is final, so a failed read tells it nothing new: the
+/// last sources read are judged again at the current time (each pending one is still waited
+/// for at most its `timeout_ms`), and before any read succeeded the gateway is still starting.
+struct FollowJudge {
+    started_at: DateTime<Utc>,
+    last_read: Option<Vec<(DiscoverySource, SourceProgress)>>,
+}
+
+impl FollowJudge {
+    fn new(started_at: DateTime<Utc>) -> FollowJudge {
+        FollowJudge {
+            started_at,
+            last_read: None,
+        }
+    }
+
+    fn judge(
+        &mut self,
+        read: Result<Vec<(DiscoverySource, SourceProgress)>, StoreError>,
+        now: DateTime<Utc>,
+        draining: bool,
+    ) -> ReadyState {
+        match read {
+            Ok(sources) => self.last_read = Some(sources),
+            Err(error) => {
+                tracing::debug!(%error, "readiness for the registrar: the store read failed; judging the last sources read")
+            }
+        }
+        match &self.last_read {
+            Some(sources) => assess(sources, now, self.started_at, 0, None, draining).status,
+            None if draining => ReadyState::Draining,
+            None => ReadyState::Starting,
+        }
+    }
 }
 
 fn ejected_targets(state: &AdminState) -> u64 {
@@ -300,6 +439,55 @@ mod tests {
         assert_eq!(
             (readiness.sources["failing"], readiness.sources["disabled"]),
             (1, 1)
+        );
+    }
+
+    fn unreachable() -> Result<Vec<(DiscoverySource, SourceProgress)>, StoreError> {
+        Err(StoreError::Database(sqlx::Error::PoolTimedOut))
+    }
+
+    #[test]
+    fn a_failed_read_tells_the_registrar_feed_nothing_new() {
+        let mut judge = FollowJudge::new(at(0));
+        assert_eq!(
+            judge.judge(unreachable(), at(100), false),
+            ReadyState::Starting,
+            "nothing read yet: still starting, not ready"
+        );
+        let pending = vec![source("registry", SourceState::Pending, false)];
+        assert_eq!(
+            judge.judge(Ok(pending), at(200), false),
+            ReadyState::Starting
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(500), false),
+            ReadyState::Starting,
+            "the last sources read, still on their first refresh"
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(1_500), false),
+            ReadyState::Ready,
+            "the last sources read, waited for at most their timeout_ms"
+        );
+        assert_eq!(
+            judge.judge(unreachable(), at(1_600), true),
+            ReadyState::Draining
+        );
+    }
+
+    #[test]
+    fn the_registrar_feed_follows_what_it_reads() {
+        let mut judge = FollowJudge::new(at(0));
+        let pending = vec![source("registry", SourceState::Pending, false)];
+        assert_eq!(
+            judge.judge(Ok(pending), at(100), false),
+            ReadyState::Starting
+        );
+        let healthy = vec![source("registry", SourceState::Healthy, true)];
+        assert_eq!(judge.judge(Ok(healthy), at(200), false), ReadyState::Ready);
+        assert_eq!(
+            FollowJudge::new(at(0)).judge(unreachable(), at(1), true),
+            ReadyState::Draining
         );
     }
 

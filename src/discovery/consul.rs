@@ -18,6 +18,13 @@
 //! stay exact. Unlike an SRV weight, 0 stays 0: in Consul it means "no traffic in this state"
 //! (a `Warning` weight of 0), and a target of weight 0 is never picked.
 //!
+//! An entry without `Weights` (written by a Consul before 1.2.3, which read a missing one as
+//! `Passing` 1, or by a foreign server) weighs the source's `weight`, which is in target units
+//! where Consul's default `Weights` 1 is 100: it counts as the registry weight `weight`/100 when
+//! the set's factor is chosen, and its target weight is `weight` × factor / 100, rounded, never
+//! 0 unless `weight` is. At the usual factor 100 that is `weight` itself; when large registry
+//! weights shrink the factor, it shrinks in the same proportion as the others.
+//!
 //! An address must be an IP address: the request path never resolves names, and a name
 //! resolved here would go stale between catalog changes, which are the only times a watch
 //! answers. An entry whose address is a host name is left out and named in the source's
@@ -137,7 +144,8 @@ pub struct ConsulConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub port: Option<u32>,
-    /// Weight of instances without `Service.Weights`.
+    /// Weight of instances without `Service.Weights`, in target units where Consul's default
+    /// `Weights` 1 is 100; scaled with the set's registry weights (see the module doc).
     #[serde(default = "default_weight")]
     #[schemars(range(max = 65535))]
     pub weight: u32,
@@ -444,9 +452,7 @@ impl Watcher {
         let mut keys = HashSet::new();
         let mut refusals = Vec::new();
         let mut departures = Vec::new();
-        let largest = entries
-            .iter()
-            .filter_map(|entry| self.registry_weight(entry));
+        let largest = entries.iter().filter_map(|entry| self.factor_weight(entry));
         let scale = registry_weight_scale(largest.max().unwrap_or(0));
         for entry in entries {
             match self.endpoint_of(entry, scale) {
@@ -491,6 +497,15 @@ impl Watcher {
         Some(clamp_weight(weight))
     }
 
+    /// The registry weight an entry counts as when the set's factor is chosen: its `Weights`,
+    /// or `weight`/100 without them; None when its checks leave it out.
+    fn factor_weight(&self, entry: &Entry) -> Option<u32> {
+        if entry.service.weights.is_none() && self.takes(entry.status()) {
+            return Some(self.default_weight / REGISTRY_UNIT);
+        }
+        self.registry_weight(entry)
+    }
+
     /// The endpoint of one entry; None when its checks leave it out; Err when it cannot be used.
     /// `scale` is the set's factor for registry weights (see the module doc).
     fn endpoint_of(&self, entry: &Entry, scale: u32) -> Result<Option<Endpoint>, String> {
@@ -498,9 +513,10 @@ impl Watcher {
         if !self.takes(status) {
             return Ok(None);
         }
-        let weight = self
-            .registry_weight(entry)
-            .map_or(self.default_weight, |weight| weight * scale);
+        let weight = self.registry_weight(entry).map_or_else(
+            || unweighted_weight(self.default_weight, scale),
+            |weight| weight * scale,
+        );
         let address = if entry.service.address.is_empty() {
             &entry.node.address
         } else {
@@ -559,6 +575,21 @@ impl Watcher {
             reason: reason.to_owned(),
         }
     }
+}
+
+/// The source's `weight` that stands for Consul's default `Weights` 1.
+const REGISTRY_UNIT: u32 = 100;
+
+/// The target weight of an entry without `Weights`: the source's `weight` scaled by the set's
+/// factor over the usual 100, rounded half up; at least 1 unless `weight` is 0, so scaling never
+/// takes an instance out. Within [`MAX_WEIGHT`] as the factor is at most 100.
+fn unweighted_weight(weight: u32, scale: u32) -> u32 {
+    if weight == 0 {
+        return 0;
+    }
+    let unit = u64::from(REGISTRY_UNIT);
+    let scaled = (u64::from(weight) * u64::from(scale) + unit / 2) / unit;
+    u32::try_from(scaled.max(1)).unwrap_or(MAX_WEIGHT)
 }
 
 /// Consul refuses weights outside 0 to 65535; one from a broken or foreign server is held to
@@ -950,6 +981,50 @@ mod tests {
             .map(|e| e.weight)
             .collect();
         assert_eq!(both, [3 * 65, 1000 * 65]);
+    }
+
+    /// An entry without `Weights` next to these `Weights.Passing`: all target weights, the
+    /// unweighted one first.
+    fn with_unweighted(weight: u32, passing: &[i64]) -> Vec<u32> {
+        let watcher = watcher(json!({"weight": weight}));
+        let mut unweighted = entry("n", "web-u", "10.0.0.1", 80, &["passing"]);
+        unweighted["Service"]["Weights"] = Value::Null;
+        let mut entries = vec![unweighted];
+        entries.extend(passing.iter().enumerate().map(|(n, weight)| {
+            let mut entry = entry("n", &format!("web-{n}"), "10.0.0.1", 80, &["passing"]);
+            entry["Service"]["Weights"]["Passing"] = json!(weight);
+            entry
+        }));
+        let discovered = watcher.discovered(&parse(Value::Array(entries)));
+        discovered.endpoints.iter().map(|e| e.weight).collect()
+    }
+
+    /// The source's `weight` stands for Consul's default `Weights` 1 at 100: with a large
+    /// registry weight in the set it shrinks with the others instead of keeping 100, which made
+    /// an unweighted instance weigh as much as a `Weights` 1.5 one beside a `Weights` 1000.
+    #[test]
+    fn entries_without_weights_scale_like_the_others() {
+        assert_eq!(with_unweighted(100, &[1, 3]), [100, 100, 300], "factor 100");
+        assert_eq!(with_unweighted(40, &[]), [40], "alone: the source's weight");
+        assert_eq!(with_unweighted(65_535, &[655]), [65_535, 65_500]);
+        assert_eq!(with_unweighted(100, &[1000]), [65, 65_000], "factor 65");
+        assert_eq!(
+            with_unweighted(250, &[65_535]),
+            [3, 65_535],
+            "2.5 rounds up"
+        );
+        assert_eq!(
+            with_unweighted(1, &[65_535]),
+            [1, 65_535],
+            "never 0 unless `weight` is"
+        );
+        assert_eq!(with_unweighted(0, &[65_535]), [0, 65_535]);
+        // Proportions between weighted and unweighted entries hold at every factor.
+        assert_eq!(
+            with_unweighted(300, &[3, 6_000]),
+            [30, 30, 60_000],
+            "factor 10: `weight` 300 weighs as `Weights` 3"
+        );
     }
 
     #[test]

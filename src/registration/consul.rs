@@ -93,11 +93,11 @@ impl Agent {
             "Check": {
                 "CheckID": check_id,
                 "Name": "raahi TTL heartbeat",
-                "Notes": "passed every third of the TTL while the gateway serves; failed when it drains",
+                "Notes": "critical while the gateway starts (until its /readyz first says ready); then passed every third of the TTL while it serves; failed when it drains",
                 "TTL": format!("{}ms", config.ttl_ms),
                 "DeregisterCriticalServiceAfter": format!("{}ms", config.deregister_critical_after_ms),
-                // The proxy already listens when the registrar starts.
-                "Status": "passing",
+                // Set by each registration: passing once the gateway is ready.
+                "Status": "critical",
             },
         });
         Ok(Agent {
@@ -121,10 +121,16 @@ impl Agent {
         self.inner.ttl
     }
 
-    /// `PUT /v1/agent/service/register`: creates or replaces the service and its check.
-    pub async fn register(&self) -> Result<(), AgentError> {
+    /// `PUT /v1/agent/service/register`: creates or replaces the service and its check, whose
+    /// initial status is passing when the gateway is `ready`, else critical. (A check of the same
+    /// id the agent still holds keeps its own status: Consul's "check state snapshot".)
+    pub async fn register(&self, ready: bool) -> Result<(), AgentError> {
         let url = format!("{}/v1/agent/service/register", self.inner.base);
-        let request = self.inner.client.put(url).json(&self.inner.registration);
+        let request = self
+            .inner
+            .client
+            .put(url)
+            .json(&registration_body(&self.inner.registration, ready));
         self.call("register", request).await
     }
 
@@ -222,6 +228,13 @@ impl Agent {
     }
 }
 
+/// The registration with the check's initial status.
+fn registration_body(registration: &serde_json::Value, ready: bool) -> serde_json::Value {
+    let mut body = registration.clone();
+    body["Check"]["Status"] = json!(if ready { "passing" } else { "critical" });
+    body
+}
+
 fn call_timeout(ttl: Duration) -> Duration {
     CALL_TIMEOUT.min(ttl / 6)
 }
@@ -275,6 +288,12 @@ mod tests {
         assert_eq!(body["Check"]["CheckID"], "service:gw-1");
         assert_eq!(body["Check"]["TTL"], "3000ms");
         assert_eq!(body["Check"]["DeregisterCriticalServiceAfter"], "60000ms");
+        assert_eq!(
+            registration_body(body, false)["Check"]["Status"],
+            "critical",
+            "a gateway still starting attracts no traffic"
+        );
+        assert_eq!(registration_body(body, true)["Check"]["Status"], "passing");
         assert!(
             !body.to_string().contains("t0k3n"),
             "the token is a header only"

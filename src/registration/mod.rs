@@ -1,11 +1,21 @@
 //! The registrar: this process's own entry in a registry (DESIGN §10). Once the proxy listens it
-//! registers the gateway in Consul with a TTL check and passes the check every third of the TTL;
-//! a check the agent no longer knows (404) is registered again; an unreachable agent is retried
+//! registers the gateway in Consul with a TTL check. While the gateway is still starting (`/readyz`
+//! says `starting`: a discovery source is on its first refresh) the check is registered critical
+//! and kept so, with the note `starting`, so no client chooses an instance that has not loaded
+//! its targets; as soon as the gateway is ready the check passes, then every third of the TTL. A
+//! check the agent no longer knows (404) is registered again; an unreachable agent is retried
 //! with a jittered backoff and never stops the proxy. At shutdown the check is failed first
 //! (clients stop choosing this instance while it still serves), and the registration is removed
 //! once the last request finished.
 //!
-//! Imports only `model` and `config`; `gateway.rs` drives it, the admin API reads its status.
+//! Only the *first* readiness is waited for: once the gateway was ready, the check keeps passing
+//! until the drain, even if `/readyz` says `starting` again because a source was added or
+//! changed. Such a change reaches every gateway sharing the store at the same moment, and
+//! failing all their checks at once would leave the registry's clients with no instance, while
+//! each gateway still serves everything it served before.
+//!
+//! Imports only `model` and `config`; `gateway.rs` drives it and feeds it the readiness, the
+//! admin API reads its status.
 
 mod consul;
 
@@ -25,12 +35,27 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// The longest a withdrawal or deregistration at shutdown may hold the shutdown up.
 const FAREWELL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The note of the check while the gateway starts.
+const STARTING_NOTE: &str = "starting: waiting for the gateway's first readiness (/readyz)";
+
+/// Whether the gateway is ready to serve, as `/readyz` says, fed to the registrar by the gateway.
+/// Draining is not one of them: the drain sequence withdraws the registration itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatewayReadiness {
+    /// A discovery source is still on its first refresh: the check stays critical.
+    Starting,
+    /// Ready: the check passes.
+    Ready,
+}
+
 /// Where the registration stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RegistrationState {
     /// Not registered yet (the first attempt is under way).
     Registering,
+    /// Registered with its check critical (note `starting`) until the gateway is first ready.
+    Starting,
     /// Registered, the check passed within its TTL.
     Registered,
     /// The agent did not answer or failed; retried with backoff. The proxy serves anyway.
@@ -72,11 +97,13 @@ pub struct Registrar {
 }
 
 impl Registrar {
-    /// Starts registering `service_id` at `advertised` and keeping the registration alive.
+    /// Starts registering `service_id` at `advertised` and keeping the registration alive; the
+    /// check passes once `readiness` is first [`GatewayReadiness::Ready`].
     pub fn start(
         config: &ConsulRegistration,
         service_id: String,
         advertised: std::net::SocketAddr,
+        readiness: watch::Receiver<GatewayReadiness>,
     ) -> Result<Registrar, RegistrationError> {
         let agent = Agent::new(config, service_id.clone(), advertised)?;
         let (status, _) = watch::channel(RegistrationStatus {
@@ -91,7 +118,12 @@ impl Registrar {
             failures: 0,
         });
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(keep_registered(agent.clone(), status.clone(), stopped));
+        let task = tokio::spawn(keep_registered(
+            agent.clone(),
+            status.clone(),
+            stopped,
+            readiness,
+        ));
         Ok(Registrar {
             agent,
             status,
@@ -184,35 +216,57 @@ impl Drop for Registrar {
 #[error("registration.consul: {0}")]
 pub struct RegistrationError(String);
 
-/// Registers, then passes the check every third of the TTL; registers again when the agent lost
-/// the check or could not be reached (an agent restarted without its data may have lost it).
+/// Registers, then updates the check at once and every third of the TTL: failed with the note `starting`
+/// until the gateway is first ready, passed from then on (at once when readiness arrives, not at
+/// the next beat). Registers again when the agent lost the check or could not be reached (an
+/// agent restarted without its data may have lost it).
 async fn keep_registered(
     agent: Agent,
     status: watch::Sender<RegistrationStatus>,
     mut stop: watch::Receiver<bool>,
+    mut readiness: watch::Receiver<GatewayReadiness>,
 ) {
     let heartbeat = agent.ttl() / 3;
     let mut failures: u32 = 0;
     let mut registered = false;
+    let mut ready = *readiness.borrow_and_update() == GatewayReadiness::Ready;
+    // The gateway stopped feeding readiness without ever being ready (it drains): nothing left
+    // to wait for.
+    let mut unfed = false;
     while !*stop.borrow() {
-        let call = if registered {
-            agent.pass_check().await
-        } else {
-            agent.register().await
+        let call = match (registered, ready) {
+            (false, _) => agent.register(ready).await,
+            (true, true) => agent.pass_check().await,
+            (true, false) => agent.fail_check(STARTING_NOTE).await,
         };
         let wait = match call {
             Ok(()) => {
                 failures = 0;
-                if !registered {
-                    tracing::info!(service_id = %agent.service_id(), "registered in consul");
+                let first = !registered;
+                if first {
+                    tracing::info!(service_id = %agent.service_id(), ready, "registered in consul");
                 }
                 registered = true;
                 status.send_modify(|status| {
                     status.last_heartbeat_at = Some(crate::clock::now());
                     status.last_error = None;
                 });
-                set_state(&status, RegistrationState::Registered);
-                heartbeat
+                set_state(
+                    &status,
+                    if ready {
+                        RegistrationState::Registered
+                    } else {
+                        RegistrationState::Starting
+                    },
+                );
+                // Right after (re-)registering, the update: a check of the same id keeps its
+                // status through a registration (a restart within its TTL: passing while
+                // starting, or critical once ready), so only the update sets it.
+                if first {
+                    Duration::ZERO
+                } else {
+                    heartbeat
+                }
             }
             Err(AgentError::UnknownCheck { .. }) if registered => {
                 tracing::warn!(service_id = %agent.service_id(), "the agent lost the registration; registering again");
@@ -230,6 +284,15 @@ async fn keep_registered(
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = stop.wait_for(|stop| *stop) => {}
+            fed = readiness.wait_for(|now| *now == GatewayReadiness::Ready), if !ready && !unfed => {
+                match fed {
+                    Ok(_) => {
+                        tracing::info!(service_id = %agent.service_id(), "the gateway is ready: passing the check");
+                        ready = true;
+                    }
+                    Err(_) => unfed = true,
+                }
+            }
         }
     }
 }

@@ -285,6 +285,7 @@ json_names!(ReadyState {
 
 json_names!(RegistrationState {
     Registering = "registering",
+    Starting = "starting",
     Registered = "registered",
     Unreachable = "unreachable",
     Refused = "refused",

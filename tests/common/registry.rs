@@ -42,6 +42,8 @@ enum Answer {
 struct Shared {
     answer: Mutex<Answer>,
     delay: Mutex<Duration>,
+    /// Answers wait while this is false (see [`Registry::hold`]).
+    open: watch::Sender<bool>,
     requests: AtomicUsize,
     last_headers: Mutex<HeaderMap>,
 }
@@ -76,6 +78,7 @@ impl Registry {
                 body: Bytes::from_static(b"[]"),
             }),
             delay: Mutex::new(Duration::ZERO),
+            open: watch::Sender::new(true),
             requests: AtomicUsize::new(0),
             last_headers: Mutex::new(HeaderMap::new()),
         });
@@ -150,6 +153,17 @@ impl Registry {
         *self.shared.delay.lock().unwrap() = delay;
     }
 
+    /// Holds every answer (those under way too) until [`Registry::release`]: a registry that
+    /// answers exactly when the test wants.
+    pub fn hold(&self) {
+        self.shared.open.send_replace(false);
+    }
+
+    /// Sends the answers held since [`Registry::hold`], and answers at once from now on.
+    pub fn release(&self) {
+        self.shared.open.send_replace(true);
+    }
+
     /// Requests received so far (counted on arrival, before any delay).
     pub fn requests(&self) -> usize {
         self.shared.requests.load(Ordering::SeqCst)
@@ -182,6 +196,7 @@ async fn answer(
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    let _ = shared.open.subscribe().wait_for(|open| *open).await;
     let answer = shared.answer.lock().unwrap().clone();
     let response = match answer {
         Answer::Raw {

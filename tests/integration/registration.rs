@@ -1,16 +1,19 @@
 //! Self-registration in Consul and the drain sequence (DESIGN §7 `/readyz`, §10), through real
 //! sockets against the Consul fake's agent endpoints: the registration carries the advertised
-//! address and a TTL check that heartbeats keep passing; an agent that lost it gets it again; an
-//! agent down at start never stops the proxy; draining fails the check, keeps serving for the
-//! drain delay, then deregisters; `kill -9` leaves the entry to turn critical after its TTL; a
-//! rolling restart behind a client that resolves the gateways through Consul loses no request;
-//! and a second gateway with a `consul` source routes to the first one's registration.
+//! address and a TTL check that heartbeats keep passing; a gateway still loading its sources is
+//! registered critical and passes once ready; an agent that lost it gets it again; an agent down
+//! at start never stops the proxy; draining fails the check, keeps serving for the drain delay,
+//! then deregisters; `kill -9` leaves the entry to turn critical after its TTL; a rolling restart
+//! behind a client that resolves the gateways through Consul, with the default drain delay,
+//! loses no request; and a second gateway with a `consul` source routes to the first one's
+//! registration.
 
 use crate::common;
 use common::api::Readiness;
 
 use common::consul::{ConsulFake, Instance};
 use common::process::RaahiProcess;
+use common::registry::Registry;
 use common::*;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,9 +27,14 @@ use serde_json::{json, Value};
 const WAIT: Duration = Duration::from_secs(10);
 const TTL_MS: u64 = 1_500;
 
-/// The environment that registers a gateway in `fake` as service `edge` with id `id`.
-fn registration_env(fake: &ConsulFake, id: &str, drain_ms: &str) -> Vec<(&'static str, String)> {
-    vec![
+/// The environment that registers a gateway in `fake` as service `edge` with id `id`; the drain
+/// delay is `drain_ms`, or the default (5 s with a registration) when None.
+fn registration_env(
+    fake: &ConsulFake,
+    id: &str,
+    drain_ms: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    let mut env = vec![
         ("RAAHI_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
         ("RAAHI_REGISTRATION_CONSUL_ADDRESS", fake.url()),
         ("RAAHI_REGISTRATION_CONSUL_SERVICE_NAME", "edge".to_owned()),
@@ -36,8 +44,47 @@ fn registration_env(fake: &ConsulFake, id: &str, drain_ms: &str) -> Vec<(&'stati
             "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
             "3000".to_owned(),
         ),
-        ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms.to_owned()),
-    ]
+    ];
+    if let Some(drain_ms) = drain_ms {
+        env.push(("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms.to_owned()));
+    }
+    env
+}
+
+/// A resources file (in its own directory, kept while the guard lives): service `web` filled by
+/// an `http` discovery source reading `registry`, and a route for every request to it.
+fn resources_from(registry: &Registry) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("resources.toml");
+    let text = format!(
+        r#"
+[[services]]
+name = "web"
+
+  [[services.discovery_sources]]
+  name = "web-registry"
+  provider = "http"
+  config = {{ url = "{url}", timeout_ms = 10000 }}
+
+[[routes]]
+name = "web"
+service = "web"
+path_prefix = "/"
+"#,
+        url = registry.url("/endpoints"),
+    );
+    std::fs::write(&path, text).expect("resources file written");
+    (dir, path.display().to_string())
+}
+
+/// A registry that lists `upstream` as the one endpoint, after `delay`.
+async fn registry_of(upstream: &Upstream, delay: Duration) -> Registry {
+    let registry = Registry::start().await;
+    registry.set_json(json!([
+        {"key": "web-1", "host": "127.0.0.1", "port": upstream.addr.port()}
+    ]));
+    registry.set_delay(delay);
+    registry
 }
 
 /// An in-process gateway's config: [`registration_env`] with no drain delay, `extra` on top.
@@ -56,7 +103,7 @@ fn registered_config(
         ),
     ]
     .into_iter()
-    .chain(registration_env(fake, id, "0"))
+    .chain(registration_env(fake, id, Some("0")))
     .map(|(name, value)| (name.to_owned(), value))
     .collect();
     for (name, value) in extra {
@@ -138,6 +185,217 @@ async fn the_registration_carries_the_advertised_address_and_heartbeats_keep_it_
             .contains("raahi_registration_registered{registry=\"consul\",service_id=\"gw-1\"} 1"),
         "{metrics}"
     );
+}
+
+/// The metric line of `gw-1`'s registration gauge with `value`.
+fn registered_gauge(value: u8) -> String {
+    format!("raahi_registration_registered{{registry=\"consul\",service_id=\"gw-1\"}} {value}")
+}
+
+/// A gateway on its first refresh of a source whose registry holds its answer, with a TTL of a
+/// minute (the next heartbeat is 20 s away, so only readiness can make the check pass sooner);
+/// the drain delay is `drain_ms`.
+async fn loading_gateway(
+    fake: &ConsulFake,
+    registry: &Registry,
+    resources: &str,
+    drain_ms: &str,
+) -> TestGateway {
+    registry.hold();
+    registered_gateway(
+        fake,
+        "gw-1",
+        &[
+            ("RAAHI_RESOURCES_FILE", resources),
+            ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "60000"),
+            (
+                "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+                "120000",
+            ),
+            ("RAAHI_PROXY_DRAIN_DELAY_MS", drain_ms),
+        ],
+    )
+    .await
+}
+
+/// Registered `starting` with the check critical and the note `starting`, the registered gauge
+/// at 0, and it stays so for a second.
+async fn assert_registered_starting(fake: &ConsulFake, gateway: &TestGateway) {
+    wait_check(fake, "gw-1", "critical").await;
+    let body = fake.last_registration_body().expect("registered");
+    assert_eq!(body["Check"]["Status"], "critical", "{body}");
+    wait_until("the check's note says starting", WAIT, || async {
+        fake.agent_check_output("gw-1")
+            .is_some_and(|output| output.starts_with("starting"))
+    })
+    .await;
+    let body = wait_until_readyz(gateway, "registered while starting", |body| {
+        body.registration_state()
+            .is_some_and(|state| state == "starting")
+    })
+    .await;
+    assert_eq!(body.status, "starting", "{body}");
+    assert!(!body.degraded, "starting is the plan, not a fault: {body}");
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(0)), "{metrics}");
+    holds_for(
+        "critical while the source loads",
+        Duration::from_millis(1_000),
+        || async { fake.agent_check_status("gw-1").as_deref() == Some("critical") },
+    )
+    .await;
+    assert_eq!(gateway.readyz().await.0, 503);
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(0)), "{metrics}");
+}
+
+/// A gateway whose discovery source is still on its first refresh has no targets yet: it is
+/// registered with its check critical (note `starting`) and passes as soon as `/readyz` says
+/// ready, not at the next heartbeat; by then its targets serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_still_loading_its_sources_is_registered_critical_until_ready() {
+    let fake = ConsulFake::start().await;
+    let upstream = Upstream::start("served").await;
+    let registry = registry_of(&upstream, Duration::ZERO).await;
+    let (_files, resources) = resources_from(&registry);
+    let gateway = loading_gateway(&fake, &registry, &resources, "0").await;
+
+    assert_registered_starting(&fake, &gateway).await;
+
+    registry.release();
+    wait_until(
+        "passing at once when ready, not at the next heartbeat",
+        Duration::from_secs(2),
+        || async { fake.agent_check_status("gw-1").as_deref() == Some("passing") },
+    )
+    .await;
+    assert_eq!(
+        gateway.fetch_status("/").await,
+        (200, "served".to_owned()),
+        "passing only once its targets serve"
+    );
+    let body = wait_until_readyz(&gateway, "registered", |body| {
+        body.registration_state()
+            .is_some_and(|state| state == "registered")
+    })
+    .await;
+    assert_eq!(body.status, "ready", "{body}");
+    let metrics = gateway.metrics_text().await;
+    assert!(metrics.contains(&registered_gauge(1)), "{metrics}");
+    assert_eq!(fake.agent_registrations(), 1, "registered once");
+}
+
+/// Draining while still starting: the check never passes, even when the source resolves during
+/// the drain delay; it is failed with the note `draining`, then the service is deregistered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_drained_while_starting_never_passes_and_is_deregistered() {
+    let fake = Arc::new(ConsulFake::start().await);
+    let upstream = Upstream::start("served").await;
+    let registry = registry_of(&upstream, Duration::ZERO).await;
+    let (_files, resources) = resources_from(&registry);
+    let mut gateway = loading_gateway(&fake, &registry, &resources, "2000").await;
+    let ever_passing = Arc::new(AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (fake, ever_passing) = (fake.clone(), ever_passing.clone());
+        async move {
+            loop {
+                if fake.agent_check_status("gw-1").as_deref() == Some("passing") {
+                    ever_passing.store(true, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    assert_registered_starting(&fake, &gateway).await;
+
+    let running = gateway.gateway.take().expect("running");
+    let drained = tokio::spawn(running.drain(std::future::pending()));
+    wait_until(
+        "the check is failed with the note draining",
+        WAIT,
+        || async { fake.agent_check_output("gw-1").as_deref() == Some("draining") },
+    )
+    .await;
+    assert_eq!(fake.agent_check_status("gw-1").as_deref(), Some("critical"));
+    let body = wait_until_readyz(&gateway, "draining and withdrawn", |body| {
+        body.registration_state()
+            .is_some_and(|state| state == "withdrawn")
+    })
+    .await;
+    assert_eq!(body.status, "draining", "{body}");
+    // The source resolves during the drain delay: the gateway serves it, but stays withdrawn.
+    registry.release();
+    wait_until("the drained gateway serves its targets", WAIT, || async {
+        gateway.fetch_status("/").await == (200, "served".to_owned())
+    })
+    .await;
+    assert!(!drained.is_finished(), "within the drain delay");
+    holds_for(
+        "critical, note draining, through the rest of the delay",
+        Duration::from_millis(500),
+        || async {
+            fake.agent_check_status("gw-1").as_deref() == Some("critical")
+                && fake.agent_check_output("gw-1").as_deref() == Some("draining")
+        },
+    )
+    .await;
+
+    drained.await.unwrap();
+    assert!(fake.agent_service("gw-1").is_none(), "deregistered");
+    assert_eq!(fake.agent_deregistrations(), 1);
+    watcher.abort();
+    assert!(
+        !ever_passing.load(Ordering::SeqCst),
+        "the check passed at some point"
+    );
+    assert_eq!(fake.agent_registrations(), 1, "registered once");
+}
+
+/// Consul keeps the status of an existing check id through a new registration (the "check state
+/// snapshot"): a gateway that restarts with the same id after its predecessor's check turned
+/// critical passes its check at once when ready, not at its first heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_the_id_of_a_critical_check_passes_at_once_when_ready() {
+    let fake = ConsulFake::start().await;
+    let crashed = registered_gateway(
+        &fake,
+        "gw-1",
+        &[(
+            "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+            "120000",
+        )],
+    )
+    .await;
+    wait_check(&fake, "gw-1", "passing").await;
+    let mut crashed = crashed;
+    crashed.gateway.take().expect("running").abort();
+    wait_check(&fake, "gw-1", "critical").await;
+    let output = fake.agent_check_output("gw-1").unwrap_or_default();
+    assert!(output.starts_with("TTL expired"), "{output}");
+
+    // No sources: ready at once. The next heartbeat is 20 s away.
+    let restarted = Instant::now();
+    let gateway = registered_gateway(
+        &fake,
+        "gw-1",
+        &[
+            ("RAAHI_REGISTRATION_CONSUL_TTL_MS", "60000"),
+            (
+                "RAAHI_REGISTRATION_CONSUL_DEREGISTER_CRITICAL_AFTER_MS",
+                "120000",
+            ),
+        ],
+    )
+    .await;
+    wait_until(
+        "the restarted gateway's check passes at once",
+        Duration::from_secs(3),
+        || async { fake.agent_check_status("gw-1").as_deref() == Some("passing") },
+    )
+    .await;
+    assert_eq!(fake.agent_registrations(), 2);
+    assert!(restarted.elapsed() < Duration::from_secs(3));
+    assert_eq!(gateway.readyz().await.0, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -330,9 +588,20 @@ async fn a_second_signal_cuts_the_drain_delay_short() {
 // ---------------------------------------------------------------------------------------------
 
 async fn spawn_registered(fake: &ConsulFake, id: &str, drain_ms: &str) -> RaahiProcess {
-    let env = registration_env(fake, id, drain_ms);
+    spawn_with(registration_env(fake, id, Some(drain_ms))).await
+}
+
+async fn spawn_with(env: Vec<(&'static str, String)>) -> RaahiProcess {
     let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     RaahiProcess::serve(&pairs).await
+}
+
+/// A gateway configured as in production: the default drain delay, its service and route from
+/// `resources`, its targets from the registry that file names.
+async fn spawn_edge(fake: &ConsulFake, id: &str, resources: &str) -> RaahiProcess {
+    let mut env = registration_env(fake, id, None);
+    env.push(("RAAHI_RESOURCES_FILE", resources.to_owned()));
+    spawn_with(env).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -485,14 +754,17 @@ async fn stop_one(fake: &ConsulFake, process: RaahiProcess, id: &str) {
     );
 }
 
+/// Each gateway finds its upstream through a registry that takes a moment to answer, so a
+/// replacement starts without targets: it must not be chosen before its first refresh. The
+/// drain delay is the default.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_behind_consul_loses_no_request() {
     let fake = ConsulFake::start().await;
     let upstream = Upstream::start("served").await;
-    let first = spawn_registered(&fake, "gw-a", "1000").await;
-    let second = spawn_registered(&fake, "gw-b", "1000").await;
-    first.route_all_to("web", &upstream).await;
-    second.route_all_to("web", &upstream).await;
+    let registry = registry_of(&upstream, Duration::from_millis(500)).await;
+    let (_files, resources) = resources_from(&registry);
+    let first = spawn_edge(&fake, "gw-a", &resources).await;
+    let second = spawn_edge(&fake, "gw-b", &resources).await;
     wait_check(&fake, "gw-a", "passing").await;
     wait_check(&fake, "gw-b", "passing").await;
 
@@ -524,8 +796,7 @@ async fn a_rolling_restart_behind_consul_loses_no_request() {
 
     // The first is replaced: stopped, then started again (a new process, the same id).
     stop_one(&fake, first, "gw-a").await;
-    let replacement = spawn_registered(&fake, "gw-a", "1000").await;
-    replacement.route_all_to("web", &upstream).await;
+    let replacement = spawn_edge(&fake, "gw-a", &resources).await;
     wait_check(&fake, "gw-a", "passing").await;
     let replacement_address = replacement.proxy.to_string();
     wait_until("the load reaches the replacement", WAIT, || async {
