@@ -12,8 +12,8 @@ use kube::runtime::watcher;
 use super::client::Connection;
 use super::slices::{endpoints_of, name_of, Wanted};
 use super::{watch_seconds, KubernetesConfig, SERVICE_NAME_LABEL};
-use crate::discovery::registry_client::error_chain;
 use crate::discovery::{DiscoveryError, WatchAnswer};
+use crate::error_chain::text as error_chain;
 
 /// How long after a change the events that follow it are taken into the same set. The
 /// EndpointSlice controller writes a rollout's changes slice by slice, milliseconds apart.
