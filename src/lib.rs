@@ -7,6 +7,7 @@ pub mod clock;
 pub mod config;
 pub mod control;
 pub mod discovery;
+pub mod error_chain;
 pub mod events;
 pub mod gateway;
 pub mod model;

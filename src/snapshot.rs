@@ -107,6 +107,9 @@ pub struct GatewayCounters {
     /// HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most of
     /// the streams they opened.
     pub http2_calmed_connections: AtomicU64,
+    /// HTTP/2 streams refused (RST_STREAM REFUSED_STREAM) for exceeding
+    /// `proxy.http2_max_concurrent_streams` on their connection.
+    pub http2_streams_refused: AtomicU64,
     /// Client connections open now on the proxy listeners.
     pub client_connections: AtomicU64,
     /// Client connections closed on arrival because their listener had `proxy.max_connections`.

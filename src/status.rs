@@ -382,11 +382,7 @@ fn normalise_url(admin_url: &str) -> Result<String, StatusError> {
 /// The innermost cause of an error is the one an operator can act on
 /// (`Connection refused (os error 111)` rather than `error sending request`).
 fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut innermost = error;
-    while let Some(source) = innermost.source() {
-        innermost = source;
-    }
-    innermost.to_string()
+    crate::error_chain::innermost(error).to_string()
 }
 
 // What the CLI reads of the API's objects: only the fields it shows, so newer gateways with

@@ -43,6 +43,7 @@ struct Scrape {
     client_connections: u64,
     client_connections_refused: u64,
     http2_calmed_connections: u64,
+    http2_streams_refused: u64,
     /// Request bodies held before a pick: (memory bytes, spool bytes, bodies spooled).
     request_bodies: (u64, u64, u64),
     admin: AdminSample,
@@ -343,6 +344,10 @@ async fn gather(state: &AdminState) -> Scrape {
         http2_calmed_connections: state
             .gateway_counters
             .http2_calmed_connections
+            .load(Ordering::Relaxed),
+        http2_streams_refused: state
+            .gateway_counters
+            .http2_streams_refused
             .load(Ordering::Relaxed),
         request_bodies: (
             state
@@ -713,6 +718,13 @@ impl Collector for Scrape {
             "HTTP/2 client connections ended with GOAWAY ENHANCE_YOUR_CALM for cancelling most \
              of the streams they opened (rapid reset).",
             [(Labels::new(), self.http2_calmed_connections)],
+        )?;
+        counter(
+            &mut encoder,
+            "raahi_http2_streams_refused",
+            "HTTP/2 streams refused with RST_STREAM REFUSED_STREAM: the client opened more at once \
+             than proxy.http2_max_concurrent_streams.",
+            [(Labels::new(), self.http2_streams_refused)],
         )?;
         let (memory, spool, spooled) = self.request_bodies;
         gauge(

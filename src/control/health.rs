@@ -499,14 +499,7 @@ fn handshake_detail(error: &UpstreamTlsError) -> String {
 }
 
 fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+    crate::error_chain::text(error)
 }
 
 /// The health after one more result: thresholds of consecutive results move it.

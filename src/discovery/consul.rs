@@ -46,12 +46,13 @@ use crate::discovery::config::{
     registry_weight_scale, render_path, ProviderConfig, SharedKeys,
 };
 use crate::discovery::registry_client::{
-    error_chain, read_limited, shared_client, ClientBuildError, ClientSettings,
+    read_limited, shared_client, ClientBuildError, ClientSettings,
 };
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, Registered,
     WatchAnswer, WatchProvider, WatchStream,
 };
+use crate::error_chain::text as error_chain;
 use crate::model::{Endpoint, ProviderKind, MAX_WEIGHT};
 
 pub const PROVIDER: Registered = Registered {

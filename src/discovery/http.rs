@@ -19,12 +19,13 @@ use crate::discovery::config::{
     self, check_url, default_interval_ms, default_timeout_ms, default_true, default_weight, error,
     inner_budget, ProviderConfig, SharedKeys,
 };
-use crate::discovery::registry_client::{error_chain, read_limited, shared_client, ClientSettings};
+use crate::discovery::registry_client::{read_limited, shared_client, ClientSettings};
 use crate::discovery::resolver::address_key;
 use crate::discovery::{
     revision_of, ConfigError, Discovered, DiscoveryError, Fetch, FetchStyle, PollProvider,
     RefreshFuture, Registered,
 };
+use crate::error_chain::text as error_chain;
 use crate::model::{Endpoint, ProviderKind, MAX_WEIGHT};
 
 pub const PROVIDER: Registered = Registered {

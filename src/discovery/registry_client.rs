@@ -1,26 +1,12 @@
 //! What the providers that read an HTTP registry (`http`, `consul`) share: their clients, a
-//! response body read within a size limit, and an error told with all its causes.
+//! response body read within a size limit.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use crate::discovery::DiscoveryError;
-
-/// An error and its causes, "a: b: c", skipping a cause that repeats its parent's words.
-pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let words = cause.to_string();
-        if !text.contains(&words) {
-            text.push_str(": ");
-            text.push_str(&words);
-        }
-        source = cause.source();
-    }
-    text
-}
+use crate::error_chain::text as error_chain;
 
 /// A response body, refusing more than `limit` bytes: a declared length is checked before
 /// reading, and a chunked body is counted as it arrives and abandoned at the limit.

@@ -249,13 +249,7 @@ impl Answering {
         else {
             return;
         };
-        let mut reason = error.to_string();
-        let mut source = error.source();
-        while let Some(error) = source {
-            reason.push_str(": ");
-            reason.push_str(&error.to_string());
-            source = error.source();
-        }
+        let reason = crate::error_chain::text(error);
         tracing::warn!(
             service = %service.service.name,
             target = %target.authority,

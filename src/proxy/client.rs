@@ -90,14 +90,8 @@ impl UpstreamError {
             UpstreamError::H2(_) => None,
             UpstreamError::Refused(_) | UpstreamError::TooManyInterim => Some(self.to_string()),
             UpstreamError::Tls(error) => {
-                let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
-                while let Some(error) = current {
-                    if let Some(hyper) = error.downcast_ref::<hyper::Error>() {
-                        return hyper.is_parse().then(|| hyper.to_string());
-                    }
-                    current = error.source();
-                }
-                None
+                let hyper = crate::error_chain::find::<hyper::Error>(error)?;
+                hyper.is_parse().then(|| hyper.to_string())
             }
         }
     }

@@ -36,14 +36,7 @@ impl UpstreamTlsError {
     pub fn find_in<'e>(
         error: &'e (dyn std::error::Error + 'static),
     ) -> Option<&'e UpstreamTlsError> {
-        let mut current = Some(error);
-        while let Some(error) = current {
-            if let Some(found) = error.downcast_ref::<UpstreamTlsError>() {
-                return Some(found);
-            }
-            current = error.source();
-        }
-        None
+        crate::error_chain::find(error)
     }
 
     /// The reason and the server name, as operators read them in a 502 body or a check's

@@ -10,6 +10,11 @@
 //! hyper offers no way to send GOAWAY with an error code, so the connection's I/O does it: it
 //! knows where the frames it wrote end ([`OutboundFrames`]), writes the GOAWAY at a frame
 //! boundary once told the client is abusive, and then fails hyper's reads and writes.
+//!
+//! Nor does it tell when the h2 crate refuses a stream past `http2_max_concurrent_streams`
+//! (RST_STREAM REFUSED_STREAM, sent before hyper sees the stream): the same frame tracking
+//! counts those resets as they are written. On a server, h2 sends REFUSED_STREAM for nothing
+//! else, and neither hyper nor Raahi resets a client's stream with it.
 
 use std::convert::Infallible;
 use std::io;
@@ -31,6 +36,7 @@ use tokio::time::Instant;
 
 use super::forward::{self, Downstream, GuardedBody};
 use super::ProxyState;
+use crate::snapshot::GatewayCounters;
 
 /// A client is abusive once it has cancelled this many streams and more than half of all it
 /// opened. A browser that cancels a few loads in flight on navigation stays far below.
@@ -46,6 +52,12 @@ const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// HTTP/2 error code ENHANCE_YOUR_CALM (RFC 9113 §7).
 const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+/// HTTP/2 error code REFUSED_STREAM (RFC 9113 §7).
+const REFUSED_STREAM: u32 = 0x7;
+
+/// HTTP/2 frame type RST_STREAM (RFC 9113 §6.4).
+const RST_STREAM: u8 = 0x3;
 
 /// The streams of one connection, as its idle check and abuse check see them. Streams run on
 /// tasks of their own, so these are shared atomics.
@@ -143,6 +155,7 @@ pub(super) async fn serve<I>(
         inner: io,
         frames: OutboundFrames::default(),
         counts: counts.clone(),
+        gateway: state.counters.clone(),
         goaway: None,
     };
     let connection = settings.builder.serve_connection(TokioIo::new(io), service);
@@ -242,18 +255,33 @@ impl IdleCheck {
 
 /// Where the frames written so far end: a server's side of an HTTP/2 connection is nothing but
 /// frames (its preface is a SETTINGS frame), each a 9-byte header and the payload it sizes.
+/// RST_STREAM payloads (one error code) are read on the way, to count refused streams.
 #[derive(Default, Debug)]
 struct OutboundFrames {
     header: [u8; 9],
     header_filled: usize,
     payload_left: usize,
+    /// The error code of the RST_STREAM being written, as far as it went out.
+    reset_code: Option<([u8; 4], usize)>,
 }
 
 impl OutboundFrames {
-    fn wrote(&mut self, mut bytes: &[u8]) {
+    /// Follows `bytes` written after the others; returns how many RST_STREAM REFUSED_STREAM
+    /// frames they completed.
+    fn wrote(&mut self, mut bytes: &[u8]) -> u64 {
+        let mut refused = 0;
         while !bytes.is_empty() {
             if self.payload_left > 0 {
                 let taken = self.payload_left.min(bytes.len());
+                if let Some((code, filled)) = &mut self.reset_code {
+                    let copied = (4 - *filled).min(taken);
+                    code[*filled..*filled + copied].copy_from_slice(&bytes[..copied]);
+                    *filled += copied;
+                    if *filled == 4 {
+                        refused += u64::from(u32::from_be_bytes(*code) == REFUSED_STREAM);
+                        self.reset_code = None;
+                    }
+                }
                 self.payload_left -= taken;
                 bytes = &bytes[taken..];
                 continue;
@@ -268,8 +296,11 @@ impl OutboundFrames {
                 self.payload_left =
                     usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
                 self.header_filled = 0;
+                self.reset_code =
+                    (h[3] == RST_STREAM && self.payload_left == 4).then_some(([0; 4], 0));
             }
         }
+        refused
     }
 
     fn at_boundary(&self) -> bool {
@@ -294,6 +325,8 @@ struct GuardedIo<I> {
     inner: I,
     frames: OutboundFrames,
     counts: Arc<StreamCounts>,
+    /// Where refused streams are counted.
+    gateway: Arc<GatewayCounters>,
     /// The GOAWAY being written and how much of it went out; `None` until the client is
     /// abusive.
     goaway: Option<([u8; 17], usize)>,
@@ -329,6 +362,15 @@ impl<I: AsyncWrite + Unpin> GuardedIo<I> {
     fn abusive(&self) -> bool {
         self.counts.abusive.load(Ordering::Relaxed)
     }
+
+    fn follow(&mut self, written: &[u8]) {
+        let refused = self.frames.wrote(written);
+        if refused > 0 {
+            self.gateway
+                .http2_streams_refused
+                .fetch_add(refused, Ordering::Relaxed);
+        }
+    }
 }
 
 fn cut_off() -> io::Error {
@@ -363,7 +405,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for GuardedIo<I> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
         if let Poll::Ready(Ok(written)) = polled {
-            this.frames.wrote(&buf[..written]);
+            this.follow(&buf[..written]);
         }
         polled
     }
@@ -381,7 +423,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for GuardedIo<I> {
         if let Poll::Ready(Ok(mut written)) = polled {
             for buf in bufs {
                 let taken = written.min(buf.len());
-                this.frames.wrote(&buf[..taken]);
+                this.follow(&buf[..taken]);
                 written -= taken;
                 if written == 0 {
                     break;
@@ -438,6 +480,20 @@ mod tests {
         let mut frames = OutboundFrames::default();
         frames.wrote(&wire[..wire.len() - 2]);
         assert!(!frames.at_boundary(), "mid-frame");
+    }
+
+    #[test]
+    fn refused_stream_resets_are_counted_across_split_writes() {
+        let mut wire = frame(4, 0, &[0; 6]); // SETTINGS
+        wire.extend(frame(3, 5, &REFUSED_STREAM.to_be_bytes()));
+        wire.extend(frame(3, 7, &8u32.to_be_bytes())); // CANCEL
+        wire.extend(frame(0, 1, &[0, 0, 0, 7])); // DATA that looks like the code
+        wire.extend(frame(3, 9, &REFUSED_STREAM.to_be_bytes()));
+        for split in [1, 2, 3, 9, 11, 13, wire.len()] {
+            let mut frames = OutboundFrames::default();
+            let refused: u64 = wire.chunks(split).map(|chunk| frames.wrote(chunk)).sum();
+            assert_eq!(refused, 2, "split {split}");
+        }
     }
 
     #[test]

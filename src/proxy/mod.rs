@@ -28,6 +28,7 @@ mod pool;
 mod rate_limit;
 mod redirect;
 mod replay;
+mod response_body;
 mod retry;
 mod session_cookie;
 mod sni;

@@ -210,16 +210,7 @@ impl Agent {
         }
         // The agent's address is named once, by the error's own text.
         let error = error.without_url();
-        let mut reason = error.to_string();
-        let mut source = std::error::Error::source(&error);
-        while let Some(cause) = source {
-            let words = cause.to_string();
-            if !reason.contains(&words) {
-                reason.push_str(": ");
-                reason.push_str(&words);
-            }
-            source = cause.source();
-        }
+        let reason = crate::error_chain::text(&error);
         AgentError::Unreachable {
             agent: self.inner.base.clone(),
             call,

@@ -1,6 +1,6 @@
 //! The proxy listener's limits through real sockets: connections per listener, request size
-//! limits with named answers counted in `/metrics`, and HTTP/2's idle timeout. Framing and
-//! smuggling cases are the conformance corpus's (`conformance.rs`).
+//! limits with named answers counted in `/metrics`, and HTTP/2's idle timeout and stream limit.
+//! Framing and smuggling cases are the conformance corpus's (`conformance.rs`).
 
 use crate::common;
 use common::*;
@@ -218,6 +218,72 @@ async fn an_idle_http2_connection_is_closed_with_goaway_after_the_idle_timeout()
         "still open {:?} after GOAWAY",
         told.elapsed()
     );
+}
+
+/// A HEADERS frame opening stream `id` with a POST to `/` whose body never comes, so the stream
+/// stays open: HPACK static-table entries and one literal `:authority`.
+fn open_stream(id: u32) -> Vec<u8> {
+    // :method POST (3), :scheme http (6), :path / (4), :authority (1) "h2.test" not indexed.
+    let mut block = vec![0x83, 0x86, 0x84, 0x01, 7];
+    block.extend_from_slice(b"h2.test");
+    let length = block.len() as u32;
+    let mut frame = length.to_be_bytes()[1..].to_vec();
+    // HEADERS, END_HEADERS (no END_STREAM: the body is still to come).
+    frame.extend_from_slice(&[1, 0x4]);
+    frame.extend_from_slice(&id.to_be_bytes());
+    frame.extend_from_slice(&block);
+    frame
+}
+
+#[tokio::test]
+async fn streams_past_the_concurrent_limit_are_refused_and_counted() {
+    let (gateway, _upstream) = gateway_with(
+        &[("RAAHI_PROXY_HTTP2_MAX_CONCURRENT_STREAMS", "2")],
+        "h2-refused",
+    )
+    .await;
+    let before = sample(&gateway, "raahi_http2_streams_refused_total").await;
+    let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+    stream.write_all(PREFACE).await.unwrap();
+    stream.write_all(&SETTINGS).await.unwrap();
+    // Five streams at once, ignoring the server's limit of two: streams 5, 7 and 9 are over.
+    let mut opened = Vec::new();
+    for id in [1, 3, 5, 7, 9] {
+        opened.extend(open_stream(id));
+    }
+    stream.write_all(&opened).await.unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut refused = Vec::new();
+        while refused.len() < 3 {
+            match read_frame(&mut stream).await {
+                Some((3, _, id, payload)) => {
+                    let code = u32::from_be_bytes(payload[..4].try_into().unwrap());
+                    assert_eq!(code, 7, "stream {id} reset with REFUSED_STREAM");
+                    refused.push(id);
+                }
+                Some((4, flags, _, _)) if flags & 1 == 0 => stream
+                    .write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0])
+                    .await
+                    .unwrap(),
+                Some((7, _, _, payload)) => panic!("GOAWAY {payload:?}"),
+                Some(_) => {}
+                None => panic!("the connection closed"),
+            }
+        }
+        refused
+    })
+    .await
+    .expect("three refusals within 10 s");
+    assert_eq!(refused, [5, 7, 9]);
+    wait_until(
+        "three refused streams in /metrics",
+        Duration::from_secs(5),
+        || {
+            let gateway = &gateway;
+            async move { sample(gateway, "raahi_http2_streams_refused_total").await == before + 3 }
+        },
+    )
+    .await;
 }
 
 /// Sends a request head with `Content-Length: length` and the first `sent` bytes of its body,

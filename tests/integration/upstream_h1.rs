@@ -1228,3 +1228,108 @@ async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
     assert!(rest.is_empty(), "unexpected bytes after close: {rest:?}");
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
+
+/// The sum of a metric's series (every label set) as `/metrics` shows it now.
+async fn metric_sum(gateway: &TestGateway, name: &str) -> u64 {
+    let text = gateway.metrics_text().await;
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// `clients` HTTP/1.1 client connections, each with one request to the gateway in flight.
+async fn requests_in_flight(gateway: &TestGateway, clients: usize) -> Vec<TcpStream> {
+    let mut streams = Vec::new();
+    for _ in 0..clients {
+        let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+        stream
+            .write_all(b"GET /wave HTTP/1.1\r\nHost: waves.test\r\n\r\n")
+            .await
+            .unwrap();
+        streams.push(stream);
+    }
+    streams
+}
+
+#[tokio::test]
+async fn clients_that_leave_mid_request_cost_the_target_no_connections() {
+    const CLIENTS: usize = 4;
+    // The origin holds its answers while the gate is shut, so each wave's requests are in
+    // flight together and need a connection each.
+    let (gate, gate_seen) = tokio::sync::watch::channel(false);
+    let heads = Arc::new(AtomicU64::new(0));
+    let counted = heads.clone();
+    let (address, accepted) = counting_origin(move |mut stream| {
+        let (mut gate, heads) = (gate_seen.clone(), counted.clone());
+        async move {
+            let mut pending = Vec::new();
+            while read_request_head(&mut stream, &mut pending).await.is_some() {
+                heads.fetch_add(1, Ordering::SeqCst);
+                if gate.wait_for(|open| *open).await.is_err()
+                    || stream.write_all(&ok("ok")).await.is_err()
+                {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let gateway = gateway_to_address("waves", address).await;
+    let heads_reach = |count: u64| {
+        let heads = heads.clone();
+        async move {
+            wait_until(&format!("{count} requests at the origin"), STEP, || {
+                let heads = heads.clone();
+                async move { heads.load(Ordering::SeqCst) >= count }
+            })
+            .await
+        }
+    };
+    let all_answered = || async {
+        wait_until("no request in flight at the target", STEP, || async {
+            metric_sum(&gateway, "raahi_target_in_flight_requests").await == 0
+        })
+        .await
+    };
+
+    // First wave: answered, its connections go to the pool.
+    let mut clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(CLIENTS as u64).await;
+    gate.send_replace(true);
+    for client in &mut clients {
+        let (head, _) = read_head(client).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+    all_answered().await;
+    assert_eq!(accepted.load(Ordering::SeqCst), CLIENTS as u64);
+    drop(clients);
+
+    // Second wave: the clients close their connections while their requests are upstream, as
+    // a load generator stopping does.
+    gate.send_replace(false);
+    let clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(2 * CLIENTS as u64).await;
+    drop(clients);
+    wait_until("the gateway saw its clients leave", STEP, || async {
+        gateway.metric("raahi_client_connections").await == 0
+    })
+    .await;
+    gate.send_replace(true);
+    all_answered().await;
+
+    // Third wave: the first wave's connections serve it; none is opened.
+    gate.send_replace(false);
+    let mut clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(3 * CLIENTS as u64).await;
+    gate.send_replace(true);
+    for client in &mut clients {
+        let (head, _) = read_head(client).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        CLIENTS as u64,
+        "the connections of the requests whose clients left were closed, not pooled"
+    );
+}

@@ -145,14 +145,7 @@ where
 }
 
 fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+    crate::error_chain::text(error)
 }
 
 fn grpc_status(headers: &http::HeaderMap) -> Option<u64> {

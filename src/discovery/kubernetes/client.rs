@@ -13,9 +13,9 @@ use http::HeaderValue;
 
 use super::exec::ExecPlugin;
 use super::{watch_length, KubernetesConfig, SERVICE_NAME_LABEL};
-use crate::discovery::registry_client::error_chain;
 use crate::discovery::runner::WATCH_SPACING;
 use crate::discovery::DiscoveryError;
+use crate::error_chain::text as error_chain;
 
 /// Where a pod's service account is mounted (the in-cluster defaults).
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";

@@ -3,7 +3,7 @@
 
 use kube::runtime::watcher;
 
-use crate::discovery::registry_client::error_chain;
+use crate::error_chain::text as error_chain;
 use crate::discovery::DiscoveryError;
 
 /// An error answer (a `Status`) from the API server.

@@ -26,11 +26,11 @@ use hyper::upgrade::OnUpgrade;
 use tokio::time::Instant;
 
 use super::accounting::{Answering, InFlight, RouteSlot};
-use super::body::{BodyEnd, UpstreamBody, UpstreamResponseBody};
 use super::canary::CanaryTally;
 use super::error::ProxyError;
 use super::failure::Blame;
 use super::headers::{self, X_REQUEST_ID};
+use super::response_body::{BodyEnd, UpstreamBody, UpstreamResponseBody};
 use super::ProxyState;
 use crate::snapshot::{RequestView, RouteEntry, Variables};
 use crate::telemetry::trace::{RequestTrace, TraceParent};

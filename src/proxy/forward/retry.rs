@@ -16,9 +16,10 @@ use super::rewrite::{h2_request, tls_request, Outgoing, PendingBody};
 use super::Exchange;
 use crate::balance::FailureCause;
 use crate::clock::unix_ms;
+use crate::error_chain;
 use crate::model::{Id, MAX_ATTEMPTS};
 use crate::proxy::accounting::{record_outcome, InFlight};
-use crate::proxy::body::{ClientBody, StreamingBody, UpstreamBody, UpstreamRequestBody};
+use crate::proxy::body::{ClientBody, StreamingBody, UpstreamRequestBody};
 use crate::proxy::client::{send_tls, UpstreamClient, UpstreamError};
 use crate::proxy::connector::UpstreamTlsError;
 use crate::proxy::detach::FinishOnDrop;
@@ -26,6 +27,7 @@ use crate::proxy::error::ProxyError;
 use crate::proxy::failure::{NoTarget, UpstreamFailure};
 use crate::proxy::h1client::RequestHead;
 use crate::proxy::replay::KeepCopy;
+use crate::proxy::response_body::UpstreamBody;
 use crate::proxy::retry::{Resend, Retriable, RetryRule, IDEMPOTENCY_KEY};
 use crate::proxy::ProxyState;
 use crate::snapshot::{
@@ -758,7 +760,7 @@ impl<'a> Attempts<'a> {
                 if client_failed {
                     // The client's upload broke, not the target: no ejection, no retry.
                     return Err(ProxyError::ClientBody {
-                        reason: error_chain(&error),
+                        reason: error_chain::text(&error),
                     });
                 }
                 classify(service, target, &error)
@@ -929,7 +931,7 @@ fn classify(
         return UpstreamFailure::unprocessed(service, target, reason);
     }
     if !error.is_connect() {
-        return UpstreamFailure::failed(service, target, error_chain(error));
+        return UpstreamFailure::failed(service, target, error_chain::text(error));
     }
     if let Some(tls) = UpstreamTlsError::find_in(error) {
         return UpstreamFailure::tls_failed(service, target, tls.detail());
@@ -947,29 +949,13 @@ fn classify(
     if plain_timeout || is_timeout(error) {
         return UpstreamFailure::connect_timeout(service, target);
     }
-    UpstreamFailure::connect_failed(service, target, error_chain(error))
+    UpstreamFailure::connect_failed(service, target, error_chain::text(error))
 }
 
 fn is_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut current = Some(error);
-    while let Some(error) = current {
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::TimedOut {
-                return true;
-            }
-        }
-        current = error.source();
-    }
-    false
-}
-
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut current = error.source();
-    while let Some(source) = current {
-        text.push_str(": ");
-        text.push_str(&source.to_string());
-        current = source.source();
-    }
-    text
+    error_chain::causes(error).any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+    })
 }

@@ -8,8 +8,8 @@ use http::{header, HeaderValue, Request, Response};
 
 use super::rewrite::Outgoing;
 use super::Downstream;
-use crate::proxy::body::BodyEnd;
 use crate::proxy::connect_timing::ConnectTiming;
+use crate::proxy::response_body::BodyEnd;
 use crate::snapshot::{RouteEntry, TargetRuntime};
 use crate::telemetry::trace::{RequestTrace, TRACEPARENT, TRACESTATE};
 

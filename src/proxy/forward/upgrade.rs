@@ -13,8 +13,8 @@ use tokio::net::TcpStream;
 
 use super::ProxyBody;
 use crate::proxy::accounting::InFlight;
-use crate::proxy::body::UpstreamBody;
 use crate::proxy::headers;
+use crate::proxy::response_body::UpstreamBody;
 
 /// The upstream side of an upgraded exchange, waiting for the client connection's driver to
 /// get the client's socket back from hyper.

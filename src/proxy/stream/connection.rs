@@ -13,7 +13,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::relay::{self, Progress};
+use super::relay::{self, Ended, Progress};
 use super::{OpenConnection, Shared};
 use crate::balance::ip_hash;
 use crate::model::{HashOn, Id, RetryBudget, MAX_ATTEMPTS};
@@ -98,33 +98,6 @@ struct ConnectionRecord {
     /// The target of the last connect attempt.
     target: Option<Authority>,
     progress: Progress,
-}
-
-/// How a connection that reached its upstream ended.
-#[derive(Debug)]
-pub(super) enum Ended {
-    /// Both sides finished their writes.
-    Closed,
-    /// No byte moved either way for the service's idle timeout.
-    IdleTimeout,
-    /// Reading from or writing to the client failed (typically a reset).
-    ClientFailed(io::Error),
-    /// Reading from or writing to the target failed.
-    UpstreamFailed(io::Error),
-    /// Dropped by the gateway's shutdown after the grace period.
-    Shutdown,
-}
-
-impl Ended {
-    fn code(&self) -> &'static str {
-        match self {
-            Ended::Closed => "closed",
-            Ended::IdleTimeout => "idle_timeout",
-            Ended::ClientFailed(_) => "client_error",
-            Ended::UpstreamFailed(_) => "upstream_error",
-            Ended::Shutdown => "shutdown",
-        }
-    }
 }
 
 pub(super) async fn serve(

@@ -10,8 +10,34 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::connection::Ended;
 use crate::snapshot::StreamStats;
+
+/// How a connection that reached its upstream ended.
+#[derive(Debug)]
+pub(super) enum Ended {
+    /// Both sides finished their writes.
+    Closed,
+    /// No byte moved either way for the service's idle timeout.
+    IdleTimeout,
+    /// Reading from or writing to the client failed (typically a reset).
+    ClientFailed(io::Error),
+    /// Reading from or writing to the target failed.
+    UpstreamFailed(io::Error),
+    /// Dropped by the gateway's shutdown after the grace period.
+    Shutdown,
+}
+
+impl Ended {
+    pub(super) fn code(&self) -> &'static str {
+        match self {
+            Ended::Closed => "closed",
+            Ended::IdleTimeout => "idle_timeout",
+            Ended::ClientFailed(_) => "client_error",
+            Ended::UpstreamFailed(_) => "upstream_error",
+            Ended::Shutdown => "shutdown",
+        }
+    }
+}
 
 /// Per direction and connection: large enough for loopback throughput, small enough for many
 /// idle connections.
