@@ -20,7 +20,6 @@ use super::service::{ServiceChanges, ServiceFollower};
 use super::slices::{endpoints_of, name_of, Wanted};
 use super::{watch_seconds, KubernetesConfig, PortRef, SERVICE_NAME_LABEL};
 use crate::discovery::{DiscoveryError, WatchAnswer};
-use crate::error_chain::text as error_chain;
 
 /// How many 410s in a row (without a list completed between them) are routine: an expired watch
 /// and then an expired continue token during its relist are; a server answering 410 to every
