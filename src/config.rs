@@ -142,7 +142,8 @@ pub struct ClusterConfig {
     /// the refreshing instance dies, another takes over within two of these.
     #[serde(default = "ClusterConfig::default_lease_ms")]
     pub lease_ms: u64,
-    /// Period of the full reload that backs up change notifications (PostgreSQL only).
+    /// Period of the change-log read that backs up change notifications (PostgreSQL only;
+    /// everything is read at least every 5 minutes).
     #[serde(default = "ClusterConfig::default_resync_ms")]
     pub resync_ms: u64,
     /// How often the gateways exchange their demand of cluster-scope rate limits through the

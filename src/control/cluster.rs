@@ -4,8 +4,9 @@
 //!   log and raise `NOTIFY raahi_config` naming it (the writer's instance id, the scope and the
 //!   service). A listener task here turns another instance's notification into a reload of what
 //!   changed since this instance last read the log; after a lost connection it reconnects with
-//!   backoff and asks for a full resync, since notifications sent meanwhile are gone. A periodic
-//!   full resync backs this up.
+//!   backoff and asks for a full resync, since notifications sent meanwhile are gone and the
+//!   database may not be the one it read before (a failover, a restore). A periodic read of the
+//!   change log backs notifications up (`ControlTask::periodic_resync`).
 //! - Leases: see `sources.rs` (`lease_round`): only the instance holding a source's lease runs
 //!   its refresh loop and timers and writes its results.
 //!
@@ -36,7 +37,7 @@ const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 pub struct ClusterSettings {
     /// How long a source lease lasts without renewal; renewed every third of it.
     pub lease: Duration,
-    /// Period of the full reload that backs up notifications (shared stores only).
+    /// Period of the change-log read that backs up notifications (shared stores only).
     pub resync: Duration,
     /// Period of the demand exchange of cluster-scope rate limits.
     pub rate_sync: Duration,
@@ -58,9 +59,10 @@ impl Default for ClusterSettings {
 /// What the listener tells the control task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum ClusterEvent {
-    /// Another instance changed the configuration.
+    /// Another instance changed the configuration, or the listener connected for the first
+    /// time (what changed since the start's read is in the change log).
     Changed,
-    /// The listener (re)connected: notifications may have been missed.
+    /// The listener reconnected: notifications were missed, maybe on another database.
     Resync,
     /// Someone asked (through another instance) for this source to be refreshed now.
     RefreshRequested(Id),
@@ -89,6 +91,7 @@ pub(super) fn spawn_listener(
 async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterEvent>) {
     let mut backoff = RECONNECT_BACKOFF_START;
     let mut was_lost = false;
+    let mut listened = false;
     loop {
         let mut listener = match connect(&pool).await {
             Ok(listener) => listener,
@@ -106,8 +109,16 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
             tracing::info!("listening for configuration changes again; resyncing");
         }
         backoff = RECONNECT_BACKOFF_START;
-        // Whatever changed while nobody listened (or before the first listen) is read now.
-        if events.send(ClusterEvent::Resync).await.is_err() {
+        // Whatever changed while nobody listened is read now: before the first listen, from the
+        // change log since the start's read of the same database; after a lost connection,
+        // everything.
+        let catch_up = if listened {
+            ClusterEvent::Resync
+        } else {
+            ClusterEvent::Changed
+        };
+        listened = true;
+        if events.send(catch_up).await.is_err() {
             return;
         }
         loop {

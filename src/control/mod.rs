@@ -68,8 +68,9 @@ pub struct SourceStats {
     pub duration_micros: AtomicU64,
 }
 
-/// How the control task read the store, for metrics: whole reloads (start, periodic resync,
-/// fallback) against reloads of only what the change log named.
+/// How the control task read the store, for metrics: whole reloads (start, a listener
+/// reconnect, the change log unable to say, the periodic resync's safety net) against reloads
+/// of only what the change log named (notifications and the periodic resync).
 #[derive(Debug, Default)]
 pub struct ReloadStats {
     pub full: AtomicU64,
@@ -292,8 +293,10 @@ struct ControlTask {
     cluster: ClusterSettings,
     /// Next renewal of held leases and bid for free ones.
     lease_round_at: tokio::time::Instant,
-    /// Next full reload that backs up change notifications (shared stores only).
+    /// Next read of the change log that backs up change notifications (shared stores only).
     periodic_resync_at: Option<tokio::time::Instant>,
+    /// When the control task last read everything, for the periodic resync's safety net.
+    full_reload_at: tokio::time::Instant,
     /// Listens for other instances' changes (shared stores only); stops when dropped.
     _listener: Option<cluster::ListenerTask>,
     /// Exchanges cluster rate-limit demand; stops when dropped.
@@ -337,6 +340,7 @@ impl ControlTask {
             }
         }
         let (config, position) = self.store.load_routing_config_at().await?;
+        self.full_reload_at = tokio::time::Instant::now();
         self.desired = Desired::from_config(config);
         self.position = Some(position);
         self.pending = ChangeSet::everything();
@@ -345,7 +349,8 @@ impl ControlTask {
         Ok(())
     }
 
-    /// The next reload reads everything (the periodic resync, or notifications were missed).
+    /// The next reload reads everything (the listener reconnected, or the periodic resync's
+    /// safety net is due).
     fn forget_position(&mut self) {
         self.position = None;
     }
@@ -497,9 +502,23 @@ impl ControlTask {
         }
         if self.periodic_resync_at.is_some_and(|due| due <= now) {
             self.periodic_resync_at = Some(now + self.cluster.resync);
-            self.forget_position();
-            self.apply_logged().await;
+            self.periodic_resync(now).await;
         }
+    }
+
+    /// Backs up lost notifications by reading what the change log names since the position:
+    /// the log is written in the same transaction as each change, whether or not its
+    /// notification arrives. Every source's progress is read too (a row per source, not its
+    /// targets): other instances write it without a log entry, and this instance's view and
+    /// events of their sources follow it. Everything is read when the log cannot say (trimmed
+    /// past the position, another database), and at least every [`FULL_RESYNC_INTERVAL`] as a
+    /// safety net for writes that bypass the log's triggers (a restore, disabled triggers).
+    async fn periodic_resync(&mut self, now: tokio::time::Instant) {
+        if now.duration_since(self.full_reload_at) >= FULL_RESYNC_INTERVAL {
+            self.forget_position();
+        }
+        self.unsynced.merge(ChangeSet::everything());
+        self.apply_logged().await;
     }
 
     async fn run(
@@ -684,6 +703,12 @@ enum MovedSources {
     Any,
 }
 
+/// The longest the periodic resync goes without reading everything: the change log's
+/// retention, so a whole read (about 1.5 s of the control task at 100,000 targets) comes no
+/// more often than for a reader that fell behind the log.
+const FULL_RESYNC_INTERVAL: std::time::Duration =
+    std::time::Duration::from_millis(crate::store::CHANGE_LOG_RETENTION_MS as u64);
+
 /// How often the control task trims the store's change log.
 const CHANGE_LOG_TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -750,6 +775,7 @@ pub async fn start(
         rebuild_due: false,
         lease_round_at: now + cluster.lease / 3,
         periodic_resync_at: shared.then(|| now + cluster.resync),
+        full_reload_at: now,
         cluster,
         _listener: listener,
         _rate_share: rate_share_task,

@@ -128,8 +128,8 @@ impl Store {
     }
 
     /// What changed since `position`, with the changed parts as they are now. None when the
-    /// caller must reload everything instead: the log was trimmed past `position`, or a table
-    /// was emptied.
+    /// caller must reload everything instead: the log was trimmed past `position`, a table was
+    /// emptied, or the store is behind `position` (it is not the one `position` was read from).
     pub async fn changes_since(
         &self,
         position: ChangePosition,
@@ -150,7 +150,11 @@ impl Store {
                     sqlx::query_scalar("SELECT position FROM config_change_floor WHERE id = 1")
                         .fetch_one(&mut *tx)
                         .await?;
-                if position.0 <= floor {
+                // Below the floor the log was trimmed past the position. Above the store's own
+                // position it is another database under the same address (a restore, a failover
+                // to a replica that lost the log's tail): positions only grow, so none of its
+                // changes could be told apart from ones already read.
+                if position.0 <= floor || position.0 > next {
                     return Ok(None);
                 }
                 let rows = sqlx::query_as::<_, ChangeRow>($changes_sql)

@@ -39,6 +39,7 @@ on_both_backends!(
     stream_routes_and_certificates_conflict_the_same_way,
     the_change_log_names_what_each_write_touched,
     a_reader_behind_the_trimmed_log_reloads_everything,
+    a_position_ahead_of_the_store_reloads_everything,
     many_leases_are_taken_and_renewed_at_once,
     changes_to_more_services_than_one_query_binds_are_all_read,
     rate_demand_is_exchanged_and_a_leaver_disappears,
@@ -695,6 +696,24 @@ async fn a_reader_behind_the_trimmed_log_reloads_everything(kind: Kind) {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         position = store.load_routing_config_at().await.unwrap().1;
     }
+}
+
+/// A position read from another database under the same address (a restore, a failover to a
+/// replica that lost the log's tail) is ahead of this store's own: no change in the log could be
+/// told apart from one already read, so the reader reloads everything.
+async fn a_position_ahead_of_the_store_reloads_everything(kind: Kind) {
+    let (store, _dir) = store(kind).await;
+    store.create_service(&service_spec("a")).await.unwrap();
+    let (_, own) = store.load_routing_config_at().await.unwrap();
+    assert!(
+        store.changes_since(own).await.unwrap().is_some(),
+        "its own position reads the log"
+    );
+    let elsewhere = ChangePosition::at(1 << 40);
+    assert!(
+        store.changes_since(elsewhere).await.unwrap().is_none(),
+        "a position this store never reached"
+    );
 }
 
 /// Two writers commit in the other order than they wrote: a reader between the two commits must

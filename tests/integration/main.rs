@@ -19,6 +19,7 @@ mod canary;
 mod cli;
 mod cli_status;
 mod cluster;
+mod cluster_resync;
 mod conformance;
 mod consul_fake;
 mod dashboard;
