@@ -20,7 +20,10 @@
 //! (1000), `BENCH_RATES` (`10,100,1000` changes a second), `BENCH_SECONDS` (20 per rate),
 //! `BENCH_DRAIN_SECONDS` (30: how long after the last change a change may still arrive),
 //! `BENCH_IDLE_SECONDS` (5: a phase without changes first), `BENCH_REMOVAL_GRACE_MS` (60000),
-//! `BENCH_GATEWAY_THREADS` (2). Under `cargo test --benches` (no `--bench` argument) it runs a
+//! `BENCH_GATEWAY_THREADS` (2). `BENCH_SCENARIO=declarative` runs another scenario instead: the
+//! same services with their targets as operator targets and a route each in a resources file,
+//! applied at start on an empty store, then again at a restart on the filled store (serving
+//! time, RSS, and the control task's per-tick cost once settled). Under `cargo test --benches` (no `--bench` argument) it runs a
 //! small smoke version that checks every change reached the snapshot.
 // Benchmarks measure real time, not the paused clock the rule in clippy.toml is for.
 #![allow(clippy::disallowed_methods)]
@@ -797,8 +800,145 @@ fn summarise(done: &[Done], kind: Kind) -> KindSummary {
 
 // ---------------------------------------------------------------------------------------------
 
+/// What the control task's periodic work cost per turn over a window.
+struct WatchWindow {
+    ticks: u64,
+    tick_nanos: u64,
+    looks: u64,
+    look_nanos: u64,
+}
+
+impl WatchWindow {
+    fn start(control: &ControlHandle) -> WatchWindow {
+        let stats = control.watch_stats();
+        WatchWindow {
+            ticks: stats.ticks.load(Ordering::Relaxed),
+            tick_nanos: stats.tick_nanos.load(Ordering::Relaxed),
+            looks: stats.timer_looks.load(Ordering::Relaxed),
+            look_nanos: stats.timer_look_nanos.load(Ordering::Relaxed),
+        }
+    }
+
+    /// µs per runtime-watch tick and per look for the next timer since `start`.
+    fn micros(&self, control: &ControlHandle) -> (f64, f64) {
+        let now = WatchWindow::start(control);
+        let per = |nanos: u64, count: u64| nanos as f64 / 1_000.0 / count.max(1) as f64;
+        (
+            per(now.tick_nanos - self.tick_nanos, now.ticks - self.ticks),
+            per(now.look_nanos - self.look_nanos, now.looks - self.looks),
+        )
+    }
+}
+
+/// The resources file of `BENCH_SCENARIO=declarative`: every service with its targets as
+/// operator targets (on ports nobody listens on) and one route each.
+fn declarative_file(knobs: &Knobs) -> String {
+    let mut text = String::with_capacity(knobs.services * knobs.targets * 48);
+    for index in 0..knobs.services {
+        text.push_str(&format!(
+            "[[services]]\nname = \"{}\"\n",
+            service_name(index)
+        ));
+        for slot in 0..knobs.targets {
+            text.push_str(&format!(
+                "[[services.targets]]\nhost = \"{HOST}\"\nport = {}\n",
+                FIRST_FAKE_PORT as usize + slot
+            ));
+        }
+    }
+    for index in 0..knobs.services {
+        text.push_str(&format!(
+            "[[routes]]\nname = \"route-{index:05}\"\nhosts = [\"{}.bench.test\"]\nservice = \"{}\"\n",
+            service_name(index),
+            service_name(index)
+        ));
+    }
+    text
+}
+
+/// `BENCH_SCENARIO=declarative`: a gateway starting from a resources file on an empty store,
+/// then again on the store it filled; the watch's cost and RSS once settled.
+fn declarative(knobs: &Knobs) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}/raahi.db", dir.path().display());
+    let file = dir.path().join("resources.toml");
+    std::fs::write(&file, declarative_file(knobs)).expect("resources file written");
+    let gateway_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(knobs.gateway_threads)
+        .thread_name("raahi-gw")
+        .enable_all()
+        .build()
+        .unwrap();
+    let env: Vec<(String, String)> = [
+        ("RAAHI_PROXY_LISTEN", "127.0.0.1:0".to_owned()),
+        ("RAAHI_ADMIN_LISTEN", "127.0.0.1:0".to_owned()),
+        (
+            "RAAHI_ADMIN_TOKEN",
+            "bench-admin-token-0123456789abcdef".to_owned(),
+        ),
+        ("RAAHI_DATABASE_URL", url.clone()),
+        ("RAAHI_RESOURCES_FILE", file.display().to_string()),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_owned(), value))
+    .collect();
+    println!(
+        "declarative: {} services x {} operator targets ({}), {} routes, in a {:.1} MiB file",
+        knobs.services,
+        knobs.targets,
+        knobs.services * knobs.targets,
+        knobs.services,
+        std::fs::metadata(&file).map_or(0.0, |meta| meta.len() as f64 / 1048576.0)
+    );
+    for run in ["empty store", "filled store"] {
+        let config = Config::from_parts("control-scale.toml", None, &env).expect("config");
+        let (rss_before, _) = memory_mib();
+        let started = Instant::now();
+        let gateway = gateway_runtime
+            .block_on(gateway_runtime.spawn(async move { Gateway::start(&config).await }))
+            .expect("start task")
+            .expect("gateway starts");
+        let serving = started.elapsed();
+        let report = &gateway.resources.as_ref().expect("resources applied").1;
+        let control = gateway.control.clone();
+        let snapshot = control.snapshot();
+        let targets: usize = snapshot
+            .services()
+            .map(|service| service.targets.len())
+            .sum();
+        drop(snapshot);
+        assert_eq!(targets, knobs.services * knobs.targets, "every target live");
+        println!(
+            "start on the {run}: serving after {:.2} s (created {}, unchanged {}); RSS {rss_before:.0} MiB before",
+            serving.as_secs_f64(),
+            report.created.len(),
+            report.unchanged.len(),
+        );
+        std::thread::sleep(Duration::from_secs_f64(knobs.idle_seconds));
+        let window = WatchWindow::start(&control);
+        std::thread::sleep(Duration::from_secs_f64(knobs.idle_seconds));
+        let (tick, look) = window.micros(&control);
+        let (rss, peak) = memory_mib();
+        println!(
+            "  settled: RSS {rss:.0} MiB (peak {peak:.0}); runtime watch {tick:.1} µs a tick, \
+             next-timer look {look:.1} µs a turn"
+        );
+        gateway_runtime.block_on(async {
+            gateway_runtime
+                .spawn(gateway.shutdown())
+                .await
+                .expect("shutdown task")
+        });
+    }
+    gateway_runtime.shutdown_timeout(Duration::from_secs(5));
+}
+
 fn main() {
     let knobs = Knobs::read();
+    if std::env::var("BENCH_SCENARIO").as_deref() == Ok("declarative") {
+        declarative(&knobs);
+        return;
+    }
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}/raahi.db", dir.path().display());
     let driver = tokio::runtime::Builder::new_multi_thread()
@@ -1021,7 +1161,12 @@ fn main() {
 
     let idle = {
         let cpu = CpuWindow::start();
+        let watch = WatchWindow::start(&control);
         std::thread::sleep(Duration::from_secs_f64(knobs.idle_seconds));
+        let (tick, look) = watch.micros(&control);
+        println!(
+            "idle: runtime watch {tick:.1} µs a tick, next-timer look {look:.1} µs a turn of the control loop"
+        );
         cpu.cores()
     };
     let mut rows = Vec::new();

@@ -10,7 +10,10 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use crate::control::ControlHandle;
-use crate::model::{DiscoverySourceSpec, Id, RouteSpec, ServiceSpec, TargetSpec};
+use crate::model::{
+    DiscoverySource, DiscoverySourceSpec, Id, Route, RouteSpec, Service, ServiceSpec, Target,
+    TargetSpec,
+};
 use crate::store::{ManagedKind, Store, StoreError};
 use crate::validate::{self, ValidationError};
 
@@ -367,11 +370,15 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         .iter()
         .map(|service| (service.name.clone(), service.id))
         .collect();
+    let declared_names: HashSet<&str> = resources
+        .services
+        .iter()
+        .map(|declared| declared.spec.name.as_str())
+        .collect();
     // Every reference must resolve before anything is written.
     for route in &resources.routes {
         for service in route.service_names() {
-            let declared = resources.services.iter().any(|s| &s.spec.name == service);
-            if !declared && !service_ids.contains_key(service) {
+            if !declared_names.contains(service.as_str()) && !service_ids.contains_key(service) {
                 return Err(StoreError::InvalidReference {
                     field: "service".into(),
                     message: format!(
@@ -383,14 +390,47 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         }
     }
 
+    let stored_services: HashMap<&str, &Service> = current
+        .services
+        .iter()
+        .map(|service| (service.name.as_str(), service))
+        .collect();
+    // New services, and below new targets, are written in batches: one statement per row
+    // made a file of 100,000 targets take a minute.
+    let new_services: Vec<&ServiceSpec> = resources
+        .services
+        .iter()
+        .map(|declared| &declared.spec)
+        .filter(|spec| !stored_services.contains_key(spec.name.as_str()))
+        .collect();
+    service_ids.extend(
+        store
+            .create_managed_services(&new_services, MANAGER)
+            .await?,
+    );
+    let mut operator_targets: HashMap<Id, Vec<&Target>> = HashMap::new();
+    for target in current.targets.iter().filter(|t| t.source_id.is_none()) {
+        operator_targets
+            .entry(target.service_id)
+            .or_default()
+            .push(target);
+    }
+    let mut new_targets: Vec<(Id, &TargetSpec)> = Vec::new();
+    let mut sources_by_service: HashMap<Id, Vec<&DiscoverySource>> = HashMap::new();
+    for (source, _) in &sources {
+        sources_by_service
+            .entry(source.service_id)
+            .or_default()
+            .push(source);
+    }
+
     for declared in &resources.services {
         let name = &declared.spec.name;
         let label = format!("service {name}");
-        let service_id = match current.services.iter().find(|s| &s.name == name) {
+        let service_id = match stored_services.get(name.as_str()) {
             None => {
-                let new = store.create_service(&declared.spec).await?;
-                created(store, &mut report, ManagedKind::Service, new.id, label).await?;
-                new.id
+                report.created.push(label);
+                service_ids[name]
             }
             Some(existing) => {
                 let differs = existing.spec() != declared.spec;
@@ -406,23 +446,19 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
                 existing.id
             }
         };
-        service_ids.insert(name.clone(), service_id);
 
         // Operator targets, by host and port.
-        let existing_targets: Vec<_> = current
-            .targets
+        let existing_targets = operator_targets.remove(&service_id).unwrap_or_default();
+        let by_address: HashMap<(&str, u16), &Target> = existing_targets
             .iter()
-            .filter(|t| t.service_id == service_id && t.source_id.is_none())
+            .map(|target| ((target.host.as_str(), target.port), *target))
             .collect();
         for target in &declared.targets {
             let label = format!("target {name}/{}:{}", target.host, target.port);
-            match existing_targets
-                .iter()
-                .find(|t| t.host == target.host && t.port == target.port)
-            {
+            match by_address.get(&(target.host.as_str(), target.port)) {
                 None => {
-                    let new = store.create_target(service_id, target).await?;
-                    created(store, &mut report, ManagedKind::Target, new.id, label).await?;
+                    new_targets.push((service_id, target));
+                    report.created.push(label);
                 }
                 Some(existing) => {
                     let differs = &existing.spec() != target;
@@ -438,11 +474,14 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
                 }
             }
         }
+        let declared_addresses: HashSet<(&str, u16)> = declared
+            .targets
+            .iter()
+            .map(|target| (target.host.as_str(), target.port))
+            .collect();
         for existing in existing_targets {
-            let declared_here = declared
-                .targets
-                .iter()
-                .any(|t| t.host == existing.host && t.port == existing.port);
+            let declared_here =
+                declared_addresses.contains(&(existing.host.as_str(), existing.port));
             if !declared_here && existing.managed_by.as_deref() == Some(MANAGER) {
                 store.delete_target(existing.id).await?;
                 report
@@ -452,11 +491,7 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         }
 
         // Discovery sources, by name.
-        let existing_sources: Vec<_> = sources
-            .iter()
-            .map(|(source, _)| source)
-            .filter(|source| source.service_id == service_id)
-            .collect();
+        let existing_sources = sources_by_service.remove(&service_id).unwrap_or_default();
         for source in &declared.sources {
             let label = format!("discovery source {name}/{}", source.name);
             match existing_sources.iter().find(|s| s.name == source.name) {
@@ -496,6 +531,13 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         }
     }
 
+    store.create_managed_targets(&new_targets, MANAGER).await?;
+
+    let stored_routes: HashMap<&str, &Route> = current
+        .routes
+        .iter()
+        .map(|route| (route.name.as_str(), route))
+        .collect();
     for declared in &resources.routes {
         let label = format!("route {}", declared.spec.name);
         let id_of = |service: &String| {
@@ -517,7 +559,7 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         if let (Some(mirror), Some(service)) = (&mut spec.mirror, &declared.mirror_service) {
             mirror.service_id = id_of(service)?;
         }
-        match current.routes.iter().find(|r| r.name == spec.name) {
+        match stored_routes.get(spec.name.as_str()) {
             None => {
                 let new = store.create_route(&spec).await?;
                 created(store, &mut report, ManagedKind::Route, new.id, label).await?;
@@ -538,18 +580,20 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
     }
 
     // What the file created and no longer declares: routes first, then their services.
+    let declared_routes: HashSet<&str> = resources
+        .routes
+        .iter()
+        .map(|route| route.spec.name.as_str())
+        .collect();
     for route in &current.routes {
-        let declared = resources.routes.iter().any(|r| r.spec.name == route.name);
+        let declared = declared_routes.contains(route.name.as_str());
         if !declared && route.managed_by.as_deref() == Some(MANAGER) {
             store.delete_route(route.id).await?;
             report.deleted.push(format!("route {}", route.name));
         }
     }
     for service in &current.services {
-        let declared = resources
-            .services
-            .iter()
-            .any(|s| s.spec.name == service.name);
+        let declared = declared_names.contains(service.name.as_str());
         if !declared && service.managed_by.as_deref() == Some(MANAGER) {
             store.delete_service(service.id).await?;
             report.deleted.push(format!("service {}", service.name));
@@ -581,5 +625,56 @@ mod tests {
             error.contains("services[0].locality.min_available_percent"),
             "{error}"
         );
+    }
+
+    fn file(services: usize, targets: usize, bad: Option<(usize, usize)>) -> String {
+        let mut text = String::new();
+        for service in 0..services {
+            text.push_str(&format!("[[services]]\nname = \"s{service}\"\n"));
+            for target in 0..targets {
+                let port = if bad == Some((service, target)) {
+                    0
+                } else {
+                    1_000 + target
+                };
+                text.push_str(&format!(
+                    "[[services.targets]]\nhost = \"10.0.0.{service}\"\nport = {port}\n"
+                ));
+            }
+        }
+        text.push_str("[[routes]]\nname = \"r\"\nhosts = [\"a.test\"]\nservice = \"s1\"\n");
+        text
+    }
+
+    #[tokio::test]
+    async fn a_large_file_is_written_in_batches_and_a_bad_target_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/raahi.db", dir.path().display());
+        let store = crate::store::Store::connect_as(&url, "test").await.unwrap();
+        let resources = super::parse("r.toml", &file(3, 700, None)).unwrap();
+        let report = super::apply(&store, &resources).await.unwrap();
+        assert_eq!(report.created.len(), 3 + 2_100 + 1, "{}", report);
+        assert_eq!(report.created[1], "target s0/10.0.0.0:1000");
+        let config = store.load_routing_config().await.unwrap();
+        assert_eq!(config.targets.len(), 2_100);
+        assert!(config
+            .targets
+            .iter()
+            .all(|target| target.managed_by.as_deref() == Some(super::MANAGER)));
+        // Again: nothing to write.
+        let report = super::apply(&store, &resources).await.unwrap();
+        assert_eq!(report.unchanged.len(), 2_104, "{}", report);
+        assert!(report.created.is_empty() && report.changed.is_empty());
+
+        // One bad port among 2,800 targets: named, and nothing of the file is written.
+        let Err(error) = super::parse("r.toml", &file(4, 700, Some((3, 123)))) else {
+            panic!("port 0 is refused");
+        };
+        assert!(
+            error.to_string().contains("services[3].targets[123].port"),
+            "{error}"
+        );
+        let after = store.load_routing_config().await.unwrap();
+        assert_eq!((after.services.len(), after.targets.len()), (3, 2_100));
     }
 }

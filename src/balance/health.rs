@@ -22,6 +22,9 @@ pub struct TargetHealth {
     /// never resets ([`EjectionCause`] packed), so the control task, looking now and then, tells
     /// every ejection and why; written only when ejecting.
     last_ejection: AtomicU32,
+    /// Where a move of its health or ejection is marked for the control task (None: nobody
+    /// watches, as in tests).
+    mark: Option<super::Mark>,
 }
 
 /// The failure of one request or connection that feeds passive ejection.
@@ -117,6 +120,27 @@ impl TargetHealth {
             window_start_ms: AtomicU64::new(0),
             window_failures: AtomicU32::new(0),
             last_ejection: AtomicU32::new(0),
+            mark: None,
+        }
+    }
+
+    /// A target whose moves are marked at `mark`.
+    pub fn marked(health: Health, mark: super::Mark) -> TargetHealth {
+        TargetHealth {
+            mark: Some(mark),
+            ..TargetHealth::new(health)
+        }
+    }
+
+    /// Its slot in the change marks, if marked.
+    pub fn slot(&self) -> Option<u32> {
+        self.mark.as_ref().and_then(super::Mark::slot)
+    }
+
+    /// After its health or ejection moved: the control task looks at it at its next turn.
+    fn moved(&self) {
+        if let Some(mark) = &self.mark {
+            mark.set();
         }
     }
 
@@ -129,7 +153,12 @@ impl TargetHealth {
     }
 
     pub fn set_health(&self, health: Health) {
-        self.health.store(health_code(health), Ordering::Relaxed);
+        let code = health_code(health);
+        if self.health.load(Ordering::Relaxed) != code
+            && self.health.swap(code, Ordering::Relaxed) != code
+        {
+            self.moved();
+        }
     }
 
     /// When the current ejection ends, if the target is ejected at `now_ms`.
@@ -207,6 +236,7 @@ impl TargetHealth {
         self.ejected_until_ms.store(0, Ordering::Relaxed);
         self.probation.store(false, Ordering::Relaxed);
         self.ejections.store(0, Ordering::Relaxed);
+        self.moved();
     }
 
     /// A request it served failed. Returns whether this failure calls for an ejection: the
@@ -277,6 +307,7 @@ impl TargetHealth {
         );
         self.window_failures.store(0, Ordering::Relaxed);
         self.window_start_ms.store(now_ms, Ordering::Relaxed);
+        self.moved();
         Some(until)
     }
 }

@@ -10,6 +10,7 @@ mod alias;
 mod hash_table;
 mod health;
 mod maglev;
+mod marks;
 mod ring;
 mod schedule;
 
@@ -23,6 +24,7 @@ use crate::model::LbPolicy;
 use alias::AliasTable;
 pub use hash_table::{identity_hash, ip_hash, key_hash, HashKind, HashTable};
 pub use health::{Admission, EjectionCause, FailureCause, TargetHealth, Trial};
+pub use marks::{ChangeMarks, Mark, Moved, Slots};
 use schedule::Schedule;
 
 /// Random schedule entries tried after the cursor's entry is skipped, before scanning the tier.

@@ -7,7 +7,9 @@ use http::uri::Authority;
 use http::HeaderValue;
 
 use super::desired::Desired;
-use crate::balance::{identity_hash, Balancer, HashTables, Member, TargetHealth, TargetLoad};
+use crate::balance::{
+    identity_hash, Balancer, ChangeMarks, HashTables, Member, Slots, TargetHealth, TargetLoad,
+};
 use crate::model::{
     Health, Id, RoutingConfig, Service, SourceStanding, SourceState, Target, TargetState,
 };
@@ -34,6 +36,16 @@ pub struct CarriedState {
     /// The gateway's zone (`cluster.zone`), fixed for the process: services with `locality`
     /// are split against it at every build.
     zone: Option<Arc<str>>,
+    /// Which targets' health or ejection moved since the runtime watch last looked.
+    marks: Arc<ChangeMarks>,
+    slots: Slots,
+}
+
+/// The targets whose health or ejection moved since the last look.
+pub(super) struct MovedTargets {
+    pub(super) ids: Vec<Id>,
+    /// Some moved without a place in the marks: look at every target.
+    pub(super) everything: bool,
 }
 
 impl CarriedState {
@@ -47,10 +59,38 @@ impl CarriedState {
 
     /// The live health of a target, created from its stored health the first time.
     pub fn health_of(&mut self, target: &Target) -> Arc<TargetHealth> {
-        self.health
+        let CarriedState {
+            health,
+            marks,
+            slots,
+            ..
+        } = self;
+        health
             .entry(target.id)
-            .or_insert_with(|| Arc::new(TargetHealth::new(target.health)))
+            .or_insert_with(|| {
+                let mark = marks.mark(slots.take(target.id));
+                Arc::new(TargetHealth::marked(target.health, mark))
+            })
             .clone()
+    }
+
+    /// Takes the targets whose health or ejection moved since the last call.
+    pub(super) fn take_moved(&mut self) -> MovedTargets {
+        let moved = self.marks.take();
+        MovedTargets {
+            ids: moved
+                .slots
+                .iter()
+                .filter_map(|slot| self.slots.owner(*slot))
+                .collect(),
+            everything: moved.everything,
+        }
+    }
+
+    fn forget_health(&mut self, id: Id) {
+        if let Some(slot) = self.health.remove(&id).and_then(|health| health.slot()) {
+            self.slots.give_back(slot);
+        }
     }
 
     fn forget_gone_targets(&mut self, service_id: Id, targets: &[Arc<Target>]) {
@@ -60,7 +100,9 @@ impl CarriedState {
         let now: HashSet<Id> = targets.iter().map(|target| target.id).collect();
         for id in before.iter().filter(|id| !now.contains(id)) {
             self.loads.remove(id);
-            self.health.remove(id);
+            if let Some(slot) = self.health.remove(id).and_then(|health| health.slot()) {
+                self.slots.give_back(slot);
+            }
         }
     }
 
@@ -110,7 +152,15 @@ pub(super) fn build_full(
 ) -> Snapshot {
     let existing: HashSet<Id> = desired.all_targets().map(|target| target.id).collect();
     carried.loads.retain(|id, _| existing.contains(id));
-    carried.health.retain(|id, _| existing.contains(id));
+    let gone: Vec<Id> = carried
+        .health
+        .keys()
+        .filter(|id| !existing.contains(id))
+        .copied()
+        .collect();
+    for id in gone {
+        carried.forget_health(id);
+    }
     carried
         .counters
         .retain(|id, _| desired.services.contains_key(id));

@@ -77,6 +77,17 @@ pub struct ReloadStats {
     pub partial: AtomicU64,
 }
 
+/// What the control task's periodic work costs, for benchmarks: the runtime watch (every
+/// 250 ms: health and ejection changes, zone splits, route limits) and the look for the next
+/// timer (every turn of its loop).
+#[derive(Debug, Default)]
+pub struct WatchStats {
+    pub ticks: AtomicU64,
+    pub tick_nanos: AtomicU64,
+    pub timer_looks: AtomicU64,
+    pub timer_look_nanos: AtomicU64,
+}
+
 /// Source stats by source id, shared with the admin API (control plane only, never the request
 /// path, so a lock is fine).
 pub type SourceStatsMap = Arc<RwLock<HashMap<Id, Arc<SourceStats>>>>;
@@ -133,6 +144,7 @@ pub struct ControlHandle {
     file_expiries: edge::FileExpiries,
     events: Arc<EventLog>,
     reload_stats: Arc<ReloadStats>,
+    watch_stats: Arc<WatchStats>,
     rate_shares: RateShares,
     canaries: Canaries,
     zone: Option<Arc<str>>,
@@ -173,6 +185,11 @@ impl ControlHandle {
     /// How many whole and partial reloads of the store the control task made.
     pub fn reload_stats(&self) -> &ReloadStats {
         &self.reload_stats
+    }
+
+    /// What the control task's periodic work cost so far.
+    pub fn watch_stats(&self) -> &WatchStats {
+        &self.watch_stats
     }
 
     /// Refresh counters of every source, by source id.
@@ -320,6 +337,7 @@ struct ControlTask {
     /// admin write and its apply may read the write first.
     unsynced: ChangeSet,
     reload_stats: Arc<ReloadStats>,
+    watch_stats: Arc<WatchStats>,
     /// Next trim of the store's change log.
     trim_at: tokio::time::Instant,
 }
@@ -533,8 +551,14 @@ impl ControlTask {
         let mut runtime_watch = tokio::time::interval(RUNTIME_WATCH_INTERVAL);
         runtime_watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let looked_from = crate::clock::unix_nanos();
             let wake_at = self.next_timer().map(|time| self.clock.instant_of(time));
             let cluster_wake = self.next_cluster_wake();
+            self.watch_stats.timer_looks.fetch_add(1, Ordering::Relaxed);
+            self.watch_stats.timer_look_nanos.fetch_add(
+                crate::clock::unix_nanos().saturating_sub(looked_from),
+                Ordering::Relaxed,
+            );
             let moved = tokio::select! {
                 command = commands.recv() => {
                     let Some(command) = command else { return };
@@ -579,18 +603,24 @@ impl ControlTask {
                         self.observer.note_health(more);
                     }
                     let snapshot = self.snapshots.load();
-                    self.observer.report_runtime(&snapshot);
+                    self.observer.report_runtime(&snapshot, self.carried.take_moved());
                     // A verdict may move a zone below its threshold: decide now, not at the tick.
                     self.split_zones(&snapshot);
                     MovedSources::None
                 }
                 _ = runtime_watch.tick() => {
+                    let began = crate::clock::unix_nanos();
                     let snapshot = self.snapshots.load();
-                    self.observer.report_runtime(&snapshot);
+                    self.observer.report_runtime(&snapshot, self.carried.take_moved());
                     // Ejections end by the clock: only a look finds their zones whole again.
                     self.split_zones(&snapshot);
                     // Only on the tick: its spacing is what "refused in the last look" means.
                     self.observer.report_limits(&snapshot, tokio::time::Instant::now());
+                    self.watch_stats.ticks.fetch_add(1, Ordering::Relaxed);
+                    self.watch_stats.tick_nanos.fetch_add(
+                        crate::clock::unix_nanos().saturating_sub(began),
+                        Ordering::Relaxed,
+                    );
                     self.trim_change_log_when_due().await;
                     MovedSources::None
                 }
@@ -790,6 +820,7 @@ pub async fn start(
         pending: ChangeSet::default(),
         unsynced: ChangeSet::default(),
         reload_stats: Arc::default(),
+        watch_stats: Arc::default(),
         trim_at: now + CHANGE_LOG_TRIM_INTERVAL,
     };
     task.rebuild().await?;
@@ -803,6 +834,7 @@ pub async fn start(
     let source_stats = task.source_stats.clone();
     let file_expiries = task.edge.file_expiries();
     let reload_stats = task.reload_stats.clone();
+    let watch_stats = task.watch_stats.clone();
     // Without a listener (SQLite) the sender stays alive in the task, so the receiver just waits.
     let join = tokio::spawn(async move {
         let _cluster_sender = cluster_sender;
@@ -823,6 +855,7 @@ pub async fn start(
             file_expiries,
             events,
             reload_stats,
+            watch_stats,
             rate_shares,
             canaries,
             zone,

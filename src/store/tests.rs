@@ -44,6 +44,7 @@ on_both_backends!(
     changes_to_more_services_than_one_query_binds_are_all_read,
     rate_demand_is_exchanged_and_a_leaver_disappears,
     more_rate_demand_rows_than_one_statement_binds_are_written,
+    services_and_targets_are_created_in_batches_all_or_nothing,
 );
 
 #[derive(Debug, Clone, Copy)]
@@ -1004,4 +1005,83 @@ async fn more_rate_demand_rows_than_one_statement_binds_are_written(kind: Kind) 
     assert_eq!(seen.rows.len(), 2_500);
     let total: f64 = seen.rows.iter().map(|row| row.demand_per_second).sum();
     assert_eq!(total, (0..2_500).map(f64::from).sum::<f64>());
+}
+
+/// A declarative file's new services and targets: several multi-row INSERTs each (more rows
+/// than one statement takes), marked as the file's, named by the change log like any write,
+/// and a batch with one bad row stores none of its rows.
+async fn services_and_targets_are_created_in_batches_all_or_nothing(kind: Kind) {
+    let (store, _dir) = store(kind).await;
+    let (_, start) = store.load_routing_config_at().await.unwrap();
+    let specs: Vec<ServiceSpec> = (0..600).map(|n| service_spec(&format!("s{n}"))).collect();
+    let refs: Vec<&ServiceSpec> = specs.iter().collect();
+    let created = store.create_managed_services(&refs, "file").await.unwrap();
+    assert_eq!(created.len(), 600);
+    let ids: std::collections::HashMap<String, Id> = created.into_iter().collect();
+    let target_specs: Vec<TargetSpec> = (0..2_100)
+        .map(|n| TargetSpec {
+            host: "10.0.0.1".into(),
+            port: 1_000 + n as u16,
+            weight: 100,
+            priority: 0,
+            enabled: true,
+            metadata: serde_json::json!({"n": n}),
+        })
+        .collect();
+    let targets: Vec<(Id, &TargetSpec)> = target_specs
+        .iter()
+        .enumerate()
+        .map(|(n, spec)| (ids[&format!("s{}", n % 3)], spec))
+        .collect();
+    store
+        .create_managed_targets(&targets, "file")
+        .await
+        .unwrap();
+
+    let config = store.load_routing_config().await.unwrap();
+    assert_eq!(config.services.len(), 600);
+    assert_eq!(config.targets.len(), 2_100);
+    assert!(config
+        .services
+        .iter()
+        .all(|service| service.managed_by.as_deref() == Some("file")));
+    assert!(config.targets.iter().all(|target| {
+        target.managed_by.as_deref() == Some("file")
+            && target.source_id.is_none()
+            && target.metadata["n"] == i64::from(target.port - 1_000)
+            && ids[&format!("s{}", (target.port - 1_000) % 3)] == target.service_id
+    }));
+    let mut named = ids.values().copied().collect::<Vec<Id>>();
+    named.sort_unstable();
+    assert_names(kind, &delta(&store, start).await, &named);
+
+    // The last row names a service that does not exist: none of the 1,500 is stored.
+    let extra = TargetSpec {
+        port: 9_999,
+        ..target_specs[0].clone()
+    };
+    let mut bad: Vec<(Id, &TargetSpec)> = targets[..1_499]
+        .iter()
+        .map(|(id, _)| (*id, &extra))
+        .collect();
+    bad.push((999_999, &extra));
+    let refused = store
+        .create_managed_targets(&bad, "file")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, StoreError::Conflict { .. }),
+        "{refused:?}"
+    );
+    let clash = [&specs[0]];
+    let refused = store
+        .create_managed_services(&clash, "file")
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        refused,
+        StoreError::Conflict { field: "name", .. }
+    ));
+    let config = store.load_routing_config().await.unwrap();
+    assert_eq!((config.services.len(), config.targets.len()), (600, 2_100));
 }

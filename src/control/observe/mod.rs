@@ -17,7 +17,8 @@ mod runtime;
 mod sources;
 mod targets;
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
 use super::desired::Desired;
@@ -85,6 +86,11 @@ pub(super) struct Observer {
     limits: HashMap<(Id, RouteLimit), limits::WatchedLimit>,
     /// Where each service with a zone split sent its requests at the last look.
     zone_splits: HashMap<Id, crate::events::ZoneSplitKind>,
+    /// Targets a reload put in view, to compare at the next runtime look whatever marks say.
+    look_again: HashSet<Id>,
+    /// When the ejections seen at the last looks run out (Unix ms, target id): the clock, not a
+    /// write, turns those targets half-open.
+    ejection_ends: BinaryHeap<Reverse<(u64, Id)>>,
 }
 
 impl Observer {
@@ -107,6 +113,8 @@ impl Observer {
             deciding_checks: HashMap::new(),
             limits: HashMap::new(),
             zone_splits: HashMap::new(),
+            look_again: HashSet::new(),
+            ejection_ends: BinaryHeap::new(),
         }
     }
 

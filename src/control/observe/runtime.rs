@@ -1,53 +1,93 @@
 //! Health and ejection changes of targets in rotation: the atomics the checks and the request
 //! path flip, looked at every few hundred milliseconds and after each health verdict.
 
+use std::cmp::Reverse;
+use std::collections::{HashMap, HashSet};
+
 use chrono::{DateTime, Utc};
 
 use super::targets::{target_view, TargetNews};
 use super::{Look, Observer, Phase};
 use crate::clock::unix_ms;
+use crate::control::build::MovedTargets;
 use crate::events::TargetChangeKind;
-use crate::model::{Ejection, Health};
+use crate::model::{Ejection, Health, Id};
 use crate::snapshot::{Snapshot, TargetRuntime};
 
 impl Observer {
-    pub(in crate::control) fn report_runtime(&mut self, snapshot: &Snapshot) {
+    /// Reports the health and ejection changes of the targets `moved` names, of those whose
+    /// ejection has run out since the last look, and of those a reload put back in view: what
+    /// a look at every target would report, at the cost of what changed.
+    pub(in crate::control) fn report_runtime(&mut self, snapshot: &Snapshot, moved: MovedTargets) {
         if !self.primed {
             return;
         }
         let now_ms = unix_ms();
-        for service in snapshot.services() {
-            for runtime in &service.targets {
-                let current = Look::of(runtime, now_ms);
-                let Some(seen) = self.targets.get_mut(&runtime.id) else {
-                    continue;
-                };
-                let Some(before) = seen.look.replace(current) else {
-                    continue;
-                };
-                if before == current {
-                    continue;
-                }
-                let mut target = crate::model::Target::clone(&seen.target);
-                // The store has the deciding check only once the round is written.
-                if let Some(check) = self.deciding_checks.get(&runtime.id) {
-                    if target
-                        .last_check
-                        .as_ref()
-                        .is_none_or(|stored| stored.at < check.at)
-                    {
-                        target.last_check = Some(check.clone());
-                    }
-                }
-                let news = self.runtime_news(before, current, runtime, &service.service.ejection);
-                for news in news {
-                    self.record_target(
-                        &target,
-                        Some(target_view(&target, Some(runtime), now_ms)),
-                        news,
-                    );
-                }
+        let mut wanted: HashSet<Id> = std::mem::take(&mut self.look_again);
+        wanted.extend(moved.ids);
+        while let Some(Reverse((until, id))) = self.ejection_ends.peek().copied() {
+            if until > now_ms {
+                break;
             }
+            self.ejection_ends.pop();
+            wanted.insert(id);
+        }
+        if moved.everything {
+            wanted.extend(self.targets.keys().copied());
+        }
+        let mut by_service: HashMap<Id, HashSet<Id>> = HashMap::new();
+        for id in wanted {
+            if let Some(seen) = self.targets.get(&id) {
+                by_service
+                    .entry(seen.target.service_id)
+                    .or_default()
+                    .insert(id);
+            }
+        }
+        for (service_id, ids) in by_service {
+            let Some(service) = snapshot.service(service_id) else {
+                continue;
+            };
+            for runtime in service.targets.iter().filter(|r| ids.contains(&r.id)) {
+                self.look_at(runtime, &service.service.ejection, now_ms);
+            }
+        }
+    }
+
+    /// Compares a target in rotation with its last look and reports what moved.
+    fn look_at(&mut self, runtime: &TargetRuntime, ejection: &Ejection, now_ms: u64) {
+        let current = Look::of(runtime, now_ms);
+        let Some(seen) = self.targets.get_mut(&runtime.id) else {
+            return;
+        };
+        let Some(before) = seen.look.replace(current) else {
+            return;
+        };
+        if current.phase == Phase::Ejected {
+            self.ejection_ends
+                .push(Reverse((runtime.health.ejected_until_ms(), runtime.id)));
+        }
+        if before == current {
+            return;
+        }
+        let mut target = crate::model::Target::clone(&seen.target);
+        // The store has the deciding check only once the round is written.
+        if let Some(check) = self.deciding_checks.get(&runtime.id) {
+            if target
+                .last_check
+                .as_ref()
+                .is_none_or(|stored| stored.at < check.at)
+            {
+                target.last_check = Some(check.clone());
+            }
+        }
+        let news = self.runtime_news(before, current, runtime, ejection);
+        for news in news {
+            self.record_target(
+                &target,
+                Some(target_view(&target, Some(runtime), now_ms)),
+                news,
+            );
         }
     }
 
@@ -228,5 +268,160 @@ mod tests {
         assert_eq!(kinds(&news), [TargetChangeKind::Health]);
         assert_eq!(news[0].reason, "health check verdict");
         assert_eq!(news[0].to.as_deref(), Some("unhealthy"));
+    }
+
+    /// Two observers of one snapshot: one looks at what the marks, the reload and the ejection
+    /// deadlines name, the other at every target each time, as the watch did before.
+    struct Pair {
+        snapshot: crate::snapshot::Snapshot,
+        carried: crate::control::CarriedState,
+        marked: Observer,
+        walking: Observer,
+        marked_log: Arc<EventLog>,
+        walking_log: Arc<EventLog>,
+        /// The logs' last ids before the ticks (ids are times).
+        since: (u64, u64),
+    }
+
+    impl Pair {
+        fn new(services: i64, targets_each: i64) -> Pair {
+            use crate::control::build::{build_snapshot, tests::service};
+            use crate::model::{RoutingConfig, Target, TargetState};
+            let config = RoutingConfig {
+                services: (1..=services).map(service).collect(),
+                targets: (0..services * targets_each)
+                    .map(|index| Target {
+                        id: index + 1,
+                        service_id: index / targets_each + 1,
+                        host: "10.0.0.1".to_owned(),
+                        port: 1_000 + index as u16,
+                        weight: 100,
+                        enabled: true,
+                        state: TargetState::Active,
+                        ..Target::default()
+                    })
+                    .collect(),
+                ..RoutingConfig::default()
+            };
+            let mut carried = crate::control::CarriedState::in_zone(None);
+            let snapshot = build_snapshot(&config, &mut carried, 1);
+            let desired = crate::control::desired::Desired::from_config(config);
+            let marked_log = Arc::new(EventLog::new(EventSettings::default()));
+            let walking_log = Arc::new(EventLog::new(EventSettings::default()));
+            let mut marked = Observer::new(marked_log.clone(), "me".into());
+            let mut walking = Observer::new(walking_log.clone(), "me".into());
+            for observer in [&mut marked, &mut walking] {
+                let everything = crate::store::ChangeSet::everything();
+                observer.changes_loaded(&desired, &everything, &snapshot, &Default::default());
+                observer.prime(&Default::default());
+            }
+            Pair {
+                since: (marked_log.last_id(), walking_log.last_id()),
+                snapshot,
+                carried,
+                marked,
+                walking,
+                marked_log,
+                walking_log,
+            }
+        }
+
+        fn runtime(&self, id: Id) -> &TargetRuntime {
+            self.snapshot
+                .services()
+                .flat_map(|service| service.targets.iter())
+                .find(|runtime| runtime.id == id)
+                .unwrap()
+        }
+
+        /// One watch tick of each; the target events each recorded so far, by target.
+        fn tick(&mut self) -> (Vec<String>, Vec<String>) {
+            let moved = self.carried.take_moved();
+            self.marked.report_runtime(&self.snapshot, moved);
+            let everything = MovedTargets {
+                ids: Vec::new(),
+                everything: true,
+            };
+            self.walking.report_runtime(&self.snapshot, everything);
+            (
+                told(&self.marked_log, self.since.0),
+                told(&self.walking_log, self.since.1),
+            )
+        }
+    }
+
+    fn told(log: &EventLog, since: u64) -> Vec<String> {
+        let mut told: Vec<(Id, String)> = log
+            .subscribe(Some(since))
+            .backlog
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|event| match &event.body {
+                crate::events::EventBody::Target(target) => Some((
+                    target.target_id,
+                    format!(
+                        "{} {:?} {:?}→{:?}: {}",
+                        target.target_id, target.change, target.from, target.to, target.reason
+                    ),
+                )),
+                _ => None,
+            })
+            .collect();
+        told.sort_by_key(|(id, _)| *id);
+        told.into_iter().map(|(_, line)| line).collect()
+    }
+
+    #[test]
+    fn a_look_at_the_marked_targets_tells_what_a_look_at_every_target_tells() {
+        let mut pair = Pair::new(30, 40);
+        assert_eq!(pair.tick(), (vec![], vec![]), "nothing moved");
+        let now = unix_ms();
+        pair.runtime(7).health.set_health(Health::Unhealthy);
+        pair.runtime(700).health.set_health(Health::Healthy);
+        pair.runtime(900)
+            .health
+            .eject(now, &policy(), FailureCause::Status(502));
+        // Ejected long ago and restored since: both are news.
+        pair.runtime(1_100)
+            .health
+            .eject(now - 20_000, &policy(), FailureCause::Timeout);
+        pair.runtime(1_100).health.record_success(|| now);
+        let (marked, walking) = pair.tick();
+        assert_eq!(marked.len(), 5, "{marked:?}");
+        assert_eq!(marked, walking);
+
+        pair.runtime(7).health.set_health(Health::Healthy);
+        pair.runtime(7).health.set_health(Health::Unhealthy);
+        pair.runtime(8).health.set_health(Health::Unknown);
+        let (marked, walking) = pair.tick();
+        assert_eq!(
+            marked.len(),
+            5,
+            "no news for a flip back and forth: {marked:?}"
+        );
+        assert_eq!(marked, walking);
+    }
+
+    #[test]
+    fn an_ejection_that_runs_out_is_told_without_a_mark() {
+        let mut pair = Pair::new(2, 3);
+        let now = unix_ms();
+        // Ejected for the policy's 10 s, starting 9.95 s ago: half-open 50 ms from now.
+        let until = pair
+            .runtime(2)
+            .health
+            .eject(now - 9_950, &policy(), FailureCause::ConnectFailed)
+            .unwrap();
+        let (marked, walking) = pair.tick();
+        assert_eq!(marked, walking);
+        assert_eq!(marked.len(), 1, "ejected: {marked:?}");
+        // The clock alone moves it: no write, so no mark.
+        while unix_ms() <= until {
+            std::thread::yield_now();
+        }
+        let (marked, walking) = pair.tick();
+        assert_eq!(marked, walking);
+        assert_eq!(marked.len(), 2, "then half-open: {marked:?}");
+        assert!(marked[1].contains("HalfOpen"), "{marked:?}");
     }
 }

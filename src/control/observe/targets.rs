@@ -121,6 +121,10 @@ impl Observer {
         for target in scope.iter().flat_map(|id| desired.targets_of(*id)) {
             present.insert(target.id);
             let runtime = runtimes.get(&target.id).copied();
+            if runtime.is_some() {
+                // Its runtime state may be new with this snapshot: compare at the next look.
+                self.look_again.insert(target.id);
+            }
             // Entering rotation is no news by itself: later looks compare with this one.
             let look = runtime.map(|runtime| Look::of(runtime, now_ms));
             let Some(seen) = self.targets.get_mut(&target.id) else {
