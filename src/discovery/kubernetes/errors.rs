@@ -3,8 +3,8 @@
 
 use kube::runtime::watcher;
 
-use crate::error_chain::text as error_chain;
 use crate::discovery::DiscoveryError;
+use crate::error_chain::text as error_chain;
 
 /// An error answer (a `Status`) from the API server.
 pub(super) fn refused(url: &str, status: &kube::core::Status) -> DiscoveryError {
