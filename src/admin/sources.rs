@@ -122,6 +122,7 @@ async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError>
         progress,
         endpoints,
         refreshed_by: state.store.source_lease_holder(id).await?,
+        removal_acceptance: state.store.removal_acceptance(id).await?,
     })
 }
 
@@ -168,14 +169,19 @@ pub struct AcceptedRemovals {
     /// Targets that drain now (0 when the guard held nothing); null when the acceptance was
     /// passed on to the instance that refreshes the source.
     pub released: Option<u64>,
+    /// When the hold ended (the database's clock); null when passed on: then
+    /// `status.removal_acceptance.released_at` tells when the holder applied it.
+    pub released_at: Option<chrono::DateTime<chrono::Utc>>,
     pub status: SourceStatus,
 }
 
 /// Accepts the removals the source's removal guard holds: those targets drain now (200). On a
-/// shared store, an instance that does not refresh the source passes the acceptance on to the
-/// one that does (202).
+/// shared store, an instance that does not refresh the source stores the acceptance for the one
+/// that does, tells it, and answers 202; the holder applies it at once, or after a lost
+/// notification, a reconnect or a takeover, and the source's status records when
+/// (`removal_acceptance`). A hold that begins after the request is not released by it.
 #[utoipa::path(post, path = "/discovery-sources/{id}/accept-removals", tag = "discovery",
-    responses((status = 200, body = AcceptedRemovals), (status = 202, body = AcceptedRemovals), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = AcceptedRemovals), (status = 202, body = AcceptedRemovals), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn accept_removals(
     _: Admin,
     State(state): State<AdminState>,
@@ -200,7 +206,17 @@ async fn accept_removals(
         }
     };
     let status = status_of(&state, id).await?;
-    Ok((code, Json(AcceptedRemovals { released, status })))
+    let released_at = released
+        .and(status.removal_acceptance.as_ref())
+        .and_then(|acceptance| acceptance.released_at);
+    Ok((
+        code,
+        Json(AcceptedRemovals {
+            released,
+            released_at,
+            status,
+        }),
+    ))
 }
 
 #[utoipa::path(get, path = "/discovery/providers", tag = "discovery",

@@ -12,7 +12,7 @@ use super::ControlTask;
 use crate::discovery::guard::{self, Change};
 use crate::discovery::{reconcile, Discovered};
 use crate::model::{Endpoint, Id, Target, TargetChange};
-use crate::store::StoreError;
+use crate::store::{AcceptanceApplied, CoveredHold, PendingAcceptance, StoreError};
 
 /// The least time between two re-reads of a holding source.
 const SHORTEST_REREAD: Duration = Duration::from_secs(1);
@@ -22,9 +22,10 @@ const SHORTEST_REREAD: Duration = Duration::from_secs(1);
 pub enum AcceptAnswer {
     /// The held targets drain now; how many.
     Released(u64),
-    /// Another instance refreshes this source; the acceptance was passed on to it.
+    /// Another instance refreshes this source (or will, once it takes the lease): the acceptance
+    /// is stored for it and it was told.
     PassedOn,
-    /// No instance refreshes the source now (its lease is not held: the store is unreachable).
+    /// A single instance (SQLite) that does not hold the lease: the store is unreachable.
     NoHolder,
     /// No such source (deleted meanwhile).
     Unknown,
@@ -59,43 +60,102 @@ impl ControlTask {
         verdict.endpoints
     }
 
-    /// Drains the targets the guard of `source_id` holds, at an admin's request.
+    /// An admin accepts the removals the guard of `source_id` holds. The request is stored
+    /// first: the lease holder applies it now (here, or at the notification another instance
+    /// sends), or after a reconnect, on the periodic resync, or at a takeover.
     pub(super) async fn accept_removals(
         &mut self,
         source_id: Id,
     ) -> Result<AcceptAnswer, StoreError> {
-        let Some(mut entry) = self.sources.remove(&source_id) else {
+        let Some(entry) = self.sources.get(&source_id) else {
             return Ok(AcceptAnswer::Unknown);
         };
-        let outcome = self.accept_held(&mut entry).await;
-        self.sources.insert(source_id, entry);
-        let answer = outcome?;
-        if matches!(answer, AcceptAnswer::Released(released) if released > 0) {
-            self.rebuild_logged().await;
-        }
-        Ok(answer)
-    }
-
-    async fn accept_held(&mut self, entry: &mut SourceEntry) -> Result<AcceptAnswer, StoreError> {
-        let id = entry.source.id;
         if !entry.holds_lease() {
-            return Ok(if self.store.request_accept_by_holder(id).await? {
-                AcceptAnswer::PassedOn
-            } else {
-                AcceptAnswer::NoHolder
+            // One instance on SQLite: a lease it does not hold means the store is unreachable.
+            if !self.store.is_shared() {
+                return Ok(AcceptAnswer::NoHolder);
+            }
+            let stored = self
+                .store
+                .request_acceptance(source_id, CoveredHold::Stored, true)
+                .await?;
+            return Ok(match stored {
+                Some(_) => AcceptAnswer::PassedOn,
+                None => AcceptAnswer::Unknown,
             });
         }
-        let Some(hold) = entry.progress.guard.clone() else {
-            return Ok(AcceptAnswer::Released(0));
+        let covered = CoveredHold::Held(entry.progress.guard.as_ref());
+        let Some(request) = self
+            .store
+            .request_acceptance(source_id, covered, false)
+            .await?
+        else {
+            return Ok(AcceptAnswer::Unknown);
+        };
+        let released = self.apply_acceptance(request).await?;
+        Ok(AcceptAnswer::Released(released.unwrap_or(0)))
+    }
+
+    /// Applies a stored request if this instance holds the source's lease: drains the hold it
+    /// covers and records it applied. Returns the targets released (None when not the holder).
+    async fn apply_acceptance(
+        &mut self,
+        request: PendingAcceptance,
+    ) -> Result<Option<u64>, StoreError> {
+        let Some(mut entry) = self.sources.remove(&request.source_id) else {
+            return Ok(None);
+        };
+        let outcome = if entry.holds_lease() {
+            self.release_accepted(&mut entry, &request).await.map(Some)
+        } else {
+            Ok(None)
+        };
+        self.sources.insert(request.source_id, entry);
+        let released = outcome?;
+        if released.is_some_and(|released| released > 0) {
+            self.rebuild_logged().await;
+        }
+        Ok(released)
+    }
+
+    async fn release_accepted(
+        &mut self,
+        entry: &mut SourceEntry,
+        request: &PendingAcceptance,
+    ) -> Result<u64, StoreError> {
+        let id = entry.source.id;
+        let service_id = entry.source.service_id;
+        let releases =
+            guard::acceptance_releases(request.hold.as_ref(), entry.progress.guard.as_ref());
+        let Some(hold) = entry.progress.guard.clone().filter(|_| releases) else {
+            let applied = AcceptanceApplied {
+                requested_at_ms: request.requested_at_ms,
+                released: 0,
+            };
+            self.store
+                .apply_acceptance(service_id, id, &[], None, applied)
+                .await?;
+            if entry.progress.guard.is_some() {
+                tracing::info!(
+                    source_id = id,
+                    "accepted removals: the hold began after the request; still holding"
+                );
+            }
+            self.note_acceptance(entry).await;
+            return Ok(0);
         };
         let targets = self.store.source_targets(id).await?;
         let now = self.clock.now();
         let changes = reconcile::drain_keys(&targets, &hold.held, now, entry.removal_grace());
         let reread_at = entry.guard_reread_at.take();
         entry.progress.guard = None;
+        let applied = AcceptanceApplied {
+            requested_at_ms: request.requested_at_ms,
+            released: changes.len() as u64,
+        };
         if let Err(error) = self
             .store
-            .apply_refresh(entry.source.service_id, id, &changes, Some(&entry.progress))
+            .apply_acceptance(service_id, id, &changes, Some(&entry.progress), applied)
             .await
         {
             entry.progress.guard = Some(hold);
@@ -110,6 +170,7 @@ impl ControlTask {
                 );
             }
         }
+        self.note_acceptance(entry).await;
         // The drain is stored: a failure to read the deadlines back only delays the removal.
         if let Err(error) = self.after_changes(entry, &changes).await {
             tracing::warn!(source_id = id, %error, "removal deadlines not re-read; retrying soon");
@@ -120,7 +181,17 @@ impl ControlTask {
             released = changes.len(),
             "an admin accepted the removals the guard held; those targets drain now"
         );
-        Ok(AcceptAnswer::Released(changes.len() as u64))
+        Ok(changes.len() as u64)
+    }
+
+    /// Keeps the applied request for the source's events (its status reads the store).
+    async fn note_acceptance(&self, entry: &mut SourceEntry) {
+        match self.store.removal_acceptance(entry.source.id).await {
+            Ok(acceptance) => entry.acceptance = acceptance,
+            Err(error) => {
+                tracing::debug!(source_id = entry.source.id, %error, "applied acceptance not re-read")
+            }
+        }
     }
 
     /// Another instance passed on an admin's acceptance: applied only by the lease holder.
@@ -132,8 +203,35 @@ impl ControlTask {
         {
             return;
         }
-        if let Err(error) = self.accept_removals(source_id).await {
-            tracing::error!(source_id, %error, "accepted removals not applied");
+        let pending = match self.store.pending_acceptance(source_id).await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::error!(source_id, %error, "accepted removals not read; the resync retries");
+                return;
+            }
+        };
+        if let Some(request) = pending {
+            if let Err(error) = self.apply_acceptance(request).await {
+                tracing::error!(source_id, %error, "accepted removals not applied; the resync retries");
+            }
+        }
+    }
+
+    /// Applies every stored request of the sources this instance holds: after the listener
+    /// (re)connects (a notification may have been lost), on the periodic resync and at start.
+    pub(super) async fn apply_pending_acceptances(&mut self) {
+        let pending = match self.store.pending_acceptances().await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::warn!(%error, "pending accepted removals not read; retrying at the next resync");
+                return;
+            }
+        };
+        for request in pending {
+            let source_id = request.source_id;
+            if let Err(error) = self.apply_acceptance(request).await {
+                tracing::error!(source_id, %error, "accepted removals not applied; the resync retries");
+            }
         }
     }
 

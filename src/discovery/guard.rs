@@ -152,6 +152,17 @@ pub fn judge(
     }
 }
 
+/// Whether an admin's acceptance releases `hold`, the hold now: `accepted` is the hold the
+/// request covered (the one stored when it was made). The same hold, which keeps its `since`
+/// while the same removals are answered again, is released; a hold that began after the request
+/// (or restarted because a key went missing anew) is not, nor anything when the request saw none.
+pub fn acceptance_releases(accepted: Option<&GuardHold>, hold: Option<&GuardHold>) -> bool {
+    match (accepted, hold) {
+        (Some(accepted), Some(hold)) => hold.since <= accepted.since,
+        _ => false,
+    }
+}
+
 /// More than `max_percent` of `active` and more than `min_endpoints`.
 fn too_many(removed: usize, active: usize, settings: &RemovalGuard) -> bool {
     removed > settings.min_endpoints as usize

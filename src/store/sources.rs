@@ -24,6 +24,7 @@ macro_rules! save_progress_query {
     };
 }
 
+use super::acceptances::AcceptanceApplied;
 use super::rows::{SourceCountsRow, SourceRow, TargetRow};
 use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
@@ -281,11 +282,39 @@ impl Store {
         changes: &[TargetChange],
         progress: Option<&SourceProgress>,
     ) -> Result<(), StoreError> {
-        if changes.is_empty() && progress.is_none() {
+        self.write_source_changes(service_id, source_id, changes, progress, None)
+            .await
+    }
+
+    /// Applies an admin's pending acceptance: drains what it releases, stores the progress and
+    /// marks the request applied, in one transaction fenced by the lease, so the request is
+    /// applied once even if this instance dies or loses the lease meanwhile.
+    pub async fn apply_acceptance(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+        progress: Option<&SourceProgress>,
+        applied: AcceptanceApplied,
+    ) -> Result<(), StoreError> {
+        self.write_source_changes(service_id, source_id, changes, progress, Some(applied))
+            .await
+    }
+
+    async fn write_source_changes(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+        progress: Option<&SourceProgress>,
+        applied: Option<AcceptanceApplied>,
+    ) -> Result<(), StoreError> {
+        if changes.is_empty() && progress.is_none() && applied.is_none() {
             return Ok(());
         }
         let now = now_ms();
         let fence = self.lease_fence_sql();
+        let mark_applied = self.mark_applied_sql();
         on_pool!(self, |pool| {
             let mut transaction = pool.begin().await?;
             let holder: Option<String> = sqlx::query_scalar(fence)
@@ -380,6 +409,15 @@ impl Store {
                             .await?;
                     }
                 }
+            }
+            if let Some(applied) = applied {
+                sqlx::query(&mark_applied)
+                    .bind(applied.released as i64)
+                    .bind(self.instance_id())
+                    .bind(source_id)
+                    .bind(applied.requested_at_ms)
+                    .execute(&mut *transaction)
+                    .await?;
             }
             transaction.commit().await?;
         });

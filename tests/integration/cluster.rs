@@ -605,6 +605,163 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
     assert_eq!(accepted.refreshed_by, Some(holder), "{accepted}");
 }
 
+/// A service whose `http` source the registry just emptied, its default guard holding all three
+/// targets: the source and the instance holding its lease.
+async fn held_source(
+    via: &TestGateway,
+    registry: &Registry,
+    upstreams: &[Upstream],
+) -> (i64, String) {
+    registry.set_json(Value::Array(
+        ["h1", "h2", "h3"]
+            .iter()
+            .zip(upstreams)
+            .map(|(key, upstream)| registry_endpoint(key, upstream))
+            .collect(),
+    ));
+    let service = discovered_service(via, registry, 200).await;
+    let source = via
+        .api(
+            "GET",
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            None,
+        )
+        .await
+        .1["items"][0]["id"]
+        .as_i64()
+        .expect("a source id");
+    via.wait_source_status(source, "3 active", WAIT, |s| s.endpoints.active == 3)
+        .await;
+    registry.set_json(json!([]));
+    let held = via
+        .wait_source_status(source, "the guard holding 3", WAIT, |s| {
+            s.guard.as_ref().is_some_and(|guard| guard.holding == 3)
+        })
+        .await;
+    (source, held.refreshed_by.expect("a holder"))
+}
+
+/// `POST …/accept-removals` through `via`, which must pass it on (202).
+async fn accept_passed_on(via: &TestGateway, source: i64) -> Value {
+    let (status, answer) = via
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/accept-removals"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert!(answer["released"].is_null(), "{answer}");
+    assert!(answer["released_at"].is_null(), "{answer}");
+    let pending = &answer["status"]["removal_acceptance"];
+    assert!(pending["requested_at"].is_string(), "{answer}");
+    assert!(
+        pending["released_at"].is_null(),
+        "stored, not applied yet: {answer}"
+    );
+    answer
+}
+
+/// Waits until `holder` applied the acceptance: the hold ended, the three targets drain, and
+/// the status says when and by whom.
+async fn wait_released_by(via: &TestGateway, source: i64, holder: &str) -> SourceStatus {
+    let released = via
+        .wait_source_status(source, "the accepted removals released", WAIT, |s| {
+            s.guard.is_none()
+                && s.endpoints.active == 0
+                && s.json["removal_acceptance"]["released_at"].is_string()
+        })
+        .await;
+    let record = &released.json["removal_acceptance"];
+    assert_eq!(record["released"], 3, "{released}");
+    assert_eq!(record["released_by"], holder, "{released}");
+    assert!(
+        record["released_at"].as_str() >= record["requested_at"].as_str(),
+        "{released}"
+    );
+    released
+}
+
+/// The holder's notification listener is down when another instance takes the acceptance (its
+/// NOTIFY is lost): the request is stored, and the holder applies it once it listens again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_whose_notification_was_lost_applies_after_the_listener_reconnects() {
+    let database = postgres::fresh_database().await;
+    let mut instances = Vec::new();
+    let mut roles = HashMap::new();
+    for id in ["gw-a", "gw-b"] {
+        let (role, url) = postgres::login_role(&database).await;
+        roles.insert(id, role);
+        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+        let config = cluster_config(&url, id, LEASE_MS);
+        instances.push(TestGateway::start_with(dir, config).await);
+    }
+    let (b, a) = (instances.pop().unwrap(), instances.pop().unwrap());
+    let upstreams: Vec<Upstream> =
+        futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
+    let registry = Registry::start().await;
+    let (source, holder) = held_source(&a, &registry, &upstreams).await;
+    let other = if holder == "gw-a" { &b } else { &a };
+    let role = &roles[holder.as_str()];
+
+    // The holder's listener is cut and cannot reconnect (its pool keeps its connections).
+    postgres::set_login(&database, role, false).await;
+    assert_eq!(postgres::terminate_listeners(&database, &holder).await, 1);
+    accept_passed_on(other, source).await;
+    let waiting = other.source_status(source).await;
+    postgres::set_login(&database, role, true).await;
+    assert!(
+        waiting.guard.is_some(),
+        "nobody heard the request: {waiting}"
+    );
+
+    wait_until("the holder listens again", WAIT, || async {
+        postgres::listeners(&database, &holder).await == 1
+    })
+    .await;
+    let released = wait_released_by(other, source, &holder).await;
+    assert_eq!(
+        released.refreshed_by.as_deref(),
+        Some(holder.as_str()),
+        "no takeover: {released}"
+    );
+}
+
+/// The holder dies before it applies an acceptance: the instance that takes the source over
+/// applies it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_the_holder_never_applied_is_applied_by_the_next_holder() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let upstreams: Vec<Upstream> =
+        futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
+    let registry = Registry::start().await;
+    let (source, holder) = held_source(&a, &registry, &upstreams).await;
+    let (mut dying, survivor, survivor_id) = if holder == "gw-a" {
+        (a, b, "gw-b")
+    } else {
+        (b, a, "gw-a")
+    };
+    // No goodbye: its lease runs out on its own, and the notification reaches nobody.
+    dying.gateway.take().expect("running").abort();
+    accept_passed_on(&survivor, source).await;
+
+    let released = wait_released_by(&survivor, source, survivor_id).await;
+    assert_eq!(
+        released.refreshed_by.as_deref(),
+        Some(survivor_id),
+        "{released}"
+    );
+    // Applied once: the targets it drained are not drained again by a later look.
+    let record = released.json["removal_acceptance"].clone();
+    holds_for(
+        "the acceptance stays applied once",
+        Duration::from_millis(LEASE_MS),
+        || async { survivor.source_status(source).await.json["removal_acceptance"] == record },
+    )
+    .await;
+}
+
 /// `raahi_control_reloads_total{kind=...}` of one instance.
 async fn reloads(gateway: &TestGateway, kind: &str) -> u64 {
     let metrics = gateway.metrics_text().await;
