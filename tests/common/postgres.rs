@@ -54,21 +54,21 @@ pub async fn set_login(database_url: &str, role: &str, login: bool) {
     execute(database_url, &format!("ALTER ROLE {role} {login}")).await;
 }
 
-/// Ends the connections of `application_name` whose last statement was a LISTEN (a gateway's
-/// notification listener), waiting until they are gone; how many there were.
-pub async fn terminate_listeners(database_url: &str, application_name: &str) -> i64 {
+/// Ends every connection `role` has open (its pool's and its notification listener's), waiting
+/// until they are gone; how many there were. With [`set_login`] false first, the gateway of that
+/// role cannot reconnect meanwhile: its listener is down, and notifications sent now are lost.
+pub async fn terminate_connections(database_url: &str, role: &str) -> i64 {
     let mut connection = sqlx::PgConnection::connect(database_url)
         .await
         .expect("connect to test PostgreSQL");
     let ended: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
-          WHERE datname = current_database() AND application_name = $1
-            AND query LIKE 'LISTEN%') AS ended",
+          WHERE usename = $1 AND pid <> pg_backend_pid()) AS ended",
     )
-    .bind(application_name)
+    .bind(role)
     .fetch_one(&mut connection)
     .await
-    .expect("terminate listeners");
+    .expect("terminate connections");
     let _ = connection.close().await;
     ended
 }

@@ -704,9 +704,12 @@ async fn an_acceptance_whose_notification_was_lost_applies_after_the_listener_re
     let other = if holder == "gw-a" { &b } else { &a };
     let role = &roles[holder.as_str()];
 
-    // The holder's listener is cut and cannot reconnect (its pool keeps its connections).
+    // The holder's connections are cut and it cannot reconnect for a moment (well within its
+    // lease): its listener is down when the request's notification is sent.
+    assert_eq!(postgres::listeners(&database, &holder).await, 1);
     postgres::set_login(&database, role, false).await;
-    assert_eq!(postgres::terminate_listeners(&database, &holder).await, 1);
+    assert!(postgres::terminate_connections(&database, role).await >= 1);
+    assert_eq!(postgres::listeners(&database, &holder).await, 0);
     accept_passed_on(other, source).await;
     let waiting = other.source_status(source).await;
     postgres::set_login(&database, role, true).await;
