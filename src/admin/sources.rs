@@ -1,5 +1,7 @@
 //! Discovery sources: `/api/v1/services/{id}/discovery-sources`, `/api/v1/discovery-sources/{id}`
-//! (admin only: configs can hold registry credentials) and `/api/v1/discovery/providers`.
+//! (admin only: configs can hold registry credentials) and `/api/v1/discovery/providers`. A
+//! source's `/status` is open to viewers: it carries no `config` (the same status the event
+//! stream already shows them), and its `last_error` names registries without credentials.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -126,10 +128,12 @@ async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError>
     })
 }
 
+/// The source's status (viewer): state, counts, refresh times, guard, watch, the last accepted
+/// removals; never its `config`.
 #[utoipa::path(get, path = "/discovery-sources/{id}/status", tag = "discovery",
     responses((status = 200, body = SourceStatus), (status = 404, body = ErrorBody)))]
 async fn source_status(
-    _: Admin,
+    _: Viewer,
     State(state): State<AdminState>,
     IdPath(id): IdPath,
 ) -> Result<Json<SourceStatus>, ApiError> {
