@@ -2507,6 +2507,9 @@ async fn a_viewer_sees_whole_addresses_a_new_health_check_and_exact_refresh_time
                 .replace("arguments[0]", &format!("{address:?}")),
         )
         .await;
+    browser
+        .eval("document.querySelector('[data-testid=\"activity\"]').scrollIntoView(); return true;")
+        .await;
     browser.screenshot("viewer-recent-changes").await;
     assert_eq!(lines, 1, "{address} breaks across lines in Recent changes");
 
