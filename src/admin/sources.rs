@@ -192,9 +192,12 @@ async fn accept_removals(
     IdPath(id): IdPath,
 ) -> Result<(StatusCode, Json<AcceptedRemovals>), ApiError> {
     state.store.get_source(id).await?;
-    let (code, released) = match state.control.accept_removals(id).await? {
-        AcceptAnswer::Released(released) => (StatusCode::OK, Some(released)),
-        AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None),
+    let (code, released, released_at) = match state.control.accept_removals(id).await? {
+        AcceptAnswer::Released {
+            released,
+            released_at,
+        } => (StatusCode::OK, Some(released), Some(released_at)),
+        AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None, None),
         AcceptAnswer::NoHolder => {
             return Err(ApiError::Unavailable {
                 message: format!(
@@ -210,9 +213,6 @@ async fn accept_removals(
         }
     };
     let status = status_of(&state, id).await?;
-    let released_at = released
-        .and(status.removal_acceptance.as_ref())
-        .and_then(|acceptance| acceptance.released_at);
     Ok((
         code,
         Json(AcceptedRemovals {

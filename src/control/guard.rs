@@ -12,7 +12,7 @@ use super::ControlTask;
 use crate::discovery::guard::{self, Change};
 use crate::discovery::{reconcile, Discovered};
 use crate::model::{Endpoint, Id, Target, TargetChange};
-use crate::store::{AcceptanceApplied, CoveredHold, PendingAcceptance, StoreError};
+use crate::store::{AcceptanceApplied, AcceptanceWrite, PendingAcceptance, StoreError};
 
 /// The least time between two re-reads of a holding source.
 const SHORTEST_REREAD: Duration = Duration::from_secs(1);
@@ -20,8 +20,11 @@ const SHORTEST_REREAD: Duration = Duration::from_secs(1);
 /// What became of an admin's acceptance of held removals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AcceptAnswer {
-    /// The held targets drain now; how many.
-    Released(u64),
+    /// The held targets drain now: how many, and when (the database's clock).
+    Released {
+        released: u64,
+        released_at: DateTime<Utc>,
+    },
     /// Another instance refreshes this source (or will, once it takes the lease): the acceptance
     /// is stored for it and it was told.
     PassedOn,
@@ -60,40 +63,55 @@ impl ControlTask {
         verdict.endpoints
     }
 
-    /// An admin accepts the removals the guard of `source_id` holds. The request is stored
-    /// first: the lease holder applies it now (here, or at the notification another instance
-    /// sends), or after a reconnect, on the periodic resync, or at a takeover.
+    /// An admin accepts the removals the guard of `source_id` holds. The lease holder applies
+    /// it now, storing the request already applied in the same transaction (a failed write
+    /// leaves nothing pending). Another instance stores it for the holder and tells it; the
+    /// holder applies a stored request at the notification, after a reconnect, on the periodic
+    /// resync, or at a takeover.
     pub(super) async fn accept_removals(
         &mut self,
         source_id: Id,
     ) -> Result<AcceptAnswer, StoreError> {
-        let Some(entry) = self.sources.get(&source_id) else {
+        let Some(mut entry) = self.sources.remove(&source_id) else {
             return Ok(AcceptAnswer::Unknown);
         };
-        if !entry.holds_lease() {
-            // One instance on SQLite: a lease it does not hold means the store is unreachable.
-            if !self.store.is_shared() {
-                return Ok(AcceptAnswer::NoHolder);
+        let outcome = if entry.holds_lease() {
+            Some(self.release_accepted(&mut entry, Accepted::AtOnce).await)
+        } else {
+            None
+        };
+        self.sources.insert(source_id, entry);
+        match outcome {
+            Some(Ok((released, released_at))) => {
+                if released > 0 {
+                    self.rebuild_logged().await;
+                }
+                // The at-once write always returns its time; `now` only if a version did not.
+                let released_at = released_at.unwrap_or_else(|| self.clock.now());
+                Ok(AcceptAnswer::Released {
+                    released,
+                    released_at,
+                })
             }
-            let stored = self
-                .store
-                .request_acceptance(source_id, CoveredHold::Stored, true)
-                .await?;
-            return Ok(match stored {
-                Some(_) => AcceptAnswer::PassedOn,
-                None => AcceptAnswer::Unknown,
-            });
+            Some(Err(StoreError::NotFound { .. })) => Ok(AcceptAnswer::Unknown),
+            // Another instance took the lease meanwhile: it applies the stored request.
+            Some(Err(error)) if error.is_lease_lost() => self.pass_on(source_id).await,
+            Some(Err(error)) => Err(error),
+            None => self.pass_on(source_id).await,
         }
-        let covered = CoveredHold::Held(entry.progress.guard.as_ref());
-        let Some(request) = self
-            .store
-            .request_acceptance(source_id, covered, false)
-            .await?
-        else {
-            return Ok(AcceptAnswer::Unknown);
-        };
-        let released = self.apply_acceptance(request).await?;
-        Ok(AcceptAnswer::Released(released.unwrap_or(0)))
+    }
+
+    /// Stores the request for the lease holder and tells it (PostgreSQL).
+    async fn pass_on(&self, source_id: Id) -> Result<AcceptAnswer, StoreError> {
+        // One instance on SQLite: a lease it does not hold means the store is unreachable.
+        if !self.store.is_shared() {
+            return Ok(AcceptAnswer::NoHolder);
+        }
+        let stored = self.store.request_acceptance(source_id).await?;
+        Ok(match stored {
+            Some(_) => AcceptAnswer::PassedOn,
+            None => AcceptAnswer::Unknown,
+        })
     }
 
     /// Applies a stored request if this instance holds the source's lease: drains the hold it
@@ -106,7 +124,9 @@ impl ControlTask {
             return Ok(None);
         };
         let outcome = if entry.holds_lease() {
-            self.release_accepted(&mut entry, &request).await.map(Some)
+            self.release_accepted(&mut entry, Accepted::Stored(&request))
+                .await
+                .map(|(released, _)| Some(released))
         } else {
             Ok(None)
         };
@@ -118,22 +138,26 @@ impl ControlTask {
         Ok(released)
     }
 
+    /// Drains the hold the acceptance covers and records it applied; returns the targets
+    /// released and when it was recorded (None: a stored request replaced meanwhile).
     async fn release_accepted(
         &mut self,
         entry: &mut SourceEntry,
-        request: &PendingAcceptance,
-    ) -> Result<u64, StoreError> {
+        accepted: Accepted<'_>,
+    ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
         let id = entry.source.id;
         let service_id = entry.source.service_id;
-        let releases =
-            guard::acceptance_releases(request.hold.as_ref(), entry.progress.guard.as_ref());
+        let releases = match accepted {
+            Accepted::Stored(request) => {
+                guard::acceptance_releases(request.hold.as_ref(), entry.progress.guard.as_ref())
+            }
+            Accepted::AtOnce => true,
+        };
         let Some(hold) = entry.progress.guard.clone().filter(|_| releases) else {
-            let applied = AcceptanceApplied {
-                requested_at_ms: request.requested_at_ms,
-                released: 0,
-            };
-            self.store
-                .apply_acceptance(service_id, id, &[], None, applied)
+            let write = accepted.write(None, 0);
+            let applied_at = self
+                .store
+                .apply_acceptance(service_id, id, &[], None, write)
                 .await?;
             if entry.progress.guard.is_some() {
                 tracing::info!(
@@ -142,26 +166,26 @@ impl ControlTask {
                 );
             }
             self.note_acceptance(entry).await;
-            return Ok(0);
+            return Ok((0, applied_at));
         };
         let targets = self.store.source_targets(id).await?;
         let now = self.clock.now();
         let changes = reconcile::drain_keys(&targets, &hold.held, now, entry.removal_grace());
         let reread_at = entry.guard_reread_at.take();
         entry.progress.guard = None;
-        let applied = AcceptanceApplied {
-            requested_at_ms: request.requested_at_ms,
-            released: changes.len() as u64,
-        };
-        if let Err(error) = self
+        let write = accepted.write(Some(&hold), changes.len() as u64);
+        let applied_at = match self
             .store
-            .apply_acceptance(service_id, id, &changes, Some(&entry.progress), applied)
+            .apply_acceptance(service_id, id, &changes, Some(&entry.progress), write)
             .await
         {
-            entry.progress.guard = Some(hold);
-            entry.guard_reread_at = reread_at;
-            return Err(error);
-        }
+            Ok(applied_at) => applied_at,
+            Err(error) => {
+                entry.progress.guard = Some(hold);
+                entry.guard_reread_at = reread_at;
+                return Err(error);
+            }
+        };
         for change in &changes {
             if let TargetChange::Drain { id: target_id, .. } = change {
                 self.observer.note(
@@ -181,7 +205,7 @@ impl ControlTask {
             released = changes.len(),
             "an admin accepted the removals the guard held; those targets drain now"
         );
-        Ok(changes.len() as u64)
+        Ok((changes.len() as u64, applied_at))
     }
 
     /// Keeps the applied request for the source's events (its status reads the store).
@@ -242,6 +266,32 @@ impl ControlTask {
             if let Some(runner) = &entry.runner {
                 runner.request_refresh();
             }
+        }
+    }
+}
+
+/// The acceptance the lease holder applies.
+#[derive(Clone, Copy)]
+enum Accepted<'a> {
+    /// A request stored earlier (by another instance, or before a takeover).
+    Stored(&'a PendingAcceptance),
+    /// This instance was asked: it covers the hold held now.
+    AtOnce,
+}
+
+impl<'a> Accepted<'a> {
+    /// How the write records it; `hold` is the hold released (None: nothing released).
+    fn write(
+        self,
+        hold: Option<&'a crate::model::GuardHold>,
+        released: u64,
+    ) -> AcceptanceWrite<'a> {
+        match self {
+            Accepted::Stored(request) => AcceptanceWrite::Mark(AcceptanceApplied {
+                requested_at_ms: request.requested_at_ms,
+                released,
+            }),
+            Accepted::AtOnce => AcceptanceWrite::AtOnce { hold, released },
         }
     }
 }

@@ -60,34 +60,32 @@ impl AcceptanceRow {
     }
 }
 
-/// Where the covered hold comes from when a request is written.
-pub enum CoveredHold<'a> {
-    /// The hold stored with the source's progress, read by the same statement (an instance that
-    /// does not hold the lease knows no other).
-    Stored,
-    /// The hold the lease holder holds now.
-    Held(Option<&'a GuardHold>),
+/// How a write of the lease holder records an admin's acceptance, in the transaction that
+/// drains what it releases.
+pub enum AcceptanceWrite<'a> {
+    /// Marks a stored request applied.
+    Mark(AcceptanceApplied),
+    /// The holder was asked itself: the request is stored already applied, covering the hold it
+    /// holds, so a failed write leaves no request pending for later.
+    AtOnce {
+        hold: Option<&'a GuardHold>,
+        released: u64,
+    },
 }
 
 impl Store {
     /// Records an admin's acceptance of the removals `source_id`'s guard holds (replacing an
-    /// earlier request) and, when `notify`, asks the lease holder to apply it now (PostgreSQL;
-    /// the notification is sent when the request is committed). None when the source is gone.
+    /// earlier request), covering the hold stored with the source's progress (read by the same
+    /// statement: an instance that does not hold the lease knows no other), and on PostgreSQL
+    /// asks the lease holder to apply it now (the notification is sent when the request is
+    /// committed). None when the source is gone.
     pub async fn request_acceptance(
         &self,
         source_id: Id,
-        covered: CoveredHold<'_>,
-        notify: bool,
     ) -> Result<Option<PendingAcceptance>, StoreError> {
-        let (hold_sql, hold) = match covered {
-            CoveredHold::Stored => ("guard", None),
-            CoveredHold::Held(hold) => {
-                ("$3", hold.and_then(|hold| serde_json::to_string(hold).ok()))
-            }
-        };
         let sql = format!(
             "INSERT INTO removal_acceptances (source_id, requested_at, requested_via, hold)
-             SELECT id, {now}, $2, {hold_sql} FROM discovery_sources WHERE id = $1
+             SELECT id, {now}, $2, guard FROM discovery_sources WHERE id = $1
              ON CONFLICT (source_id) DO UPDATE
                 SET requested_at = excluded.requested_at, requested_via = excluded.requested_via,
                     hold = excluded.hold, released_at = NULL, released_by = NULL,
@@ -97,14 +95,12 @@ impl Store {
         );
         let row: Option<AcceptanceRow> = on_pool!(self, |pool| {
             let mut transaction = pool.begin().await?;
-            let mut query = sqlx::query_as(&sql)
+            let row = sqlx::query_as(&sql)
                 .bind(source_id)
-                .bind(self.instance_id());
-            if hold_sql == "$3" {
-                query = query.bind(hold.clone());
-            }
-            let row = query.fetch_optional(&mut *transaction).await?;
-            if notify && row.is_some() && matches!(self.backend, Backend::Postgres(_)) {
+                .bind(self.instance_id())
+                .fetch_optional(&mut *transaction)
+                .await?;
+            if row.is_some() && matches!(self.backend, Backend::Postgres(_)) {
                 sqlx::query("SELECT pg_notify('raahi_accept_removals', $1)")
                     .bind(source_id.to_string())
                     .execute(&mut *transaction)
@@ -168,12 +164,30 @@ impl Store {
 
     /// The statement that marks a pending request applied, inside the transaction that drains
     /// its targets: `$1` released, `$2` this instance, `$3` the source, `$4` the request's time.
-    /// A request made meanwhile (another time) stays pending.
+    /// A request made meanwhile (another time) stays pending. Returns when it was marked.
     pub(super) fn mark_applied_sql(&self) -> String {
         format!(
             "UPDATE removal_acceptances SET released_at = {}, released_by = $2, released = $1
-             WHERE source_id = $3 AND requested_at = $4 AND released_at IS NULL",
+             WHERE source_id = $3 AND requested_at = $4 AND released_at IS NULL
+             RETURNING released_at",
             self.now_sql()
+        )
+    }
+
+    /// The statement that stores the holder's own request already applied, inside the
+    /// transaction that drains its targets: `$1` released, `$2` this instance, `$3` the source,
+    /// `$4` the hold it covers (JSON). No row when the source is gone. Returns when it applied.
+    pub(super) fn applied_at_once_sql(&self) -> String {
+        format!(
+            "INSERT INTO removal_acceptances
+                (source_id, requested_at, requested_via, hold, released_at, released_by, released)
+             SELECT id, {now}, $2, $4, {now}, $2, $1 FROM discovery_sources WHERE id = $3
+             ON CONFLICT (source_id) DO UPDATE
+                SET requested_at = excluded.requested_at, requested_via = excluded.requested_via,
+                    hold = excluded.hold, released_at = excluded.released_at,
+                    released_by = excluded.released_by, released = excluded.released
+             RETURNING released_at",
+            now = self.now_sql()
         )
     }
 }
