@@ -558,6 +558,14 @@ fn an_acceptance_releases_the_hold_it_saw_and_never_a_later_one() {
     .expect("held again");
     assert!(grown.since > seen.since);
     assert!(!acceptance_releases(Some(&seen), Some(&grown)));
+    // A later hold stamped by a gateway whose clock lags (after a takeover): still not released.
+    let mut lagging = grown.clone();
+    lagging.since = seen.since - chrono::Duration::seconds(5);
+    assert!(!acceptance_releases(Some(&seen), Some(&lagging)));
+    // The same time but a key the request never saw held: not the hold it covered.
+    let mut wider = still.clone();
+    wider.held.push("k-other".into());
+    assert!(!acceptance_releases(Some(&seen), Some(&wider)));
     // A request that saw no hold releases none; nothing held, nothing released.
     assert!(!acceptance_releases(None, Some(&still)));
     assert!(!acceptance_releases(Some(&seen), None));
