@@ -67,6 +67,16 @@ fn registry_endpoint(key: &str, upstream: &Upstream) -> Value {
 
 /// A service with a catch-all route and an `http` source on `registry`, created through `via`.
 async fn discovered_service(via: &TestGateway, registry: &Registry, interval_ms: u64) -> i64 {
+    discovered_service_with_grace(via, registry, interval_ms, 500).await
+}
+
+/// [`discovered_service`] whose drained targets stay `grace_ms` before they are deleted.
+async fn discovered_service_with_grace(
+    via: &TestGateway,
+    registry: &Registry,
+    interval_ms: u64,
+    grace_ms: u64,
+) -> i64 {
     let service = via
         .create("/api/v1/services", json!({"name": "disc"}))
         .await;
@@ -81,7 +91,7 @@ async fn discovered_service(via: &TestGateway, registry: &Registry, interval_ms:
             "name": "registry",
             "provider": "http",
             "config": {"url": registry.url("/v1/endpoints"), "interval_ms": interval_ms, "timeout_ms": 500},
-            "removal_grace_ms": 500,
+            "removal_grace_ms": grace_ms,
         }),
     )
     .await
@@ -606,12 +616,14 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
 }
 
 /// A service whose `http` source the registry just emptied, its default guard holding all three
-/// targets: the source and the instance holding its lease.
+/// targets, drained ones kept `grace_ms`: the service, the source and the instance holding its
+/// lease.
 async fn held_source(
     via: &TestGateway,
     registry: &Registry,
     upstreams: &[Upstream],
-) -> (i64, String) {
+    grace_ms: u64,
+) -> (i64, i64, String) {
     registry.set_json(Value::Array(
         ["h1", "h2", "h3"]
             .iter()
@@ -619,7 +631,7 @@ async fn held_source(
             .map(|(key, upstream)| registry_endpoint(key, upstream))
             .collect(),
     ));
-    let service = discovered_service(via, registry, 200).await;
+    let service = discovered_service_with_grace(via, registry, 200, grace_ms).await;
     let source = via
         .api(
             "GET",
@@ -638,7 +650,7 @@ async fn held_source(
             s.guard.as_ref().is_some_and(|guard| guard.holding == 3)
         })
         .await;
-    (source, held.refreshed_by.expect("a holder"))
+    (service, source, held.refreshed_by.expect("a holder"))
 }
 
 /// `POST …/accept-removals` through `via`, which must pass it on (202).
@@ -675,12 +687,18 @@ async fn wait_released_by(via: &TestGateway, source: i64, holder: &str) -> Sourc
     let record = &released.json["removal_acceptance"];
     assert_eq!(record["released"], 3, "{released}");
     assert_eq!(record["released_by"], holder, "{released}");
-    assert!(
-        record["released_at"].as_str() >= record["requested_at"].as_str(),
-        "{released}"
-    );
+    let time = |field: &str| {
+        chrono::DateTime::parse_from_rfc3339(record[field].as_str().unwrap_or_default())
+            .unwrap_or_else(|error| panic!("{field}: {error}: {released}"))
+    };
+    assert!(time("released_at") >= time("requested_at"), "{released}");
     released
 }
+
+/// The lease of the reconnect test: long, so the holder's lease cannot lapse while it cannot
+/// reach the database (a lapse would make it take the source over again, and that takeover, not
+/// the reconnect, would apply the request).
+const RECONNECT_LEASE_MS: u64 = 10_000;
 
 /// The holder's notification listener is down when another instance takes the acceptance (its
 /// NOTIFY is lost): the request is stored, and the holder applies it once it listens again.
@@ -693,20 +711,21 @@ async fn an_acceptance_whose_notification_was_lost_applies_after_the_listener_re
         let (role, url) = postgres::login_role(&database).await;
         roles.insert(id, role);
         let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
-        let config = cluster_config(&url, id, LEASE_MS);
+        let config = cluster_config(&url, id, RECONNECT_LEASE_MS);
         instances.push(TestGateway::start_with(dir, config).await);
     }
     let (b, a) = (instances.pop().unwrap(), instances.pop().unwrap());
     let upstreams: Vec<Upstream> =
         futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
     let registry = Registry::start().await;
-    let (source, holder) = held_source(&a, &registry, &upstreams).await;
+    let (_, source, holder) = held_source(&a, &registry, &upstreams, 500).await;
     let other = if holder == "gw-a" { &b } else { &a };
     let role = &roles[holder.as_str()];
 
     // The holder's connections are cut and it cannot reconnect for a moment (well within its
     // lease): its listener is down when the request's notification is sent.
     assert_eq!(postgres::listeners(&database, &holder).await, 1);
+    let cut = Instant::now();
     postgres::set_login(&database, role, false).await;
     assert!(postgres::terminate_connections(&database, role).await >= 1);
     assert_eq!(postgres::listeners(&database, &holder).await, 0);
@@ -723,6 +742,15 @@ async fn an_acceptance_whose_notification_was_lost_applies_after_the_listener_re
     })
     .await;
     let released = wait_released_by(other, source, &holder).await;
+    // The holder renews every third of a lease, so the lease it held at the cut lasts at least
+    // two thirds of one past it: released before that, it never lapsed, so neither this holder
+    // (anew) nor the other instance took the source over; the reconnect's look applied it.
+    let within = Duration::from_millis(RECONNECT_LEASE_MS * 3 / 5);
+    assert!(
+        cut.elapsed() < within,
+        "released {:?} after the cut, not within {within:?}: a takeover may have applied it",
+        cut.elapsed()
+    );
     assert_eq!(
         released.refreshed_by.as_deref(),
         Some(holder.as_str()),
@@ -739,7 +767,8 @@ async fn an_acceptance_the_holder_never_applied_is_applied_by_the_next_holder() 
     let upstreams: Vec<Upstream> =
         futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
     let registry = Registry::start().await;
-    let (source, holder) = held_source(&a, &registry, &upstreams).await;
+    // Drained targets stay a minute: a second application would drain them again, later.
+    let (service, source, holder) = held_source(&a, &registry, &upstreams, 60_000).await;
     let (mut dying, survivor, survivor_id) = if holder == "gw-a" {
         (a, b, "gw-b")
     } else {
@@ -755,12 +784,27 @@ async fn an_acceptance_the_holder_never_applied_is_applied_by_the_next_holder() 
         Some(survivor_id),
         "{released}"
     );
-    // Applied once: the targets it drained are not drained again by a later look.
+    // Applied once: the targets it drained are not drained again by later lease rounds.
+    let drained = || async {
+        let (_, targets) = survivor
+            .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+            .await;
+        targets["items"].as_array().cloned().unwrap_or_default()
+    };
+    let first = drained().await;
+    assert_eq!(first.len(), 3, "{first:?}");
+    for target in &first {
+        assert_eq!(target["state"], "draining", "{target}");
+        assert!(target["remove_at"].is_string(), "{target}");
+    }
     let record = released.json["removal_acceptance"].clone();
     holds_for(
-        "the acceptance stays applied once",
-        Duration::from_millis(LEASE_MS),
-        || async { survivor.source_status(source).await.json["removal_acceptance"] == record },
+        "the drained targets and the record stay as the one application left them",
+        Duration::from_millis(2 * LEASE_MS),
+        || async {
+            drained().await == first
+                && survivor.source_status(source).await.json["removal_acceptance"] == record
+        },
     )
     .await;
 }
