@@ -73,6 +73,12 @@ function emptyRoutes() {
 // ---------------------------------------------------------------------------------------------
 
 /** Builds an element; children are nodes or text (never parsed as HTML). */
+// An address breaks only where its own separators are (after a `.`, `:` or `]`), and only when
+// it is wider than its column: never `127.0.0.1:356` / `91`, never over the next column.
+function breakableAddress(address) {
+  return address.split(/(?<=[.:\]])/).flatMap((part, i) => (i === 0 ? [part] : [h('wbr'), part]));
+}
+
 function h(tag, props, ...children) {
   const el = document.createElement(tag);
   if (props) {
@@ -1706,9 +1712,9 @@ function activitySection(serviceId, kinds = null) {
           ? h('a', { class: 'activity-service', href: `#/services/${a.service_id}` },
             state.services.get(a.service_id).name)
           : h('span', { class: 'activity-service' }),
-      // An address never breaks in the middle (`127.0.0.1:356` / `91`): it is one token.
       h('span', { class: 'activity-what' },
-        a.subject ? [h('span', { class: 'activity-subject' }, a.subject), ' '] : null, a.what),
+        a.subject ? [h('span', { class: 'activity-subject' }, breakableAddress(a.subject)), ' ']
+          : null, a.what),
       a.reason ? h('span', { class: 'activity-reason' }, a.reason) : null))));
 }
 

@@ -2405,20 +2405,13 @@ async fn a_canary_shows_its_progress_and_decisions_live() {
 /// entry does): 1 when it is whole, 2 when it breaks in the middle.
 const ADDRESS_LINES_JS: &str = "\
     const address = arguments[0]; \
-    for (const li of document.querySelectorAll('[data-testid=\"activity\"] li')) { \
-      const walker = document.createTreeWalker(li, NodeFilter.SHOW_TEXT); \
-      for (let node = walker.nextNode(); node; node = walker.nextNode()) { \
-        const at = node.nodeValue.indexOf(address); \
-        if (at < 0) continue; \
-        const range = document.createRange(); \
-        range.setStart(node, at); \
-        range.setEnd(node, at + address.length); \
-        const tops = [...range.getClientRects()].filter(r => r.width > 0) \
-          .map(r => Math.round(r.top)); \
-        return new Set(tops).size; \
-      } \
-    } \
-    return null;";
+    const subject = [...document.querySelectorAll('[data-testid=\"activity\"] .activity-subject')] \
+      .find(span => span.textContent === address); \
+    if (!subject) return null; \
+    const range = document.createRange(); \
+    range.selectNodeContents(subject); \
+    const tops = [...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)); \
+    return new Set(tops).size;";
 
 /// What a viewer's service page shows of a source: its last refresh time and its schedule.
 fn source_times_js(source: i64) -> String {
@@ -2512,6 +2505,54 @@ async fn a_viewer_sees_whole_addresses_a_new_health_check_and_exact_refresh_time
         .await;
     browser.screenshot("viewer-recent-changes").await;
     assert_eq!(lines, 1, "{address} breaks across lines in Recent changes");
+
+    // An address wider than its column (a narrow window) breaks between its groups and stays
+    // inside its column.
+    browser.resize(360, 800).await;
+    let long_host = "ffff:ffff:ffff:ffff:ffff:ffff:ffff:fffe";
+    let long = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": long_host, "port": 65535}),
+        )
+        .await;
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/targets/{long}"),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let long_address = format!("[{long_host}]:65535");
+    let fits = browser
+        .wait_for(
+            "the change naming the long address",
+            WAIT,
+            &format!(
+                "const subject = [...document.querySelectorAll('[data-testid=\"activity\"] \
+                   .activity-subject')].find(span => span.textContent === {long_address:?}); \
+                 if (!subject) return null; \
+                 const column = subject.parentElement.getBoundingClientRect(); \
+                 const own = subject.getBoundingClientRect(); \
+                 return {{ inside: own.right <= column.right + 1, \
+                   lines: new Set([...subject.getClientRects()].map(r => Math.round(r.top))).size }};"
+            ),
+        )
+        .await;
+    assert_eq!(
+        fits["inside"], true,
+        "{long_address} overflows its column: {fits}"
+    );
+    assert!(
+        fits["lines"].as_u64() > Some(1),
+        "{long_address} should wrap: {fits}"
+    );
+    browser.resize(1280, 900).await;
+    let (status, body) = gateway
+        .api("DELETE", &format!("/api/v1/targets/{long}"), None)
+        .await;
+    assert!(status.is_success(), "{body}");
 
     // A health check added through the API: the rows show its results and the header names
     // it, without a reload.
