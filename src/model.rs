@@ -795,6 +795,26 @@ pub struct SourceStatus {
     /// The gateway instance that refreshes this source (holds its lease); null while none does.
     #[serde(default)]
     pub refreshed_by: Option<String>,
+    /// The last `POST …/accept-removals` and when the hold ended by it; null before the first.
+    #[serde(default)]
+    pub removal_acceptance: Option<RemovalAcceptance>,
+}
+
+/// An admin's acceptance of the removals a source's guard holds, as stored: the lease holder
+/// applies it (at once, at the notification, after a reconnect or a takeover) and records when.
+/// Times are the database's clock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct RemovalAcceptance {
+    pub requested_at: DateTime<Utc>,
+    /// The gateway instance the admin asked.
+    pub requested_via: String,
+    /// When the lease holder applied it (the hold ended then); null while pending.
+    pub released_at: Option<DateTime<Utc>>,
+    /// The instance that applied it.
+    pub released_by: Option<String>,
+    /// Targets that began draining then: 0 when the hold it covered had already ended (a hold
+    /// that began after the request is not released by it); null while pending.
+    pub released: Option<u64>,
 }
 
 /// One endpoint as a discovery provider reports it. `key` is its identity across refreshes

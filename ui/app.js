@@ -73,6 +73,12 @@ function emptyRoutes() {
 // ---------------------------------------------------------------------------------------------
 
 /** Builds an element; children are nodes or text (never parsed as HTML). */
+// An address breaks only where its own separators are (after a `.`, `:` or `]`), and only when
+// it is wider than its column: never `127.0.0.1:356` / `91`, never over the next column.
+function breakableAddress(address) {
+  return address.split(/(?<=[.:\]])/).flatMap((part, i) => (i === 0 ? [part] : [h('wbr'), part]));
+}
+
 function h(tag, props, ...children) {
   const el = document.createElement(tag);
   if (props) {
@@ -473,7 +479,8 @@ function applyTarget(event) {
     at: event.at,
     service_id: event.service_id,
     target_id: event.target_id,
-    what: `${event.address} ${changeText(event)}`,
+    subject: event.address,
+    what: changeText(event),
     reason: event.reason,
     tone: toneOf(event.to ?? event.change),
   });
@@ -1142,22 +1149,20 @@ async function pollRuntime(id) {
       changed = true;
     }
   }
-  // A refresh that changes nothing sends no event; admins may read the status itself, so the
-  // refresh times on the page stay current.
-  if (state.session?.role === 'admin') {
-    for (const source of servicesSources(id)) {
-      let status;
-      try {
-        status = await api('GET', `discovery-sources/${source.id}/status`);
-      } catch {
-        return;
-      }
-      const known = state.sources.get(source.id);
-      if (status.ok && known && pollService === id
-        && JSON.stringify(known.status) !== JSON.stringify(status.data)) {
-        state.sources.set(source.id, { ...known, status: status.data });
-        changed = true;
-      }
+  // A refresh that changes nothing sends no event; every role may read the status itself (it
+  // carries no config), so the refresh times on the page stay exact.
+  for (const source of servicesSources(id)) {
+    let status;
+    try {
+      status = await api('GET', `discovery-sources/${source.id}/status`);
+    } catch {
+      return;
+    }
+    const known = state.sources.get(source.id);
+    if (status.ok && known && pollService === id
+      && JSON.stringify(known.status) !== JSON.stringify(status.data)) {
+      state.sources.set(source.id, { ...known, status: status.data });
+      changed = true;
     }
   }
   if (changed) scheduleRender();
@@ -1695,14 +1700,21 @@ function activitySection(serviceId, kinds = null) {
   h('h2', { id: 'activity-title' }, 'Recent changes'),
   items.length === 0
     ? h('p', { class: 'muted small' }, 'Nothing has changed since this page opened.')
-    : h('ol', { class: 'activity-list' }, items.map((a) => h('li', {
-      class: `tone-${a.tone}`, 'data-key': `event-${a.id}`,
-    },
+    // A service's page has no service column: its rows use a grid without one, so what
+    // changed keeps the wide column instead of falling into the service's narrow one.
+    : h('ol', { class: serviceId === null ? 'activity-list' : 'activity-list in-service' },
+      items.map((a) => h('li', {
+        class: `tone-${a.tone}`, 'data-key': `event-${a.id}`,
+      },
       h('span', { class: 'activity-time' }, absTime(a.at)),
-      serviceId === null && a.service_id != null && state.services.get(a.service_id)
-        ? h('a', { class: 'activity-service', href: `#/services/${a.service_id}` },
-          state.services.get(a.service_id).name) : null,
-      h('span', { class: 'activity-what' }, a.what),
+      serviceId !== null ? null
+        : a.service_id != null && state.services.get(a.service_id)
+          ? h('a', { class: 'activity-service', href: `#/services/${a.service_id}` },
+            state.services.get(a.service_id).name)
+          : h('span', { class: 'activity-service' }),
+      h('span', { class: 'activity-what' },
+        a.subject ? [h('span', { class: 'activity-subject' }, breakableAddress(a.subject)), ' ']
+          : null, a.what),
       a.reason ? h('span', { class: 'activity-reason' }, a.reason) : null))));
 }
 

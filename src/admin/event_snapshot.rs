@@ -151,6 +151,7 @@ async fn build(
     let config = state.store.load_routing_config().await?;
     let holders = state.store.source_lease_holders().await?;
     let sources = state.store.all_sources().await?;
+    let acceptances = state.store.removal_acceptances().await?;
     let live = state.control.snapshot();
     let read = Read {
         filter,
@@ -158,6 +159,7 @@ async fn build(
         config,
         holders,
         sources,
+        acceptances,
         live,
     };
     let frame = tokio::task::spawn_blocking(move || read.frame())
@@ -175,6 +177,7 @@ struct Read {
     config: crate::model::RoutingConfig,
     holders: HashMap<Id, String>,
     sources: Vec<(DiscoverySource, SourceProgress)>,
+    acceptances: HashMap<Id, crate::model::RemovalAcceptance>,
     live: Arc<crate::snapshot::Snapshot>,
 }
 
@@ -245,6 +248,7 @@ impl Read {
                 progress,
                 endpoints: counts.get(&source.id).copied().unwrap_or_default(),
                 refreshed_by: self.holders.remove(&source.id),
+                removal_acceptance: self.acceptances.remove(&source.id),
             };
             sources.push(SourceView::new(&source, Some(status)));
         }

@@ -1,5 +1,7 @@
 //! Discovery sources: `/api/v1/services/{id}/discovery-sources`, `/api/v1/discovery-sources/{id}`
-//! (admin only: configs can hold registry credentials) and `/api/v1/discovery/providers`.
+//! (admin only: configs can hold registry credentials) and `/api/v1/discovery/providers`. A
+//! source's `/status` is open to viewers: it carries no `config` (the same status the event
+//! stream already shows them), and its `last_error` names registries without credentials.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -122,13 +124,16 @@ async fn status_of(state: &AdminState, id: Id) -> Result<SourceStatus, ApiError>
         progress,
         endpoints,
         refreshed_by: state.store.source_lease_holder(id).await?,
+        removal_acceptance: state.store.removal_acceptance(id).await?,
     })
 }
 
+/// The source's status (viewer): state, counts, refresh times, guard, watch, the last accepted
+/// removals; never its `config`.
 #[utoipa::path(get, path = "/discovery-sources/{id}/status", tag = "discovery",
     responses((status = 200, body = SourceStatus), (status = 404, body = ErrorBody)))]
 async fn source_status(
-    _: Admin,
+    _: Viewer,
     State(state): State<AdminState>,
     IdPath(id): IdPath,
 ) -> Result<Json<SourceStatus>, ApiError> {
@@ -168,23 +173,31 @@ pub struct AcceptedRemovals {
     /// Targets that drain now (0 when the guard held nothing); null when the acceptance was
     /// passed on to the instance that refreshes the source.
     pub released: Option<u64>,
+    /// When the hold ended (the database's clock); null when passed on: then
+    /// `status.removal_acceptance.released_at` tells when the holder applied it.
+    pub released_at: Option<chrono::DateTime<chrono::Utc>>,
     pub status: SourceStatus,
 }
 
 /// Accepts the removals the source's removal guard holds: those targets drain now (200). On a
-/// shared store, an instance that does not refresh the source passes the acceptance on to the
-/// one that does (202).
+/// shared store, an instance that does not refresh the source stores the acceptance for the one
+/// that does, tells it, and answers 202; the holder applies it at once, or after a lost
+/// notification, a reconnect or a takeover, and the source's status records when
+/// (`removal_acceptance`). A hold that begins after the request is not released by it.
 #[utoipa::path(post, path = "/discovery-sources/{id}/accept-removals", tag = "discovery",
-    responses((status = 200, body = AcceptedRemovals), (status = 202, body = AcceptedRemovals), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = AcceptedRemovals), (status = 202, body = AcceptedRemovals), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody)))]
 async fn accept_removals(
     _: Admin,
     State(state): State<AdminState>,
     IdPath(id): IdPath,
 ) -> Result<(StatusCode, Json<AcceptedRemovals>), ApiError> {
     state.store.get_source(id).await?;
-    let (code, released) = match state.control.accept_removals(id).await? {
-        AcceptAnswer::Released(released) => (StatusCode::OK, Some(released)),
-        AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None),
+    let (code, released, released_at) = match state.control.accept_removals(id).await? {
+        AcceptAnswer::Released {
+            released,
+            released_at,
+        } => (StatusCode::OK, Some(released), Some(released_at)),
+        AcceptAnswer::PassedOn => (StatusCode::ACCEPTED, None, None),
         AcceptAnswer::NoHolder => {
             return Err(ApiError::Unavailable {
                 message: format!(
@@ -200,7 +213,14 @@ async fn accept_removals(
         }
     };
     let status = status_of(&state, id).await?;
-    Ok((code, Json(AcceptedRemovals { released, status })))
+    Ok((
+        code,
+        Json(AcceptedRemovals {
+            released,
+            released_at,
+            status,
+        }),
+    ))
 }
 
 #[utoipa::path(get, path = "/discovery/providers", tag = "discovery",

@@ -12,7 +12,7 @@ use super::ControlTask;
 use crate::discovery::guard::{self, Change};
 use crate::discovery::{reconcile, Discovered};
 use crate::model::{Endpoint, Id, Target, TargetChange};
-use crate::store::StoreError;
+use crate::store::{AcceptanceApplied, AcceptanceWrite, PendingAcceptance, StoreError};
 
 /// The least time between two re-reads of a holding source.
 const SHORTEST_REREAD: Duration = Duration::from_secs(1);
@@ -20,11 +20,15 @@ const SHORTEST_REREAD: Duration = Duration::from_secs(1);
 /// What became of an admin's acceptance of held removals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AcceptAnswer {
-    /// The held targets drain now; how many.
-    Released(u64),
-    /// Another instance refreshes this source; the acceptance was passed on to it.
+    /// The held targets drain now: how many, and when (the database's clock).
+    Released {
+        released: u64,
+        released_at: DateTime<Utc>,
+    },
+    /// Another instance refreshes this source (or will, once it takes the lease): the acceptance
+    /// is stored for it and it was told.
     PassedOn,
-    /// No instance refreshes the source now (its lease is not held: the store is unreachable).
+    /// A single instance (SQLite) that does not hold the lease: the store is unreachable.
     NoHolder,
     /// No such source (deleted meanwhile).
     Unknown,
@@ -59,7 +63,11 @@ impl ControlTask {
         verdict.endpoints
     }
 
-    /// Drains the targets the guard of `source_id` holds, at an admin's request.
+    /// An admin accepts the removals the guard of `source_id` holds. The lease holder applies
+    /// it now, storing the request already applied in the same transaction (a failed write
+    /// leaves nothing pending). Another instance stores it for the holder and tells it; the
+    /// holder applies a stored request at the notification, after a reconnect, on the periodic
+    /// resync, or at a takeover.
     pub(super) async fn accept_removals(
         &mut self,
         source_id: Id,
@@ -67,41 +75,117 @@ impl ControlTask {
         let Some(mut entry) = self.sources.remove(&source_id) else {
             return Ok(AcceptAnswer::Unknown);
         };
-        let outcome = self.accept_held(&mut entry).await;
+        let outcome = if entry.holds_lease() {
+            Some(self.release_accepted(&mut entry, Accepted::AtOnce).await)
+        } else {
+            None
+        };
         self.sources.insert(source_id, entry);
-        let answer = outcome?;
-        if matches!(answer, AcceptAnswer::Released(released) if released > 0) {
-            self.rebuild_logged().await;
+        match outcome {
+            Some(Ok((released, released_at))) => {
+                if released > 0 {
+                    self.rebuild_logged().await;
+                }
+                // The at-once write always returns its time; `now` only if a version did not.
+                let released_at = released_at.unwrap_or_else(|| self.clock.now());
+                Ok(AcceptAnswer::Released {
+                    released,
+                    released_at,
+                })
+            }
+            Some(Err(StoreError::NotFound { .. })) => Ok(AcceptAnswer::Unknown),
+            // Another instance took the lease meanwhile: it applies the stored request.
+            Some(Err(error)) if error.is_lease_lost() => self.pass_on(source_id).await,
+            Some(Err(error)) => Err(error),
+            None => self.pass_on(source_id).await,
         }
-        Ok(answer)
     }
 
-    async fn accept_held(&mut self, entry: &mut SourceEntry) -> Result<AcceptAnswer, StoreError> {
-        let id = entry.source.id;
-        if !entry.holds_lease() {
-            return Ok(if self.store.request_accept_by_holder(id).await? {
-                AcceptAnswer::PassedOn
-            } else {
-                AcceptAnswer::NoHolder
-            });
+    /// Stores the request for the lease holder and tells it (PostgreSQL).
+    async fn pass_on(&self, source_id: Id) -> Result<AcceptAnswer, StoreError> {
+        // One instance on SQLite: a lease it does not hold means the store is unreachable.
+        if !self.store.is_shared() {
+            return Ok(AcceptAnswer::NoHolder);
         }
-        let Some(hold) = entry.progress.guard.clone() else {
-            return Ok(AcceptAnswer::Released(0));
+        let stored = self.store.request_acceptance(source_id).await?;
+        Ok(match stored {
+            Some(_) => AcceptAnswer::PassedOn,
+            None => AcceptAnswer::Unknown,
+        })
+    }
+
+    /// Applies a stored request if this instance holds the source's lease: drains the hold it
+    /// covers and records it applied. Returns the targets released (None when not the holder).
+    async fn apply_acceptance(
+        &mut self,
+        request: PendingAcceptance,
+    ) -> Result<Option<u64>, StoreError> {
+        let Some(mut entry) = self.sources.remove(&request.source_id) else {
+            return Ok(None);
+        };
+        let outcome = if entry.holds_lease() {
+            self.release_accepted(&mut entry, Accepted::Stored(&request))
+                .await
+                .map(|(released, _)| Some(released))
+        } else {
+            Ok(None)
+        };
+        self.sources.insert(request.source_id, entry);
+        let released = outcome?;
+        if released.is_some_and(|released| released > 0) {
+            self.rebuild_logged().await;
+        }
+        Ok(released)
+    }
+
+    /// Drains the hold the acceptance covers and records it applied; returns the targets
+    /// released and when it was recorded (None: a stored request replaced meanwhile).
+    async fn release_accepted(
+        &mut self,
+        entry: &mut SourceEntry,
+        accepted: Accepted<'_>,
+    ) -> Result<(u64, Option<DateTime<Utc>>), StoreError> {
+        let id = entry.source.id;
+        let service_id = entry.source.service_id;
+        let releases = match accepted {
+            Accepted::Stored(request) => {
+                guard::acceptance_releases(request.hold.as_ref(), entry.progress.guard.as_ref())
+            }
+            Accepted::AtOnce => true,
+        };
+        let Some(hold) = entry.progress.guard.clone().filter(|_| releases) else {
+            let write = accepted.write(None, 0);
+            let applied_at = self
+                .store
+                .apply_acceptance(service_id, id, &[], None, write)
+                .await?;
+            if entry.progress.guard.is_some() {
+                tracing::info!(
+                    source_id = id,
+                    "accepted removals: the hold began after the request; still holding"
+                );
+            }
+            self.note_acceptance(entry).await;
+            return Ok((0, applied_at));
         };
         let targets = self.store.source_targets(id).await?;
         let now = self.clock.now();
         let changes = reconcile::drain_keys(&targets, &hold.held, now, entry.removal_grace());
         let reread_at = entry.guard_reread_at.take();
         entry.progress.guard = None;
-        if let Err(error) = self
+        let write = accepted.write(Some(&hold), changes.len() as u64);
+        let applied_at = match self
             .store
-            .apply_refresh(entry.source.service_id, id, &changes, Some(&entry.progress))
+            .apply_acceptance(service_id, id, &changes, Some(&entry.progress), write)
             .await
         {
-            entry.progress.guard = Some(hold);
-            entry.guard_reread_at = reread_at;
-            return Err(error);
-        }
+            Ok(applied_at) => applied_at,
+            Err(error) => {
+                entry.progress.guard = Some(hold);
+                entry.guard_reread_at = reread_at;
+                return Err(error);
+            }
+        };
         for change in &changes {
             if let TargetChange::Drain { id: target_id, .. } = change {
                 self.observer.note(
@@ -110,6 +194,7 @@ impl ControlTask {
                 );
             }
         }
+        self.note_acceptance(entry).await;
         // The drain is stored: a failure to read the deadlines back only delays the removal.
         if let Err(error) = self.after_changes(entry, &changes).await {
             tracing::warn!(source_id = id, %error, "removal deadlines not re-read; retrying soon");
@@ -120,7 +205,17 @@ impl ControlTask {
             released = changes.len(),
             "an admin accepted the removals the guard held; those targets drain now"
         );
-        Ok(AcceptAnswer::Released(changes.len() as u64))
+        Ok((changes.len() as u64, applied_at))
+    }
+
+    /// Keeps the applied request for the source's events (its status reads the store).
+    async fn note_acceptance(&self, entry: &mut SourceEntry) {
+        match self.store.removal_acceptance(entry.source.id).await {
+            Ok(acceptance) => entry.acceptance = acceptance,
+            Err(error) => {
+                tracing::debug!(source_id = entry.source.id, %error, "applied acceptance not re-read")
+            }
+        }
     }
 
     /// Another instance passed on an admin's acceptance: applied only by the lease holder.
@@ -132,8 +227,35 @@ impl ControlTask {
         {
             return;
         }
-        if let Err(error) = self.accept_removals(source_id).await {
-            tracing::error!(source_id, %error, "accepted removals not applied");
+        let pending = match self.store.pending_acceptance(source_id).await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::error!(source_id, %error, "accepted removals not read; the resync retries");
+                return;
+            }
+        };
+        if let Some(request) = pending {
+            if let Err(error) = self.apply_acceptance(request).await {
+                tracing::error!(source_id, %error, "accepted removals not applied; the resync retries");
+            }
+        }
+    }
+
+    /// Applies every stored request of the sources this instance holds: after the listener
+    /// (re)connects (a notification may have been lost), on the periodic resync and at start.
+    pub(super) async fn apply_pending_acceptances(&mut self) {
+        let pending = match self.store.pending_acceptances().await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::warn!(%error, "pending accepted removals not read; retrying at the next resync");
+                return;
+            }
+        };
+        for request in pending {
+            let source_id = request.source_id;
+            if let Err(error) = self.apply_acceptance(request).await {
+                tracing::error!(source_id, %error, "accepted removals not applied; the resync retries");
+            }
         }
     }
 
@@ -144,6 +266,32 @@ impl ControlTask {
             if let Some(runner) = &entry.runner {
                 runner.request_refresh();
             }
+        }
+    }
+}
+
+/// The acceptance the lease holder applies.
+#[derive(Clone, Copy)]
+enum Accepted<'a> {
+    /// A request stored earlier (by another instance, or before a takeover).
+    Stored(&'a PendingAcceptance),
+    /// This instance was asked: it covers the hold held now.
+    AtOnce,
+}
+
+impl<'a> Accepted<'a> {
+    /// How the write records it; `hold` is the hold released (None: nothing released).
+    fn write(
+        self,
+        hold: Option<&'a crate::model::GuardHold>,
+        released: u64,
+    ) -> AcceptanceWrite<'a> {
+        match self {
+            Accepted::Stored(request) => AcceptanceWrite::Mark(AcceptanceApplied {
+                requested_at_ms: request.requested_at_ms,
+                released,
+            }),
+            Accepted::AtOnce => AcceptanceWrite::AtOnce { hold, released },
         }
     }
 }

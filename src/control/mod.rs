@@ -466,6 +466,7 @@ impl ControlTask {
         events: &mut mpsc::Receiver<ClusterEvent>,
     ) {
         let mut reload = false;
+        let mut reconnected = false;
         let mut next = Some(first);
         while let Some(event) = next {
             match event {
@@ -473,6 +474,7 @@ impl ControlTask {
                 ClusterEvent::Resync => {
                     self.forget_position();
                     reload = true;
+                    reconnected = true;
                 }
                 ClusterEvent::RefreshRequested(source_id) => {
                     self.refresh_if_held(source_id);
@@ -485,6 +487,10 @@ impl ControlTask {
         }
         if reload {
             self.apply_logged().await;
+        }
+        if reconnected {
+            // Notifications sent while nobody listened are lost; requests are stored.
+            self.apply_pending_acceptances().await;
         }
     }
 
@@ -521,6 +527,8 @@ impl ControlTask {
         if self.periodic_resync_at.is_some_and(|due| due <= now) {
             self.periodic_resync_at = Some(now + self.cluster.resync);
             self.periodic_resync(now).await;
+            // Backs up the notification of accepted removals, as the resync backs up changes.
+            self.apply_pending_acceptances().await;
         }
     }
 
@@ -828,6 +836,8 @@ pub async fn start(
     if task.sync_sources(&ChangeSet::everything()).await? {
         task.rebuild().await?;
     }
+    // An acceptance stored while no instance ran (or before a crash) is applied now.
+    task.apply_pending_acceptances().await;
     task.observer.prime(&task.sources);
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();

@@ -16,7 +16,9 @@ use super::{ControlError, ControlTask, RefreshAnswer};
 use crate::discovery::lifecycle::{self, Transition};
 use crate::discovery::runner::{self, RefreshOutcome, RunnerHandle, RunnerSpec};
 use crate::discovery::{self, reconcile};
-use crate::model::{DiscoverySource, Id, SourceProgress, SourceState, TargetChange};
+use crate::model::{
+    DiscoverySource, Id, RemovalAcceptance, SourceProgress, SourceState, TargetChange,
+};
 use crate::store::{ChangeSet, StoreError};
 
 pub(super) struct SourceEntry {
@@ -31,6 +33,8 @@ pub(super) struct SourceEntry {
     lease_until: Option<tokio::time::Instant>,
     /// While the removal guard holds: when to read the registry again.
     pub(super) guard_reread_at: Option<DateTime<Utc>>,
+    /// The last acceptance of held removals this instance applied, for the source's events.
+    pub(super) acceptance: Option<RemovalAcceptance>,
 }
 
 impl SourceEntry {
@@ -164,6 +168,7 @@ impl ControlTask {
             runner: None,
             lease_until,
             guard_reread_at: None,
+            acceptance: None,
         };
         // Kept even when enforcing fails, so its loop and timers are not lost with the error.
         let outcome = self.enforce_enabled(&mut entry, true).await;
@@ -326,6 +331,7 @@ impl ControlTask {
             }
         };
         let mut changed = false;
+        let mut taken_over = Vec::new();
         for id in ids {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;
@@ -335,7 +341,10 @@ impl ControlTask {
                 entry.lease_until = Some(until);
                 if gained {
                     match self.take_over(&mut entry).await {
-                        Ok(source_changed) => changed |= source_changed,
+                        Ok(source_changed) => {
+                            changed |= source_changed;
+                            taken_over.push(id);
+                        }
                         Err(error) => {
                             tracing::error!(source_id = id, %error, "cannot take the discovery source over; retrying at the next lease round");
                             entry.let_go();
@@ -354,6 +363,11 @@ impl ControlTask {
             self.sources.insert(id, entry);
         }
         self.expire_leases();
+        // An acceptance the previous holder did not apply (it died, or missed the notification)
+        // is applied by the new one.
+        for id in taken_over {
+            self.accept_if_held(id).await;
+        }
         changed
     }
 

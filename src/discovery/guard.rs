@@ -152,6 +152,22 @@ pub fn judge(
     }
 }
 
+/// Whether an admin's acceptance releases `hold`, the hold now: `accepted` is the hold the
+/// request covered (the one stored when it was made). Only that same hold is released: it keeps
+/// its `since` (and holds no key it did not hold) while the same removals are answered again and
+/// across a takeover. A hold that began after the request (or restarted because a key went
+/// missing anew) is not, nor anything when the request saw none. `since` is compared for
+/// equality only: two holds' times may come from two gateways' clocks, so their order means
+/// nothing.
+pub fn acceptance_releases(accepted: Option<&GuardHold>, hold: Option<&GuardHold>) -> bool {
+    match (accepted, hold) {
+        (Some(accepted), Some(hold)) => {
+            hold.since == accepted.since && hold.held.iter().all(|key| accepted.held.contains(key))
+        }
+        _ => false,
+    }
+}
+
 /// More than `max_percent` of `active` and more than `min_endpoints`.
 fn too_many(removed: usize, active: usize, settings: &RemovalGuard) -> bool {
     removed > settings.min_endpoints as usize

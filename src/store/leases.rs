@@ -156,20 +156,6 @@ impl Store {
         Ok(())
     }
 
-    /// Passes an admin's acceptance of held removals to the instance holding the source's lease
-    /// (a notification on PostgreSQL). False when there is no other instance to pass it to
-    /// (SQLite).
-    pub async fn request_accept_by_holder(&self, source_id: Id) -> Result<bool, StoreError> {
-        let Backend::Postgres(pool) = &self.backend else {
-            return Ok(false);
-        };
-        sqlx::query("SELECT pg_notify('raahi_accept_removals', $1)")
-            .bind(source_id.to_string())
-            .execute(pool)
-            .await?;
-        Ok(true)
-    }
-
     /// The statement that reads a source's lease holder inside a refresh's transaction, locking
     /// the lease row on PostgreSQL so a takeover waits until this write is committed.
     pub(super) fn lease_fence_sql(&self) -> &'static str {

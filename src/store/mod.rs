@@ -23,6 +23,7 @@ macro_rules! on_pool {
     };
 }
 
+mod acceptances;
 mod canary;
 mod certificates;
 mod changes;
@@ -38,6 +39,7 @@ mod targets;
 #[path = "../../tests/common/postgres.rs"]
 mod test_postgres;
 mod tokens;
+pub use acceptances::{AcceptanceApplied, AcceptanceWrite, PendingAcceptance};
 pub use canary::{canary_key, CountsReport, JudgedCanary};
 pub use certificates::NewCertificate;
 pub use changes::{ChangePosition, ChangeSet, ConfigDelta, ServiceParts, CHANGE_LOG_RETENTION_MS};

@@ -24,7 +24,8 @@ macro_rules! save_progress_query {
     };
 }
 
-use super::rows::{SourceCountsRow, SourceRow, TargetRow};
+use super::acceptances::AcceptanceWrite;
+use super::rows::{time, SourceCountsRow, SourceRow, TargetRow};
 use super::{convert_all, found, now_ms, Page, Store, StoreError};
 use crate::model::{
     DiscoverySource, DiscoverySourceSpec, EndpointCounts, Id, SourceProgress, Target, TargetChange,
@@ -281,12 +282,47 @@ impl Store {
         changes: &[TargetChange],
         progress: Option<&SourceProgress>,
     ) -> Result<(), StoreError> {
-        if changes.is_empty() && progress.is_none() {
-            return Ok(());
+        self.write_source_changes(service_id, source_id, changes, progress, None)
+            .await
+            .map(drop)
+    }
+
+    /// Applies an admin's acceptance: drains what it releases, stores the progress and records
+    /// the request applied, in one transaction fenced by the lease, so the request is applied
+    /// once even if this instance dies or loses the lease meanwhile, and a failed write leaves
+    /// nothing to apply later. Returns when it was applied (None: a stored request replaced
+    /// meanwhile, which stays pending); NotFound when the source is gone.
+    pub async fn apply_acceptance(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+        progress: Option<&SourceProgress>,
+        acceptance: AcceptanceWrite<'_>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let applied_at = self
+            .write_source_changes(service_id, source_id, changes, progress, Some(acceptance))
+            .await?;
+        applied_at.map(time).transpose()
+    }
+
+    /// Returns when the acceptance was recorded applied, if one was written.
+    async fn write_source_changes(
+        &self,
+        service_id: Id,
+        source_id: Id,
+        changes: &[TargetChange],
+        progress: Option<&SourceProgress>,
+        acceptance: Option<AcceptanceWrite<'_>>,
+    ) -> Result<Option<i64>, StoreError> {
+        if changes.is_empty() && progress.is_none() && acceptance.is_none() {
+            return Ok(None);
         }
         let now = now_ms();
         let fence = self.lease_fence_sql();
-        on_pool!(self, |pool| {
+        let mark_applied = self.mark_applied_sql();
+        let applied_at_once = self.applied_at_once_sql();
+        let applied_at = on_pool!(self, |pool| {
             let mut transaction = pool.begin().await?;
             let holder: Option<String> = sqlx::query_scalar(fence)
                 .bind(source_id)
@@ -381,9 +417,40 @@ impl Store {
                     }
                 }
             }
+            let applied_at: Option<i64> = match &acceptance {
+                None => None,
+                Some(AcceptanceWrite::Mark(applied)) => {
+                    sqlx::query_scalar(&mark_applied)
+                        .bind(applied.released as i64)
+                        .bind(self.instance_id())
+                        .bind(source_id)
+                        .bind(applied.requested_at_ms)
+                        .fetch_optional(&mut *transaction)
+                        .await?
+                }
+                Some(AcceptanceWrite::AtOnce { hold, released }) => {
+                    let hold = hold.and_then(|hold| serde_json::to_string(hold).ok());
+                    let applied_at = sqlx::query_scalar(&applied_at_once)
+                        .bind(*released as i64)
+                        .bind(self.instance_id())
+                        .bind(source_id)
+                        .bind(hold)
+                        .fetch_optional(&mut *transaction)
+                        .await?;
+                    // The source is gone (deleted meanwhile): write nothing for it.
+                    if applied_at.is_none() {
+                        return Err(StoreError::NotFound {
+                            kind: "discovery source",
+                            id: source_id,
+                        });
+                    }
+                    applied_at
+                }
+            };
             transaction.commit().await?;
+            applied_at
         });
-        Ok(())
+        Ok(applied_at)
     }
 }
 

@@ -36,6 +36,7 @@ on_both_backends!(
     sources_refresh_results_and_counts,
     a_lease_has_one_holder_until_released_or_expired,
     a_refresh_from_an_instance_that_lost_the_lease_is_dropped,
+    an_acceptance_the_holder_could_not_apply_leaves_nothing_pending,
     stream_routes_and_certificates_conflict_the_same_way,
     the_change_log_names_what_each_write_touched,
     a_reader_behind_the_trimmed_log_reloads_everything,
@@ -486,6 +487,45 @@ async fn a_refresh_from_an_instance_that_lost_the_lease_is_dropped(kind: Kind) {
     .await
     .unwrap();
     assert_eq!(b.source_targets(source.id).await.unwrap().len(), 1);
+}
+
+async fn an_acceptance_the_holder_could_not_apply_leaves_nothing_pending(kind: Kind) {
+    use crate::store::AcceptanceWrite;
+    let (url, _dir) = fresh_url(kind).await;
+    let a = Store::connect_as(&url, "instance-a").await.unwrap();
+    let b = Store::connect_as(&url, "instance-b").await.unwrap();
+    let service = a.create_service(&service_spec("web")).await.unwrap();
+    let source = a
+        .create_source(service.id, &source_spec("registry"))
+        .await
+        .unwrap();
+    assert!(b
+        .take_source_lease(source.id, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let at_once = || AcceptanceWrite::AtOnce {
+        hold: None,
+        released: 0,
+    };
+    // `a` lost the lease: its admin's request is not stored for a later apply it was told failed.
+    let late = a
+        .apply_acceptance(service.id, source.id, &[], None, at_once())
+        .await
+        .unwrap_err();
+    assert!(late.is_lease_lost(), "{late:?}");
+    assert_eq!(a.removal_acceptance(source.id).await.unwrap(), None);
+    assert!(a.pending_acceptances().await.unwrap().is_empty());
+    // The holder's request is stored already applied, with the time it answers.
+    let applied_at = b
+        .apply_acceptance(service.id, source.id, &[], None, at_once())
+        .await
+        .unwrap()
+        .expect("the at-once write returns its time");
+    let stored = b.removal_acceptance(source.id).await.unwrap().unwrap();
+    assert_eq!(stored.released_at, Some(applied_at));
+    assert_eq!(stored.released_by.as_deref(), Some("instance-b"));
+    assert_eq!(stored.released, Some(0));
+    assert!(b.pending_acceptances().await.unwrap().is_empty());
 }
 
 async fn stream_routes_and_certificates_conflict_the_same_way(kind: Kind) {

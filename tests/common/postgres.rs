@@ -37,6 +37,70 @@ pub async fn create_database(server_url: &str) -> String {
     database_url(server_url, &name)
 }
 
+/// A new superuser role that may log in, for one gateway of a test, so the test can lock that
+/// gateway out of new connections ([`set_login`]) without touching the others. Returns the
+/// role's name and `database_url` with the role as its user.
+pub async fn login_role(database_url: &str) -> (String, String) {
+    let role = format!("raahi_role_{}", uuid::Uuid::new_v4().simple());
+    execute(database_url, &format!("CREATE ROLE {role} SUPERUSER LOGIN")).await;
+    let (scheme, rest) = database_url.split_once("://").expect("a URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    (role.clone(), format!("{scheme}://{role}@{host}"))
+}
+
+/// Lets `role` open connections again, or refuses its new ones (existing ones stay).
+pub async fn set_login(database_url: &str, role: &str, login: bool) {
+    let login = if login { "LOGIN" } else { "NOLOGIN" };
+    execute(database_url, &format!("ALTER ROLE {role} {login}")).await;
+}
+
+/// Ends every connection `role` has open (its pool's and its notification listener's), waiting
+/// until they are gone; how many there were. With [`set_login`] false first, the gateway of that
+/// role cannot reconnect meanwhile: its listener is down, and notifications sent now are lost.
+pub async fn terminate_connections(database_url: &str, role: &str) -> i64 {
+    let mut connection = sqlx::PgConnection::connect(database_url)
+        .await
+        .expect("connect to test PostgreSQL");
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM (SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
+          WHERE usename = $1 AND pid <> pg_backend_pid()) AS ended",
+    )
+    .bind(role)
+    .fetch_one(&mut connection)
+    .await
+    .expect("terminate connections");
+    let _ = connection.close().await;
+    ended
+}
+
+/// How many connections of `application_name` last ran a LISTEN (0 while its listener is down).
+pub async fn listeners(database_url: &str, application_name: &str) -> i64 {
+    let mut connection = sqlx::PgConnection::connect(database_url)
+        .await
+        .expect("connect to test PostgreSQL");
+    let count: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(application_name)
+    .fetch_one(&mut connection)
+    .await
+    .expect("count listeners");
+    let _ = connection.close().await;
+    count
+}
+
+async fn execute(database_url: &str, statement: &str) {
+    let mut connection = sqlx::PgConnection::connect(database_url)
+        .await
+        .expect("connect to test PostgreSQL");
+    sqlx::query(statement)
+        .execute(&mut connection)
+        .await
+        .unwrap_or_else(|error| panic!("{statement}: {error}"));
+    let _ = connection.close().await;
+}
+
 /// `server_url` with its database name replaced by `name`.
 fn database_url(server_url: &str, name: &str) -> String {
     let (base, query) = match server_url.split_once('?') {

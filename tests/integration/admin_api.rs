@@ -1875,3 +1875,94 @@ async fn a_changed_configured_admin_token_replaces_the_old_one() {
         "{tokens:?}"
     );
 }
+
+/// A viewer reads a source's status (what the dashboard shows as refresh times) but never the
+/// source itself, whose `config` may hold registry credentials; the status carries none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewer_reads_a_sources_status_but_never_its_config() {
+    let gateway = TestGateway::start().await;
+    let registry = common::registry::Registry::start().await;
+    registry.set_raw(503, "text/plain", "down for maintenance");
+    let service = gateway
+        .create("/api/v1/services", json!({"name": "disc"}))
+        .await;
+    let secret = "s3cret-registry-token";
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({
+                "name": "registry",
+                "provider": "http",
+                "config": {
+                    "url": registry.url(&format!("/v1/endpoints?token={secret}")),
+                    "headers": {"Authorization": format!("Bearer {secret}")},
+                    "interval_ms": 200,
+                },
+            }),
+        )
+        .await;
+    let (code, created) = gateway
+        .api(
+            "POST",
+            "/api/v1/tokens",
+            Some(json!({"name": "status-reader", "role": "viewer"})),
+        )
+        .await;
+    assert_eq!(code, StatusCode::CREATED, "{created}");
+    let viewer = created["token"].as_str().expect("a token").to_owned();
+    let status_path = format!("/api/v1/discovery-sources/{source}/status");
+    let status = wait_until(
+        "the first refresh failed",
+        std::time::Duration::from_secs(10),
+        || async {
+            let (code, body) = gateway
+                .api_as(Some(&viewer), "GET", &status_path, None)
+                .await;
+            assert_eq!(code, StatusCode::OK, "viewer GET {status_path}: {body}");
+            if body["last_error"].is_string() && body["last_refresh_at"].is_string() {
+                Ok(body)
+            } else {
+                Err(body)
+            }
+        },
+    )
+    .await;
+    assert!(status.get("config").is_none(), "{status}");
+    assert!(status["next_refresh_at"].is_string(), "{status}");
+    assert!(!status.to_string().contains(secret), "{status}");
+
+    let refused = [
+        ("GET", format!("/api/v1/discovery-sources/{source}")),
+        (
+            "GET",
+            format!("/api/v1/services/{service}/discovery-sources"),
+        ),
+        (
+            "POST",
+            format!("/api/v1/discovery-sources/{source}/refresh"),
+        ),
+        (
+            "POST",
+            format!("/api/v1/discovery-sources/{source}/accept-removals"),
+        ),
+    ];
+    for (method, path) in refused {
+        let answer = gateway.api_as(Some(&viewer), method, &path, None).await;
+        assert_error(
+            &format!("viewer {method} {path}"),
+            &answer,
+            403,
+            "forbidden",
+            None,
+        );
+    }
+    let missing = gateway
+        .api_as(
+            Some(&viewer),
+            "GET",
+            "/api/v1/discovery-sources/9999/status",
+            None,
+        )
+        .await;
+    assert_eq!(missing.0, StatusCode::NOT_FOUND, "{}", missing.1);
+}

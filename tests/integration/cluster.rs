@@ -67,6 +67,16 @@ fn registry_endpoint(key: &str, upstream: &Upstream) -> Value {
 
 /// A service with a catch-all route and an `http` source on `registry`, created through `via`.
 async fn discovered_service(via: &TestGateway, registry: &Registry, interval_ms: u64) -> i64 {
+    discovered_service_with_grace(via, registry, interval_ms, 500).await
+}
+
+/// [`discovered_service`] whose drained targets stay `grace_ms` before they are deleted.
+async fn discovered_service_with_grace(
+    via: &TestGateway,
+    registry: &Registry,
+    interval_ms: u64,
+    grace_ms: u64,
+) -> i64 {
     let service = via
         .create("/api/v1/services", json!({"name": "disc"}))
         .await;
@@ -81,7 +91,7 @@ async fn discovered_service(via: &TestGateway, registry: &Registry, interval_ms:
             "name": "registry",
             "provider": "http",
             "config": {"url": registry.url("/v1/endpoints"), "interval_ms": interval_ms, "timeout_ms": 500},
-            "removal_grace_ms": 500,
+            "removal_grace_ms": grace_ms,
         }),
     )
     .await
@@ -603,6 +613,200 @@ async fn accepting_held_removals_on_either_instance_reaches_the_one_that_refresh
         )
         .await;
     assert_eq!(accepted.refreshed_by, Some(holder), "{accepted}");
+}
+
+/// A service whose `http` source the registry just emptied, its default guard holding all three
+/// targets, drained ones kept `grace_ms`: the service, the source and the instance holding its
+/// lease.
+async fn held_source(
+    via: &TestGateway,
+    registry: &Registry,
+    upstreams: &[Upstream],
+    grace_ms: u64,
+) -> (i64, i64, String) {
+    registry.set_json(Value::Array(
+        ["h1", "h2", "h3"]
+            .iter()
+            .zip(upstreams)
+            .map(|(key, upstream)| registry_endpoint(key, upstream))
+            .collect(),
+    ));
+    let service = discovered_service_with_grace(via, registry, 200, grace_ms).await;
+    let source = via
+        .api(
+            "GET",
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            None,
+        )
+        .await
+        .1["items"][0]["id"]
+        .as_i64()
+        .expect("a source id");
+    via.wait_source_status(source, "3 active", WAIT, |s| s.endpoints.active == 3)
+        .await;
+    registry.set_json(json!([]));
+    let held = via
+        .wait_source_status(source, "the guard holding 3", WAIT, |s| {
+            s.guard.as_ref().is_some_and(|guard| guard.holding == 3)
+        })
+        .await;
+    (service, source, held.refreshed_by.expect("a holder"))
+}
+
+/// `POST …/accept-removals` through `via`, which must pass it on (202).
+async fn accept_passed_on(via: &TestGateway, source: i64) -> Value {
+    let (status, answer) = via
+        .api(
+            "POST",
+            &format!("/api/v1/discovery-sources/{source}/accept-removals"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{answer}");
+    assert!(answer["released"].is_null(), "{answer}");
+    assert!(answer["released_at"].is_null(), "{answer}");
+    let pending = &answer["status"]["removal_acceptance"];
+    assert!(pending["requested_at"].is_string(), "{answer}");
+    assert!(
+        pending["released_at"].is_null(),
+        "stored, not applied yet: {answer}"
+    );
+    answer
+}
+
+/// Waits until `holder` applied the acceptance: the hold ended, the three targets drain, and
+/// the status says when and by whom.
+async fn wait_released_by(via: &TestGateway, source: i64, holder: &str) -> SourceStatus {
+    let released = via
+        .wait_source_status(source, "the accepted removals released", WAIT, |s| {
+            s.guard.is_none()
+                && s.endpoints.active == 0
+                && s.json["removal_acceptance"]["released_at"].is_string()
+        })
+        .await;
+    let record = &released.json["removal_acceptance"];
+    assert_eq!(record["released"], 3, "{released}");
+    assert_eq!(record["released_by"], holder, "{released}");
+    let time = |field: &str| {
+        chrono::DateTime::parse_from_rfc3339(record[field].as_str().unwrap_or_default())
+            .unwrap_or_else(|error| panic!("{field}: {error}: {released}"))
+    };
+    assert!(time("released_at") >= time("requested_at"), "{released}");
+    released
+}
+
+/// The lease of the reconnect test: long, so the holder's lease cannot lapse while it cannot
+/// reach the database (a lapse would make it take the source over again, and that takeover, not
+/// the reconnect, would apply the request).
+const RECONNECT_LEASE_MS: u64 = 10_000;
+
+/// The holder's notification listener is down when another instance takes the acceptance (its
+/// NOTIFY is lost): the request is stored, and the holder applies it once it listens again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_whose_notification_was_lost_applies_after_the_listener_reconnects() {
+    let database = postgres::fresh_database().await;
+    let mut instances = Vec::new();
+    let mut roles = HashMap::new();
+    for id in ["gw-a", "gw-b"] {
+        let (role, url) = postgres::login_role(&database).await;
+        roles.insert(id, role);
+        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+        let config = cluster_config(&url, id, RECONNECT_LEASE_MS);
+        instances.push(TestGateway::start_with(dir, config).await);
+    }
+    let (b, a) = (instances.pop().unwrap(), instances.pop().unwrap());
+    let upstreams: Vec<Upstream> =
+        futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
+    let registry = Registry::start().await;
+    let (_, source, holder) = held_source(&a, &registry, &upstreams, 500).await;
+    let other = if holder == "gw-a" { &b } else { &a };
+    let role = &roles[holder.as_str()];
+
+    // The holder's connections are cut and it cannot reconnect for a moment (well within its
+    // lease): its listener is down when the request's notification is sent.
+    assert_eq!(postgres::listeners(&database, &holder).await, 1);
+    let cut = Instant::now();
+    postgres::set_login(&database, role, false).await;
+    assert!(postgres::terminate_connections(&database, role).await >= 1);
+    assert_eq!(postgres::listeners(&database, &holder).await, 0);
+    accept_passed_on(other, source).await;
+    let waiting = other.source_status(source).await;
+    postgres::set_login(&database, role, true).await;
+    assert!(
+        waiting.guard.is_some(),
+        "nobody heard the request: {waiting}"
+    );
+
+    wait_until("the holder listens again", WAIT, || async {
+        postgres::listeners(&database, &holder).await == 1
+    })
+    .await;
+    let released = wait_released_by(other, source, &holder).await;
+    // The holder renews every third of a lease, so the lease it held at the cut lasts at least
+    // two thirds of one past it: released before that, it never lapsed, so neither this holder
+    // (anew) nor the other instance took the source over; the reconnect's look applied it.
+    let within = Duration::from_millis(RECONNECT_LEASE_MS * 3 / 5);
+    assert!(
+        cut.elapsed() < within,
+        "released {:?} after the cut, not within {within:?}: a takeover may have applied it",
+        cut.elapsed()
+    );
+    assert_eq!(
+        released.refreshed_by.as_deref(),
+        Some(holder.as_str()),
+        "no takeover: {released}"
+    );
+}
+
+/// The holder dies before it applies an acceptance: the instance that takes the source over
+/// applies it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_the_holder_never_applied_is_applied_by_the_next_holder() {
+    let database = postgres::fresh_database().await;
+    let (a, b) = two_instances(&database).await;
+    let upstreams: Vec<Upstream> =
+        futures_util::future::join_all(["h1", "h2", "h3"].map(Upstream::start)).await;
+    let registry = Registry::start().await;
+    // Drained targets stay a minute: a second application would drain them again, later.
+    let (service, source, holder) = held_source(&a, &registry, &upstreams, 60_000).await;
+    let (mut dying, survivor, survivor_id) = if holder == "gw-a" {
+        (a, b, "gw-b")
+    } else {
+        (b, a, "gw-a")
+    };
+    // No goodbye: its lease runs out on its own, and the notification reaches nobody.
+    dying.gateway.take().expect("running").abort();
+    accept_passed_on(&survivor, source).await;
+
+    let released = wait_released_by(&survivor, source, survivor_id).await;
+    assert_eq!(
+        released.refreshed_by.as_deref(),
+        Some(survivor_id),
+        "{released}"
+    );
+    // Applied once: the targets it drained are not drained again by later lease rounds.
+    let drained = || async {
+        let (_, targets) = survivor
+            .api("GET", &format!("/api/v1/services/{service}/targets"), None)
+            .await;
+        targets["items"].as_array().cloned().unwrap_or_default()
+    };
+    let first = drained().await;
+    assert_eq!(first.len(), 3, "{first:?}");
+    for target in &first {
+        assert_eq!(target["state"], "draining", "{target}");
+        assert!(target["remove_at"].is_string(), "{target}");
+    }
+    let record = released.json["removal_acceptance"].clone();
+    holds_for(
+        "the drained targets and the record stay as the one application left them",
+        Duration::from_millis(2 * LEASE_MS),
+        || async {
+            drained().await == first
+                && survivor.source_status(source).await.json["removal_acceptance"] == record
+        },
+    )
+    .await;
 }
 
 /// `raahi_control_reloads_total{kind=...}` of one instance.

@@ -2400,3 +2400,209 @@ async fn a_canary_shows_its_progress_and_decisions_live() {
     browser.screenshot("canary-phone").await;
     browser.close().await;
 }
+
+/// The lines an address takes in the first "Recent changes" entry that names it (null while no
+/// entry does): 1 when it is whole, 2 when it breaks in the middle.
+const ADDRESS_LINES_JS: &str = "\
+    const address = arguments[0]; \
+    const subject = [...document.querySelectorAll('[data-testid=\"activity\"] .activity-subject')] \
+      .find(span => span.textContent === address); \
+    if (!subject) return null; \
+    const range = document.createRange(); \
+    range.selectNodeContents(subject); \
+    const tops = [...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)); \
+    return new Set(tops).size;";
+
+/// What a viewer's service page shows of a source: its last refresh time and its schedule.
+fn source_times_js(source: i64) -> String {
+    format!(
+        "const card = document.querySelector('[data-testid=\"source-{source}\"]'); \
+         if (!card) return null; \
+         const dd = name => {{ const row = [...card.querySelectorAll('dt')] \
+           .find(dt => dt.textContent === name); return row ? row.nextElementSibling : null; }}; \
+         const last = dd('Last refresh')?.querySelector('time')?.getAttribute('datetime') ?? null; \
+         const schedule = dd('Schedule')?.textContent ?? null; "
+    )
+}
+
+/// Seen in a real browser (issue 38): on a service page a target's address in "Recent changes"
+/// stays on one line; the header names a health check added through the API without a reload;
+/// a viewer sees exact refresh times (the source's status, read as admins do), not estimates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewer_sees_whole_addresses_a_new_health_check_and_exact_refresh_times() {
+    let gateway = TestGateway::start().await;
+    let upstreams = [Switchable::start().await, Switchable::start().await];
+    let service = gateway
+        .service_with_targets(
+            "plain",
+            &[upstreams[0].target(100, 0), upstreams[1].target(100, 0)],
+        )
+        .await;
+    gateway.route_all_to(service).await;
+    let other = Switchable::start().await;
+    let registry = Registry::start().await;
+    registry.set_json(json!([
+        {"key": "plain-r", "host": "127.0.0.1", "port": other.addr.port()},
+    ]));
+    let source = gateway
+        .create(
+            &format!("/api/v1/services/{service}/discovery-sources"),
+            json!({
+                "name": "plain-registry",
+                "provider": "http",
+                "config": {"url": registry.url("/v1/endpoints"), "interval_ms": 3000},
+            }),
+        )
+        .await;
+    let viewer = viewer_token(&gateway, "viewer").await;
+    let browser = Browser::start().await;
+    sign_in(&browser, &gateway, &viewer).await;
+    browser
+        .goto(&gateway.admin_url(&format!("/ui/#/services/{service}")))
+        .await;
+    let header = |expected: &str| {
+        format!(
+            "{}return shown[0] !== null && shown[0].startsWith({expected:?}) ? shown[0] : null;",
+            service_stats_js(&["Health checks"])
+        )
+    };
+    browser
+        .wait_for("the header without checks", WAIT, &header("none"))
+        .await;
+    browser
+        .wait_for(
+            "three target rows",
+            WAIT,
+            "return document.querySelectorAll('[data-testid^=\"target-row-\"]').length === 3;",
+        )
+        .await;
+
+    // A target disabled through the API: its address stays whole in "Recent changes".
+    let targets = gateway.targets(service).await;
+    let first = targets
+        .iter()
+        .find(|t| t.port == upstreams[0].addr.port())
+        .expect("the first target");
+    let address = format!("127.0.0.1:{}", upstreams[0].addr.port());
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/targets/{}", first.id),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let lines = browser
+        .wait_for(
+            "the change naming the address",
+            WAIT,
+            &format!("return (function () {{ {ADDRESS_LINES_JS} }})();")
+                .replace("arguments[0]", &format!("{address:?}")),
+        )
+        .await;
+    browser
+        .eval("document.querySelector('[data-testid=\"activity\"]').scrollIntoView(); return true;")
+        .await;
+    browser.screenshot("viewer-recent-changes").await;
+    assert_eq!(lines, 1, "{address} breaks across lines in Recent changes");
+
+    // An address wider than its column (a narrow window) breaks between its groups and stays
+    // inside its column.
+    browser.resize(360, 800).await;
+    let long_host = "ffff:ffff:ffff:ffff:ffff:ffff:ffff:fffe";
+    let long = gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": long_host, "port": 65535}),
+        )
+        .await;
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/targets/{long}"),
+            Some(json!({"enabled": false})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let long_address = format!("[{long_host}]:65535");
+    let fits = browser
+        .wait_for(
+            "the change naming the long address",
+            WAIT,
+            &format!(
+                "const subject = [...document.querySelectorAll('[data-testid=\"activity\"] \
+                   .activity-subject')].find(span => span.textContent === {long_address:?}); \
+                 if (!subject) return null; \
+                 const column = subject.parentElement.getBoundingClientRect(); \
+                 const own = subject.getBoundingClientRect(); \
+                 return {{ inside: own.right <= column.right + 1, \
+                   lines: new Set([...subject.getClientRects()].map(r => Math.round(r.top))).size }};"
+            ),
+        )
+        .await;
+    assert_eq!(
+        fits["inside"], true,
+        "{long_address} overflows its column: {fits}"
+    );
+    assert!(
+        fits["lines"].as_u64() > Some(1),
+        "{long_address} should wrap: {fits}"
+    );
+    browser.resize(1280, 900).await;
+    let (status, body) = gateway
+        .api("DELETE", &format!("/api/v1/targets/{long}"), None)
+        .await;
+    assert!(status.is_success(), "{body}");
+
+    // A health check added through the API: the rows show its results and the header names
+    // it, without a reload.
+    let (status, body) = gateway
+        .api(
+            "PATCH",
+            &format!("/api/v1/services/{service}"),
+            Some(
+                json!({"health_check": {"path": "/health", "interval_ms": 200,
+                         "timeout_ms": 500, "healthy_threshold": 1, "unhealthy_threshold": 2}}),
+            ),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    browser
+        .wait_for(
+            "a row showing a check result",
+            WAIT,
+            "return [...document.querySelectorAll('[data-testid^=\"target-row-\"]')] \
+               .some(row => row.getAttribute('data-health') === 'healthy');",
+        )
+        .await;
+    browser
+        .wait_for("the header naming the check", WAIT, &header("HTTP"))
+        .await;
+
+    // Refreshes that change nothing send no event: the viewer's page reads the status, so the
+    // last refresh moves on and the schedule names the next one.
+    let first_seen = browser
+        .wait_for(
+            "the source's last refresh",
+            WAIT,
+            &format!("{}return last;", source_times_js(source)),
+        )
+        .await;
+    let later = browser
+        .wait_for(
+            "a later refresh, exact",
+            WAIT,
+            &format!(
+                "{}return last !== null && Date.parse(last) > Date.parse({first_seen}) \
+                   && schedule.startsWith('next refresh') ? [last, schedule] : null;",
+                source_times_js(source)
+            ),
+        )
+        .await;
+    browser.screenshot("viewer-source-times").await;
+    assert!(
+        later[1].as_str().unwrap().starts_with("next refresh"),
+        "{later}"
+    );
+    browser.close().await;
+}

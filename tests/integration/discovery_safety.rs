@@ -290,11 +290,25 @@ async fn most_srv_records_removed_at_once_are_held_until_an_admin_accepts() {
     assert!(accepted["status"]["guard"].is_null(), "{accepted}");
     let status = SourceStatus::read(accepted["status"].clone());
     assert_eq!(counts(&status), (2, 3), "{accepted}");
+    // The answer says when the hold ended, and the status keeps it.
+    let recorded = &accepted["status"]["removal_acceptance"];
+    assert!(accepted["released_at"].is_string(), "{accepted}");
+    assert_eq!(
+        recorded["released_at"], accepted["released_at"],
+        "{accepted}"
+    );
+    assert_eq!(recorded["released"], 3, "{accepted}");
+    let later = gateway.source_status(source).await;
+    assert_eq!(&later.json["removal_acceptance"], recorded, "{later}");
     assert_eq!(serving(&gateway, 10).await, names(&["s1", "s2"]));
 
     // Nothing is held any more: accepting again releases nothing.
     let (code, again) = accept(&gateway, source).await;
     assert_eq!((code, &again["released"]), (200, &json!(0)), "{again}");
+    assert_eq!(
+        again["status"]["removal_acceptance"]["released"], 0,
+        "{again}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

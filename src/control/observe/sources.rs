@@ -83,6 +83,7 @@ impl Observer {
                 .copied()
                 .unwrap_or_default(),
             refreshed_by: entry.holds_lease().then(|| self.instance_id.clone()),
+            removal_acceptance: entry.acceptance.clone(),
         }
     }
 }

@@ -527,3 +527,46 @@ fn a_hold_whose_targets_all_went_down_is_released() {
     assert_eq!(second.hold, None);
     assert!(second.endpoints.is_empty(), "they drain");
 }
+
+#[test]
+fn an_acceptance_releases_the_hold_it_saw_and_never_a_later_one() {
+    let current = targets(4);
+    let first = judge(Some(&guard()), &current, &answer(&["k1"]), None, up, at(0));
+    let seen = first.hold.clone().expect("held");
+    // The same removals answered again: the same hold (same `since`), released.
+    let again = judge(
+        Some(&guard()),
+        &current,
+        &answer(&["k1"]),
+        Some(&seen),
+        up,
+        at(1_000),
+    );
+    let still = again.hold.expect("still held");
+    assert_eq!(still.since, seen.since);
+    assert!(acceptance_releases(Some(&seen), Some(&still)));
+    // A key missing anew restarts the hold after the request: not released by it.
+    let grown = judge(
+        Some(&guard()),
+        &current,
+        &answer(&[]),
+        Some(&still),
+        up,
+        at(2_000),
+    )
+    .hold
+    .expect("held again");
+    assert!(grown.since > seen.since);
+    assert!(!acceptance_releases(Some(&seen), Some(&grown)));
+    // A later hold stamped by a gateway whose clock lags (after a takeover): still not released.
+    let mut lagging = grown.clone();
+    lagging.since = seen.since - chrono::Duration::seconds(5);
+    assert!(!acceptance_releases(Some(&seen), Some(&lagging)));
+    // The same time but a key the request never saw held: not the hold it covered.
+    let mut wider = still.clone();
+    wider.held.push("k-other".into());
+    assert!(!acceptance_releases(Some(&seen), Some(&wider)));
+    // A request that saw no hold releases none; nothing held, nothing released.
+    assert!(!acceptance_releases(None, Some(&still)));
+    assert!(!acceptance_releases(Some(&seen), None));
+}
