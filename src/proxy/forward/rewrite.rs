@@ -106,10 +106,8 @@ pub(super) struct Outgoing {
     /// the request goes over HTTP/1.1 on the target's own pool rather than a pool (and an
     /// HTTP/2 connection for its `:authority`) per value a client chooses.
     pub host_from_client: bool,
-    /// The client may go away (an HTTP/2 stream reset, an HTTP/1.1 connection closed) while the
-    /// request is with a target: the exchange then finishes on its own, so the upstream
-    /// connection goes back to its pool rather than being closed. Not for an upgrade, whose
-    /// answer never ends.
+    /// The client may cancel the request (an HTTP/2 stream reset) while it is with a target:
+    /// the exchange then finishes on its own, so the connection is kept, not thrown away.
     pub finish_if_abandoned: bool,
     /// The route's `max_request_body_bytes`, named when a streaming body goes past it.
     pub body_limit: Option<u64>,
@@ -232,10 +230,7 @@ pub(super) fn prepare(
         host_from_target,
         upgrade,
         host_from_client,
-        // A load generator stopping, or clients timing out, close HTTP/1.1 connections with
-        // requests in flight: closing the upstream connection of each cost a reconnect per
-        // request so cut (issue 38: 25-100 a 5 s benchmark run, where NGINX opened 0-5).
-        finish_if_abandoned: parts.version == Version::HTTP_2 || !upgrade,
+        finish_if_abandoned: parts.version == Version::HTTP_2,
         body_limit: route.route.max_request_body_bytes,
         body,
     }
