@@ -416,6 +416,7 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
             .push(target);
     }
     let mut new_targets: Vec<(Id, &TargetSpec)> = Vec::new();
+    let mut undeclared_targets: Vec<Id> = Vec::new();
     let mut sources_by_service: HashMap<Id, Vec<&DiscoverySource>> = HashMap::new();
     for (source, _) in &sources {
         sources_by_service
@@ -483,7 +484,7 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
             let declared_here =
                 declared_addresses.contains(&(existing.host.as_str(), existing.port));
             if !declared_here && existing.managed_by.as_deref() == Some(MANAGER) {
-                store.delete_target(existing.id).await?;
+                undeclared_targets.push(existing.id);
                 report
                     .deleted
                     .push(format!("target {name}/{}:{}", existing.host, existing.port));
@@ -531,7 +532,12 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         }
     }
 
+    // Replacements exist before what they replace goes: a target whose address changed in the
+    // file is never missing from the service meanwhile.
     store.create_managed_targets(&new_targets, MANAGER).await?;
+    for id in undeclared_targets {
+        store.delete_target(id).await?;
+    }
 
     let stored_routes: HashMap<&str, &Route> = current
         .routes

@@ -79,12 +79,11 @@ impl ChangeMarks {
         };
         let bit = 1u64 << (slot % WORD_BITS);
         let word = &words[(slot % BLOCK_SLOTS) / WORD_BITS];
-        // Already set: the control task has not looked since, and will.
-        if word.load(Ordering::Relaxed) & bit != 0 {
-            return;
-        }
-        // Release pairs with the control task's acquiring swap: the state moved before the bit
-        // is visible with it.
+        // Always a read-modify-write, even when the bit looks set: it is ordered with the
+        // control task's swap on the same word, so either the swap sees this move's state
+        // (Release pairs with its Acquire) or the bit stays set for its next look. An early
+        // return on a plain load could see the bit just before the swap cleared it and lose
+        // the move. Moves are rare next to picks, so the cost does not matter.
         word.fetch_or(bit, Ordering::Release);
         self.summary[block / WORD_BITS].fetch_or(1 << (block % WORD_BITS), Ordering::Release);
     }

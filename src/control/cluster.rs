@@ -109,10 +109,11 @@ async fn listen(pool: PgPool, instance_id: String, events: mpsc::Sender<ClusterE
             tracing::info!("listening for configuration changes again; resyncing");
         }
         backoff = RECONNECT_BACKOFF_START;
-        // Whatever changed while nobody listened is read now: before the first listen, from the
-        // change log since the start's read of the same database; after a lost connection,
-        // everything.
-        let catch_up = if listened {
+        // Whatever changed while nobody listened is read now: at a first listen that came at
+        // once, from the change log since the start's read of the same database; after a lost
+        // connection or first attempts that failed (the database may have been replaced
+        // meanwhile, as in a failover), everything.
+        let catch_up = if listened || was_lost {
             ClusterEvent::Resync
         } else {
             ClusterEvent::Changed
