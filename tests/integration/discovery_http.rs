@@ -441,11 +441,6 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
             None,
         ),
         (
-            "GET",
-            format!("/api/v1/discovery-sources/{source}/status"),
-            None,
-        ),
-        (
             "POST",
             format!("/api/v1/discovery-sources/{source}/refresh"),
             None,
@@ -468,6 +463,24 @@ async fn source_resources_are_admin_only_and_providers_are_open_to_viewers() {
             answer.1
         );
     }
+    // A source's status carries no config: viewers read it (the dashboard's refresh times),
+    // anonymous callers do not.
+    let status_path = format!("/api/v1/discovery-sources/{source}/status");
+    let answer = gateway.api_as(viewer, "GET", &status_path, None).await;
+    assert_eq!(
+        answer.0,
+        StatusCode::OK,
+        "viewer GET {status_path}: {}",
+        answer.1
+    );
+    assert!(answer.1.get("config").is_none(), "{}", answer.1);
+    let answer = gateway.api_as(None, "GET", &status_path, None).await;
+    assert_eq!(
+        answer.0,
+        StatusCode::UNAUTHORIZED,
+        "anonymous GET {status_path}: {}",
+        answer.1
+    );
     // Nothing changed.
     assert_eq!(
         gateway
