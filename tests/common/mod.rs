@@ -320,6 +320,8 @@ pub struct Upstream {
     /// Bytes of request bodies received, streamed and counted.
     pub body_bytes: Arc<AtomicU64>,
     stop: watch::Sender<bool>,
+    /// True once the listener and every open connection are closed.
+    closed: watch::Receiver<bool>,
 }
 
 impl Upstream {
@@ -340,6 +342,7 @@ impl Upstream {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let body_bytes = Arc::new(AtomicU64::new(0));
         let (stop, mut stopped) = watch::channel(false);
+        let (closing, closed) = watch::channel(false);
         let upstream = Upstream {
             name: name.to_owned(),
             addr,
@@ -347,6 +350,7 @@ impl Upstream {
             seen: seen.clone(),
             body_bytes: body_bytes.clone(),
             stop,
+            closed,
         };
         let name = Arc::new(name.to_owned());
         tokio::spawn(async move {
@@ -377,9 +381,14 @@ impl Upstream {
                 }));
             }
             // Stopping closes every open connection too, as a killed process would.
-            for connection in connections {
+            for connection in &connections {
                 connection.abort();
             }
+            for connection in connections {
+                let _ = connection.await;
+            }
+            drop(listener);
+            let _ = closing.send(true);
         });
         upstream
     }
@@ -400,6 +409,14 @@ impl Upstream {
     /// Stops listening and drops open connections.
     pub fn stop(&self) {
         let _ = self.stop.send(true);
+    }
+
+    /// Stops, and returns once the listener and every open connection are closed: no request
+    /// sent after it can reach this upstream.
+    pub async fn stop_and_wait(&self) {
+        self.stop();
+        let mut closed = self.closed.clone();
+        let _ = closed.wait_for(|closed| *closed).await;
     }
 }
 

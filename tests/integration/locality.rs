@@ -185,7 +185,7 @@ async fn requests_stay_in_zone_spill_over_below_the_threshold_and_come_back() {
     );
 
     // One of three down: 66 % < 70 %, every zone takes requests.
-    a1.stop();
+    a1.stop_and_wait().await;
     let view = wait_split(&gateway, service, "all_zones", Some((2, 3))).await;
     assert_eq!(
         view["reason"],
@@ -256,7 +256,7 @@ async fn a_zone_with_every_target_down_spills_over_at_once() {
     .await;
     wait_split(&gateway, service, "zone_only", Some((1, 1))).await;
     assert_eq!(answers(&gateway, 50).await.get("a1"), Some(&50));
-    a1.stop();
+    a1.stop_and_wait().await;
     // Every request is answered: a connect failure retries on another zone's target, and the
     // ejection it causes takes the zone below its threshold.
     let counts = answers(&gateway, 200).await;
