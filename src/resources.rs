@@ -544,6 +544,8 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         .iter()
         .map(|route| (route.name.as_str(), route))
         .collect();
+    // New routes, like new targets, are written in one batch after the loop.
+    let mut new_routes: Vec<RouteSpec> = Vec::new();
     for declared in &resources.routes {
         let label = format!("route {}", declared.spec.name);
         let id_of = |service: &String| {
@@ -567,8 +569,8 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
         }
         match stored_routes.get(spec.name.as_str()) {
             None => {
-                let new = store.create_route(&spec).await?;
-                created(store, &mut report, ManagedKind::Route, new.id, label).await?;
+                new_routes.push(spec);
+                report.created.push(label);
             }
             Some(existing) => {
                 let differs = existing.spec() != spec;
@@ -584,6 +586,9 @@ pub async fn apply(store: &Store, resources: &Resources) -> Result<ApplyReport, 
             }
         }
     }
+
+    let new_routes: Vec<&RouteSpec> = new_routes.iter().collect();
+    store.create_managed_routes(&new_routes, MANAGER).await?;
 
     // What the file created and no longer declares: routes first, then their services.
     let declared_routes: HashSet<&str> = resources
@@ -650,6 +655,140 @@ mod tests {
         }
         text.push_str("[[routes]]\nname = \"r\"\nhosts = [\"a.test\"]\nservice = \"s1\"\n");
         text
+    }
+
+    const ROUTES: &str = r#"
+[[services]]
+name = "stable"
+[[services]]
+name = "canary"
+[[services]]
+name = "shadow"
+
+[[routes]]
+name = "split"
+hosts = ["a.test", "*.b.test"]
+path_prefix = "/api"
+methods = ["GET", "POST"]
+headers = [{ name = "x-env", value = "prod" }]
+backends = [{ service = "stable", weight = 3 }, { service = "canary", weight = 1, subset = { tag = "v2" } }]
+mirror = { service = "shadow", percent = 50 }
+canary = { backend = 1, steps = [10, 50, 100] }
+request_headers = { set = { "x-client" = "${client_ip}" } }
+rate_limit = { requests_per_second = 1000, key = { header = "X-Api-Key" } }
+max_in_flight = 50
+max_request_body_bytes = 4096
+request_buffer_bytes = 0
+upgrades = []
+priority = 7
+
+[[routes]]
+name = "plain"
+service = "stable"
+path_exact = "/p"
+preserve_host = true
+
+[[routes]]
+name = "mirrored"
+service = "canary"
+mirror = { service = "canary" }
+
+[[routes]]
+name = "old"
+path_prefix = "/old"
+redirect = { path = "/api", status = 308 }
+"#;
+
+    /// A route without its times, and its canary without the moment its interval began.
+    fn comparable(route: &crate::model::Route) -> crate::model::Route {
+        let mut route = route.clone();
+        route.created_at = chrono::DateTime::default();
+        route.updated_at = chrono::DateTime::default();
+        if let Some(status) = &mut route.canary_status {
+            status.interval_started_ms = 0;
+        }
+        route
+    }
+
+    /// The file's routes, written in one batch, are stored as the API stores them one by one:
+    /// every column and rule, their services (which then cannot be deleted), their canaries
+    /// with a first history entry.
+    #[tokio::test]
+    async fn routes_written_in_a_batch_equal_routes_written_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = |name: &str| format!("sqlite://{}/{name}.db", dir.path().display());
+        let batched = crate::store::Store::connect_as(&open("batched"), "test")
+            .await
+            .unwrap();
+        let resources = super::parse("r.toml", ROUTES).unwrap();
+        let report = super::apply(&batched, &resources).await.unwrap();
+        assert_eq!(
+            report.created[3..],
+            ["route split", "route plain", "route mirrored", "route old"]
+        );
+
+        let single = crate::store::Store::connect_as(&open("single"), "test")
+            .await
+            .unwrap();
+        for declared in &resources.services {
+            single.create_service(&declared.spec).await.unwrap();
+        }
+        let ids = single.load_routing_config().await.unwrap().services;
+        let id_of = |name: &String| ids.iter().find(|s| &s.name == name).unwrap().id;
+        for declared in &resources.routes {
+            let mut spec = declared.spec.clone();
+            for (backend, name) in spec.backends.iter_mut().zip(&declared.backend_services) {
+                backend.service_id = id_of(name);
+            }
+            if let (Some(mirror), Some(name)) = (&mut spec.mirror, &declared.mirror_service) {
+                mirror.service_id = id_of(name);
+            }
+            let route = single.create_route(&spec).await.unwrap();
+            single
+                .set_managed_by(super::ManagedKind::Route, route.id, Some(super::MANAGER))
+                .await
+                .unwrap();
+        }
+
+        let routes_of = |config: crate::model::RoutingConfig| {
+            config.routes.iter().map(comparable).collect::<Vec<_>>()
+        };
+        let stored = routes_of(batched.load_routing_config().await.unwrap());
+        assert_eq!(
+            stored,
+            routes_of(single.load_routing_config().await.unwrap())
+        );
+        assert!(stored[0].canary_status.is_some(), "{:?}", stored[0]);
+        for route in &stored {
+            let history = |store: crate::store::Store| async move {
+                let history = store.canary_history(route.id, 10).await.unwrap();
+                history
+                    .into_iter()
+                    .map(|decision| (decision.round, decision.state, decision.weight))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(
+                history(batched.clone()).await,
+                history(single.clone()).await
+            );
+        }
+        assert_eq!(
+            batched
+                .canary_history(stored[0].id, 10)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+        // route_services holds the mirror's service: it cannot be deleted under the route.
+        let shadow = stored[0].mirror.as_ref().unwrap().service_id;
+        let refused = batched.delete_service(shadow).await.unwrap_err();
+        assert!(
+            matches!(refused, crate::store::StoreError::Conflict { .. }),
+            "{refused:?}"
+        );
+        let report = super::apply(&batched, &resources).await.unwrap();
+        assert_eq!(report.unchanged.len(), 7, "{report}");
     }
 
     #[tokio::test]

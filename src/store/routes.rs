@@ -2,12 +2,20 @@
 //! beyond the original columns are one JSON document (`rules`); `route_services` lists every
 //! service a route sends to (backends and mirror) so that one in use cannot be deleted.
 
+use std::collections::HashMap;
+
 use super::rows::{RouteRow, RouteRules, ROUTE_SELECT};
 use super::{
     convert_all, foreign_key, found, json_text, now_ms, unique_name_conflict, Page, Store,
     StoreError,
 };
 use crate::model::{Id, Route, RouteSpec};
+
+/// Rows per multi-row INSERT of routes: 15 binds each stays far below SQLite's 32,766 and
+/// PostgreSQL's 65,535 bind parameters per statement.
+const ROUTES_PER_INSERT: usize = 1_000;
+/// Rows per multi-row INSERT of `route_services` (2 binds each).
+const ROUTE_SERVICES_PER_INSERT: usize = 5_000;
 
 /// Stores a route's columns and its `route_services` in one transaction; `$id` None inserts.
 /// Gives the route's id, or None when the route to update does not exist.
@@ -121,6 +129,110 @@ impl Store {
         self.get_route(id).await
     }
 
+    /// Creates many routes at once, each marked as managed by `manager`, with their
+    /// `route_services` and canaries, in one transaction: all or none. Gives each new route's id
+    /// by name, in the order of `specs`. The services they name are not looked up first (the
+    /// caller read them): one deleted meanwhile fails the batch on the foreign key.
+    pub async fn create_managed_routes(
+        &self,
+        specs: &[&RouteSpec],
+        manager: &str,
+    ) -> Result<Vec<(String, Id)>, StoreError> {
+        if specs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = now_ms();
+        let now_sql = self.now_sql();
+        let rules: Vec<String> = specs
+            .iter()
+            .map(|spec| {
+                serde_json::to_string(&RouteRules::of(spec)).expect("route rules always serialise")
+            })
+            .collect();
+        let written = on_pool!(self, |pool| async {
+            let mut transaction = pool.begin().await?;
+            let mut ids: HashMap<String, i64> = HashMap::with_capacity(specs.len());
+            for (chunk, rules) in specs
+                .chunks(ROUTES_PER_INSERT)
+                .zip(rules.chunks(ROUTES_PER_INSERT))
+            {
+                let mut insert = sqlx::QueryBuilder::new(
+                    "INSERT INTO routes (name, hosts, path_prefix, methods, service_id,
+                        preserve_host, strip_prefix, priority, max_request_body_bytes,
+                        request_buffer_bytes, upgrades, rules, managed_by, created_at,
+                        updated_at) ",
+                );
+                insert.push_values(chunk.iter().zip(rules), |mut row, (spec, rules)| {
+                    row.push_bind(&spec.name)
+                        .push_bind(json_text(&spec.hosts))
+                        .push_bind(&spec.path_prefix)
+                        .push_bind(json_text(&spec.methods))
+                        .push_bind(spec.backends.first().map(|backend| backend.service_id))
+                        .push_bind(spec.preserve_host)
+                        .push_bind(spec.strip_prefix)
+                        .push_bind(i64::from(spec.priority))
+                        .push_bind(spec.max_request_body_bytes.map(stored_size))
+                        .push_bind(stored_size(spec.request_buffer_bytes))
+                        .push_bind(json_text(&spec.upgrades))
+                        .push_bind(rules)
+                        .push_bind(manager)
+                        .push_bind(now)
+                        .push_bind(now);
+                });
+                insert.push(" RETURNING name, id");
+                ids.extend(
+                    insert
+                        .build_query_as::<(String, i64)>()
+                        .fetch_all(&mut *transaction)
+                        .await?,
+                );
+            }
+            let uses: Vec<(i64, Id)> = specs
+                .iter()
+                .flat_map(|spec| {
+                    let id = ids[&spec.name];
+                    route_services(spec)
+                        .into_iter()
+                        .map(move |service| (id, service))
+                })
+                .collect();
+            for chunk in uses.chunks(ROUTE_SERVICES_PER_INSERT) {
+                let mut insert =
+                    sqlx::QueryBuilder::new("INSERT INTO route_services (route_id, service_id) ");
+                insert.push_values(chunk, |mut row, (route_id, service_id)| {
+                    row.push_bind(*route_id).push_bind(*service_id);
+                });
+                insert.build().execute(&mut *transaction).await?;
+            }
+            // Canaries are rare: written one by one, as a single route write does.
+            for spec in specs.iter().filter(|spec| spec.canary.is_some()) {
+                let id = ids[&spec.name];
+                let _round = super::canary::sync_route_canary!(transaction, id, *spec, now_sql);
+            }
+            transaction.commit().await?;
+            Ok::<_, sqlx::Error>(ids)
+        }
+        .await);
+        let mut ids = written.map_err(|error| match &error {
+            sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Conflict {
+                field: "name",
+                message: "a route the file declares already exists".to_owned(),
+            },
+            _ => foreign_key(
+                error,
+                "backends",
+                "a service a route sends to was deleted".to_owned(),
+            ),
+        })?;
+        Ok(specs
+            .iter()
+            .map(|spec| {
+                let id = ids.remove(&spec.name).unwrap_or_default();
+                (spec.name.clone(), id)
+            })
+            .collect())
+    }
+
     pub async fn update_route(&self, id: Id, spec: &RouteSpec) -> Result<Route, StoreError> {
         let services = self.require_services_for_route(spec).await?;
         self.write_route(spec, Some(id), &services).await?;
@@ -199,6 +311,18 @@ impl Store {
         }
         Ok(services)
     }
+}
+
+/// Every service a route sends to (its backends, then its mirror), once each.
+fn route_services(spec: &RouteSpec) -> Vec<Id> {
+    let mut services: Vec<Id> = Vec::with_capacity(spec.backends.len() + 1);
+    let named = spec.backends.iter().map(|backend| backend.service_id);
+    for service_id in named.chain(spec.mirror.as_ref().map(|mirror| mirror.service_id)) {
+        if !services.contains(&service_id) {
+            services.push(service_id);
+        }
+    }
+    services
 }
 
 /// A byte size as the store's signed 64-bit integer; validation keeps sizes far below the cap.

@@ -46,6 +46,7 @@ on_both_backends!(
     rate_demand_is_exchanged_and_a_leaver_disappears,
     more_rate_demand_rows_than_one_statement_binds_are_written,
     services_and_targets_are_created_in_batches_all_or_nothing,
+    routes_are_created_in_batches_all_or_nothing,
 );
 
 #[derive(Debug, Clone, Copy)]
@@ -1124,4 +1125,107 @@ async fn services_and_targets_are_created_in_batches_all_or_nothing(kind: Kind) 
     ));
     let config = store.load_routing_config().await.unwrap();
     assert_eq!((config.services.len(), config.targets.len()), (600, 2_100));
+}
+
+/// A declarative file's new routes: more than one multi-row INSERT, marked as the file's, with
+/// their services (which then cannot be deleted) and canaries, in the change log like any route
+/// write; a batch with a clashing name or a deleted service stores none of its routes.
+async fn routes_are_created_in_batches_all_or_nothing(kind: Kind) {
+    let (store, _dir) = store(kind).await;
+    let stable = store.create_service(&service_spec("stable")).await.unwrap();
+    let shadow = store.create_service(&service_spec("shadow")).await.unwrap();
+    let (_, start) = store.load_routing_config_at().await.unwrap();
+    let specs: Vec<RouteSpec> = (0..1_200)
+        .map(|n| {
+            let mut spec = route_spec(&format!("r{n}"), stable.id);
+            spec.hosts = vec![format!("r{n}.test")];
+            if n % 100 == 7 {
+                spec.backends.push(crate::model::Backend::whole(shadow.id));
+                spec.canary = Some(crate::model::Canary {
+                    backend: 1,
+                    steps: vec![10, 100],
+                    step_interval_ms: 60_000,
+                    min_requests: 1,
+                    max_error_percent: 1.0,
+                    max_p99_ms: None,
+                });
+            }
+            if n == 1_199 {
+                spec.mirror = Some(crate::model::Mirror {
+                    service_id: shadow.id,
+                    percent: 10,
+                });
+            }
+            spec
+        })
+        .collect();
+    let refs: Vec<&RouteSpec> = specs.iter().collect();
+    let created = store.create_managed_routes(&refs, "file").await.unwrap();
+    assert_eq!(created.len(), 1_200);
+    assert!(created
+        .iter()
+        .zip(&specs)
+        .all(|((name, _), spec)| name == &spec.name));
+
+    let config = store.load_routing_config().await.unwrap();
+    assert_eq!(config.routes.len(), 1_200);
+    for ((route, spec), (_, id)) in config.routes.iter().zip(&specs).zip(&created) {
+        assert_eq!((route.id, route.spec()), (*id, spec.clone()));
+        assert_eq!(route.managed_by.as_deref(), Some("file"));
+        assert_eq!(route.canary_status.is_some(), spec.canary.is_some());
+    }
+    let canary = created[7].1;
+    assert_eq!(store.canary_history(canary, 10).await.unwrap().len(), 1);
+    let news = delta(&store, start).await;
+    assert!(news.changes.routes, "{:?}", news.changes);
+    // The canary routes and the mirror hold `shadow` through route_services.
+    assert!(matches!(
+        store.delete_service(shadow.id).await.unwrap_err(),
+        StoreError::Conflict { field: "id", .. }
+    ));
+    for (_, id) in created.iter().filter(|(name, _)| name != "r1199") {
+        if config
+            .routes
+            .iter()
+            .any(|r| r.id == *id && r.backends.len() > 1)
+        {
+            store.delete_route(*id).await.unwrap();
+        }
+    }
+    assert!(matches!(
+        store.delete_service(shadow.id).await.unwrap_err(),
+        StoreError::Conflict { field: "id", .. }
+    ));
+
+    // One name taken: none of the 1,100 is stored.
+    let fresh: Vec<RouteSpec> = (0..1_100)
+        .map(|n| route_spec(&format!("new{n}"), stable.id))
+        .collect();
+    let mut clash: Vec<&RouteSpec> = fresh.iter().collect();
+    clash.push(&specs[0]);
+    let refused = store
+        .create_managed_routes(&clash, "file")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, StoreError::Conflict { field: "name", .. }),
+        "{refused:?}"
+    );
+    // The last one sends to a service that does not exist: none is stored.
+    let gone = route_spec("gone", 999_999);
+    let mut bad: Vec<&RouteSpec> = fresh.iter().collect();
+    bad.push(&gone);
+    let refused = store.create_managed_routes(&bad, "file").await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            StoreError::Conflict {
+                field: "backends",
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    let after = store.load_routing_config().await.unwrap();
+    assert_eq!(after.routes.len(), 1_200 - 12);
 }
