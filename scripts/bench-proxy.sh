@@ -844,7 +844,12 @@ start_raahi() {
     admin=http://127.0.0.1:$admin_port
     wait_200 "$name admin API" "$pid" "$admin/healthz" 60 "$dir/raahi.log"
 
-    service_id=$(admin_post "$admin" "$token" /api/v1/services '{"name":"bench"}' | json_id)
+    # Idle upstream connections kept 120 s, as nginx keeps them (its upstream block's
+    # `keepalive_timeout 120s`, bench/proxy-nginx.conf.tmpl) and the origins allow: with
+    # raahi's default idle_ms (60 s), the logs scenario's process, idle between its runs for
+    # longer than that, redialled its upstreams at the start of every run.
+    service_id=$(admin_post "$admin" "$token" /api/v1/services \
+        '{"name":"bench","timeouts":{"idle_ms":120000}}' | json_id)
     [[ -n $service_id ]] || die "$name: no id in the service creation response"
     for p in "${UPSTREAM_PORTS[@]}"; do
         admin_post "$admin" "$token" "/api/v1/services/$service_id/targets" \

@@ -145,25 +145,26 @@ impl Drop for Queued<'_> {
     }
 }
 
-/// What an exchange counts against, to count it the same way once its caller went away and it
+/// What an exchange counts against, to count it the same way once its client went away and it
 /// finishes on its own (see `detach`): its target, its service under a bounded load, its route
 /// under `max_in_flight`. A client resetting its streams must not take them out of any count.
-#[derive(Clone)]
-pub struct Abandoned {
-    load: Arc<TargetLoad>,
-    service: Option<Arc<ServiceCounters>>,
-    route: Option<Arc<RouteStats>>,
+/// It borrows the request's own count, so an exchange that finishes with its caller pays
+/// nothing for it.
+#[derive(Clone, Copy)]
+pub struct Abandoned<'a> {
+    in_flight: &'a InFlight,
+    route: Option<&'a Arc<RouteStats>>,
 }
 
-impl Abandoned {
+impl Abandoned<'_> {
     /// Counts the abandoned exchange: never refused, it is already under way.
     pub fn start(&self) -> InFlight {
-        let mut in_flight = InFlight::start(&self.load);
-        if let Some(service) = &self.service {
+        let mut in_flight = InFlight::start(&self.in_flight.load);
+        if let Some(service) = &self.in_flight.service {
             service.in_flight.fetch_add(1, Ordering::Relaxed);
             in_flight.service = Some(service.clone());
         }
-        in_flight.route = self.route.as_ref().map(|stats| {
+        in_flight.route = self.route.map(|stats| {
             stats.in_flight.fetch_add(1, Ordering::Relaxed);
             RouteSlot(stats.clone())
         });
@@ -172,12 +173,11 @@ impl Abandoned {
 }
 
 impl InFlight {
-    /// How to count this exchange should its caller abandon it; `route`: the statistics of
+    /// How to count this exchange should its client abandon it; `route`: the statistics of
     /// a route with `max_in_flight`.
-    pub fn if_abandoned(&self, route: Option<Arc<RouteStats>>) -> Abandoned {
+    pub fn if_abandoned<'a>(&'a self, route: Option<&'a Arc<RouteStats>>) -> Abandoned<'a> {
         Abandoned {
-            load: self.load.clone(),
-            service: self.service.clone(),
+            in_flight: self,
             route,
         }
     }

@@ -104,18 +104,26 @@ impl UpstreamError {
 /// the exchange is dropped as soon as one too many comes). A refused answer's connection is
 /// poisoned, so the pool never hands it out again. HTTP/2 connections never get here: the h2
 /// crate refuses a `Transfer-Encoding` and skips interim answers, a `101` among them.
+///
+/// With `watch_sent`, also tells whether the request was handed to a connection yet (see
+/// [`TlsSent`]).
 pub fn send_tls(
     client: &TlsClient,
     mut request: Request<UpstreamRequestBody>,
-) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + 'static {
+    watch_sent: bool,
+) -> (
+    impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + 'static,
+    Option<TlsSent>,
+) {
     let method_is_head = request.method() == Method::HEAD;
     let upgrade_asked = request.headers().contains_key(header::UPGRADE);
     let interim = Arc::new(InterimCount::default());
     let counter = interim.clone();
     hyper::ext::on_informational(&mut request, move |_| counter.one_more());
     let connection = capture_connection(&mut request);
+    let sent = watch_sent.then(|| TlsSent(connection.clone()));
     let exchange = client.request(request);
-    async move {
+    let exchange = async move {
         let refused = tokio::select! {
             biased;
             response = exchange => {
@@ -138,6 +146,18 @@ pub fn send_tls(
             }
         }
         Err(refused)
+    };
+    (exchange, sent)
+}
+
+/// Whether an `https` request was handed to its connection: hyper-util notes the connection
+/// just before it passes the request on to be written. A request dropped before that was not
+/// sent (nor is one whose connection had not taken it yet: hyper skips a cancelled request).
+pub struct TlsSent(hyper_util::client::legacy::connect::CaptureConnection);
+
+impl TlsSent {
+    pub fn sent(&self) -> bool {
+        self.0.connection_metadata().is_some()
     }
 }
 

@@ -34,6 +34,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
+use super::detach::ClientBound;
 use super::error::{ErrorDetails, ProxyError};
 use super::forward::{self, Downstream, GuardedBody, UpgradeHandoff};
 use super::{bytes_arrive, ProxyState};
@@ -219,8 +220,9 @@ impl Drop for RequestGuard {
 /// A response body that keeps its request counted as in flight.
 type TrackedBody = GuardedBody<RequestGuard>;
 
+/// Boxed, and bound to the client: dropped unfinished, its client left (see `detach`).
 type ResponseFuture =
-    Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>;
+    ClientBound<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>;
 
 /// hyper's `poll_without_shutdown`, which hands the socket back, needs an `Unpin` request
 /// future: hence the box (hyper boxes each request's future anyway).
@@ -240,10 +242,10 @@ impl hyper::service::Service<Request<Incoming>> for Http1Service {
         let guard = RequestGuard::start(&self.activity);
         let state = self.state.clone();
         let downstream = self.downstream.clone();
-        Box::pin(async move {
+        ClientBound::new(Box::pin(async move {
             let response = forward::handle(&state, request, &downstream).await;
             Ok(response.map(|inner| GuardedBody::new(inner, guard)))
-        })
+        }))
     }
 }
 

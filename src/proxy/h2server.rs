@@ -34,6 +34,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use super::detach::ClientBound;
 use super::forward::{self, Downstream, GuardedBody};
 use super::ProxyState;
 use crate::snapshot::GatewayCounters;
@@ -144,12 +145,13 @@ pub(super) async fn serve<I>(
         let downstream = downstream.clone();
         // Boxed: hyper spawns a task per stream holding this future, and the spawn moves it
         // several times; a pointer moves cheaper than the exchange's few kilobytes of state.
-        Box::pin(async move {
+        // Dropped unfinished, its client reset the stream or left (see `detach`).
+        ClientBound::new(Box::pin(async move {
             let response = forward::handle(&state, request, &downstream).await;
             guard.answered = true;
             // The body keeps its stream counted as open.
             Ok::<_, Infallible>(response.map(|inner| GuardedBody::new(inner, guard)))
-        })
+        }))
     });
     let io = GuardedIo {
         inner: io,

@@ -491,7 +491,10 @@ async fn serve_tls(
     let service = service_fn(move |request| {
         let state = state.clone();
         let downstream = downstream.clone();
-        async move { Ok::<_, Infallible>(forward::handle(&state, request, &downstream).await) }
+        // Dropped unfinished, its client left (see `detach`).
+        detach::ClientBound::new(Box::pin(async move {
+            Ok::<_, Infallible>(forward::handle(&state, request, &downstream).await)
+        }))
     });
     let connection = settings
         .tls_http1

@@ -4,7 +4,6 @@
 //! this target, and the pool keeps it without knowing what it speaks.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,9 +31,6 @@ pub enum PlainTargetError {
     /// The exchange failed after the request head was written (it may have been acted on).
     #[error(transparent)]
     Request(ExchangeError),
-    /// The caller went away before the request was written; nothing was sent.
-    #[error("the request was cancelled before it was sent")]
-    Abandoned,
 }
 
 impl PlainTargetError {
@@ -103,95 +99,66 @@ impl PlainTarget {
     /// closed when the request head is written to it (the target ended it meanwhile) is
     /// dropped and the request goes on another: its body was not touched yet.
     ///
-    /// With `finish_if_abandoned` (what the exchange counts against), a caller that goes away (a client's
-    /// HTTP/2 stream reset) leaves the exchange to finish on its own (see `detach`), so the
-    /// connection goes back to the pool rather than closed; a request not yet written by then
-    /// is not sent at all. A client resetting streams as fast as it opens them then costs the
-    /// target no new connections.
+    /// With `finish_if_abandoned` (what the exchange counts against), a client that goes away
+    /// once the request head is written leaves the exchange to finish on its own (see
+    /// `detach`), so the connection goes back to the pool rather than closed. Before that
+    /// (still dialling), nothing was sent and the attempt is simply dropped.
     pub async fn send(
         self: &Arc<Self>,
         head: RequestHead<'_>,
         body: UpstreamRequestBody,
-        finish_if_abandoned: Option<Abandoned>,
+        finish_if_abandoned: Option<Abandoned<'_>>,
     ) -> Result<Response<ResponseBody>, PlainTargetError> {
         let method_is_head = *head.method == Method::HEAD;
         let upgrade_asked = head.headers.contains_key(header::UPGRADE);
         let (head, framing) = h1client::encode_head(&head, &body);
-        let Some(counts) = finish_if_abandoned else {
-            return self
-                .clone()
-                .exchange(head, framing, method_is_head, upgrade_asked, body, None)
-                .await;
-        };
-        let abandoned = Arc::new(AtomicBool::new(false));
-        let exchange = self.clone().exchange(
-            head,
-            framing,
-            method_is_head,
-            upgrade_asked,
-            body,
-            Some(abandoned.clone()),
-        );
-        FinishOnDrop::new(exchange, Some(abandoned), counts).await
-    }
-
-    async fn exchange(
-        self: Arc<Self>,
-        head: Vec<u8>,
-        framing: h1client::RequestFraming,
-        method_is_head: bool,
-        upgrade_asked: bool,
-        body: UpstreamRequestBody,
-        abandoned: Option<Arc<AtomicBool>>,
-    ) -> Result<Response<ResponseBody>, PlainTargetError> {
-        // A request its caller gave up before it was written never goes: a connection taken
-        // or dialled for it goes back to the pool unused.
-        let gone = || {
-            abandoned
-                .as_ref()
-                .is_some_and(|abandoned| abandoned.load(Ordering::Relaxed))
-        };
-        // How long this request's own connection took to open (none on a reused one).
-        let mut opened = None;
-        let connection = loop {
-            let (mut connection, reused) = match self.pool.take_idle() {
-                Some(connection) => (connection, true),
-                None if gone() => return Err(PlainTargetError::Abandoned),
-                None => {
-                    let started = tokio::time::Instant::now();
-                    let connection = self.connect().await?;
-                    opened = Some(started.elapsed());
-                    (connection, false)
-                }
-            };
-            if gone() {
-                self.pool.put_back(connection);
-                return Err(PlainTargetError::Abandoned);
-            }
-            match connection.write_head(&head).await {
-                Ok(()) => break connection,
-                Err(_) if reused => continue,
-                // A new connection that would not take the request head: a connect failure,
-                // which may go to another target.
-                Err(error) => return Err(PlainTargetError::Unsent(error)),
-            }
-        };
-        let home: Arc<dyn ConnectionHome> = self;
-        let mut response = h1client::finish_exchange(
+        let (connection, opened) = self.connection_with_head(&head).await?;
+        let home: Arc<dyn ConnectionHome> = self.clone();
+        let exchange = h1client::finish_exchange(
             connection,
             method_is_head,
             upgrade_asked,
             body,
             framing,
             home,
-        )
-        .await
+        );
+        let mut response = match finish_if_abandoned {
+            None => exchange.await,
+            // The head is written: the request went.
+            Some(counts) => FinishOnDrop::new(exchange, || true, counts).await,
+        }
         .map_err(PlainTargetError::Request)?;
         // Only a new connection's answer carries it: a reused one's costs no allocation.
         if let Some(connect) = opened {
             response.extensions_mut().insert(ConnectTiming { connect });
         }
         Ok(response)
+    }
+
+    /// An idle or new connection with the request head written to it, and how long it took
+    /// to open when it is new.
+    async fn connection_with_head(
+        &self,
+        head: &[u8],
+    ) -> Result<(Box<Connection>, Option<Duration>), PlainTargetError> {
+        loop {
+            // `opened`: None for a reused connection.
+            let (mut connection, opened) = match self.pool.take_idle() {
+                Some(connection) => (connection, None),
+                None => {
+                    let started = tokio::time::Instant::now();
+                    let connection = self.connect().await?;
+                    (connection, Some(started.elapsed()))
+                }
+            };
+            match connection.write_head(head).await {
+                Ok(()) => return Ok((connection, opened)),
+                Err(_) if opened.is_none() => continue,
+                // A new connection that would not take the request head: a connect failure,
+                // which may go to another target.
+                Err(error) => return Err(PlainTargetError::Unsent(error)),
+            }
+        }
     }
 
     async fn connect(&self) -> Result<Box<Connection>, PlainTargetError> {
@@ -215,6 +182,7 @@ impl PlainTarget {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::detach::ClientBound;
     use http_body_util::Full;
     use hyper::service::service_fn;
     use hyper_util::rt::TokioIo;
@@ -427,13 +395,19 @@ mod tests {
             headers: &headers,
             host: Some(&host),
         };
-        let counts = crate::proxy::accounting::InFlight::start(&Arc::default()).if_abandoned(None);
+        let in_flight = crate::proxy::accounting::InFlight::start(&Arc::default());
+        let counts = in_flight.if_abandoned(None);
+        // As hyper holds a request: dropped unfinished, its client left.
+        let mut request = ClientBound::new(Box::pin(async {
+            target
+                .send(head, UpstreamRequestBody::Empty, Some(counts))
+                .await
+        }));
         tokio::select! {
-            _ = target.send(head, UpstreamRequestBody::Empty, Some(counts)) => {
-                panic!("answered before the origin got the request")
-            }
+            _ = &mut request => panic!("answered before the origin got the request"),
             _ = received.recv() => {}
         }
+        drop(request);
         // The caller is gone; the exchange finishes and the connection goes home.
         let deadline = Instant::now() + Duration::from_secs(5);
         while target.pool.idle_count() == 0 {
@@ -446,5 +420,48 @@ mod tests {
             1,
             "one connection served both"
         );
+    }
+
+    /// An exchange Raahi gives up itself (here its caller's timeout, as the response-header
+    /// timeout does) is cut at once: the target sees its connection closed, and nothing of it
+    /// goes back to the pool.
+    #[tokio::test]
+    async fn an_exchange_given_up_by_a_timeout_closes_its_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
+        let (closed_tx, mut closed) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let closed_tx = closed_tx.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(|_request| async {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Ok::<_, Infallible>(Response::new(Full::new(bytes::Bytes::from("ok"))))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                    let _ = closed_tx.send(());
+                });
+            }
+        });
+        let target = target_at(target, Duration::from_secs(60));
+        let host = http::HeaderValue::from_static("origin");
+        let headers = http::HeaderMap::new();
+        let head = RequestHead {
+            method: &Method::GET,
+            path_and_query: "/",
+            headers: &headers,
+            host: Some(&host),
+        };
+        let in_flight = crate::proxy::accounting::InFlight::start(&Arc::default());
+        let counts = in_flight.if_abandoned(None);
+        let sending = target.send(head, UpstreamRequestBody::Empty, Some(counts));
+        let timed_out = tokio::time::timeout(Duration::from_millis(50), sending).await;
+        assert!(timed_out.is_err(), "the origin answers after 200 ms");
+        tokio::time::timeout(Duration::from_secs(2), closed.recv())
+            .await
+            .expect("the origin saw its connection closed at once");
+        assert_eq!(target.pool.idle_count(), 0);
     }
 }

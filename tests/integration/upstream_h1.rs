@@ -73,7 +73,10 @@ async fn fill<R: AsyncRead + Unpin>(stream: &mut R, pending: &mut Vec<u8>) -> bo
 }
 
 /// Reads one request head; `None` when the connection ends first.
-async fn read_request_head(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<WireRequest> {
+async fn read_request_head<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    pending: &mut Vec<u8>,
+) -> Option<WireRequest> {
     loop {
         if let Some(end) = find(pending, b"\r\n\r\n") {
             let head = String::from_utf8_lossy(&pending[..end]).into_owned();
@@ -1227,4 +1230,407 @@ async fn an_upgrade_keeps_the_bytes_sent_with_the_101_head() {
     let rest = read_until_closed(&mut client, Vec::new()).await;
     assert!(rest.is_empty(), "unexpected bytes after close: {rest:?}");
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+/// The sum of a metric's series (every label set) as `/metrics` shows it now.
+async fn metric_sum(gateway: &TestGateway, name: &str) -> u64 {
+    let text = gateway.metrics_text().await;
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// `clients` HTTP/1.1 client connections, each with one request to the gateway in flight.
+async fn requests_in_flight(gateway: &TestGateway, clients: usize) -> Vec<TcpStream> {
+    let mut streams = Vec::new();
+    for _ in 0..clients {
+        let mut stream = TcpStream::connect(gateway.proxy).await.unwrap();
+        stream
+            .write_all(b"GET /wave HTTP/1.1\r\nHost: waves.test\r\n\r\n")
+            .await
+            .unwrap();
+        streams.push(stream);
+    }
+    streams
+}
+
+#[tokio::test]
+async fn clients_that_leave_mid_request_cost_the_target_no_connections() {
+    const CLIENTS: usize = 4;
+    // The origin holds its answers while the gate is shut, so each wave's requests are in
+    // flight together and need a connection each.
+    let (gate, gate_seen) = tokio::sync::watch::channel(false);
+    let heads = Arc::new(AtomicU64::new(0));
+    let counted = heads.clone();
+    let (address, accepted) = counting_origin(move |mut stream| {
+        let (mut gate, heads) = (gate_seen.clone(), counted.clone());
+        async move {
+            let mut pending = Vec::new();
+            while read_request_head(&mut stream, &mut pending).await.is_some() {
+                heads.fetch_add(1, Ordering::SeqCst);
+                if gate.wait_for(|open| *open).await.is_err()
+                    || stream.write_all(&ok("ok")).await.is_err()
+                {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    let gateway = gateway_to_address("waves", address).await;
+    let heads_reach = |count: u64| {
+        let heads = heads.clone();
+        async move {
+            wait_until(&format!("{count} requests at the origin"), STEP, || {
+                let heads = heads.clone();
+                async move { heads.load(Ordering::SeqCst) >= count }
+            })
+            .await
+        }
+    };
+    let all_answered = || async {
+        wait_until("no request in flight at the target", STEP, || async {
+            metric_sum(&gateway, "raahi_target_in_flight_requests").await == 0
+        })
+        .await
+    };
+
+    // First wave: answered, its connections go to the pool.
+    let mut clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(CLIENTS as u64).await;
+    gate.send_replace(true);
+    for client in &mut clients {
+        let (head, _) = read_head(client).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+    all_answered().await;
+    assert_eq!(accepted.load(Ordering::SeqCst), CLIENTS as u64);
+    drop(clients);
+
+    // Second wave: the clients close their connections while their requests are upstream, as
+    // a load generator stopping does.
+    gate.send_replace(false);
+    let clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(2 * CLIENTS as u64).await;
+    drop(clients);
+    wait_until("the gateway saw its clients leave", STEP, || async {
+        gateway.metric("raahi_client_connections").await == 0
+    })
+    .await;
+    gate.send_replace(true);
+    all_answered().await;
+
+    // Third wave: the first wave's connections serve it; none is opened.
+    gate.send_replace(false);
+    let mut clients = requests_in_flight(&gateway, CLIENTS).await;
+    heads_reach(3 * CLIENTS as u64).await;
+    gate.send_replace(true);
+    for client in &mut clients {
+        let (head, _) = read_head(client).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        CLIENTS as u64,
+        "the connections of the requests whose clients left were closed, not pooled"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exchanges Raahi gives up itself are cut; only a departed client's finish on their own
+// ---------------------------------------------------------------------------------------------
+
+/// Well under the 10 s an exchange left to finish on its own may take: an exchange Raahi gave
+/// up must be gone (connection closed, counts released) within this.
+const CUT: Duration = Duration::from_secs(4);
+
+/// An origin that reads what it is sent and never answers, counting request heads and the
+/// connections the gateway closed.
+struct MuteOrigin {
+    address: SocketAddr,
+    heads: Arc<AtomicU64>,
+    closed: Arc<AtomicU64>,
+}
+
+impl MuteOrigin {
+    async fn start() -> MuteOrigin {
+        let heads = Arc::new(AtomicU64::new(0));
+        let closed = Arc::new(AtomicU64::new(0));
+        let (seen, ended) = (heads.clone(), closed.clone());
+        let (address, _) = counting_origin(move |mut stream| {
+            let (seen, ended) = (seen.clone(), ended.clone());
+            async move {
+                let mut pending = Vec::new();
+                if read_request_head(&mut stream, &mut pending).await.is_some() {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+                while fill(&mut stream, &mut pending).await {
+                    pending.clear();
+                }
+                ended.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+        .await;
+        MuteOrigin {
+            address,
+            heads,
+            closed,
+        }
+    }
+
+    async fn wait_for_heads(&self, count: u64) {
+        let heads = self.heads.clone();
+        wait_until(
+            &format!("{count} request heads at the origin"),
+            STEP,
+            || {
+                let heads = heads.clone();
+                async move { heads.load(Ordering::SeqCst) >= count }
+            },
+        )
+        .await
+    }
+
+    /// The gateway closes the origin's connection within [`CUT`].
+    async fn sees_its_connection_closed(&self) {
+        let closed = self.closed.clone();
+        wait_until("the origin saw its connection closed at once", CUT, || {
+            let closed = closed.clone();
+            async move { closed.load(Ordering::SeqCst) == 1 }
+        })
+        .await
+    }
+}
+
+/// A gateway like [`gateway_to_address`] whose service has one attempt per request and these
+/// timeouts.
+async fn gateway_with_timeouts(address: SocketAddr, timeouts: serde_json::Value) -> TestGateway {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "cut", "ejection": false, "max_attempts": 1, "timeouts": timeouts}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
+        )
+        .await;
+    gateway.route_all_streaming_to(service).await;
+    gateway
+}
+
+/// hyper's client, over HTTP/1.1 or HTTP/2 with prior knowledge.
+fn hyper_client<B>(
+    http2: bool,
+) -> hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, B>
+where
+    B: http_body::Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(http2)
+        .build_http()
+}
+
+#[tokio::test]
+async fn an_answer_too_late_closes_its_upstream_connection_and_frees_the_target_at_once() {
+    for http2 in [false, true] {
+        let origin = MuteOrigin::start().await;
+        let gateway =
+            gateway_with_timeouts(origin.address, json!({"response_header_ms": 300})).await;
+        let client = hyper_client::<http_body_util::Empty<Bytes>>(http2);
+        let request = hyper::Request::get(gateway.proxy_url("/late"))
+            .body(http_body_util::Empty::new())
+            .unwrap();
+        let response = tokio::time::timeout(STEP, client.request(request))
+            .await
+            .expect("answered within the step")
+            .expect("a response");
+        assert_eq!(response.status(), 504, "http2: {http2}");
+        // Left to finish on its own, the exchange would still count at its target.
+        assert_eq!(
+            metric_sum(&gateway, "raahi_target_in_flight_requests").await,
+            0,
+            "http2: {http2}"
+        );
+        origin.sees_its_connection_closed().await;
+    }
+}
+
+/// A body of `first` bytes that then stops moving without ending.
+fn stalling_body(
+    first: &'static [u8],
+) -> http_body_util::StreamBody<
+    impl tokio_stream::Stream<Item = Result<hyper::body::Frame<Bytes>, Infallible>> + Unpin,
+> {
+    use tokio_stream::StreamExt;
+    let frames = tokio_stream::once(Ok(hyper::body::Frame::data(Bytes::from_static(first))))
+        .chain(tokio_stream::pending());
+    http_body_util::StreamBody::new(frames)
+}
+
+#[tokio::test]
+async fn an_upload_that_stalls_closes_its_upstream_connection_and_frees_the_target_at_once() {
+    for http2 in [false, true] {
+        let origin = MuteOrigin::start().await;
+        let gateway =
+            gateway_with_timeouts(origin.address, json!({"response_header_ms": 300})).await;
+        let client = hyper_client(http2);
+        let request = hyper::Request::post(gateway.proxy_url("/upload"))
+            .body(stalling_body(b"0123456789"))
+            .unwrap();
+        // The client keeps its request open: only Raahi's stall rule ends the exchange.
+        let response = tokio::time::timeout(STEP, client.request(request))
+            .await
+            .expect("answered within the step")
+            .expect("a response");
+        assert_eq!(response.status(), 408, "http2: {http2}");
+        origin.wait_for_heads(1).await;
+        assert_eq!(
+            metric_sum(&gateway, "raahi_target_in_flight_requests").await,
+            0,
+            "http2: {http2}"
+        );
+        origin.sees_its_connection_closed().await;
+        drop(response);
+    }
+}
+
+/// A TLS acceptor speaking HTTP/1.1 only (ALPN `http/1.1`), with a self-signed certificate.
+fn http1_tls_acceptor() -> tokio_rustls::TlsAcceptor {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let certified = rcgen::generate_simple_self_signed(vec!["tls-target.test".to_owned()])
+        .expect("a self-signed certificate");
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(
+        certified.signing_key.serialize_der(),
+    ));
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_no_client_auth()
+    .with_single_cert(vec![certified.cert.der().clone()], key)
+    .expect("a server certificate");
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
+}
+
+#[tokio::test]
+async fn an_https_request_whose_client_left_before_it_was_written_is_never_sent() {
+    // Connections accepted while `stall` is set wait for `handshakes` before their TLS
+    // handshake; `/hold` is answered once `held` opens. Request heads are noted by path.
+    let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stalled = Arc::new(AtomicU64::new(0));
+    let (handshakes, handshakes_seen) = tokio::sync::watch::channel(false);
+    let (held, held_seen) = tokio::sync::watch::channel(false);
+    let paths = Arc::new(Mutex::new(Vec::<String>::new()));
+    let acceptor = http1_tls_acceptor();
+    let (address, _) = {
+        let (stall, stalled, paths) = (stall.clone(), stalled.clone(), paths.clone());
+        counting_origin(move |stream| {
+            let (acceptor, stall, stalled, paths) = (
+                acceptor.clone(),
+                stall.clone(),
+                stalled.clone(),
+                paths.clone(),
+            );
+            let (mut handshakes, mut held) = (handshakes_seen.clone(), held_seen.clone());
+            async move {
+                if stall.load(Ordering::SeqCst) {
+                    stalled.fetch_add(1, Ordering::SeqCst);
+                    if handshakes.wait_for(|open| *open).await.is_err() {
+                        return;
+                    }
+                }
+                let Ok(mut stream) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let mut pending = Vec::new();
+                while let Some(request) = read_request_head(&mut stream, &mut pending).await {
+                    let path = request.path().to_owned();
+                    paths.lock().unwrap().push(path.clone());
+                    if path == "/hold" && held.wait_for(|open| *open).await.is_err() {
+                        return;
+                    }
+                    if stream.write_all(&ok("ok")).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+        .await
+    };
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "tls", "protocol": "https", "tls_verify": false,
+                   "ejection": false, "max_attempts": 1}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
+        )
+        .await;
+    gateway.route_all_streaming_to(service).await;
+    let seen = |path: &'static str| {
+        let paths = paths.clone();
+        move || {
+            paths
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|seen| *seen == path)
+                .count()
+        }
+    };
+
+    // The target is learnt to speak HTTP/1.1: its requests go on hyper's client from now on.
+    get_ok(&gateway, "/first", "ok").await;
+    // `/hold` keeps the one pooled connection busy, so the next request needs a new one.
+    let holding = {
+        let url = gateway.proxy_url("/hold");
+        tokio::spawn(async move { reqwest::get(url).await.map(|response| response.status()) })
+    };
+    let held_count = seen("/hold");
+    wait_until("/hold at the origin", STEP, || async { held_count() == 1 }).await;
+    let connected = gateway.metric("raahi_client_connections").await;
+
+    // `/gone`'s connection hangs in its TLS handshake; its client leaves meanwhile.
+    stall.store(true, Ordering::SeqCst);
+    let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+    client
+        .write_all(b"GET /gone HTTP/1.1\r\nHost: tls.test\r\n\r\n")
+        .await
+        .unwrap();
+    wait_until("the gateway dials for /gone", STEP, || async {
+        stalled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    drop(client);
+    wait_until("the gateway saw /gone's client leave", STEP, || async {
+        gateway.metric("raahi_client_connections").await == connected
+    })
+    .await;
+
+    // The handshake may go on now: the request it was dialled for must not follow.
+    handshakes.send_replace(true);
+    let gone_count = seen("/gone");
+    holds_for("no /gone at the origin", Duration::from_secs(1), || async {
+        gone_count() == 0
+    })
+    .await;
+
+    held.send_replace(true);
+    let status = tokio::time::timeout(STEP, holding).await.unwrap().unwrap();
+    assert_eq!(status.unwrap(), 200);
 }

@@ -651,8 +651,12 @@ impl<'a> Attempts<'a> {
                     };
                     let finish_if_abandoned = outgoing
                         .finish_if_abandoned
-                        .then(|| in_flight.if_abandoned(counted_route.clone()));
+                        .then(|| in_flight.if_abandoned(counted_route.as_ref()));
+                    let yield_first = outgoing.yield_first;
                     let sending = async {
+                        if yield_first {
+                            tokio::task::yield_now().await;
+                        }
                         let response = plain.send(head, body, finish_if_abandoned).await?;
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::Pooled))
                     };
@@ -662,13 +666,20 @@ impl<'a> Attempts<'a> {
                 UpstreamClient::Tls(tls) => {
                     let request = tls_request(outgoing, body, target, may_retry_later);
                     let finish_if_abandoned = outgoing.finish_if_abandoned;
-                    let sending = async {
-                        let exchange = send_tls(tls, request);
-                        let response = if finish_if_abandoned {
-                            let counts = in_flight.if_abandoned(counted_route.clone());
-                            FinishOnDrop::new(exchange, None, counts).await?
-                        } else {
-                            exchange.await?
+                    let yield_first = outgoing.yield_first;
+                    let in_flight = &in_flight;
+                    let sending = async move {
+                        if yield_first {
+                            tokio::task::yield_now().await;
+                        }
+                        let (exchange, sent) = send_tls(tls, request, finish_if_abandoned);
+                        let response = match sent {
+                            Some(sent) => {
+                                let counts = in_flight.if_abandoned(counted_route.as_ref());
+                                let exchange = Box::pin(exchange);
+                                FinishOnDrop::new(exchange, move || sent.sent(), counts).await?
+                            }
+                            None => exchange.await?,
                         };
                         Ok::<_, UpstreamError>(response.map(UpstreamBody::Hyper))
                     };

@@ -1,7 +1,7 @@
 //! One exchange on a connection whose request head is written: the request body goes up
 //! while the response head is awaited.
 
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,55 +25,104 @@ use crate::proxy::body::UpstreamRequestBody;
 /// early (e.g. 413); if it does, the rest of the body goes up on a task of its own and the
 /// connection is closed after this exchange. A `101` is an answer only when the request head
 /// carried an `Upgrade` (`upgrade_asked`).
-pub async fn finish_exchange(
-    mut connection: Box<Connection>,
+///
+/// The exchange is a plain struct, `Unpin`: one that must finish on its own after its client
+/// left (`detach`) moves to a task of its own as it is, without being boxed beforehand.
+pub fn finish_exchange(
+    connection: Box<Connection>,
     method_is_head: bool,
     upgrade_asked: bool,
     body: UpstreamRequestBody,
     framing: RequestFraming,
     home: Arc<dyn ConnectionHome>,
-) -> Result<Response<ResponseBody>, ExchangeError> {
+) -> FinishExchange {
     // A body that had already ended is dropped unread, which hands it back to the caller.
-    let mut upload = match framing {
+    let upload = match framing {
         RequestFraming::None => None,
         framing => Some(Upload::new(body, framing)),
     };
-    // A target may refuse the body and answer at once, then reset the connection: the write
-    // fails while the answer waits, readable, in the socket. So a failed write stops the upload
-    // but the head is still read; the write error is what is reported only if none comes.
-    let mut write_failed = None;
-    let mut upload_stop = None;
-    let head = match &mut upload {
-        None => poll_fn(|cx| connection.poll_head(cx)).await?,
-        Some(upload) => {
-            poll_fn(|cx| {
-                if !upload.done && write_failed.is_none() {
-                    if let Some(write) = connection.write.as_mut() {
-                        match upload.poll_send(cx, write) {
-                            Poll::Ready(Err(error @ ExchangeError::Write(_))) => {
-                                write_failed = Some(error);
-                            }
-                            Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
-                            _ => {}
+    FinishExchange {
+        connection: Some(connection),
+        method_is_head,
+        upgrade_asked,
+        upload,
+        write_failed: None,
+        home: Some(home),
+    }
+}
+
+/// The exchange [`finish_exchange`] makes: ready with the response head.
+pub struct FinishExchange {
+    /// Gone once the head came (into the response body).
+    connection: Option<Box<Connection>>,
+    method_is_head: bool,
+    upgrade_asked: bool,
+    upload: Option<Upload>,
+    /// A target may refuse the body and answer at once, then reset the connection: the write
+    /// fails while the answer waits, readable, in the socket. So a failed write stops the
+    /// upload but the head is still read; the write error is what is reported only if none
+    /// comes.
+    write_failed: Option<ExchangeError>,
+    home: Option<Arc<dyn ConnectionHome>>,
+}
+
+impl Future for FinishExchange {
+    type Output = Result<Response<ResponseBody>, ExchangeError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let Some(connection) = this.connection.as_mut() else {
+            return Poll::Pending;
+        };
+        if let Some(upload) = this.upload.as_mut() {
+            if !upload.done && this.write_failed.is_none() {
+                if let Some(write) = connection.write.as_mut() {
+                    match upload.poll_send(cx, write) {
+                        Poll::Ready(Err(error @ ExchangeError::Write(_))) => {
+                            this.write_failed = Some(error);
                         }
+                        Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                        _ => {}
                     }
                 }
-                match connection.poll_head(cx) {
-                    Poll::Ready(Err(error)) => {
-                        Poll::Ready(Err(write_failed.take().unwrap_or(error)))
-                    }
-                    polled => polled,
-                }
-            })
-            .await?
+            }
         }
-    };
+        let head = match ready!(connection.poll_head(cx)) {
+            Ok(head) => head,
+            Err(error) => return Poll::Ready(Err(this.write_failed.take().unwrap_or(error))),
+        };
+        let (Some(connection), Some(home)) = (this.connection.take(), this.home.take()) else {
+            return Poll::Pending;
+        };
+        Poll::Ready(answer(
+            connection,
+            head,
+            this.method_is_head,
+            this.upgrade_asked,
+            this.upload.take(),
+            this.write_failed.is_some(),
+            home,
+        ))
+    }
+}
+
+/// The response whose head came: its body reads the rest off `connection`.
+fn answer(
+    mut connection: Box<Connection>,
+    head: super::parse::ResponseHead,
+    method_is_head: bool,
+    upgrade_asked: bool,
+    upload: Option<Upload>,
+    write_failed: bool,
+    home: Arc<dyn ConnectionHome>,
+) -> Result<Response<ResponseBody>, ExchangeError> {
     let upgraded = head.status == StatusCode::SWITCHING_PROTOCOLS;
     if upgraded && !upgrade_asked {
         return Err(invalid(UNASKED_SWITCH));
     }
     let (mut framing, mut reusable) = response_framing(method_is_head, &head)?;
-    if write_failed.is_some() {
+    let mut upload_stop = None;
+    if write_failed {
         reusable = false;
     } else if let Some(upload) = upload.filter(|upload| !upload.done) {
         reusable = false;

@@ -35,7 +35,7 @@ mod proptests;
 mod tests;
 
 pub use body::ResponseBody;
-pub use encode::{encode_head, RequestFraming, RequestHead};
+pub use encode::{encode_head, RequestHead};
 pub use exchange::finish_exchange;
 #[cfg(test)]
 use parse::parse_head;
