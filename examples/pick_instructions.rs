@@ -1,0 +1,124 @@
+//! Instructions per `ServiceRuntime::pick`, for callgrind: runs N picks over 10 targets in one
+//! tier (`benches/balance.rs`'s `service_pick` service) and nothing else worth counting, so
+//! that (Ir at 2N - Ir at N) / N is one pick's cost, free of set-up and of the binary's start.
+//!
+//! Usage: pick_instructions N [round_robin|random|least_request] [no_ejection|one_ejected|half_open]
+//! See `scripts/pick-instructions.sh`.
+// A measuring tool: the wall clock is what the ejection it sets up compares with.
+#![allow(clippy::disallowed_methods)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use chrono::Utc;
+use http::uri::Authority;
+use http::HeaderValue;
+use raahi::balance::{identity_hash, Balancer, FailureCause, Member, TargetHealth, TargetLoad};
+use raahi::clock::unix_ms;
+use raahi::model::{Ejection, LbPolicy, Protocol, Service, Timeouts};
+use raahi::snapshot::{ServiceRuntime, TargetRuntime};
+
+fn authority_of(i: usize) -> String {
+    format!("127.0.0.1:{}", 10_000 + i)
+}
+
+fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
+    let loads: Vec<Arc<TargetLoad>> = (0..n).map(|_| Arc::default()).collect();
+    let targets = loads
+        .iter()
+        .enumerate()
+        .map(|(i, load)| TargetRuntime {
+            spec: Default::default(),
+            id: i as i64,
+            host_header: HeaderValue::from_str(&authority_of(i)).unwrap(),
+            authority: Authority::try_from(authority_of(i)).unwrap(),
+            load: load.clone(),
+            health: Arc::new(TargetHealth::default()),
+            identity: identity_hash(&authority_of(i)),
+        })
+        .collect();
+    let members = loads
+        .into_iter()
+        .enumerate()
+        .map(|(i, load)| Member {
+            weight: 100,
+            priority: 0,
+            load,
+            identity: identity_hash(&authority_of(i)),
+        })
+        .collect();
+    ServiceRuntime {
+        service: Service {
+            limits: raahi::model::UpstreamLimits::default(),
+            id: 1,
+            name: "bench".into(),
+            protocol: Protocol::Http,
+            upstream_authority: None,
+            tls_sni: None,
+            tls_verify: true,
+            tls_ca_pem: None,
+            lb_policy: policy,
+            hash_on: None,
+            hash_balance_factor: None,
+            session_persistence: None,
+            locality: None,
+            timeouts: Timeouts::default(),
+            max_attempts: 3,
+            health_check: None,
+            ejection: Ejection::default(),
+            managed_by: None,
+            created_at: Utc::now(),
+            updated_at: Utc::now(),
+        },
+        upstream_host: None,
+        targets,
+        balancer: Balancer::new(policy, members),
+        counters: Default::default(),
+        discovery_gap: None,
+        sessions: None,
+        locality: None,
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let picks: usize = args
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("usage: pick_instructions N [policy] [variant]");
+    let policy = match args.next().as_deref() {
+        None | Some("round_robin") => LbPolicy::RoundRobin,
+        Some("random") => LbPolicy::Random,
+        Some("least_request") => LbPolicy::LeastRequest,
+        Some(other) => panic!("unknown policy {other}"),
+    };
+    let service = service(policy, 10);
+    let hour = Ejection {
+        base_ejection_ms: 3_600_000,
+        max_ejection_ms: 3_600_000,
+        ..Ejection::default()
+    };
+    match args.next().as_deref() {
+        None | Some("no_ejection") => {}
+        // Out for the whole run.
+        Some("one_ejected") => {
+            service.targets[0]
+                .health
+                .eject(unix_ms(), &hour, FailureCause::Timeout)
+                .expect("a fresh target can be ejected");
+        }
+        // Its ejection over, not yet proven: each pick that meets it takes and ends a trial.
+        Some("half_open") => {
+            service.targets[0]
+                .health
+                .eject(unix_ms() - 7_200_000, &hour, FailureCause::Timeout)
+                .expect("a fresh target can be ejected");
+        }
+        Some(other) => panic!("unknown variant {other}"),
+    }
+    let mut found = 0usize;
+    for _ in 0..picks {
+        found += usize::from(black_box(&service).pick(|_| false, true).is_some());
+    }
+    assert_eq!(found, picks);
+}
