@@ -1165,7 +1165,9 @@ fn main() {
         std::thread::sleep(Duration::from_secs_f64(knobs.idle_seconds));
         let (tick, look) = watch.micros(&control);
         println!(
-            "idle: runtime watch {tick:.1} µs a tick, next-timer look {look:.1} µs a turn of the control loop"
+            "idle: runtime watch {tick:.1} µs a tick, next-timer look {look:.1} µs a turn of the control loop; \
+             RSS {:.0} MiB after the idle phase",
+            memory_mib().0
         );
         cpu.cores()
     };

@@ -480,7 +480,12 @@ impl Inner {
     }
 
     fn remember(&mut self, id: u64, at: DateTime<Utc>, event: &TargetEvent) {
-        let entries = self.history.entry(event.target_id).or_default();
+        // Most targets only ever get one or two entries (added, a first health verdict), so a
+        // history starts with room for one instead of a `VecDeque`'s first four.
+        let entries = self
+            .history
+            .entry(event.target_id)
+            .or_insert_with(|| VecDeque::with_capacity(1));
         if entries.len() == HISTORY_PER_TARGET {
             entries.pop_front();
         }
@@ -528,10 +533,10 @@ fn frame(id: u64, at: DateTime<Utc>, service_id: Option<Id>, body: &EventBody) -
     let json = serde_json::to_string(&data).unwrap_or_else(|error| {
         format!(r#"{{"id":{id},"error":"event not serialised: {error}"}}"#)
     });
-    Bytes::from(format!(
-        "id: {id}\nevent: {}\ndata: {json}\n\n",
-        body.kind()
-    ))
+    let text = format!("id: {id}\nevent: {}\ndata: {json}\n\n", body.kind());
+    // The ring keeps every frame: `format!` leaves up to twice the length allocated, which a
+    // `Bytes` made from the `String` would hold for as long as the event is kept.
+    Bytes::from(text.into_bytes().into_boxed_slice())
 }
 
 #[cfg(test)]

@@ -237,8 +237,10 @@ fn build_service(
         .service_targets
         .insert(service.id, targets.iter().map(|target| target.id).collect());
     let hashing = service.lb_policy.is_hashing();
-    let mut runtimes = Vec::new();
-    let mut members = Vec::new();
+    // Sized up front: the snapshot keeps `runtimes` as built, and growing by doubling would
+    // leave up to half of it unused for every service.
+    let mut runtimes = Vec::with_capacity(targets.len());
+    let mut members = Vec::with_capacity(targets.len());
     for target in targets.iter().filter(|target| target.takes_new_traffic()) {
         let Some(runtime) = target_runtime(service, target, hashing, carried) else {
             continue;
@@ -482,6 +484,16 @@ pub(super) mod tests {
             "a removed target's state is forgotten"
         );
         assert!(carried.loads.contains_key(&5));
+    }
+
+    #[test]
+    fn a_service_keeps_no_spare_room_for_targets() {
+        // 20 targets: a vector grown by doubling would hold room for 32.
+        let targets: Vec<(Id, Id)> = (1..=20).map(|id| (1, id)).collect();
+        let snapshot = build_full(&desired(&targets), &mut CarriedState::default(), 1);
+        let runtimes = &snapshot.service(1).unwrap().targets;
+        assert_eq!(runtimes.len(), 20);
+        assert_eq!(runtimes.capacity(), 20, "every snapshot keeps it");
     }
 
     #[test]

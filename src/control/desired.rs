@@ -22,6 +22,15 @@ pub(super) struct Desired {
     pub(super) certificates: Vec<CertificateWithKey>,
 }
 
+/// The targets as kept: `Arc`s in a vector of their own size. Collecting the `Arc`s straight
+/// from the `Vec<Target>` would reuse its buffer in place (`Target` is 30 times the size of an
+/// `Arc`), and every service would keep room for hundreds of targets.
+fn shared(targets: Vec<Target>) -> Vec<Arc<Target>> {
+    let mut shared = Vec::with_capacity(targets.len());
+    shared.extend(targets.into_iter().map(Arc::new));
+    shared
+}
+
 impl Desired {
     pub(super) fn from_config(config: RoutingConfig) -> Desired {
         let mut desired = Desired {
@@ -58,8 +67,7 @@ impl Desired {
             match parts.service {
                 Some(service) => {
                     self.services.insert(parts.id, service);
-                    let targets = parts.targets.into_iter().map(Arc::new).collect();
-                    self.targets.insert(parts.id, targets);
+                    self.targets.insert(parts.id, shared(parts.targets));
                     self.sources.insert(parts.id, parts.sources);
                 }
                 None => {
@@ -94,5 +102,27 @@ impl Desired {
             .keys()
             .flat_map(|service_id| self.targets_of(*service_id))
             .map(|target| &**target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_are_kept_in_a_vector_of_their_own_size() {
+        let targets: Vec<Target> = (1..=20)
+            .map(|id| Target {
+                id,
+                ..Target::default()
+            })
+            .collect();
+        let kept = shared(targets);
+        assert_eq!(kept.len(), 20);
+        assert_eq!(
+            kept.capacity(),
+            20,
+            "not the buffer of the Vec<Target> read"
+        );
     }
 }

@@ -216,3 +216,33 @@ fn a_route_event_names_its_limit_and_refusals() {
         (&2.into(), &9.into())
     );
 }
+
+#[test]
+fn a_frame_holds_no_more_memory_than_its_bytes() {
+    // Long enough that `format!` grows its buffer past the length several times.
+    let reason = "a reason that makes the frame longer than a first guess ".repeat(20);
+    for extra in 0..64 {
+        let body = target_event(7, TargetChangeKind::Health, &reason[..reason.len() - extra]);
+        let frame = frame(1, crate::clock::now(), Some(9), &body);
+        let length = frame.len();
+        let kept = frame.try_into_mut().expect("nobody else holds it");
+        assert_eq!(
+            kept.capacity(),
+            length,
+            "the ring keeps every frame for long"
+        );
+    }
+}
+
+#[test]
+fn a_first_history_entry_takes_room_for_one() {
+    let log = log(10, 10);
+    log.record(Some(1), target_event(3, TargetChangeKind::Added, "created"));
+    assert_eq!(
+        log.lock().history[&3].capacity(),
+        1,
+        "one entry per target at start"
+    );
+    log.record(Some(1), target_event(3, TargetChangeKind::Health, "check"));
+    assert_eq!(log.history(3).unwrap().len(), 2);
+}

@@ -156,10 +156,12 @@ impl Observer {
                 (_, fresh) => fresh,
             };
             let changes = describe_target_change(&seen.target, target);
+            // The reload's copy even when nothing changed: the one seen before would otherwise
+            // stay alive beside it, a second copy of every target of the service.
+            seen.target = target.clone();
             if changes.is_empty() {
                 continue;
             }
-            seen.target = target.clone();
             let noted = self.reasons.remove(&target.id);
             for news in changes {
                 let news = match &noted {
@@ -389,6 +391,39 @@ mod tests {
             created_at: now,
             updated_at: now,
         }
+    }
+
+    #[test]
+    fn a_reload_with_nothing_changed_keeps_one_copy_of_each_target() {
+        use crate::control::build::{build_snapshot, tests::service};
+        use crate::control::desired::Desired;
+        use crate::events::{EventLog, EventSettings};
+        use crate::model::RoutingConfig;
+        use std::sync::Arc;
+        let config = || RoutingConfig {
+            services: vec![service(1)],
+            targets: vec![target()],
+            ..RoutingConfig::default()
+        };
+        let snapshot = build_snapshot(
+            &config(),
+            &mut crate::control::CarriedState::in_zone(None),
+            1,
+        );
+        let log = Arc::new(EventLog::new(EventSettings::default()));
+        let mut observer = Observer::new(log, "me".into());
+        let everything = crate::store::ChangeSet::everything();
+        let first = Desired::from_config(config());
+        observer.changes_loaded(&first, &everything, &snapshot, &Default::default());
+        // The same target read again, as the reload of its service reads it.
+        let reloaded = Desired::from_config(config());
+        drop(first);
+        observer.changes_loaded(&reloaded, &everything, &snapshot, &Default::default());
+        let kept = &observer.targets[&1].target;
+        assert!(
+            Arc::ptr_eq(kept, &reloaded.targets_of(1)[0]),
+            "the observer holds the reload's copy, not one of its own"
+        );
     }
 
     #[test]
