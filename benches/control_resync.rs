@@ -56,19 +56,9 @@ use serde_json::json;
 use sqlx::Connection;
 use tokio::net::TcpListener;
 
-/// The binary's allocator and options, as in `control_scale`.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-#[export_name = "_rjem_malloc_conf"]
-static JEMALLOC_OPTIONS: JemallocOptions =
-    JemallocOptions(c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0".as_ptr());
-
-#[repr(transparent)]
-struct JemallocOptions(*const std::ffi::c_char);
-
-// SAFETY: the pointer is to a static C string, never written.
-unsafe impl Sync for JemallocOptions {}
+#[path = "support/scale.rs"]
+mod scale;
+use scale::{knob, percentile};
 
 const HOST: &str = "127.0.0.1";
 const FIRST_FAKE_PORT: u16 = 20_000;
@@ -84,16 +74,6 @@ struct Knobs {
     window: Duration,
     gateway_threads: usize,
     whole_phase: bool,
-}
-
-fn knob<T: FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(text) => text
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={text:?} does not parse")),
-        Err(_) => default,
-    }
 }
 
 impl Knobs {
@@ -271,14 +251,6 @@ fn gateway_cpu_ticks() -> u64 {
         total += ticks(11) + ticks(12);
     }
     total
-}
-
-fn percentile(sorted: &[Duration], share: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let index = ((sorted.len() as f64 * share).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[index]
 }
 
 fn ms(duration: Duration) -> String {

@@ -31,7 +31,6 @@
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -53,19 +52,9 @@ use raahi::store::Store;
 use serde_json::json;
 use tokio::net::TcpListener;
 
-/// The binary's allocator and options, so memory reads as it would in `raahi serve`.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-#[export_name = "_rjem_malloc_conf"]
-static JEMALLOC_OPTIONS: JemallocOptions =
-    JemallocOptions(c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0".as_ptr());
-
-#[repr(transparent)]
-struct JemallocOptions(*const std::ffi::c_char);
-
-// SAFETY: the pointer is to a static C string, never written.
-unsafe impl Sync for JemallocOptions {}
+#[path = "support/scale.rs"]
+mod scale;
+use scale::{knob, percentile};
 
 const HOST: &str = "127.0.0.1";
 /// Ports of the targets nobody connects to (services without health checks) start here.
@@ -84,16 +73,6 @@ struct Knobs {
     idle_seconds: f64,
     removal_grace_ms: u64,
     gateway_threads: usize,
-}
-
-fn knob<T: FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(text) => text
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={text:?} does not parse")),
-        Err(_) => default,
-    }
 }
 
 impl Knobs {
@@ -741,14 +720,6 @@ impl Bench {
         });
         true
     }
-}
-
-fn percentile(sorted: &[Duration], share: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((share * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 fn ms(duration: Duration) -> String {

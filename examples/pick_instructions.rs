@@ -7,78 +7,15 @@
 // A measuring tool: the wall clock is what the ejection it sets up compares with.
 #![allow(clippy::disallowed_methods)]
 
+#[path = "../benches/support/service.rs"]
+mod support;
+
 use std::hint::black_box;
-use std::sync::Arc;
 
-use chrono::Utc;
-use http::uri::Authority;
-use http::HeaderValue;
-use raahi::balance::{identity_hash, Balancer, FailureCause, Member, TargetHealth, TargetLoad};
+use raahi::balance::FailureCause;
 use raahi::clock::unix_ms;
-use raahi::model::{Ejection, LbPolicy, Protocol, Service, Timeouts};
-use raahi::snapshot::{ServiceRuntime, TargetRuntime};
-
-fn authority_of(i: usize) -> String {
-    format!("127.0.0.1:{}", 10_000 + i)
-}
-
-fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
-    let loads: Vec<Arc<TargetLoad>> = (0..n).map(|_| Arc::default()).collect();
-    let targets = loads
-        .iter()
-        .enumerate()
-        .map(|(i, load)| TargetRuntime {
-            spec: Default::default(),
-            id: i as i64,
-            host_header: HeaderValue::from_str(&authority_of(i)).unwrap(),
-            authority: Authority::try_from(authority_of(i)).unwrap(),
-            load: load.clone(),
-            health: Arc::new(TargetHealth::default()),
-            identity: identity_hash(&authority_of(i)),
-        })
-        .collect();
-    let members = loads
-        .into_iter()
-        .enumerate()
-        .map(|(i, load)| Member {
-            weight: 100,
-            priority: 0,
-            load,
-            identity: identity_hash(&authority_of(i)),
-        })
-        .collect();
-    ServiceRuntime {
-        service: Service {
-            limits: raahi::model::UpstreamLimits::default(),
-            id: 1,
-            name: "bench".into(),
-            protocol: Protocol::Http,
-            upstream_authority: None,
-            tls_sni: None,
-            tls_verify: true,
-            tls_ca_pem: None,
-            lb_policy: policy,
-            hash_on: None,
-            hash_balance_factor: None,
-            session_persistence: None,
-            locality: None,
-            timeouts: Timeouts::default(),
-            max_attempts: 3,
-            health_check: None,
-            ejection: Ejection::default(),
-            managed_by: None,
-            created_at: Utc::now(),
-            updated_at: Utc::now(),
-        },
-        upstream_host: None,
-        targets,
-        balancer: Balancer::new(policy, members),
-        counters: Default::default(),
-        discovery_gap: None,
-        sessions: None,
-        locality: None,
-    }
-}
+use raahi::model::{Ejection, LbPolicy};
+use support::service;
 
 fn main() {
     let mut args = std::env::args().skip(1);

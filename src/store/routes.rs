@@ -187,15 +187,15 @@ impl Store {
                         .await?,
                 );
             }
-            let uses: Vec<(i64, Id)> = specs
-                .iter()
-                .flat_map(|spec| {
-                    let id = ids[&spec.name];
+            let mut uses: Vec<(i64, Id)> = Vec::with_capacity(specs.len());
+            for spec in specs {
+                let id = returned_id(&ids, &spec.name)?;
+                uses.extend(
                     route_services(spec)
                         .into_iter()
-                        .map(move |service| (id, service))
-                })
-                .collect();
+                        .map(|service| (id, service)),
+                );
+            }
             for chunk in uses.chunks(ROUTE_SERVICES_PER_INSERT) {
                 let mut insert =
                     sqlx::QueryBuilder::new("INSERT INTO route_services (route_id, service_id) ");
@@ -206,7 +206,7 @@ impl Store {
             }
             // Canaries are rare: written one by one, as a single route write does.
             for spec in specs.iter().filter(|spec| spec.canary.is_some()) {
-                let id = ids[&spec.name];
+                let id = returned_id(&ids, &spec.name)?;
                 let _round = super::canary::sync_route_canary!(transaction, id, *spec, now_sql);
             }
             transaction.commit().await?;
@@ -311,6 +311,12 @@ impl Store {
         }
         Ok(services)
     }
+}
+
+/// The id the INSERT returned for a route of the batch; a name it did not return fails the
+/// batch instead of panicking.
+fn returned_id(ids: &HashMap<String, i64>, name: &str) -> Result<i64, sqlx::Error> {
+    ids.get(name).copied().ok_or(sqlx::Error::RowNotFound)
 }
 
 /// Every service a route sends to (its backends, then its mirror), once each.

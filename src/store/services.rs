@@ -11,6 +11,41 @@ use crate::model::{Id, Service, ServiceSpec};
 /// 65,535 bind parameters per statement.
 const SERVICES_PER_INSERT: usize = 500;
 
+/// The columns a new service row sets, in the order [`push_service_row`] binds them.
+const INSERT_SERVICES: &str = "INSERT INTO services (name, protocol, upstream_authority, tls_sni,
+    tls_verify, tls_ca_pem, lb_policy, connect_timeout_ms, response_header_timeout_ms,
+    idle_timeout_ms, max_attempts, health_check, ejection, limits, created_at, updated_at,
+    keepalive_ms, hash_on, hash_balance_factor, session_persistence, locality, managed_by) ";
+
+/// Binds one service's values for [`INSERT_SERVICES`] (a macro: the row's database type differs
+/// between the SQLite and PostgreSQL arms of `on_pool!`).
+macro_rules! push_service_row {
+    ($row:ident, $spec:expr, $now:expr, $manager:expr) => {
+        $row.push_bind(&$spec.name)
+            .push_bind($spec.protocol.as_str())
+            .push_bind(&$spec.upstream_authority)
+            .push_bind(&$spec.tls_sni)
+            .push_bind($spec.tls_verify)
+            .push_bind(&$spec.tls_ca_pem)
+            .push_bind($spec.lb_policy.as_str())
+            .push_bind($spec.timeouts.connect_ms as i64)
+            .push_bind($spec.timeouts.response_header_ms as i64)
+            .push_bind($spec.timeouts.idle_ms as i64)
+            .push_bind(i64::from($spec.max_attempts))
+            .push_bind($spec.health_check.as_ref().map(json_value))
+            .push_bind(json_value(&$spec.ejection))
+            .push_bind(json_value(&$spec.limits))
+            .push_bind($now)
+            .push_bind($now)
+            .push_bind($spec.timeouts.keepalive_ms.map(|ms| ms as i64))
+            .push_bind($spec.hash_on.as_ref().map(json_value))
+            .push_bind($spec.hash_balance_factor.map(i64::from))
+            .push_bind($spec.session_persistence.as_ref().map(json_value))
+            .push_bind($spec.locality.as_ref().map(json_value))
+            .push_bind($manager)
+    };
+}
+
 impl Store {
     pub async fn list_services(&self, page: Page) -> Result<Vec<Service>, StoreError> {
         let rows = on_pool!(self, |pool| sqlx::query_as::<_, ServiceRow>(
@@ -39,37 +74,14 @@ impl Store {
 
     pub async fn create_service(&self, spec: &ServiceSpec) -> Result<Service, StoreError> {
         let now = now_ms();
-        let id = on_pool!(self, |pool| sqlx::query_scalar::<_, i64>(
-            "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify, tls_ca_pem,
-                lb_policy, connect_timeout_ms, response_header_timeout_ms, idle_timeout_ms,
-                max_attempts, health_check, ejection, limits, created_at, updated_at, keepalive_ms,
-                hash_on, hash_balance_factor, session_persistence, locality)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-                $18, $19, $20, $21)
-             RETURNING id",
-        )
-        .bind(&spec.name)
-        .bind(spec.protocol.as_str())
-        .bind(&spec.upstream_authority)
-        .bind(&spec.tls_sni)
-        .bind(spec.tls_verify)
-        .bind(&spec.tls_ca_pem)
-        .bind(spec.lb_policy.as_str())
-        .bind(spec.timeouts.connect_ms as i64)
-        .bind(spec.timeouts.response_header_ms as i64)
-        .bind(spec.timeouts.idle_ms as i64)
-        .bind(i64::from(spec.max_attempts))
-        .bind(spec.health_check.as_ref().map(json_value))
-        .bind(json_value(&spec.ejection))
-        .bind(json_value(&spec.limits))
-        .bind(now)
-        .bind(now)
-        .bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
-        .bind(spec.hash_on.as_ref().map(json_value))
-        .bind(spec.hash_balance_factor.map(i64::from))
-        .bind(spec.session_persistence.as_ref().map(json_value))
-        .bind(spec.locality.as_ref().map(json_value))
-        .fetch_one(pool)
+        let id = on_pool!(self, |pool| async {
+            let mut insert = sqlx::QueryBuilder::new(INSERT_SERVICES);
+            insert.push_values([spec], |mut row, spec| {
+                push_service_row!(row, spec, now, None::<&str>);
+            });
+            insert.push(" RETURNING id");
+            insert.build_query_scalar::<i64>().fetch_one(pool).await
+        }
         .await)
         .map_err(|e| unique_name_conflict(e, "service", &spec.name))?;
         self.get_service(id).await
@@ -90,36 +102,9 @@ impl Store {
             let mut transaction = pool.begin().await?;
             let mut created = Vec::with_capacity(specs.len());
             for chunk in specs.chunks(SERVICES_PER_INSERT) {
-                let mut insert = sqlx::QueryBuilder::new(
-                    "INSERT INTO services (name, protocol, upstream_authority, tls_sni, tls_verify,
-                        tls_ca_pem, lb_policy, connect_timeout_ms, response_header_timeout_ms,
-                        idle_timeout_ms, max_attempts, health_check, ejection, limits, created_at,
-                        updated_at, keepalive_ms, hash_on, hash_balance_factor,
-                        session_persistence, locality, managed_by) ",
-                );
+                let mut insert = sqlx::QueryBuilder::new(INSERT_SERVICES);
                 insert.push_values(chunk, |mut row, spec| {
-                    row.push_bind(&spec.name)
-                        .push_bind(spec.protocol.as_str())
-                        .push_bind(&spec.upstream_authority)
-                        .push_bind(&spec.tls_sni)
-                        .push_bind(spec.tls_verify)
-                        .push_bind(&spec.tls_ca_pem)
-                        .push_bind(spec.lb_policy.as_str())
-                        .push_bind(spec.timeouts.connect_ms as i64)
-                        .push_bind(spec.timeouts.response_header_ms as i64)
-                        .push_bind(spec.timeouts.idle_ms as i64)
-                        .push_bind(i64::from(spec.max_attempts))
-                        .push_bind(spec.health_check.as_ref().map(json_value))
-                        .push_bind(json_value(&spec.ejection))
-                        .push_bind(json_value(&spec.limits))
-                        .push_bind(now)
-                        .push_bind(now)
-                        .push_bind(spec.timeouts.keepalive_ms.map(|ms| ms as i64))
-                        .push_bind(spec.hash_on.as_ref().map(json_value))
-                        .push_bind(spec.hash_balance_factor.map(i64::from))
-                        .push_bind(spec.session_persistence.as_ref().map(json_value))
-                        .push_bind(spec.locality.as_ref().map(json_value))
-                        .push_bind(manager);
+                    push_service_row!(row, spec, now, manager);
                 });
                 insert.push(" RETURNING name, id");
                 created.extend(
