@@ -80,7 +80,7 @@ impl ControlTask {
         } else {
             None
         };
-        self.sources.insert(source_id, entry);
+        self.sources.insert(entry);
         match outcome {
             Some(Ok((released, released_at))) => {
                 if released > 0 {
@@ -130,7 +130,7 @@ impl ControlTask {
         } else {
             Ok(None)
         };
-        self.sources.insert(request.source_id, entry);
+        self.sources.insert(entry);
         let released = outcome?;
         if released.is_some_and(|released| released > 0) {
             self.rebuild_logged().await;

@@ -20,6 +20,7 @@ mod guard;
 mod health;
 mod observe;
 mod rate_share;
+mod source_table;
 mod sources;
 
 use std::collections::HashMap;
@@ -46,7 +47,7 @@ pub use edge::{EdgeOptions, FileCertificateExpiry, FileCertificates};
 pub use guard::AcceptAnswer;
 pub use observe::target_view;
 pub use rate_share::{GatewayDemand, KeyPicture, RateShares, RoutePicture};
-use sources::SourceEntry;
+use source_table::SourceTable;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -298,7 +299,7 @@ struct ControlTask {
     /// Runtime state carried from snapshot to snapshot by target and service id.
     carried: CarriedState,
     generation: u64,
-    sources: HashMap<Id, SourceEntry>,
+    sources: SourceTable,
     source_stats: SourceStatsMap,
     health_checkers: health::HealthCheckers,
     /// When to retry a sync of sources (or a rebuild) that failed on a store error.
@@ -398,7 +399,7 @@ impl ControlTask {
         self.snapshots.publish(snapshot);
         let published = self.snapshots.load();
         self.observer
-            .changes_loaded(&self.desired, &changes, &published, &self.sources);
+            .changes_loaded(&self.desired, &changes, &published, self.sources.entries());
         // Each split was decided as it was built; a new one (or a changed one) is news now.
         self.observer.report_locality(&published);
         self.edge
@@ -496,14 +497,9 @@ impl ControlTask {
 
     /// When the lease round, a held lease's expiry or the periodic resync is due.
     fn next_cluster_wake(&self) -> tokio::time::Instant {
-        let lease_expiry = self
-            .sources
-            .values()
-            .filter_map(|entry| entry.lease_until())
-            .min();
         [
             Some(self.lease_round_at),
-            lease_expiry,
+            self.sources.next_lease_end(),
             self.periodic_resync_at,
         ]
         .into_iter()
@@ -587,10 +583,11 @@ impl ControlTask {
                 }
                 _ = sleep_until_or_forever(wake_at) => {
                     let rebuild_due = self.rebuild_due;
-                    if self.run_timers().await || rebuild_due {
+                    let (changed, moved) = self.run_timers().await;
+                    if changed || rebuild_due {
                         self.rebuild_logged().await;
                     }
-                    MovedSources::Any
+                    moved
                 }
                 Some(()) = canary_moves.recv() => {
                     // A canary this gateway judges moved: apply it now, not at the notification.
@@ -645,7 +642,10 @@ impl ControlTask {
             MovedSources::Only(ids) => Some(ids),
             MovedSources::Any => None,
         };
-        for mut news in self.observer.source_news(&self.sources, candidates) {
+        for mut news in self
+            .observer
+            .source_news(self.sources.entries(), candidates)
+        {
             if news.holder_unknown {
                 news.event.status.refreshed_by = self
                     .store
@@ -805,7 +805,7 @@ pub async fn start(
         clock: Clock::new(),
         carried: CarriedState::in_zone(zone.clone()),
         generation: 0,
-        sources: HashMap::new(),
+        sources: SourceTable::default(),
         source_stats: SourceStatsMap::default(),
         health_checkers: health::HealthCheckers::new(verdict_sender),
         resync_at: None,
@@ -838,7 +838,7 @@ pub async fn start(
     }
     // An acceptance stored while no instance ran (or before a crash) is applied now.
     task.apply_pending_acceptances().await;
-    task.observer.prime(&task.sources);
+    task.observer.prime(task.sources.entries());
     let (sender, receiver) = mpsc::channel(256);
     let snapshots = task.snapshots.clone();
     let source_stats = task.source_stats.clone();

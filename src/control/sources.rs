@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use super::{ControlError, ControlTask, RefreshAnswer};
+use super::{ControlError, ControlTask, MovedSources, RefreshAnswer};
 use crate::discovery::lifecycle::{self, Transition};
 use crate::discovery::runner::{self, RefreshOutcome, RunnerHandle, RunnerSpec};
 use crate::discovery::{self, reconcile};
@@ -55,10 +55,47 @@ impl SourceEntry {
             .is_some_and(|until| until > tokio::time::Instant::now())
     }
 
+    /// The earliest of its removal, stale and guard re-read deadlines; None unless this
+    /// instance holds its lease, since only the holder runs a source's timers.
+    pub(super) fn timer_deadline(&self) -> Option<DateTime<Utc>> {
+        self.lease_until?;
+        [
+            self.next_removal,
+            lifecycle::stale_deadline(&self.progress, self.stale_after()),
+            self.guard_reread_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
     /// Stops the loop and timers: another instance refreshes the source now.
     fn let_go(&mut self) {
         self.runner = None;
         self.lease_until = None;
+    }
+}
+
+#[cfg(test)]
+impl SourceEntry {
+    /// A source with no progress, no loop and no timers, held until `lease_until`.
+    pub(super) fn for_tests(
+        source: DiscoverySource,
+        lease_until: Option<tokio::time::Instant>,
+    ) -> Self {
+        SourceEntry {
+            source,
+            progress: SourceProgress::default(),
+            runner: None,
+            next_removal: None,
+            lease_until,
+            guard_reread_at: None,
+            acceptance: None,
+        }
+    }
+
+    pub(super) fn set_lease_until(&mut self, lease_until: Option<tokio::time::Instant>) {
+        self.lease_until = lease_until;
     }
 }
 
@@ -98,15 +135,21 @@ impl ControlTask {
         let mut first_error = None;
         for (source, stored_progress) in stored {
             present.insert(source.id);
-            let outcome = match self.sources.get_mut(&source.id) {
-                Some(entry) if entry.source == source => {
+            let unchanged = self
+                .sources
+                .get(&source.id)
+                .map(|entry| entry.source == source);
+            let outcome = match unchanged {
+                Some(true) => {
                     // Another instance refreshes it: what it stored is what this one shows.
-                    if !entry.holds_lease() {
-                        entry.progress = stored_progress;
+                    if let Some(mut entry) = self.sources.get_mut(&source.id) {
+                        if !entry.holds_lease() {
+                            entry.progress = stored_progress;
+                        }
                     }
                     continue;
                 }
-                Some(_) => self.reconfigure(source).await,
+                Some(false) => self.reconfigure(source).await,
                 None => {
                     let lease_until = lease_of(source.id);
                     self.adopt(source, stored_progress, lease_until).await
@@ -121,8 +164,8 @@ impl ControlTask {
         }
         // Deleted sources: their targets went with them in the store; dropping the entry stops
         // the loop.
-        self.sources.retain(|id, entry| {
-            present.contains(id) || !scope.touches_service(entry.source.service_id)
+        self.sources.retain(|entry| {
+            present.contains(&entry.source.id) || !scope.touches_service(entry.source.service_id)
         });
         if let Ok(mut stats) = self.source_stats.write() {
             stats.retain(|id, _| self.sources.contains_key(id));
@@ -172,7 +215,7 @@ impl ControlTask {
         };
         // Kept even when enforcing fails, so its loop and timers are not lost with the error.
         let outcome = self.enforce_enabled(&mut entry, true).await;
-        self.sources.insert(entry.source.id, entry);
+        self.sources.insert(entry);
         outcome
     }
 
@@ -189,7 +232,7 @@ impl ControlTask {
             // Still differs from the store, so the retry of the sync reconfigures it again.
             entry.source = previous;
         }
-        self.sources.insert(entry.source.id, entry);
+        self.sources.insert(entry);
         outcome
     }
 
@@ -320,7 +363,7 @@ impl ControlTask {
     /// Renews held leases, bids for free and expired ones, takes over the sources it wins and
     /// lets go of those another instance holds. Returns whether targets changed.
     pub(super) async fn lease_round(&mut self) -> bool {
-        let mut ids: Vec<Id> = self.sources.keys().copied().collect();
+        let mut ids = self.sources.ids();
         ids.sort_unstable();
         let (held, until) = match self.bid_for_leases(&ids).await {
             Ok(leases) => leases,
@@ -360,7 +403,7 @@ impl ControlTask {
                 }
                 entry.let_go();
             }
-            self.sources.insert(id, entry);
+            self.sources.insert(entry);
         }
         self.expire_leases();
         // An acceptance the previous holder did not apply (it died, or missed the notification)
@@ -380,18 +423,17 @@ impl ControlTask {
             tracing::warn!(%error, "cannot release the canary leases; they expire on their own");
         }
         let now = self.clock.now();
-        let held: Vec<(Id, Option<SourceProgress>)> = self
-            .sources
-            .values_mut()
-            .filter(|entry| entry.lease_until.is_some())
-            .map(|entry| {
-                entry.let_go();
-                let watch_ended = entry.progress.watch.as_ref().is_some_and(|w| w.connected);
-                lifecycle::watch_gone(&mut entry.progress, now);
-                let progress = watch_ended.then(|| entry.progress.clone());
-                (entry.source.id, progress)
-            })
-            .collect();
+        let mut held: Vec<(Id, Option<SourceProgress>)> = Vec::new();
+        self.sources.for_each_mut(|entry| {
+            if entry.lease_until.is_none() {
+                return;
+            }
+            entry.let_go();
+            let watch_ended = entry.progress.watch.as_ref().is_some_and(|w| w.connected);
+            lifecycle::watch_gone(&mut entry.progress, now);
+            let progress = watch_ended.then(|| entry.progress.clone());
+            held.push((entry.source.id, progress));
+        });
         for (id, progress) in held {
             // While the lease is still ours the store takes the write; the next holder starts
             // from a watch shown as down, not from this instance's connected one.
@@ -412,10 +454,10 @@ impl ControlTask {
     /// now another instance may refresh it.
     pub(super) fn expire_leases(&mut self) {
         let now = tokio::time::Instant::now();
-        for entry in self.sources.values_mut() {
-            if entry.lease_until.is_some_and(|until| until <= now) {
+        for id in self.sources.leases_ended(now) {
+            if let Some(mut entry) = self.sources.get_mut(&id) {
                 tracing::warn!(
-                    source_id = entry.source.id,
+                    source_id = id,
                     "discovery source lease expired without renewal; no longer refreshing it"
                 );
                 entry.let_go();
@@ -501,7 +543,7 @@ impl ControlTask {
         } else {
             false
         };
-        self.sources.insert(entry.source.id, entry);
+        self.sources.insert(entry);
         changed
     }
 
@@ -656,42 +698,34 @@ impl ControlTask {
         self.after_changes(entry, changes).await
     }
 
-    /// The earliest removal deadline or stale deadline of any source.
+    /// The earliest timer: a source's removal, stale or guard re-read deadline, a retry of the
+    /// sync, or a listener to bind again.
     pub(super) fn next_timer(&self) -> Option<DateTime<Utc>> {
-        // Only the holder runs a source's timers.
-        let source_timers = self
-            .sources
-            .values()
-            .filter(|entry| entry.lease_until.is_some())
-            .flat_map(|entry| {
-                [
-                    entry.next_removal,
-                    lifecycle::stale_deadline(&entry.progress, entry.stale_after()),
-                    entry.guard_reread_at,
-                ]
-            })
-            .flatten()
-            .min();
-        [source_timers, self.resync_at, self.edge.rebind_at]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.sources.next_timer(),
+            self.resync_at,
+            self.edge.rebind_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Deletes targets whose removal grace ended and turns failing sources stale on time.
-    /// Returns whether targets changed.
-    pub(super) async fn run_timers(&mut self) -> bool {
+    /// Returns whether targets changed, and which sources' progress may have moved.
+    pub(super) async fn run_timers(&mut self) -> (bool, MovedSources) {
         let now = self.clock.now();
-        let mut resynced = false;
+        let mut changed = false;
+        let mut moved = None;
         if self.resync_at.is_some_and(|due| due <= now) {
-            resynced = self.sync_sources_or_retry().await;
+            changed = self.sync_sources_or_retry().await;
+            moved = Some(MovedSources::Any);
         }
-        let ids: Vec<Id> = self.sources.keys().copied().collect();
         if self.edge.rebind_at.is_some_and(|due| due <= now) {
             self.edge.bind_wanted(now);
         }
-        let mut changed = resynced;
-        for id in ids {
+        let due = self.sources.due_timers(now);
+        for &id in &due {
             let Some(mut entry) = self.sources.remove(&id) else {
                 continue;
             };
@@ -700,7 +734,7 @@ impl ControlTask {
                 if entry.lease_until.is_some() {
                     entry.let_go();
                 }
-                self.sources.insert(id, entry);
+                self.sources.insert(entry);
                 continue;
             }
             match self.run_source_timers(&mut entry, now).await {
@@ -713,9 +747,9 @@ impl ControlTask {
                         .map(|_| now + chrono::Duration::seconds(1));
                 }
             }
-            self.sources.insert(id, entry);
+            self.sources.insert(entry);
         }
-        changed
+        (changed, moved.unwrap_or(MovedSources::Only(due)))
     }
 
     async fn run_source_timers(
