@@ -1,15 +1,15 @@
 //! Per-target availability: active health-check verdicts and passive outlier ejection, as
 //! atomics shared by every snapshot (carried by target id) and read on each pick.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use crate::model::{Ejection, Health};
 
 #[derive(Debug)]
 pub struct TargetHealth {
-    health: AtomicU8,
-    /// Unix ms; 0 when never ejected or cleared by a success.
-    ejected_until_ms: AtomicU64,
+    /// The health-check verdict and the ejection deadline in one word ([`State`]), so that a
+    /// pick tells an available target without an ejection from one load and one comparison.
+    state: AtomicU64,
     /// Ejections since the last success: the next one lasts this many times the base.
     ejections: AtomicU32,
     /// Ejected before and not yet proven by a success: one failure ejects it again.
@@ -101,19 +101,62 @@ impl Default for TargetHealth {
     }
 }
 
-fn health_code(health: Health) -> u8 {
+/// `TargetHealth::state`: the health code in the low [`HEALTH_BITS`] bits, the ejection deadline
+/// (Unix ms; 0 when never ejected or cleared by a success) above them. Unknown and Healthy are
+/// the codes below [`UNHEALTHY`], so every state below it is "not unhealthy, no ejection
+/// recorded": the one comparison of a pick's common case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct State(u64);
+
+const HEALTH_BITS: u32 = 2;
+const HEALTH_MASK: u64 = (1 << HEALTH_BITS) - 1;
+const UNHEALTHY: u64 = 2;
+/// The latest deadline the state holds: 2^62 ms, millions of years away.
+const MAX_UNTIL_MS: u64 = u64::MAX >> HEALTH_BITS;
+
+impl State {
+    fn new(health: Health, until_ms: u64) -> State {
+        State((until_ms.min(MAX_UNTIL_MS) << HEALTH_BITS) | health_code(health))
+    }
+
+    fn health(self) -> Health {
+        match self.0 & HEALTH_MASK {
+            1 => Health::Healthy,
+            UNHEALTHY => Health::Unhealthy,
+            _ => Health::Unknown,
+        }
+    }
+
+    fn until_ms(self) -> u64 {
+        self.0 >> HEALTH_BITS
+    }
+
+    /// Not unhealthy and no ejection recorded.
+    fn is_plain(self) -> bool {
+        self.0 < UNHEALTHY
+    }
+
+    fn with_health(self, health: Health) -> State {
+        State((self.0 & !HEALTH_MASK) | health_code(health))
+    }
+
+    fn with_until(self, until_ms: u64) -> State {
+        State((until_ms.min(MAX_UNTIL_MS) << HEALTH_BITS) | (self.0 & HEALTH_MASK))
+    }
+}
+
+fn health_code(health: Health) -> u64 {
     match health {
         Health::Unknown => 0,
         Health::Healthy => 1,
-        Health::Unhealthy => 2,
+        Health::Unhealthy => UNHEALTHY,
     }
 }
 
 impl TargetHealth {
     pub fn new(health: Health) -> TargetHealth {
         TargetHealth {
-            health: AtomicU8::new(health_code(health)),
-            ejected_until_ms: AtomicU64::new(0),
+            state: AtomicU64::new(State::new(health, 0).0),
             ejections: AtomicU32::new(0),
             probation: AtomicBool::new(false),
             trial: AtomicBool::new(false),
@@ -144,32 +187,44 @@ impl TargetHealth {
         }
     }
 
+    fn state(&self) -> State {
+        State(self.state.load(Ordering::Relaxed))
+    }
+
+    /// The ejection deadline (Unix ms; 0 when not ejected or half-open), read once.
+    fn until_ms(&self) -> u64 {
+        self.state().until_ms()
+    }
+
     pub fn health(&self) -> Health {
-        match self.health.load(Ordering::Relaxed) {
-            1 => Health::Healthy,
-            2 => Health::Unhealthy,
-            _ => Health::Unknown,
-        }
+        self.state().health()
     }
 
     pub fn set_health(&self, health: Health) {
-        let code = health_code(health);
-        if self.health.load(Ordering::Relaxed) != code
-            && self.health.swap(code, Ordering::Relaxed) != code
-        {
+        if self.state().health() == health {
+            return;
+        }
+        // The deadline shares the word: a concurrent ejection or restore must survive.
+        let changed = self
+            .state
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |state| {
+                let state = State(state);
+                (state.health() != health).then_some(state.with_health(health).0)
+            });
+        if changed.is_ok() {
             self.moved();
         }
     }
 
     /// When the current ejection ends, if the target is ejected at `now_ms`.
     pub fn ejected_until(&self, now_ms: u64) -> Option<u64> {
-        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        let until = self.until_ms();
         (until > now_ms).then_some(until)
     }
 
     /// Its ejection has ended but no success has proven it yet: it takes one request at a time.
     pub fn half_open(&self, now_ms: u64) -> bool {
-        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        let until = self.until_ms();
         until != 0 && until <= now_ms
     }
 
@@ -180,12 +235,17 @@ impl TargetHealth {
 
     /// Not unhealthy, not ejected, and not half-open with its one trial already in flight. The
     /// clock is read only while an ejection is recorded.
+    #[inline]
     pub fn is_available(&self, now_ms: impl FnOnce() -> u64) -> bool {
-        if self.health.load(Ordering::Relaxed) == health_code(Health::Unhealthy) {
+        let state = self.state();
+        if state.is_plain() {
+            return true;
+        }
+        if state.health() == Health::Unhealthy {
             return false;
         }
-        let until = self.ejected_until_ms.load(Ordering::Relaxed);
-        until == 0 || (until <= now_ms() && !self.trial.load(Ordering::Relaxed))
+        // Not plain and not unhealthy: an ejection is recorded.
+        state.until_ms() <= now_ms() && !self.trial.load(Ordering::Relaxed)
     }
 
     /// For a target a pick chose as available: lets the request through, as the one trial when
@@ -193,7 +253,7 @@ impl TargetHealth {
     /// a pick looks at some it does not choose. Refused when the trial went to another request,
     /// or a failure ejected the target again, since the pick looked.
     pub fn admit(&self, now_ms: impl FnOnce() -> u64) -> Admission<'_> {
-        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        let until = self.until_ms();
         if until == 0 {
             return Admission::Open;
         }
@@ -211,7 +271,7 @@ impl TargetHealth {
             return Admission::Refused;
         }
         let trial = Trial { health: self };
-        match self.ejected_until_ms.load(Ordering::Relaxed) {
+        match self.until_ms() {
             // A success restored it in the meantime: no trial needed (dropping it releases it).
             0 => Admission::Open,
             until if until > now => Admission::Refused,
@@ -226,14 +286,15 @@ impl TargetHealth {
         if self.window_failures.load(Ordering::Relaxed) != 0 {
             self.window_failures.store(0, Ordering::Relaxed);
         }
-        let until = self.ejected_until_ms.load(Ordering::Relaxed);
+        let until = self.until_ms();
         if until == 0 && !self.probation.load(Ordering::Relaxed) {
             return;
         }
         if until > now_ms() {
             return;
         }
-        self.ejected_until_ms.store(0, Ordering::Relaxed);
+        // Clears the deadline only: the health verdict shares the word.
+        self.state.fetch_and(HEALTH_MASK, Ordering::Relaxed);
         self.probation.store(false, Ordering::Relaxed);
         self.ejections.store(0, Ordering::Relaxed);
         self.moved();
@@ -273,13 +334,14 @@ impl TargetHealth {
 
     /// The raw ejection deadline (Unix ms; 0 when not ejected or half-open), read once.
     pub fn ejected_until_ms(&self) -> u64 {
-        self.ejected_until_ms.load(Ordering::Relaxed)
+        self.until_ms()
     }
 
     /// Takes the target out until `now + base × ejections` (capped) because of `cause`. None
     /// when another request ejected it first.
     pub fn eject(&self, now_ms: u64, policy: &Ejection, cause: FailureCause) -> Option<u64> {
-        let previous = self.ejected_until_ms.load(Ordering::Relaxed);
+        let mut state = self.state();
+        let previous = state.until_ms();
         if previous > now_ms {
             return None;
         }
@@ -288,10 +350,20 @@ impl TargetHealth {
             .base_ejection_ms
             .saturating_mul(times)
             .min(policy.max_ejection_ms);
-        let until = now_ms.saturating_add(duration).max(1);
-        self.ejected_until_ms
-            .compare_exchange(previous, until, Ordering::Relaxed, Ordering::Relaxed)
-            .ok()?;
+        let until = now_ms.saturating_add(duration).clamp(1, MAX_UNTIL_MS);
+        // Lost when another request moved the deadline first; a health verdict landing in the
+        // meantime only changes the other bits, and is kept.
+        while let Err(actual) = self.state.compare_exchange(
+            state.0,
+            state.with_until(until).0,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            state = State(actual);
+            if state.until_ms() != previous {
+                return None;
+            }
+        }
         self.ejections.fetch_add(1, Ordering::Relaxed);
         let trial = if self.probation.swap(true, Ordering::Relaxed) {
             TRIAL_BIT
@@ -574,6 +646,117 @@ mod tests {
         assert!(
             !target.record_failure(2, &policy()),
             "failures while ejected do not count"
+        );
+    }
+
+    #[test]
+    fn the_state_word_holds_health_and_deadline_apart() {
+        let healths = [Health::Unknown, Health::Healthy, Health::Unhealthy];
+        for health in healths {
+            for until in [0, 1, 12_345, MAX_UNTIL_MS - 1, MAX_UNTIL_MS] {
+                let state = State::new(health, until);
+                assert_eq!((state.health(), state.until_ms()), (health, until));
+                assert_eq!(
+                    state.is_plain(),
+                    until == 0 && health != Health::Unhealthy,
+                    "{health:?} until {until}"
+                );
+                for other in healths {
+                    assert_eq!(state.with_health(other), State::new(other, until));
+                }
+                assert_eq!(state.with_until(7), State::new(health, 7));
+                assert_eq!(state.with_until(0), State::new(health, 0));
+            }
+            assert_eq!(State::new(health, u64::MAX).until_ms(), MAX_UNTIL_MS);
+        }
+    }
+
+    #[test]
+    fn verdicts_and_ejections_share_the_word_without_erasing_each_other() {
+        let target = TargetHealth::new(Health::Healthy);
+        target.eject(0, &policy(), FailureCause::Timeout);
+        target.set_health(Health::Unhealthy);
+        assert_eq!(
+            target.ejected_until(5_000),
+            Some(10_000),
+            "the verdict kept it"
+        );
+        assert!(
+            !target.is_available(|| 10_000),
+            "unhealthy, though its ejection ended"
+        );
+        assert!(target.half_open(10_000));
+        target.set_health(Health::Healthy);
+        assert!(target.is_available(|| 10_000), "half-open again");
+        let trial = trial(&target, 10_000);
+        target.record_success(|| 10_000);
+        drop(trial);
+        assert_eq!(
+            target.health(),
+            Health::Healthy,
+            "the restore kept the verdict"
+        );
+        assert_eq!(target.ejected_until_ms(), 0);
+        target.set_health(Health::Unhealthy);
+        assert!(!target.is_available(|| panic!("no ejection to compare")));
+    }
+
+    #[test]
+    fn an_endless_ejection_is_capped_and_keeps_the_verdict() {
+        let endless = Ejection {
+            base_ejection_ms: u64::MAX,
+            max_ejection_ms: u64::MAX,
+            ..policy()
+        };
+        let target = TargetHealth::new(Health::Healthy);
+        assert_eq!(
+            target.eject(1, &endless, FailureCause::Timeout),
+            Some(MAX_UNTIL_MS)
+        );
+        assert_eq!(target.health(), Health::Healthy);
+        assert_eq!(target.ejected_until(u64::MAX - 1), None, "capped");
+        assert_eq!(target.ejected_until(1), Some(MAX_UNTIL_MS));
+    }
+
+    #[test]
+    fn concurrent_verdicts_and_ejections_lose_neither() {
+        let target = TargetHealth::default();
+        let rounds: u64 = 100_000;
+        let ejecting = AtomicBool::new(true);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                // Flips the verdict for as long as the other thread ejects, then leaves it healthy.
+                let mut unhealthy = false;
+                while ejecting.load(Ordering::Relaxed) {
+                    unhealthy = !unhealthy;
+                    target.set_health(if unhealthy {
+                        Health::Unhealthy
+                    } else {
+                        Health::Healthy
+                    });
+                }
+                target.set_health(Health::Healthy);
+            });
+            let lost = scope.spawn(|| {
+                // Each ejection starts after the last one ended, so each must win.
+                let lost = (1..=rounds)
+                    .filter(|round| {
+                        let now = round * 100_000;
+                        target
+                            .eject(now, &policy(), FailureCause::Timeout)
+                            .is_none()
+                    })
+                    .count();
+                ejecting.store(false, Ordering::Relaxed);
+                lost
+            });
+            assert_eq!(lost.join().unwrap(), 0, "ejections lost to a verdict");
+        });
+        assert_eq!(target.health(), Health::Healthy, "the last verdict");
+        assert_eq!(
+            target.ejected_until_ms(),
+            rounds * 100_000 + 25_000,
+            "the last ejection, capped at 25 s"
         );
     }
 
