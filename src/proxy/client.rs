@@ -9,20 +9,22 @@
 
 use std::collections::HashSet;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 
 use foldhash::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use futures_util::task::AtomicWaker;
 use http::uri::Authority;
 use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::{capture_connection, Connect};
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection, Connect};
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::sync::Notify;
 
 use super::body::UpstreamRequestBody;
 use super::connector::UpstreamTlsError;
@@ -67,9 +69,19 @@ impl UpstreamError {
     pub fn is_connect(&self) -> bool {
         match self {
             UpstreamError::Plain(error) => error.is_connect(),
-            UpstreamError::Tls(error) => error.is_connect(),
+            UpstreamError::Tls(error) => error.is_connect() || tls_unsent(error),
             UpstreamError::H2(error) => error.is_connect(),
             UpstreamError::Refused(_) | UpstreamError::TooManyInterim => false,
+        }
+    }
+
+    /// An `https` request hyper-util gave back unwritten: the connection it was handed to
+    /// (an idle pooled one, most often) closed before taking it. It may go again whatever its
+    /// method; hyper-util's own resend is off (see [`build_client`]).
+    pub fn is_unsent(&self) -> bool {
+        match self {
+            UpstreamError::Tls(error) => tls_unsent(error),
+            _ => false,
         }
     }
 
@@ -97,6 +109,15 @@ impl UpstreamError {
     }
 }
 
+/// Whether hyper-util gave the request back unwritten. hyper cancels a request with its
+/// message returned (and only then): the connection closed, or was not ready, before the
+/// request was written; hyper-util then answers with its `Canceled` error over that cause.
+fn tls_unsent(error: &hyper_util::client::legacy::Error) -> bool {
+    std::error::Error::source(error)
+        .and_then(|cause| cause.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_canceled)
+}
+
 /// Sends one request to an `https` target, refusing what the plain client refuses beyond what
 /// hyper does itself: a body framed by a transfer coding other than `chunked` alone (hyper
 /// reads any), a `101` to a request that sent no `Upgrade`, and interim (1xx) answers past
@@ -111,10 +132,7 @@ pub fn send_tls(
     client: &TlsClient,
     mut request: Request<UpstreamRequestBody>,
     watch_sent: bool,
-) -> (
-    impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + 'static,
-    Option<TlsSent>,
-) {
+) -> (TlsExchange, Option<TlsSent>) {
     let method_is_head = request.method() == Method::HEAD;
     let upgrade_asked = request.headers().contains_key(header::UPGRADE);
     let interim = Arc::new(InterimCount::default());
@@ -122,38 +140,69 @@ pub fn send_tls(
     hyper::ext::on_informational(&mut request, move |_| counter.one_more());
     let connection = capture_connection(&mut request);
     let sent = watch_sent.then(|| TlsSent(connection.clone()));
-    let exchange = client.request(request);
-    let exchange = async move {
-        let refused = tokio::select! {
-            biased;
-            response = exchange => {
+    let exchange = TlsExchange {
+        response: client.request(request),
+        interim,
+        connection,
+        method_is_head,
+        upgrade_asked,
+    };
+    (exchange, sent)
+}
+
+/// One exchange with an `https` target (see [`send_tls`]): hyper-util's future and what its
+/// answer is checked against. A named `Unpin` future, so an exchange whose client left moves
+/// to a task of its own without a box.
+pub struct TlsExchange {
+    response: ResponseFuture,
+    interim: Arc<InterimCount>,
+    connection: CaptureConnection,
+    method_is_head: bool,
+    upgrade_asked: bool,
+}
+
+impl Future for TlsExchange {
+    type Output = Result<Response<Incoming>, UpstreamError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let refused = match Pin::new(&mut this.response).poll(cx) {
+            Poll::Ready(response) => {
                 let response = response?;
                 // The final head may come in the same read as interim ones past the limit.
-                if interim.seen.load(Ordering::Relaxed) > MAX_INTERIM_RESPONSES {
+                if this.interim.exceeded() {
                     UpstreamError::TooManyInterim
                 } else {
-                    match refusal(&response, method_is_head, upgrade_asked) {
-                        None => return Ok(response),
+                    match refusal(&response, this.method_is_head, this.upgrade_asked) {
+                        None => return Poll::Ready(Ok(response)),
                         Some(reason) => UpstreamError::Refused(reason),
                     }
                 }
             }
-            () = interim.exceeded.notified() => UpstreamError::TooManyInterim,
+            Poll::Pending => {
+                // Registered before the count is read: one more interim answer wakes this.
+                this.interim.waker.register(cx.waker());
+                if !this.interim.exceeded() {
+                    return Poll::Pending;
+                }
+                UpstreamError::TooManyInterim
+            }
         };
-        if let Some(connected) = connection.connection_metadata().as_ref() {
+        if let Some(connected) = this.connection.connection_metadata().as_ref() {
             if !connected.is_negotiated_h2() {
                 connected.poison();
             }
         }
-        Err(refused)
-    };
-    (exchange, sent)
+        Poll::Ready(Err(refused))
+    }
 }
 
 /// Whether an `https` request was handed to its connection: hyper-util notes the connection
 /// just before it passes the request on to be written. A request dropped before that was not
 /// sent (nor is one whose connection had not taken it yet: hyper skips a cancelled request).
-pub struct TlsSent(hyper_util::client::legacy::connect::CaptureConnection);
+/// The noted connection is the only one the request may go on: hyper-util's resend on another
+/// is off ([`build_client`]), so an exchange left to finish after this sends nothing new.
+pub struct TlsSent(CaptureConnection);
 
 impl TlsSent {
     pub fn sent(&self) -> bool {
@@ -179,19 +228,23 @@ fn refusal(
     coded.then_some(TRANSFER_CODING_REFUSED)
 }
 
-/// Interim answers to one request so far.
+/// Interim answers to one request so far. They are told on the connection's task: the one
+/// past the limit wakes the exchange's.
 #[derive(Default)]
 struct InterimCount {
     seen: AtomicUsize,
-    exceeded: Notify,
+    waker: AtomicWaker,
 }
 
 impl InterimCount {
     fn one_more(&self) {
-        // `notify_one` keeps its permit for a waiter that comes later.
         if self.seen.fetch_add(1, Ordering::Relaxed) == MAX_INTERIM_RESPONSES {
-            self.exceeded.notify_one();
+            self.waker.wake();
         }
+    }
+
+    fn exceeded(&self) -> bool {
+        self.seen.load(Ordering::Relaxed) > MAX_INTERIM_RESPONSES
     }
 }
 
@@ -525,10 +578,15 @@ impl Dial for TlsDial {
     }
 }
 
+/// hyper-util's resend of a request its pooled connection gave back unwritten is off: it
+/// would go on another connection under the same [`TlsSent`], which would then tell "sent" of a
+/// request still waiting for a dial. Raahi resends it itself, as a new exchange
+/// (`forward::retry`).
 fn build_client<C: Connect + Clone>(connector: C, idle_ms: u64) -> Client<C, UpstreamRequestBody> {
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_millis(idle_ms))
+        .retry_canceled_requests(false)
         .build(connector)
 }

@@ -12,8 +12,8 @@
 //! from: a request's future, as its client's connection holds it, is a [`ClientBound`], and
 //! only the drop of a `ClientBound` that had not finished is a client leaving; everything
 //! dropped inside it then sees [`client_left`]. Nothing is paid while the exchange finishes
-//! with its caller: no flag, no count, no wake, no box (for plain targets; an `https`
-//! target's exchange, hyper-util's future, is boxed).
+//! with its caller: no flag, no count, no wake, no box (an `https` target's exchange is
+//! hyper-util's future, which hyper-util boxes itself).
 
 use std::cell::Cell;
 use std::future::Future;
@@ -45,40 +45,46 @@ fn client_left() -> bool {
     CLIENT_LEFT.with(Cell::get)
 }
 
-/// A request's future as its client's connection (hyper) holds it. Dropped before it finished,
-/// its client went away: the exchanges inside it may finish on their own. The future is boxed
-/// (hyper would box it anyway), so taking it out to drop it needs no pinning tricks.
-pub struct ClientBound<F: ?Sized> {
-    request: Option<Pin<Box<F>>>,
+pin_project_lite::pin_project! {
+    /// A request's future as its client's connection (hyper) holds it. Dropped before it
+    /// finished, its client went away: the exchanges inside it may finish on their own. The
+    /// future is held inline (no box of its own per request) and dropped in place.
+    pub struct ClientBound<F> {
+        #[pin]
+        request: Option<F>,
+    }
+
+    impl<F> PinnedDrop for ClientBound<F> {
+        fn drop(this: Pin<&mut Self>) {
+            let mut request = this.project().request;
+            if request.is_some() {
+                let _leaving = Leaving::enter();
+                request.set(None);
+            }
+        }
+    }
 }
 
-impl<F: ?Sized> ClientBound<F> {
-    pub fn new(request: Pin<Box<F>>) -> ClientBound<F> {
+impl<F> ClientBound<F> {
+    pub fn new(request: F) -> ClientBound<F> {
         ClientBound {
             request: Some(request),
         }
     }
 }
 
-impl<F: Future + ?Sized> Future for ClientBound<F> {
+impl<F: Future> Future for ClientBound<F> {
     type Output = F::Output;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let Some(request) = self.request.as_mut() else {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let mut request = self.project().request;
+        let Some(pending) = request.as_mut().as_pin_mut() else {
             return Poll::Pending;
         };
-        let output = std::task::ready!(request.as_mut().poll(cx));
-        self.request = None;
+        let output = std::task::ready!(pending.poll(cx));
+        // Finished: what it held is dropped now, with no departure to tell.
+        request.set(None);
         Poll::Ready(output)
-    }
-}
-
-impl<F: ?Sized> Drop for ClientBound<F> {
-    fn drop(&mut self) {
-        if let Some(request) = self.request.take() {
-            let _leaving = Leaving::enter();
-            drop(request);
-        }
     }
 }
 
@@ -209,18 +215,33 @@ mod tests {
     fn only_what_a_pending_client_bound_future_drops_sees_its_client_leave() {
         let seen = Arc::new(AtomicBool::new(false));
         let witness = Witness(seen.clone());
-        let mut request = ClientBound::new(Box::pin(async move {
+        // Boxed here only to be moved after pinning; the request's future sits inline in it.
+        let mut request = Box::pin(ClientBound::new(async move {
             let _witness = witness;
             std::future::pending::<()>().await
         }));
         // Polled once, so the witness lives inside the suspended future.
         let waker = std::task::Waker::noop();
-        assert!(Pin::new(&mut request)
+        assert!(request
+            .as_mut()
             .poll(&mut Context::from_waker(waker))
             .is_pending());
         drop(request);
         assert!(seen.load(Ordering::SeqCst), "dropped as its client left");
         assert!(!client_left(), "the mark ends with the drop");
+
+        // Finished, its future is gone: what it held was dropped by its own code.
+        let seen = Arc::new(AtomicBool::new(true));
+        let witness = Witness(seen.clone());
+        let mut request = Box::pin(ClientBound::new(async move {
+            drop(witness);
+        }));
+        assert!(request
+            .as_mut()
+            .poll(&mut Context::from_waker(waker))
+            .is_ready());
+        drop(request);
+        assert!(!seen.load(Ordering::SeqCst));
 
         // Dropped by its own code (a timeout), not by the client: no departure.
         let seen = Arc::new(AtomicBool::new(true));

@@ -222,10 +222,10 @@ type TrackedBody = GuardedBody<RequestGuard>;
 
 /// Boxed, and bound to the client: dropped unfinished, its client left (see `detach`).
 type ResponseFuture =
-    ClientBound<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>;
+    ClientBound<Pin<Box<dyn Future<Output = Result<Response<TrackedBody>, Infallible>> + Send>>>;
 
 /// hyper's `poll_without_shutdown`, which hands the socket back, needs an `Unpin` request
-/// future: hence the box (hyper boxes each request's future anyway).
+/// future: hence the box, one per request (hyper itself keeps one place per connection).
 #[derive(Clone)]
 struct Http1Service {
     state: Arc<ProxyState>,

@@ -491,10 +491,11 @@ async fn serve_tls(
     let service = service_fn(move |request| {
         let state = state.clone();
         let downstream = downstream.clone();
-        // Dropped unfinished, its client left (see `detach`).
-        detach::ClientBound::new(Box::pin(async move {
+        // Dropped unfinished, its client left (see `detach`). Not boxed: hyper keeps one
+        // place per connection for its request's future.
+        detach::ClientBound::new(async move {
             Ok::<_, Infallible>(forward::handle(&state, request, &downstream).await)
-        }))
+        })
     });
     let connection = settings
         .tls_http1

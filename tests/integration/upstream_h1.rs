@@ -93,7 +93,7 @@ async fn read_request_head<R: AsyncRead + Unpin>(
 }
 
 /// One line, CRLF included.
-async fn take_line(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
+async fn take_line<R: AsyncRead + Unpin>(stream: &mut R, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
     loop {
         if let Some(end) = find(pending, b"\r\n") {
             return Some(pending.drain(..end + 2).collect());
@@ -105,8 +105,8 @@ async fn take_line(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<Vec<
 }
 
 /// Reads the body of `request` by its framing: chunked, Content-Length, or none.
-async fn read_request_body(
-    stream: &mut TcpStream,
+async fn read_request_body<R: AsyncRead + Unpin>(
+    stream: &mut R,
     pending: &mut Vec<u8>,
     request: &mut WireRequest,
 ) -> Option<()> {
@@ -1633,4 +1633,223 @@ async fn an_https_request_whose_client_left_before_it_was_written_is_never_sent(
     held.send_replace(true);
     let status = tokio::time::timeout(STEP, holding).await.unwrap().unwrap();
     assert_eq!(status.unwrap(), 200);
+}
+
+/// An `https` origin speaking HTTP/1.1 that hands the connection which answered `/first` to
+/// the test, to be closed while the gateway keeps it idle in its pool. Connections accepted
+/// while `stall` is set wait for `handshakes` before their TLS handshake. Requests are noted,
+/// also those that reach the handed connection after the test closed its side.
+struct ClosingTlsOrigin {
+    address: SocketAddr,
+    stall: Arc<std::sync::atomic::AtomicBool>,
+    stalled: Arc<AtomicU64>,
+    handshakes: tokio::sync::watch::Sender<bool>,
+    answered_first:
+        tokio::sync::mpsc::UnboundedReceiver<tokio_rustls::server::TlsStream<TcpStream>>,
+    requests: Arc<Mutex<Vec<WireRequest>>>,
+}
+
+impl ClosingTlsOrigin {
+    async fn start() -> ClosingTlsOrigin {
+        let stall = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stalled = Arc::new(AtomicU64::new(0));
+        let (handshakes, handshakes_seen) = tokio::sync::watch::channel(false);
+        let (handover, answered_first) = tokio::sync::mpsc::unbounded_channel();
+        let requests = Arc::new(Mutex::new(Vec::<WireRequest>::new()));
+        let acceptor = http1_tls_acceptor();
+        let (address, _) = {
+            let (stall, stalled, requests) = (stall.clone(), stalled.clone(), requests.clone());
+            counting_origin(move |stream| {
+                let (acceptor, stall, stalled, requests, handover) = (
+                    acceptor.clone(),
+                    stall.clone(),
+                    stalled.clone(),
+                    requests.clone(),
+                    handover.clone(),
+                );
+                let mut handshakes = handshakes_seen.clone();
+                async move {
+                    if stall.load(Ordering::SeqCst) {
+                        stalled.fetch_add(1, Ordering::SeqCst);
+                        if handshakes.wait_for(|open| *open).await.is_err() {
+                            return;
+                        }
+                    }
+                    let Ok(mut stream) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let mut pending = Vec::new();
+                    while let Some(mut request) = read_request_head(&mut stream, &mut pending).await
+                    {
+                        if read_request_body(&mut stream, &mut pending, &mut request)
+                            .await
+                            .is_none()
+                        {
+                            return;
+                        }
+                        let path = request.path().to_owned();
+                        requests.lock().unwrap().push(request);
+                        if stream.write_all(&ok(&path)).await.is_err()
+                            || stream.flush().await.is_err()
+                        {
+                            return;
+                        }
+                        if path == "/first" {
+                            let _ = handover.send(stream);
+                            return;
+                        }
+                    }
+                }
+            })
+            .await
+        };
+        ClosingTlsOrigin {
+            address,
+            stall,
+            stalled,
+            handshakes,
+            answered_first,
+            requests,
+        }
+    }
+
+    fn seen(&self, path: &str) -> usize {
+        let requests = self.requests.lock().unwrap();
+        requests.iter().filter(|seen| seen.path() == path).count()
+    }
+
+    /// A gateway sending every request to this origin as an `https` target, one attempt each.
+    async fn gateway(&self) -> TestGateway {
+        let gateway = TestGateway::start().await;
+        let service = gateway
+            .create(
+                "/api/v1/services",
+                json!({"name": "tls", "protocol": "https", "tls_verify": false,
+                       "ejection": false, "max_attempts": 1}),
+            )
+            .await;
+        gateway
+            .create(
+                &format!("/api/v1/services/{service}/targets"),
+                json!({"host": self.address.ip().to_string(), "port": self.address.port(),
+                       "weight": 1}),
+            )
+            .await;
+        gateway.route_all_streaming_to(service).await;
+        gateway
+    }
+
+    /// A keep-alive client whose `/first` was answered, and the origin's side of the
+    /// connection that answered it, idle now in the gateway's pool.
+    async fn first_answered(&mut self, gateway: &TestGateway) -> (TcpStream, PooledOriginSide) {
+        let mut client = TcpStream::connect(gateway.proxy).await.unwrap();
+        client
+            .write_all(b"GET /first HTTP/1.1\r\nHost: tls.test\r\n\r\n")
+            .await
+            .unwrap();
+        let (head, body) = read_sized_response(&mut client).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert_eq!(body, b"/first");
+        let stream = tokio::time::timeout(STEP, self.answered_first.recv())
+            .await
+            .expect("the origin answered /first")
+            .expect("the origin runs");
+        let side = PooledOriginSide {
+            stream,
+            requests: self.requests.clone(),
+        };
+        (client, side)
+    }
+}
+
+/// The origin's side of a connection the gateway keeps idle.
+struct PooledOriginSide {
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    requests: Arc<Mutex<Vec<WireRequest>>>,
+}
+
+impl PooledOriginSide {
+    /// Sends `request` from `client` and, before the gateway's tasks run again, ends the
+    /// pooled connection (TLS close_notify, then FIN). Both arrive in the same turn of the
+    /// gateway's runtime (the test's own, one thread), the request first: the gateway hands
+    /// the request to the connection it still thinks idle, whose task then reads the end and
+    /// gives the request back unwritten. The origin keeps reading its side: a request written
+    /// to the connection after all is noted.
+    async fn close_as(self, client: &mut TcpStream, request: &[u8]) {
+        let PooledOriginSide {
+            mut stream,
+            requests,
+        } = self;
+        client.write_all(request).await.unwrap();
+        stream.shutdown().await.unwrap();
+        tokio::spawn(async move {
+            let mut pending = Vec::new();
+            while let Some(request) = read_request_head(&mut stream, &mut pending).await {
+                requests.lock().unwrap().push(request);
+            }
+        });
+    }
+}
+
+/// An idle pooled connection to an `https` target that the origin closes right as a request
+/// comes gives that request back unwritten: it goes again on a new connection and is answered,
+/// whatever its method (a POST here, with its body), as hyper-util's own resend did before
+/// Raahi took it over.
+#[tokio::test]
+async fn an_https_request_its_pooled_connection_gave_back_unwritten_goes_again() {
+    let mut origin = ClosingTlsOrigin::start().await;
+    let gateway = origin.gateway().await;
+    let (mut client, pooled) = origin.first_answered(&gateway).await;
+
+    pooled
+        .close_as(
+            &mut client,
+            b"POST /again HTTP/1.1\r\nHost: tls.test\r\nContent-Length: 4\r\n\r\ndata",
+        )
+        .await;
+    let (head, body) = read_sized_response(&mut client).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "{head}\n{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(body, b"/again");
+    let requests = origin.requests.lock().unwrap().clone();
+    let again: Vec<_> = requests.iter().filter(|r| r.path() == "/again").collect();
+    assert_eq!(again.len(), 1, "sent once: {requests:?}");
+    assert_eq!(again[0].body, b"data");
+}
+
+/// The same request given back unwritten, while its client leaves as the gateway dials anew
+/// for it: the request never reaches the origin. hyper-util, resending on its own under the
+/// same "sent" probe, had the exchange finish for nobody: dialled and sent after the client
+/// was gone.
+#[tokio::test]
+async fn an_https_request_given_back_unwritten_is_not_sent_after_its_client_left() {
+    let mut origin = ClosingTlsOrigin::start().await;
+    let gateway = origin.gateway().await;
+    let connected = gateway.metric("raahi_client_connections").await;
+    let (mut client, pooled) = origin.first_answered(&gateway).await;
+
+    // The next connection hangs in its TLS handshake.
+    origin.stall.store(true, Ordering::SeqCst);
+    pooled
+        .close_as(&mut client, b"GET /gone HTTP/1.1\r\nHost: tls.test\r\n\r\n")
+        .await;
+    wait_until("the gateway dials again for /gone", STEP, || async {
+        origin.stalled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    drop(client);
+    wait_until("the gateway saw /gone's client leave", STEP, || async {
+        gateway.metric("raahi_client_connections").await == connected
+    })
+    .await;
+
+    // The handshake may go on now: the request it was dialled for must not follow.
+    origin.handshakes.send_replace(true);
+    holds_for("no /gone at the origin", Duration::from_secs(1), || async {
+        origin.seen("/gone") == 0
+    })
+    .await;
 }

@@ -39,6 +39,12 @@ static GRPC_TIMEOUT: http::HeaderName = http::HeaderName::from_static("grpc-time
 /// At most this many targets per request.
 const ATTEMPTS_LIMIT: usize = MAX_ATTEMPTS as usize;
 
+/// How many times one attempt sends a request again that an `https` target's connection gave
+/// back unwritten (see `UpstreamError::is_unsent`), before that counts as a failure to
+/// connect: enough for the few idle connections a target may close at once, bounded for one
+/// that closes every connection before taking a request.
+const UNSENT_RESENDS: u8 = 3;
+
 /// How each attempt of one request is bounded and sent.
 struct Attempts<'a> {
     state: &'a ProxyState,
@@ -631,6 +637,7 @@ impl<'a> Attempts<'a> {
                 .clients
                 .for_target(service, target, outgoing.upgrade, outgoing.host_from_client);
         let mut fell_back = false;
+        let mut resent = 0;
         let (outcome, streaming) = loop {
             let keep = self
                 .keep_streamed
@@ -664,7 +671,7 @@ impl<'a> Attempts<'a> {
                         .await
                 }
                 UpstreamClient::Tls(tls) => {
-                    let request = tls_request(outgoing, body, target, may_retry_later);
+                    let request = tls_request(outgoing, body, target);
                     let finish_if_abandoned = outgoing.finish_if_abandoned;
                     let yield_first = outgoing.yield_first;
                     let in_flight = &in_flight;
@@ -676,7 +683,6 @@ impl<'a> Attempts<'a> {
                         let response = match sent {
                             Some(sent) => {
                                 let counts = in_flight.if_abandoned(counted_route.as_ref());
-                                let exchange = Box::pin(exchange);
                                 FinishOnDrop::new(exchange, move || sent.sent(), counts).await?
                             }
                             None => exchange.await?,
@@ -705,6 +711,18 @@ impl<'a> Attempts<'a> {
                         .await
                 }
             };
+            if let Ok(Err(error)) = &outcome {
+                if error.is_unsent() && resent < UNSENT_RESENDS {
+                    // Its connection closed before taking it (an idle one the target ended
+                    // meanwhile): nothing was sent, so the request goes again, whatever its
+                    // method, on another connection to the same target.
+                    resent += 1;
+                    if let Some(streaming) = streaming {
+                        outgoing.body = reclaim(streaming.returned);
+                    }
+                    continue;
+                }
+            }
             if let Ok(Err(UpstreamError::H2(error))) = &outcome {
                 if error.alpn_chose_http1() && !fell_back {
                     // Nothing was sent: the same attempt goes over HTTP/1.1.

@@ -290,22 +290,18 @@ fn upstream_path_and_query(route: &RouteEntry, uri: &Uri) -> PathAndQuery {
     PathAndQuery::try_from(rewritten).unwrap_or(original)
 }
 
-/// One attempt's request to an `https` target, for hyper-util's client. Headers are copied
-/// only while another attempt may follow. The URI says `https`; the connector dials the target
-/// whatever the URI names. The URI's authority keys the pool: when HTTP/2 may be used it is
-/// the request's Host (sent as `:authority`; one of the service's few values), otherwise the
-/// target's, and the upstream reads the Host header.
+/// One attempt's request to an `https` target, for hyper-util's client. Headers are copied,
+/// as for the HTTP/2 pool's `https` requests: a request its connection gives back unwritten
+/// goes again (see `retry`), and hyper-util drops what it was given. The URI says `https`;
+/// the connector dials the target whatever the URI names. The URI's authority keys the pool:
+/// when HTTP/2 may be used it is the request's Host (sent as `:authority`; one of the
+/// service's few values), otherwise the target's, and the upstream reads the Host header.
 pub(super) fn tls_request(
     outgoing: &mut Outgoing,
     body: UpstreamRequestBody,
     target: &TargetRuntime,
-    may_retry_later: bool,
 ) -> Request<UpstreamRequestBody> {
-    let headers = if may_retry_later {
-        outgoing.headers.clone()
-    } else {
-        std::mem::take(&mut outgoing.headers)
-    };
+    let headers = outgoing.headers.clone();
     // hyper's HTTP/1.1 client sends a GET or HEAD body of unknown length as no body at all
     // unless asked for chunked; over HTTP/2 it drops the field and sends DATA frames.
     let unframed_body = matches!(outgoing.method, Method::GET | Method::HEAD)
