@@ -63,8 +63,9 @@ pub(super) struct Observer {
     instance_id: String,
     /// False until the start is over: what exists at start is no event.
     primed: bool,
-    services: HashMap<Id, Service>,
-    routes: HashMap<Id, Route>,
+    /// Shared with the control task's picture of the configuration, as targets are.
+    services: HashMap<Id, Arc<Service>>,
+    routes: HashMap<Id, Arc<Route>>,
     stream_routes: HashMap<Id, StreamRoute>,
     certificates: HashMap<Id, Certificate>,
     sources: HashMap<Id, DiscoverySource>,
