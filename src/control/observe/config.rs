@@ -4,14 +4,14 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::Observer;
+use super::{Observer, SeenSource};
 use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{
     CanaryEvent, ConfigChangeKind, ConfigEvent, ConfigKind, ConfigObject, EventBody, ServiceView,
     SourceView,
 };
-use crate::model::{Certificate, DiscoverySource, Id, Route, Service};
+use crate::model::{Certificate, Id, Route, Service};
 use crate::snapshot::Snapshot;
 use crate::store::ChangeSet;
 
@@ -24,7 +24,7 @@ impl Observer {
         changes: &ChangeSet,
         snapshot: &Snapshot,
         entries: &HashMap<Id, SourceEntry>,
-    ) -> HashMap<Id, DiscoverySource> {
+    ) -> HashMap<Id, SeenSource> {
         let in_scope = |service_id: Id| changes.touches_service(service_id);
         let services: HashMap<Id, Arc<Service>> = if changes.everything {
             by_id(desired.services.values(), |service| service.id)
@@ -45,12 +45,12 @@ impl Observer {
                 .filter_map(|id| self.services.remove(id).map(|service| (*id, service)))
                 .collect()
         };
-        let sources: HashMap<Id, DiscoverySource> = entries
+        let sources: HashMap<Id, SeenSource> = entries
             .iter()
             .filter(|(_, entry)| in_scope(entry.source.service_id))
-            .map(|(id, entry)| (*id, entry.source.clone()))
+            .map(|(id, entry)| (*id, SeenSource::of(&entry.source)))
             .collect();
-        let previous_sources: HashMap<Id, DiscoverySource> = if changes.everything {
+        let previous_sources: HashMap<Id, SeenSource> = if changes.everything {
             std::mem::take(&mut self.sources)
         } else {
             let ids: Vec<Id> = self
@@ -162,18 +162,16 @@ impl Observer {
 
     fn report_sources(
         &self,
-        previous: &HashMap<Id, DiscoverySource>,
-        current: &HashMap<Id, DiscoverySource>,
+        previous: &HashMap<Id, SeenSource>,
+        current: &HashMap<Id, SeenSource>,
         entries: &HashMap<Id, SourceEntry>,
     ) {
         for (id, change) in changes(previous, current) {
             let (source, object) = match (current.get(&id), entries.get(&id)) {
                 (Some(source), Some(entry)) => {
                     let status = self.status_of(entry, &entry.progress);
-                    (
-                        source,
-                        Some(ConfigObject::Source(SourceView::new(source, Some(status)))),
-                    )
+                    let view = SourceView::new(&entry.source, Some(status));
+                    (source, Some(ConfigObject::Source(view)))
                 }
                 _ => (&previous[&id], None),
             };
