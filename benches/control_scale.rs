@@ -870,7 +870,7 @@ fn declarative(knobs: &Knobs) {
             .expect("start task")
             .expect("gateway starts");
         let serving = started.elapsed();
-        let report = &gateway.resources.as_ref().expect("resources applied").1;
+        let counts = gateway.resources.as_ref().expect("resources applied").1;
         let control = gateway.control.clone();
         let snapshot = control.snapshot();
         let targets: usize = snapshot
@@ -882,8 +882,8 @@ fn declarative(knobs: &Knobs) {
         println!(
             "start on the {run}: serving after {:.2} s (created {}, unchanged {}); RSS {rss_before:.0} MiB before",
             serving.as_secs_f64(),
-            report.created.len(),
-            report.unchanged.len(),
+            counts.created,
+            counts.unchanged,
         );
         std::thread::sleep(Duration::from_secs_f64(knobs.idle_seconds));
         let window = WatchWindow::start(&control);

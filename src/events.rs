@@ -6,7 +6,7 @@
 //!
 //! The control task is the only writer. Each event is serialised once, as the Server-Sent Events
 //! frame every client sends, so a hundred clients cost a hundred `Bytes` clones, not a hundred
-//! serialisations. Readers subscribe and read the ring under the same lock the writer takes, so
+//! serialisations; the frame is all the ring keeps of it. Readers subscribe and read the ring under the same lock the writer takes, so
 //! a client resumes with neither a gap nor a duplicate. The request path never comes here.
 
 use std::collections::{HashMap, VecDeque};
@@ -43,14 +43,14 @@ impl Default for EventSettings {
     }
 }
 
-/// One recorded change.
+/// One recorded change, as the ring keeps it: the frame and what a client filters on. The
+/// body is not kept beside its frame: the largest body (a configuration event with its service)
+/// sized every event at 640 bytes, ten times what is left.
 #[derive(Debug)]
 pub struct Event {
     pub id: u64,
-    pub at: DateTime<Utc>,
     /// The service it concerns (None: a route, stream route or certificate, which belong to none).
     pub service_id: Option<Id>,
-    pub body: EventBody,
     /// The whole SSE frame (`id:`, `event:`, `data:`), built once.
     pub frame: Bytes,
 }
@@ -407,14 +407,12 @@ impl EventLog {
         let id = inner.last_id + 1;
         inner.last_id = id;
         let frame = frame(id, at, service_id, &body);
-        if let EventBody::Target(target) = &body {
+        if let EventBody::Target(target) = body {
             inner.remember(id, at, target);
         }
         let event = Arc::new(Event {
             id,
-            at,
             service_id,
-            body,
             frame,
         });
         if inner.ring.len() == self.settings.ring {
@@ -479,7 +477,7 @@ impl Inner {
         Some(self.ring.iter().skip(skip).cloned().collect())
     }
 
-    fn remember(&mut self, id: u64, at: DateTime<Utc>, event: &TargetEvent) {
+    fn remember(&mut self, id: u64, at: DateTime<Utc>, event: TargetEvent) {
         // Most targets only ever get one or two entries (added, a first health verdict), so a
         // history starts with room for one instead of a `VecDeque`'s first four.
         let entries = self
@@ -493,9 +491,9 @@ impl Inner {
             id,
             at,
             change: event.change,
-            from: event.from.clone(),
-            to: event.to.clone(),
-            reason: event.reason.clone(),
+            from: event.from,
+            to: event.to,
+            reason: event.reason,
         });
         // Target ids are never reused, so a removed target's history only ages out.
         if event.change == TargetChangeKind::Removed {
@@ -507,6 +505,34 @@ impl Inner {
             }
         }
     }
+}
+
+#[cfg(test)]
+impl Event {
+    /// The frame's `event` name and `data`, as a client parses them.
+    pub fn parsed(&self) -> (String, serde_json::Value) {
+        let text = std::str::from_utf8(&self.frame).expect("frames are UTF-8");
+        let line = |field: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(field))
+                .unwrap_or_else(|| panic!("no {field} line in {text}"))
+                .to_owned()
+        };
+        let data = serde_json::from_str(&line("data: ")).expect("the data is JSON");
+        (line("event: "), data)
+    }
+}
+
+/// Which of `choices` serialises as `value` (tests read events back from their frames).
+#[cfg(test)]
+pub fn variant_of<T: Serialize + Copy + std::fmt::Debug>(
+    value: &serde_json::Value,
+    choices: &[T],
+) -> T {
+    *choices
+        .iter()
+        .find(|choice| serde_json::to_value(choice).ok().as_ref() == Some(value))
+        .unwrap_or_else(|| panic!("{value} is none of {choices:?}"))
 }
 
 /// Where this process's ids start: a random point in [2^52, 2^53 − 2^42), so each process has

@@ -24,7 +24,7 @@ use crate::proxy::{
     self, BodySettings, Budget, ListenerSettings, ProxyState, RequestLimits, SpoolSettings,
 };
 use crate::registration::{Registrar, RegistrationError};
-use crate::resources::{ApplyReport, ResourcesError, ResourcesFile};
+use crate::resources::{ApplyCounts, ApplyReport, ResourcesError, ResourcesFile};
 use crate::snapshot::{GatewayCounters, Snapshot, SnapshotHandle};
 use crate::store::{Store, StoreError};
 use crate::tls::{self, CertResolver};
@@ -67,8 +67,9 @@ pub struct Gateway {
     pub store: Store,
     pub control: ControlHandle,
     pub snapshots: SnapshotHandle,
-    /// The declarative resources file, when configured, and what its first apply did.
-    pub resources: Option<(ResourcesFile, ApplyReport)>,
+    /// The declarative resources file, when configured, and what its first apply did (counted:
+    /// the names are logged once).
+    pub resources: Option<(ResourcesFile, ApplyCounts)>,
     /// This process's entry in Consul, when `registration.consul` is set.
     pub registrar: Option<Registrar>,
     /// Set when the shutdown sequence starts: `/readyz` answers 503 `draining`.
@@ -218,7 +219,7 @@ impl Gateway {
                 let file = ResourcesFile::new(path.clone(), store.clone(), control.clone());
                 let report = file.apply().await?;
                 tracing::info!(file = %path.display(), %report, "resources file applied");
-                Some((file, report))
+                Some((file, report.counts()))
             }
             None => None,
         };

@@ -45,26 +45,64 @@ pub struct ApplyReport {
     pub deleted: Vec<String>,
 }
 
+/// Objects named in a report's text per list; the rest are counted ("and 109,950 more"), so a
+/// file of 100,000 targets logs a line, not megabytes.
+const NAMED_IN_TEXT: usize = 50;
+
+impl ApplyReport {
+    pub fn counts(&self) -> ApplyCounts {
+        ApplyCounts {
+            created: self.created.len(),
+            changed: self.changed.len(),
+            unchanged: self.unchanged.len(),
+            deleted: self.deleted.len(),
+        }
+    }
+}
+
 impl std::fmt::Display for ApplyReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "created {}, changed {}, unchanged {}, deleted {}",
-            self.created.len(),
-            self.changed.len(),
-            self.unchanged.len(),
-            self.deleted.len()
-        )?;
+        write!(f, "{}", self.counts())?;
         for (what, names) in [
             ("created", &self.created),
             ("changed", &self.changed),
             ("deleted", &self.deleted),
         ] {
-            if !names.is_empty() {
-                write!(f, "; {what}: {}", names.join(", "))?;
+            if names.is_empty() {
+                continue;
+            }
+            write!(f, "; {what}: ")?;
+            for (index, name) in names.iter().take(NAMED_IN_TEXT).enumerate() {
+                if index > 0 {
+                    f.write_str(", ")?;
+                }
+                f.write_str(name)?;
+            }
+            if names.len() > NAMED_IN_TEXT {
+                write!(f, " and {} more", names.len() - NAMED_IN_TEXT)?;
             }
         }
         Ok(())
+    }
+}
+
+/// How many objects one apply created, changed, left alone and deleted: what the gateway keeps
+/// of its start's apply (the report's names take megabytes for a large file).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyCounts {
+    pub created: usize,
+    pub changed: usize,
+    pub unchanged: usize,
+    pub deleted: usize,
+}
+
+impl std::fmt::Display for ApplyCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "created {}, changed {}, unchanged {}, deleted {}",
+            self.created, self.changed, self.unchanged, self.deleted
+        )
     }
 }
 
@@ -800,6 +838,14 @@ redirect = { path = "/api", status = 308 }
         let report = super::apply(&store, &resources).await.unwrap();
         assert_eq!(report.created.len(), 3 + 2_100 + 1, "{}", report);
         assert_eq!(report.created[1], "target s0/10.0.0.0:1000");
+        // The text names the first 50 and counts the rest: one line for a log, not megabytes.
+        let text = report.to_string();
+        assert!(
+            text.starts_with("created 2104, changed 0, unchanged 0, deleted 0; created: service s0, target s0/10.0.0.0:1000, "),
+            "{text}"
+        );
+        assert!(text.ends_with(" and 2054 more"), "{text}");
+        assert_eq!(text.matches(", ").count(), 3 + 49, "{text}");
         let config = store.load_routing_config().await.unwrap();
         assert_eq!(config.targets.len(), 2_100);
         assert!(config

@@ -1164,23 +1164,24 @@ fn resolve_routes(
     mut stats_of: impl FnMut(Id) -> Arc<RouteStats>,
 ) -> Vec<Arc<RouteEntry>> {
     routes.sort_by_key(|route| route.id);
-    routes
-        .into_iter()
-        .filter_map(|mut route| {
-            if !normalize_prefix(&mut route) {
+    // Into a vector of their own: collected in place, the entries (a pointer each) would keep
+    // the routes' buffer (a `Route` is 144 pointers wide) for as long as the snapshot lives.
+    let mut entries = Vec::with_capacity(routes.len());
+    entries.extend(routes.into_iter().filter_map(|mut route| {
+        if !normalize_prefix(&mut route) {
+            return None;
+        }
+        let compiled = match CompiledRoute::compile(&route) {
+            Ok(compiled) => Arc::new(compiled),
+            Err(reason) => {
+                tracing::warn!(route = route.id, name = %route.name, "route left out: {reason}");
                 return None;
             }
-            let compiled = match CompiledRoute::compile(&route) {
-                Ok(compiled) => Arc::new(compiled),
-                Err(reason) => {
-                    tracing::warn!(route = route.id, name = %route.name, "route left out: {reason}");
-                    return None;
-                }
-            };
-            let stats = stats_of(route.id);
-            RouteEntry::resolve(route, compiled, services, stats).map(Arc::new)
-        })
-        .collect()
+        };
+        let stats = stats_of(route.id);
+        RouteEntry::resolve(route, compiled, services, stats).map(Arc::new)
+    }));
+    entries
 }
 
 /// Puts a route's prefix in the normal form request paths are matched in; false when it has
@@ -1339,6 +1340,18 @@ mod tests {
         assert!(path_has_prefix("/api/x", "/api/"));
         assert!(!path_has_prefix("/api", "/api/"));
         assert!(path_has_prefix("/anything", "/"));
+    }
+
+    #[test]
+    fn route_entries_keep_no_room_for_the_routes_they_came_from() {
+        let routes: Vec<Route> = (1..=100).map(|id| route(id, &[], "/", &[], 0)).collect();
+        let snapshot = Snapshot::new(1, vec![service(1)], routes);
+        assert_eq!(snapshot.route_entries.len(), 100);
+        assert_eq!(
+            snapshot.route_entries.capacity(),
+            100,
+            "a pointer per route, not the buffer of the routes"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::balance::{
     identity_hash, Balancer, ChangeMarks, HashTables, Member, Slots, TargetHealth, TargetLoad,
 };
 use crate::model::{
-    Health, Id, RoutingConfig, Service, SourceStanding, SourceState, Target, TargetState,
+    Health, Id, Route, RoutingConfig, Service, SourceStanding, SourceState, Target, TargetState,
 };
 use crate::snapshot::{
     authority_text, RouteStats, ServiceCounters, ServiceRuntime, SessionTargets, Snapshot,
@@ -175,7 +175,7 @@ pub(super) fn build_full(
         .map(|service| build_service(desired, service, carried))
         .collect();
     let route_stats = &mut carried.route_stats;
-    let snapshot = Snapshot::with_route_stats(generation, services, desired.routes.clone(), |id| {
+    let snapshot = Snapshot::with_route_stats(generation, services, routes_of(desired), |id| {
         route_stats.entry(id).or_default().clone()
     });
     let stream_stats = &mut carried.stream_stats;
@@ -208,7 +208,7 @@ pub(super) fn build_changed(
         carried.forget_missing_routes(desired);
     }
     if changes.routes {
-        change.routes = Some(desired.routes.clone());
+        change.routes = Some(routes_of(desired));
     }
     if changes.stream_routes {
         change.stream_routes = Some(desired.stream_routes.clone());
@@ -224,6 +224,15 @@ pub(super) fn build_changed(
         |id| route_stats.entry(id).or_default().clone(),
         |id| stream_stats.entry(id).or_default().clone(),
     )
+}
+
+/// The snapshot's own copy of the routes (it normalises and keeps them).
+fn routes_of(desired: &Desired) -> Vec<Route> {
+    desired
+        .routes
+        .iter()
+        .map(|route| Route::clone(route))
+        .collect()
 }
 
 /// One service with the targets that may take new traffic and their carried runtime state.
@@ -428,7 +437,7 @@ pub(super) mod tests {
     fn desired(targets: &[(Id, Id)]) -> Desired {
         let mut desired = Desired::default();
         for id in 1..=3 {
-            desired.services.insert(id, service(id));
+            desired.services.insert(id, Arc::new(service(id)));
         }
         for &(service_id, id) in targets {
             desired

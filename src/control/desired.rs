@@ -11,23 +11,25 @@ use crate::store::{ChangeSet, ConfigDelta};
 
 #[derive(Default)]
 pub(super) struct Desired {
-    /// In id order, so a full build and its events come in a repeatable order.
-    pub(super) services: BTreeMap<Id, Service>,
+    /// In id order, so a full build and its events come in a repeatable order; shared with the
+    /// observer's picture, as routes and targets are.
+    pub(super) services: BTreeMap<Id, Arc<Service>>,
     /// By service id, each list in id order; shared with the observer's picture.
     pub(super) targets: HashMap<Id, Vec<Arc<Target>>>,
     /// By service id.
     pub(super) sources: HashMap<Id, Vec<SourceStanding>>,
-    pub(super) routes: Vec<Route>,
+    pub(super) routes: Vec<Arc<Route>>,
     pub(super) stream_routes: Vec<StreamRoute>,
     pub(super) certificates: Vec<CertificateWithKey>,
 }
 
-/// The targets as kept: `Arc`s in a vector of their own size. Collecting the `Arc`s straight
-/// from the `Vec<Target>` would reuse its buffer in place (`Target` is 30 times the size of an
-/// `Arc`), and every service would keep room for hundreds of targets.
-fn shared(targets: Vec<Target>) -> Vec<Arc<Target>> {
-    let mut shared = Vec::with_capacity(targets.len());
-    shared.extend(targets.into_iter().map(Arc::new));
+/// Targets or routes as kept: `Arc`s in a vector of their own size. Collecting the `Arc`s
+/// straight from the vector read would reuse its buffer in place (a `Target` is 30 times the
+/// size of an `Arc`, a `Route` 144 times), and keep room for hundreds of them; the store's
+/// vector itself may have grown by doubling.
+fn shared<T>(items: Vec<T>) -> Vec<Arc<T>> {
+    let mut shared = Vec::with_capacity(items.len());
+    shared.extend(items.into_iter().map(Arc::new));
     shared
 }
 
@@ -37,9 +39,9 @@ impl Desired {
             services: config
                 .services
                 .into_iter()
-                .map(|service| (service.id, service))
+                .map(|service| (service.id, Arc::new(service)))
                 .collect(),
-            routes: config.routes,
+            routes: shared(config.routes),
             stream_routes: config.stream_routes,
             certificates: config.certificates,
             ..Desired::default()
@@ -50,6 +52,10 @@ impl Desired {
                 .entry(target.service_id)
                 .or_default()
                 .push(Arc::new(target));
+        }
+        // Pushed one at a time: without this, doubling leaves up to half of each list unused.
+        for targets in desired.targets.values_mut() {
+            targets.shrink_to_fit();
         }
         for source in config.sources {
             desired
@@ -66,7 +72,7 @@ impl Desired {
         for parts in delta.services {
             match parts.service {
                 Some(service) => {
-                    self.services.insert(parts.id, service);
+                    self.services.insert(parts.id, Arc::new(service));
                     self.targets.insert(parts.id, shared(parts.targets));
                     self.sources.insert(parts.id, parts.sources);
                 }
@@ -78,7 +84,7 @@ impl Desired {
             }
         }
         if let Some(routes) = delta.routes {
-            self.routes = routes;
+            self.routes = shared(routes);
         }
         if let Some(stream_routes) = delta.stream_routes {
             self.stream_routes = stream_routes;

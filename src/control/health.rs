@@ -128,10 +128,18 @@ impl HealthCheckers {
     /// Stops the loops of the services `changes` names whose checks went away or changed. Done
     /// before a new snapshot resets the verdicts of unchecked targets, so no late result undoes
     /// the reset.
-    pub(super) fn stop_unwanted(&mut self, services: &BTreeMap<Id, Service>, changes: &ChangeSet) {
+    pub(super) fn stop_unwanted(
+        &mut self,
+        services: &BTreeMap<Id, Arc<Service>>,
+        changes: &ChangeSet,
+    ) {
         self.loops.retain(|id, running| {
             !changes.touches_service(*id)
-                || services.get(id).and_then(CheckSettings::of).as_ref() == Some(&running.settings)
+                || services
+                    .get(id)
+                    .and_then(|service| CheckSettings::of(service))
+                    .as_ref()
+                    == Some(&running.settings)
         });
     }
 
@@ -139,12 +147,12 @@ impl HealthCheckers {
     /// (after publishing, so the first round sees the new targets).
     pub(super) fn start_missing(
         &mut self,
-        services: &BTreeMap<Id, Service>,
+        services: &BTreeMap<Id, Arc<Service>>,
         changes: &ChangeSet,
         snapshots: &SnapshotHandle,
         store: &Store,
     ) {
-        let named: Box<dyn Iterator<Item = &Service>> = if changes.everything {
+        let named: Box<dyn Iterator<Item = &Arc<Service>>> = if changes.everything {
             Box::new(services.values())
         } else {
             Box::new(changes.services.iter().filter_map(|id| services.get(id)))

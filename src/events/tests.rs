@@ -246,3 +246,21 @@ fn a_first_history_entry_takes_room_for_one() {
     log.record(Some(1), target_event(3, TargetChangeKind::Health, "check"));
     assert_eq!(log.history(3).unwrap().len(), 2);
 }
+
+#[test]
+fn the_ring_keeps_an_events_frame_without_its_body() {
+    // The body (up to 568 bytes: a configuration event carries its service) is in the frame.
+    assert!(
+        std::mem::size_of::<Event>() <= 64,
+        "an event is {} bytes",
+        std::mem::size_of::<Event>()
+    );
+    let log = log(4, 16);
+    log.record(Some(3), target_event(7, TargetChangeKind::Added, "new"));
+    let kept = log.subscribe(Some(log.last_id() - 1)).backlog.unwrap();
+    let (kind, data) = kept[0].parsed();
+    assert_eq!(
+        (kind.as_str(), &data["target_id"], &data["reason"]),
+        ("target", &7.into(), &"new".into())
+    );
+}

@@ -2,15 +2,16 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
-use super::Observer;
+use super::{Observer, SeenSource};
 use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{
     CanaryEvent, ConfigChangeKind, ConfigEvent, ConfigKind, ConfigObject, EventBody, ServiceView,
     SourceView,
 };
-use crate::model::{Certificate, DiscoverySource, Id, Route, Service};
+use crate::model::{Certificate, Id, Route, Service};
 use crate::snapshot::Snapshot;
 use crate::store::ChangeSet;
 
@@ -23,9 +24,9 @@ impl Observer {
         changes: &ChangeSet,
         snapshot: &Snapshot,
         entries: &HashMap<Id, SourceEntry>,
-    ) -> HashMap<Id, DiscoverySource> {
+    ) -> HashMap<Id, SeenSource> {
         let in_scope = |service_id: Id| changes.touches_service(service_id);
-        let services: HashMap<Id, Service> = if changes.everything {
+        let services: HashMap<Id, Arc<Service>> = if changes.everything {
             by_id(desired.services.values(), |service| service.id)
         } else {
             changes
@@ -35,7 +36,7 @@ impl Observer {
                 .map(|service| (service.id, service.clone()))
                 .collect()
         };
-        let previous_services: HashMap<Id, Service> = if changes.everything {
+        let previous_services: HashMap<Id, Arc<Service>> = if changes.everything {
             std::mem::take(&mut self.services)
         } else {
             changes
@@ -44,12 +45,12 @@ impl Observer {
                 .filter_map(|id| self.services.remove(id).map(|service| (*id, service)))
                 .collect()
         };
-        let sources: HashMap<Id, DiscoverySource> = entries
+        let sources: HashMap<Id, SeenSource> = entries
             .iter()
             .filter(|(_, entry)| in_scope(entry.source.service_id))
-            .map(|(id, entry)| (*id, entry.source.clone()))
+            .map(|(id, entry)| (*id, SeenSource::of(&entry.source)))
             .collect();
-        let previous_sources: HashMap<Id, DiscoverySource> = if changes.everything {
+        let previous_sources: HashMap<Id, SeenSource> = if changes.everything {
             std::mem::take(&mut self.sources)
         } else {
             let ids: Vec<Id> = self
@@ -79,11 +80,11 @@ impl Observer {
             if let Some(routes) = &routes {
                 self.report_canaries(&self.routes, routes);
                 // A canary's move is a `canary` event, not a change of the route's settings.
-                let settings = |routes: &HashMap<Id, Route>| -> HashMap<Id, Route> {
+                let settings = |routes: &HashMap<Id, Arc<Route>>| -> HashMap<Id, Route> {
                     routes
                         .iter()
                         .map(|(id, route)| {
-                            let mut route = route.clone();
+                            let mut route = Route::clone(route);
                             route.canary_status = None;
                             (*id, route)
                         })
@@ -129,8 +130,8 @@ impl Observer {
 
     fn report_services(
         &self,
-        previous: &HashMap<Id, Service>,
-        current: &HashMap<Id, Service>,
+        previous: &HashMap<Id, Arc<Service>>,
+        current: &HashMap<Id, Arc<Service>>,
         snapshot: &Snapshot,
     ) {
         for (id, change) in changes(previous, current) {
@@ -141,7 +142,7 @@ impl Observer {
                         .map(|runtime| runtime.counters.panic_picks.load(Ordering::Relaxed))
                         .unwrap_or(0);
                     let view = ServiceView {
-                        service: service.clone(),
+                        service: Service::clone(service),
                         panic_picks,
                     };
                     (service, Some(ConfigObject::Service(view)))
@@ -161,18 +162,16 @@ impl Observer {
 
     fn report_sources(
         &self,
-        previous: &HashMap<Id, DiscoverySource>,
-        current: &HashMap<Id, DiscoverySource>,
+        previous: &HashMap<Id, SeenSource>,
+        current: &HashMap<Id, SeenSource>,
         entries: &HashMap<Id, SourceEntry>,
     ) {
         for (id, change) in changes(previous, current) {
             let (source, object) = match (current.get(&id), entries.get(&id)) {
                 (Some(source), Some(entry)) => {
                     let status = self.status_of(entry, &entry.progress);
-                    (
-                        source,
-                        Some(ConfigObject::Source(SourceView::new(source, Some(status)))),
-                    )
+                    let view = SourceView::new(&entry.source, Some(status));
+                    (source, Some(ConfigObject::Source(view)))
                 }
                 _ => (&previous[&id], None),
             };
@@ -189,7 +188,11 @@ impl Observer {
 
     /// Routes, stream routes and certificates: created, changed or deleted, without the object.
     /// One `canary` event per route whose canary moved (a new round) or started.
-    fn report_canaries(&self, previous: &HashMap<Id, Route>, current: &HashMap<Id, Route>) {
+    fn report_canaries(
+        &self,
+        previous: &HashMap<Id, Arc<Route>>,
+        current: &HashMap<Id, Arc<Route>>,
+    ) {
         for (id, route) in current {
             let Some(status) = &route.canary_status else {
                 continue;
@@ -296,4 +299,43 @@ fn by_id<'a, T: Clone + 'a>(
     id: impl Fn(&T) -> Id,
 ) -> HashMap<Id, T> {
     items.map(|item| (id(item), item.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::control::build::{build_snapshot, tests::service};
+    use crate::control::desired::Desired;
+    use crate::control::observe::Observer;
+    use crate::events::{EventLog, EventSettings};
+    use crate::model::{Backend, Route, RoutingConfig};
+
+    #[test]
+    fn the_observer_shares_each_service_and_route_with_the_desired_state() {
+        let config = RoutingConfig {
+            services: vec![service(1)],
+            routes: vec![Route {
+                id: 7,
+                name: "r7".into(),
+                backends: vec![Backend::whole(1)],
+                ..Route::default()
+            }],
+            ..RoutingConfig::default()
+        };
+        let snapshot = build_snapshot(&config, &mut crate::control::CarriedState::in_zone(None), 1);
+        let log = Arc::new(EventLog::new(EventSettings::default()));
+        let mut observer = Observer::new(log, "me".into());
+        let desired = Desired::from_config(config);
+        let everything = crate::store::ChangeSet::everything();
+        observer.changes_loaded(&desired, &everything, &snapshot, &Default::default());
+        assert!(
+            Arc::ptr_eq(&observer.services[&1], &desired.services[&1]),
+            "the observer holds the desired state's service, not a copy"
+        );
+        assert!(
+            Arc::ptr_eq(&observer.routes[&7], &desired.routes[0]),
+            "the observer holds the desired state's route, not a copy"
+        );
+    }
 }

@@ -323,13 +323,27 @@ mod tests {
     }
 
     fn route_events(log: &EventLog, after: u64) -> Vec<RouteEvent> {
+        use crate::events::variant_of;
         log.subscribe(Some(after))
             .backlog
             .unwrap()
             .iter()
-            .filter_map(|event| match &event.body {
-                EventBody::Route(route) => Some(route.clone()),
-                _ => None,
+            .map(|event| event.parsed())
+            .filter(|(kind, _)| kind == "route")
+            .map(|(_, data)| RouteEvent {
+                route_id: data["route_id"].as_i64().unwrap(),
+                name: data["name"].as_str().unwrap().to_owned(),
+                change: variant_of(
+                    &data["change"],
+                    &[RouteChangeKind::Tripped, RouteChangeKind::Cleared],
+                ),
+                limit: variant_of(
+                    &data["limit"],
+                    &[RouteLimit::RateLimit, RouteLimit::MaxInFlight],
+                ),
+                refused: data["refused"].as_u64().unwrap(),
+                refused_total: data["refused_total"].as_u64().unwrap(),
+                reason: data["reason"].as_str().unwrap().to_owned(),
             })
             .collect()
     }

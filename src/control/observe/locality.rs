@@ -84,13 +84,29 @@ mod tests {
 
     /// The locality events recorded after `since` (the log's last id before them).
     fn locality_events(log: &EventLog, since: u64) -> Vec<LocalityEvent> {
+        use crate::events::variant_of;
+        let splits = [ZoneSplitKind::ZoneOnly, ZoneSplitKind::AllZones];
+        let number = |value: &serde_json::Value| value.as_u64().unwrap() as u32;
         log.subscribe(Some(since))
             .backlog
             .unwrap_or_default()
             .iter()
-            .filter_map(|event| match &event.body {
-                EventBody::Locality(locality) => Some(locality.clone()),
-                _ => None,
+            .map(|event| event.parsed())
+            .filter(|(kind, _)| kind == "locality")
+            .map(|(_, data)| LocalityEvent {
+                name: data["name"].as_str().unwrap().to_owned(),
+                zone: data["zone"].as_str().unwrap().to_owned(),
+                from: (!data["from"].is_null()).then(|| variant_of(&data["from"], &splits)),
+                to: variant_of(&data["to"], &splits),
+                basis: if data["basis"] == "hints" {
+                    "hints"
+                } else {
+                    "labels"
+                },
+                available: number(&data["available"]),
+                total: number(&data["total"]),
+                min_available_percent: number(&data["min_available_percent"]),
+                reason: data["reason"].as_str().unwrap().to_owned(),
             })
             .collect()
     }

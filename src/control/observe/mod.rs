@@ -51,6 +51,45 @@ enum Phase {
     HalfOpen,
 }
 
+/// What the observer keeps of a discovery source: its name for events, and a fingerprint of
+/// the whole of it to tell a change. A copy (its provider `config` with it) took about 800
+/// bytes a source, and the control task holds the source itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SeenSource {
+    service_id: Id,
+    name: String,
+    fingerprint: u64,
+}
+
+impl SeenSource {
+    fn of(source: &DiscoverySource) -> SeenSource {
+        SeenSource {
+            service_id: source.service_id,
+            name: source.name.clone(),
+            fingerprint: fingerprint(source),
+        }
+    }
+}
+
+/// A hash of the source's every field, as it serialises.
+fn fingerprint(source: &DiscoverySource) -> u64 {
+    use std::hash::Hasher;
+    struct HashWriter(std::collections::hash_map::DefaultHasher);
+    impl std::io::Write for HashWriter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.write(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut writer = HashWriter(Default::default());
+    // Plain data: serialising it cannot fail, and a failure would only read as a change.
+    let _ = serde_json::to_writer(&mut writer, source);
+    writer.0.finish()
+}
+
 struct SeenTarget {
     /// Shared with the control task's picture of the configuration.
     target: Arc<Target>,
@@ -63,11 +102,12 @@ pub(super) struct Observer {
     instance_id: String,
     /// False until the start is over: what exists at start is no event.
     primed: bool,
-    services: HashMap<Id, Service>,
-    routes: HashMap<Id, Route>,
+    /// Shared with the control task's picture of the configuration, as targets are.
+    services: HashMap<Id, Arc<Service>>,
+    routes: HashMap<Id, Arc<Route>>,
     stream_routes: HashMap<Id, StreamRoute>,
     certificates: HashMap<Id, Certificate>,
-    sources: HashMap<Id, DiscoverySource>,
+    sources: HashMap<Id, SeenSource>,
     /// The progress last reported per source.
     progress: HashMap<Id, SourceProgress>,
     /// Targets by state per source, as of the last reload.
@@ -134,7 +174,7 @@ impl Observer {
     pub(super) fn prime(&mut self, sources: &HashMap<Id, SourceEntry>) {
         self.sources = sources
             .iter()
-            .map(|(id, entry)| (*id, entry.source.clone()))
+            .map(|(id, entry)| (*id, SeenSource::of(&entry.source)))
             .collect();
         self.progress = sources
             .iter()
@@ -156,5 +196,50 @@ impl Observer {
         self.report_targets(desired, changes, snapshot, sources, &previous_sources);
         // A note the reload did not use (its write failed) must not label a later change.
         self.reasons.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source() -> DiscoverySource {
+        let at = crate::clock::now();
+        DiscoverySource {
+            id: 3,
+            service_id: 1,
+            name: "registry".into(),
+            provider: crate::model::ProviderKind::Http,
+            config: serde_json::json!({"url": "http://127.0.0.1:1/endpoints", "interval_ms": 1000}),
+            enabled: true,
+            stale_after_ms: 300_000,
+            removal_grace_ms: 60_000,
+            removal_guard: None,
+            managed_by: None,
+            created_at: at,
+            updated_at: at,
+        }
+    }
+
+    #[test]
+    fn a_seen_source_tells_every_change_without_keeping_a_copy() {
+        let source = source();
+        let before = SeenSource::of(&source);
+        assert_eq!(
+            SeenSource::of(&source.clone()),
+            before,
+            "read again, unchanged"
+        );
+        let mut moved = source.clone();
+        moved.config["url"] = "http://127.0.0.1:2/endpoints".into();
+        assert_ne!(SeenSource::of(&moved), before, "its config changed");
+        let mut disabled = source.clone();
+        disabled.enabled = false;
+        assert_ne!(SeenSource::of(&disabled), before, "it was disabled");
+        assert!(
+            std::mem::size_of::<SeenSource>() <= 48,
+            "a name and a fingerprint, not the source ({} bytes) with its config",
+            std::mem::size_of::<DiscoverySource>()
+        );
     }
 }

@@ -356,15 +356,15 @@ mod tests {
             .backlog
             .unwrap_or_default()
             .iter()
-            .filter_map(|event| match &event.body {
-                crate::events::EventBody::Target(target) => Some((
-                    target.target_id,
-                    format!(
-                        "{} {:?} {:?}→{:?}: {}",
-                        target.target_id, target.change, target.from, target.to, target.reason
-                    ),
-                )),
-                _ => None,
+            .map(|event| event.parsed())
+            .filter(|(kind, _)| kind == "target")
+            .map(|(_, data)| {
+                let id = data["target_id"].as_i64().unwrap();
+                let line = format!(
+                    "{id} {} {}→{}: {}",
+                    data["change"], data["from"], data["to"], data["reason"]
+                );
+                (id, line)
             })
             .collect();
         told.sort_by_key(|(id, _)| *id);
@@ -422,6 +422,6 @@ mod tests {
         let (marked, walking) = pair.tick();
         assert_eq!(marked, walking);
         assert_eq!(marked.len(), 2, "then half-open: {marked:?}");
-        assert!(marked[1].contains("HalfOpen"), "{marked:?}");
+        assert!(marked[1].contains("half_open"), "{marked:?}");
     }
 }

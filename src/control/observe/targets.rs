@@ -4,12 +4,12 @@ use std::collections::{HashMap, HashSet};
 
 use chrono::DateTime;
 
-use super::{Look, Observer, Phase, SeenTarget};
+use super::{Look, Observer, Phase, SeenSource, SeenTarget};
 use crate::clock::unix_ms;
 use crate::control::desired::Desired;
 use crate::control::sources::SourceEntry;
 use crate::events::{EventBody, TargetChangeKind, TargetEvent, TargetView};
-use crate::model::{DiscoverySource, EndpointCounts, Id, Target, TargetState};
+use crate::model::{EndpointCounts, Id, Target, TargetState};
 use crate::snapshot::{Snapshot, TargetRuntime};
 use crate::store::ChangeSet;
 
@@ -91,7 +91,7 @@ impl Observer {
         changes: &ChangeSet,
         snapshot: &Snapshot,
         entries: &HashMap<Id, SourceEntry>,
-        previous_sources: &HashMap<Id, DiscoverySource>,
+        previous_sources: &HashMap<Id, SeenSource>,
     ) {
         let now_ms = unix_ms();
         let scope: Vec<Id> = if changes.everything {
@@ -210,7 +210,7 @@ impl Observer {
         target: &Target,
         news: &TargetNews,
         entries: &HashMap<Id, SourceEntry>,
-        previous_sources: &HashMap<Id, DiscoverySource>,
+        previous_sources: &HashMap<Id, SeenSource>,
     ) -> String {
         let Some(source_id) = target.source_id else {
             return match news.change {
@@ -267,8 +267,8 @@ impl Observer {
 
 fn source_name(
     source_id: Id,
-    current: &HashMap<Id, DiscoverySource>,
-    previous: &HashMap<Id, DiscoverySource>,
+    current: &HashMap<Id, SeenSource>,
+    previous: &HashMap<Id, SeenSource>,
 ) -> String {
     current
         .get(&source_id)
@@ -300,7 +300,7 @@ impl Observer {
         &mut self,
         desired: &Desired,
         services: &[Id],
-        previous_sources: &HashMap<Id, DiscoverySource>,
+        previous_sources: &HashMap<Id, SeenSource>,
     ) {
         for source in previous_sources.keys() {
             self.counts.remove(source);
