@@ -373,11 +373,11 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
     ) -> Option<Pick<'_>> {
         let target = self.session_target(id, subset)?;
-        let clock = LazyClock::default();
-        if skip(target) || !target.health.is_available(|| clock.now()) {
+        let clock = lazy_clock();
+        if skip(target) || !target.health.is_available(&clock) {
             return None;
         }
-        let trial = match target.health.admit(|| clock.now()) {
+        let trial = match target.health.admit(&clock) {
             Admission::Open => None,
             Admission::Trial(trial) => Some(trial),
             Admission::Refused => return None,
@@ -393,7 +393,7 @@ impl ServiceRuntime {
     /// draining, of `subset` when given, available), without claiming anything.
     pub fn takes_session(&self, id: Id, subset: Option<&Subset>) -> bool {
         self.session_target(id, subset)
-            .is_some_and(|target| target.health.is_available(unix_ms))
+            .is_some_and(|target| target.health.is_available(lazy_clock()))
     }
 
     /// The target with this id among those a session may reach: in rotation or draining, and
@@ -458,13 +458,13 @@ impl ServiceRuntime {
 
     /// Whether some target (of `subset`, when given) is available now. Moves no cursor.
     pub fn has_available(&self, subset: Option<&Subset>) -> bool {
-        let clock = LazyClock::default();
+        let clock = lazy_clock();
         let (balancer, members) = self.members(subset);
         balancer
             .pick_random(|index| {
                 !self.targets[target_index(members, index)]
                     .health
-                    .is_available(|| clock.now())
+                    .is_available(&clock)
             })
             .is_some()
     }
@@ -526,15 +526,12 @@ impl ServiceRuntime {
         skip: &impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
-        let clock = LazyClock::default();
-        // Copies of the references, not references to them: the balancer calls `available` for
-        // every target it looks at, so each saves a load.
-        let (targets, now) = (&self.targets[..], || clock.now());
-        let available = move |index: usize| {
-            let target = &targets[target_index(members, index)];
-            !skip(target) && target.health.is_available(now)
+        let clock = lazy_clock();
+        let target_at = |index: usize| &self.targets[target_index(members, index)];
+        let available = |index: usize| {
+            let target = target_at(index);
+            !skip(target) && target.health.is_available(&clock)
         };
-        let target_at = |index: usize| &targets[target_index(members, index)];
         for _ in 0..TRIAL_RACES {
             let chosen = match choice {
                 Choice::Policy => balancer.pick(|index| !available(index)),
@@ -546,18 +543,10 @@ impl ServiceRuntime {
                 break;
             };
             let target = target_at(index);
-            // The balancer returns only a target `available` passed, and `available` reads the
-            // clock for every target with an ejection recorded. Unread, the chosen target had
-            // none when the pick looked: no trial to claim, and `admit` would only load the same
-            // word again. (Ejected since, it goes as a request picked a moment earlier would.)
-            let trial = if clock.was_read() {
-                match target.health.admit(now) {
-                    Admission::Open => None,
-                    Admission::Trial(trial) => Some(trial),
-                    Admission::Refused => continue,
-                }
-            } else {
-                None
+            let trial = match target.health.admit(&clock) {
+                Admission::Open => None,
+                Admission::Trial(trial) => Some(trial),
+                Admission::Refused => continue,
             };
             return Some(Pick {
                 target,
@@ -594,21 +583,13 @@ enum Choice {
 
 /// The wall clock in ms, read at most once per pick and only when some target has an
 /// ejection to compare with it.
-#[derive(Default)]
-struct LazyClock(std::cell::Cell<u64>);
-
-impl LazyClock {
-    fn now(&self) -> u64 {
-        if self.0.get() == 0 {
-            self.0.set(unix_ms());
+fn lazy_clock() -> impl Fn() -> u64 {
+    let now_ms = std::cell::Cell::new(0);
+    move || {
+        if now_ms.get() == 0 {
+            now_ms.set(unix_ms());
         }
-        self.0.get()
-    }
-
-    /// Whether [`LazyClock::now`] was called. Also false if it read 0 (a clock before 1970),
-    /// when no ejection has ended, so no target can be half-open.
-    fn was_read(&self) -> bool {
-        self.0.get() != 0
+        now_ms.get()
     }
 }
 
@@ -1702,50 +1683,6 @@ mod tests {
             .find(|pick| pick.target.id == 1)
             .expect("a trial that ended without a verdict lets the next pick try");
         assert!(again.is_trial());
-    }
-
-    #[test]
-    fn a_hashed_pick_claims_the_trial_of_its_half_open_target() {
-        let mut runtime = two_targets(LbPolicy::RingHash);
-        runtime.service.lb_policy = LbPolicy::RingHash;
-        let members = runtime
-            .targets
-            .iter()
-            .map(|target| crate::balance::Member {
-                weight: 1,
-                priority: 0,
-                load: target.load.clone(),
-                identity: crate::balance::identity_hash(target.authority.as_str()),
-            })
-            .collect();
-        runtime.balancer = Balancer::new(LbPolicy::RingHash, members);
-        let by_hash = |hash: u64| {
-            let preference = Preference {
-                pinned: None,
-                hash: Some(hash),
-            };
-            runtime
-                .pick_preferring(None, preference, |_| false, true)
-                .unwrap()
-        };
-        let hash = (0..1_000)
-            .find(|&hash| by_hash(hash).target.id == 1)
-            .expect("some key hashes to target 1");
-        half_open(&runtime.targets[1]);
-        let trial = by_hash(hash);
-        assert_eq!(trial.target.id, 1);
-        assert!(trial.is_trial());
-        let next = by_hash(hash);
-        assert_eq!(
-            (next.target.id, next.is_trial()),
-            (0, false),
-            "the key's next choice while the trial is in flight"
-        );
-        drop((trial, next));
-        assert!(
-            by_hash(hash).is_trial(),
-            "the trial ended: the key's target tries again"
-        );
     }
 
     #[test]
