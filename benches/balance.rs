@@ -113,7 +113,7 @@ fn hash_pick(c: &mut Criterion) {
         for n in SIZES {
             let mut runtime = service(policy, n);
             for (variant, factor) in [("key", None), ("bounded", Some(125))] {
-                runtime.service.hash_balance_factor = factor;
+                Arc::make_mut(&mut runtime.service).hash_balance_factor = factor;
                 let mut turn = 0usize;
                 group.bench_with_input(
                     BenchmarkId::new(format!("{policy:?}/{variant}"), n),

@@ -5,6 +5,7 @@
 #![allow(clippy::disallowed_methods)]
 
 use std::hint::black_box;
+use std::sync::Arc;
 
 use chrono::Utc;
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -15,7 +16,7 @@ use raahi::snapshot::{RequestView, ServiceRuntime, Snapshot};
 
 fn service() -> ServiceRuntime {
     ServiceRuntime {
-        service: Service {
+        service: Arc::new(Service {
             limits: raahi::model::UpstreamLimits::default(),
             id: 1,
             name: "bench".into(),
@@ -36,7 +37,7 @@ fn service() -> ServiceRuntime {
             managed_by: None,
             created_at: Utc::now(),
             updated_at: Utc::now(),
-        },
+        }),
         upstream_host: None,
         targets: Vec::new(),
         balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),

@@ -289,7 +289,7 @@ impl RouteStats {
 
 /// A service with the targets its balancer picks from.
 pub struct ServiceRuntime {
-    pub service: Service,
+    pub service: Arc<Service>,
     /// `Host` sent upstream unless the route preserves the client's; None: the target's authority.
     pub upstream_host: Option<HeaderValue>,
     /// Aligned with the balancer's member indices.
@@ -603,7 +603,7 @@ fn target_index(members: Option<&[u32]>, index: usize) -> usize {
 
 /// A route with its services resolved and its conditions compiled.
 pub struct RouteEntry {
-    pub route: Route,
+    pub route: Arc<Route>,
     pub backends: Backends,
     /// Where copies go, when the route has a mirror.
     pub mirror: Option<BackendRuntime>,
@@ -628,7 +628,7 @@ impl RouteEntry {
     /// Resolves the route's services in `services`; None when one is missing (the store
     /// forbids it, so only a route outliving its service in a rebuild).
     fn resolve(
-        route: Route,
+        route: Arc<Route>,
         compiled: Arc<CompiledRoute>,
         services: &HashMap<Id, Arc<ServiceRuntime>>,
         stats: Arc<RouteStats>,
@@ -967,7 +967,7 @@ pub struct SnapshotChange {
     /// Services built anew (Some) or deleted (None).
     pub services: Vec<(Id, Option<ServiceRuntime>)>,
     /// Every route, when routes changed.
-    pub routes: Option<Vec<Route>>,
+    pub routes: Option<Vec<Arc<Route>>>,
     /// Every stream route, when stream routes changed.
     pub stream_routes: Option<Vec<StreamRoute>>,
 }
@@ -985,7 +985,11 @@ impl Snapshot {
 
     /// Assembles a snapshot with fresh route statistics; routes whose service is missing are
     /// left out.
-    pub fn new(generation: u64, services: Vec<ServiceRuntime>, routes: Vec<Route>) -> Snapshot {
+    pub fn new(
+        generation: u64,
+        services: Vec<ServiceRuntime>,
+        routes: Vec<impl Into<Arc<Route>>>,
+    ) -> Snapshot {
         Snapshot::with_route_stats(generation, services, routes, |_| Arc::default())
     }
 
@@ -994,7 +998,7 @@ impl Snapshot {
     pub fn with_route_stats(
         generation: u64,
         services: Vec<ServiceRuntime>,
-        routes: Vec<Route>,
+        routes: Vec<impl Into<Arc<Route>>>,
         stats_of: impl FnMut(Id) -> Arc<RouteStats>,
     ) -> Snapshot {
         let services: HashMap<Id, Arc<ServiceRuntime>> = services
@@ -1140,10 +1144,11 @@ impl Snapshot {
 /// Resolves each route's services and compiles its conditions, in id order; a route whose
 /// service is missing, or that cannot be compiled, is left out.
 fn resolve_routes(
-    mut routes: Vec<Route>,
+    routes: Vec<impl Into<Arc<Route>>>,
     services: &HashMap<Id, Arc<ServiceRuntime>>,
     mut stats_of: impl FnMut(Id) -> Arc<RouteStats>,
 ) -> Vec<Arc<RouteEntry>> {
+    let mut routes: Vec<Arc<Route>> = routes.into_iter().map(Into::into).collect();
     routes.sort_by_key(|route| route.id);
     // Into a vector of their own: collected in place, the entries (a pointer each) would keep
     // the routes' buffer (a `Route` is 144 pointers wide) for as long as the snapshot lives.
@@ -1169,14 +1174,15 @@ fn resolve_routes(
 /// none. The API stores prefixes normalised; one stored before it did is normalised here, and
 /// one that has no normal form (it climbs above the root, or has a malformed escape) could
 /// match no request: the route is left out, and said so.
-fn normalize_prefix(route: &mut Route) -> bool {
+fn normalize_prefix(route: &mut Arc<Route>) -> bool {
     let Some(prefix) = &route.path_prefix else {
         return true;
     };
     match path::normalize(prefix, EscapedSlashes::Keep) {
         Ok(Cow::Borrowed(_)) => true,
         Ok(Cow::Owned(normal)) => {
-            route.path_prefix = Some(normal);
+            // A copy only for a route whose prefix changes: the rest share the desired state's.
+            Arc::make_mut(route).path_prefix = Some(normal);
             true
         }
         Err(error) => {
@@ -1240,7 +1246,7 @@ mod tests {
 
     pub(super) fn service(id: Id) -> ServiceRuntime {
         ServiceRuntime {
-            service: Service {
+            service: Arc::new(Service {
                 limits: crate::model::UpstreamLimits::default(),
                 id,
                 name: format!("s{id}"),
@@ -1261,7 +1267,7 @@ mod tests {
                 managed_by: None,
                 created_at: crate::clock::now(),
                 updated_at: crate::clock::now(),
-            },
+            }),
             upstream_host: None,
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),
@@ -1332,6 +1338,28 @@ mod tests {
             snapshot.route_entries.capacity(),
             100,
             "a pointer per route, not the buffer of the routes"
+        );
+    }
+
+    #[test]
+    fn route_entries_share_their_routes_unless_a_prefix_is_normalised() {
+        let plain = Arc::new(route(1, &[], "/api", &[], 0));
+        let dotted = Arc::new(route(2, &[], "/a/./b", &[], 0));
+        let snapshot = Snapshot::new(1, vec![service(1)], vec![plain.clone(), dotted.clone()]);
+        let entry = |id| {
+            snapshot
+                .route_entries
+                .iter()
+                .find(|entry| entry.route.id == id)
+                .unwrap()
+        };
+        assert!(Arc::ptr_eq(&entry(1).route, &plain), "no copy of route 1");
+        assert!(!Arc::ptr_eq(&entry(2).route, &dotted));
+        assert_eq!(entry(2).route.path_prefix.as_deref(), Some("/a/b"));
+        assert_eq!(
+            dotted.path_prefix.as_deref(),
+            Some("/a/./b"),
+            "the original is left as given"
         );
     }
 
@@ -1438,7 +1466,7 @@ mod tests {
             ],
         );
         let mut renamed = service(2);
-        renamed.service.name = "renamed".into();
+        Arc::make_mut(&mut renamed.service).name = "renamed".into();
         let change = SnapshotChange {
             services: vec![(2, Some(renamed))],
             ..SnapshotChange::default()
@@ -1487,7 +1515,7 @@ mod tests {
             vec![route(10, &["one.test"], "/", &[], 0)],
         );
         let change = SnapshotChange {
-            routes: Some(vec![route(11, &["new.test"], "/", &[], 0)]),
+            routes: Some(vec![Arc::new(route(11, &["new.test"], "/", &[], 0))]),
             ..SnapshotChange::default()
         };
         let mut asked = Vec::new();
@@ -1546,10 +1574,10 @@ mod tests {
             created_at: crate::clock::now(),
             updated_at: crate::clock::now(),
         };
-        let first = Snapshot::new(1, vec![service(1)], Vec::new())
+        let first = Snapshot::new(1, vec![service(1)], Vec::<Route>::new())
             .with_stream_routes(std::slice::from_ref(&stream), |_| Arc::default());
         let mut changed = service(1);
-        changed.service.name = "changed".into();
+        Arc::make_mut(&mut changed.service).name = "changed".into();
         let change = SnapshotChange {
             services: vec![(1, Some(changed))],
             ..SnapshotChange::default()
@@ -1683,6 +1711,50 @@ mod tests {
             .find(|pick| pick.target.id == 1)
             .expect("a trial that ended without a verdict lets the next pick try");
         assert!(again.is_trial());
+    }
+
+    #[test]
+    fn a_hashed_pick_claims_the_trial_of_its_half_open_target() {
+        let mut runtime = two_targets(LbPolicy::RingHash);
+        Arc::make_mut(&mut runtime.service).lb_policy = LbPolicy::RingHash;
+        let members = runtime
+            .targets
+            .iter()
+            .map(|target| crate::balance::Member {
+                weight: 1,
+                priority: 0,
+                load: target.load.clone(),
+                identity: crate::balance::identity_hash(target.authority.as_str()),
+            })
+            .collect();
+        runtime.balancer = Balancer::new(LbPolicy::RingHash, members);
+        let by_hash = |hash: u64| {
+            let preference = Preference {
+                pinned: None,
+                hash: Some(hash),
+            };
+            runtime
+                .pick_preferring(None, preference, |_| false, true)
+                .unwrap()
+        };
+        let hash = (0..1_000)
+            .find(|&hash| by_hash(hash).target.id == 1)
+            .expect("some key hashes to target 1");
+        half_open(&runtime.targets[1]);
+        let trial = by_hash(hash);
+        assert_eq!(trial.target.id, 1);
+        assert!(trial.is_trial());
+        let next = by_hash(hash);
+        assert_eq!(
+            (next.target.id, next.is_trial()),
+            (0, false),
+            "the key's next choice while the trial is in flight"
+        );
+        drop((trial, next));
+        assert!(
+            by_hash(hash).is_trial(),
+            "the trial ended: the key's target tries again"
+        );
     }
 
     #[test]

@@ -44,7 +44,7 @@ pub fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
         })
         .collect();
     ServiceRuntime {
-        service: Service {
+        service: Arc::new(Service {
             limits: raahi::model::UpstreamLimits::default(),
             id: 1,
             name: "bench".into(),
@@ -65,7 +65,7 @@ pub fn service(policy: LbPolicy, n: usize) -> ServiceRuntime {
             managed_by: None,
             created_at: Utc::now(),
             updated_at: Utc::now(),
-        },
+        }),
         upstream_host: None,
         targets,
         balancer: Balancer::new(policy, members),

@@ -227,18 +227,14 @@ pub(super) fn build_changed(
 }
 
 /// The snapshot's own copy of the routes (it normalises and keeps them).
-fn routes_of(desired: &Desired) -> Vec<Route> {
-    desired
-        .routes
-        .iter()
-        .map(|route| Route::clone(route))
-        .collect()
+fn routes_of(desired: &Desired) -> Vec<Arc<Route>> {
+    desired.routes.clone()
 }
 
 /// One service with the targets that may take new traffic and their carried runtime state.
 fn build_service(
     desired: &Desired,
-    service: &Service,
+    service: &Arc<Service>,
     carried: &mut CarriedState,
 ) -> ServiceRuntime {
     let targets = desired.targets_of(service.id);
@@ -503,6 +499,27 @@ pub(super) mod tests {
         let runtimes = &snapshot.service(1).unwrap().targets;
         assert_eq!(runtimes.len(), 20);
         assert_eq!(runtimes.capacity(), 20, "every snapshot keeps it");
+    }
+
+    #[test]
+    fn a_snapshot_shares_each_service_with_the_desired_state() {
+        let desired = desired(&[(1, 1), (2, 2)]);
+        let mut carried = CarriedState::default();
+        let full = build_full(&desired, &mut carried, 1);
+        let changes = ChangeSet {
+            services: [2].into(),
+            ..ChangeSet::default()
+        };
+        let changed = build_changed(&full, &desired, &changes, &mut carried, 2);
+        for snapshot in [&full, &changed] {
+            for id in [1, 2] {
+                let runtime = snapshot.service(id).unwrap();
+                assert!(
+                    Arc::ptr_eq(&runtime.service, &desired.services[&id]),
+                    "service {id} is a copy of the desired state's"
+                );
+            }
+        }
     }
 
     #[test]

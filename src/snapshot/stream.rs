@@ -248,7 +248,7 @@ mod tests {
 
     fn service(id: Id, protocol: Protocol) -> Arc<ServiceRuntime> {
         Arc::new(ServiceRuntime {
-            service: Service {
+            service: Arc::new(Service {
                 limits: crate::model::UpstreamLimits::default(),
                 id,
                 name: format!("s{id}"),
@@ -269,7 +269,7 @@ mod tests {
                 managed_by: None,
                 created_at: crate::clock::now(),
                 updated_at: crate::clock::now(),
-            },
+            }),
             upstream_host: None,
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),

@@ -394,7 +394,7 @@ mod tests {
     /// The route `/api` of service `web` as the data path sees it.
     fn route_entry(rule: RouteRule) -> Arc<RouteEntry> {
         let service = ServiceRuntime {
-            service: Service {
+            service: Arc::new(Service {
                 limits: crate::model::UpstreamLimits::default(),
                 id: 1,
                 name: "web".into(),
@@ -415,7 +415,7 @@ mod tests {
                 managed_by: None,
                 created_at: crate::clock::now(),
                 updated_at: crate::clock::now(),
-            },
+            }),
             upstream_host: rule.upstream_host.map(HeaderValue::from_static),
             targets: Vec::new(),
             balancer: Balancer::new(LbPolicy::RoundRobin, Vec::new()),

@@ -48,8 +48,8 @@ fn zoned(id: i64, zone: &str) -> TargetRuntime {
 /// A service of `targets` with `policy`, split for zone `a` when `min` is given.
 fn service_of(targets: Vec<TargetRuntime>, policy: LbPolicy, min: Option<u32>) -> ServiceRuntime {
     let mut runtime = service(1);
-    runtime.service.lb_policy = policy;
-    runtime.service.locality = min.map(locality);
+    Arc::make_mut(&mut runtime.service).lb_policy = policy;
+    Arc::make_mut(&mut runtime.service).locality = min.map(locality);
     let members = targets
         .iter()
         .map(|target| Member {
