@@ -113,7 +113,9 @@ impl UpstreamError {
 /// message returned (and only then): the connection closed, or was not ready, before the
 /// request was written; hyper-util then answers with its `Canceled` error over that cause.
 fn tls_unsent(error: &hyper_util::client::legacy::Error) -> bool {
-    std::error::Error::source(error)
+    // Only the direct cause: hyper-util puts the error of a request given back there.
+    crate::error_chain::causes(error)
+        .nth(1)
         .and_then(|cause| cause.downcast_ref::<hyper::Error>())
         .is_some_and(hyper::Error::is_canceled)
 }
