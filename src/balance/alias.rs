@@ -55,6 +55,7 @@ impl AliasTable {
 
     /// A member id, drawn in proportion to its weight. One random u64: its high half picks the
     /// slot (multiply-shift; bias below n/2^32), its low half is the slot's coin.
+    #[inline]
     pub(super) fn draw(&self) -> usize {
         let r = fastrand::u64(..);
         let slot = ((r >> 32) * self.slots.len() as u64) >> 32;

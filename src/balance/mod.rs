@@ -46,6 +46,7 @@ pub struct TargetLoad {
 }
 
 impl TargetLoad {
+    #[inline]
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Relaxed)
     }
@@ -237,11 +238,30 @@ impl Balancer {
     /// member of the lower tier is skipped. Weight applies within a tier, never across tiers.
     ///
     /// O(1) while the preferred tier's fast path finds a member; proving a whole tier skipped
-    /// costs one `skip` call per member of that tier, since `skip` is opaque.
+    /// costs one `skip` call per member of that tier, since `skip` is opaque. The member returned
+    /// is always one `skip` was called for and returned false (callers rely on it).
+    ///
+    /// The preferred tier's fast path is inlined into the caller, where `skip` is known; the
+    /// rest, which nearly every pick skips, is not.
+    #[inline(always)]
     pub fn pick(&self, skip: impl Fn(usize) -> bool) -> Option<usize> {
-        self.tiers.iter().find_map(|tier| {
-            self.pick_fast(tier, &skip)
-                .or_else(|| tier.first_available(&skip))
+        let preferred = self.tiers.first()?;
+        match self.pick_fast(preferred, &skip) {
+            Some(id) => Some(id),
+            None => self.pick_past_fast(&skip),
+        }
+    }
+
+    /// [`Balancer::pick`] once the preferred tier's fast path found nothing: that tier's scan,
+    /// then the next tiers.
+    #[inline(never)]
+    fn pick_past_fast(&self, skip: &impl Fn(usize) -> bool) -> Option<usize> {
+        let (preferred, others) = self.tiers.split_first()?;
+        preferred.first_available(skip).or_else(|| {
+            others.iter().find_map(|tier| {
+                self.pick_fast(tier, skip)
+                    .or_else(|| tier.first_available(skip))
+            })
         })
     }
 
@@ -263,7 +283,8 @@ impl Balancer {
     /// A consistent-hash pick for a request whose key hashed to `hash`: in the first tier with
     /// a member not skipped, the key's member or its next choices (see [`HashTable`]); with a
     /// `bound`, passing over members at their bounded load. A balancer of a policy without
-    /// tables picks as [`Balancer::pick`] does.
+    /// tables picks as [`Balancer::pick`] does. Either way, only a member `skip` returned false
+    /// for is returned.
     pub fn pick_hashed(
         &self,
         hash: u64,
@@ -322,6 +343,7 @@ impl Balancer {
     }
 
     /// The policy's O(1) attempt; None when it only met skipped members.
+    #[inline(always)]
     fn pick_fast(&self, tier: &Tier, skip: &impl Fn(usize) -> bool) -> Option<usize> {
         match &tier.chooser {
             Chooser::RoundRobin(schedule) => {
@@ -331,32 +353,25 @@ impl Balancer {
                 }
                 (0..PROBES).map(|_| schedule.sample()).find(|&id| !skip(id))
             }
-            Chooser::Random(table) => (0..DRAWS).map(|_| table.draw()).find(|&id| !skip(id)),
+            Chooser::Random(table) => {
+                let first = table.draw();
+                if !skip(first) {
+                    return Some(first);
+                }
+                draw_again(table, DRAWS - 1, |id| !skip(id))
+            }
             Chooser::LeastRequest(table) => {
-                let first = (0..DRAWS).map(|_| table.draw()).find(|&id| !skip(id))?;
+                let mut first = table.draw();
+                if skip(first) {
+                    first = draw_again(table, DRAWS - 1, |id| !skip(id))?;
+                }
                 if tier.members.len() == 1 {
                     return Some(first);
                 }
-                // Small tiers often draw `first` again; a uniform pick among the others then keeps
-                // the comparison (two members: always the other one).
-                let second = (0..SECOND_DRAWS)
-                    .map(|_| table.draw())
-                    .find(|&id| id != first && !skip(id))
-                    .or_else(|| {
-                        let others = tier.members.len() - 1;
-                        let start = fastrand::usize(..others);
-                        (0..others.min(SECOND_DRAWS))
-                            .map(|step| {
-                                let index = (start + step) % others;
-                                let id = tier.members[index] as usize;
-                                if id == first {
-                                    tier.members[others] as usize
-                                } else {
-                                    id
-                                }
-                            })
-                            .find(|&id| id != first && !skip(id))
-                    });
+                let second = match table.draw() {
+                    second if second != first && !skip(second) => Some(second),
+                    _ => tier.second_choice(table, first, skip),
+                };
                 Some(second.map_or(first, |second| self.lighter(first, second)))
             }
         }
@@ -365,6 +380,7 @@ impl Balancer {
     /// Power of two choices: the member with less load per weight, counting the request about
     /// to be sent (hence +1, so an idle heavy member beats an idle light one). Ties keep `a`, the
     /// first draw, so equal loads follow the weighted draw.
+    #[inline]
     fn lighter(&self, a: usize, b: usize) -> usize {
         let load = |id: usize| u64::from(self.loads[id].in_flight()) + 1;
         let weight = |id: usize| u64::from(self.weights[id]);
@@ -395,6 +411,39 @@ impl Tier {
             table: None,
             total_weight: weights.iter().map(|&w| u64::from(w)).sum(),
         }
+    }
+
+    /// LeastRequest's second choice once its first draw for it met `first` or a skipped
+    /// member: more draws, then a uniform pick among the others (small tiers often draw `first`
+    /// again; a tier of two then always compares with the other one).
+    #[cold]
+    #[inline(never)]
+    fn second_choice(
+        &self,
+        table: &AliasTable,
+        first: usize,
+        skip: &impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        draw_again(table, SECOND_DRAWS - 1, |id| id != first && !skip(id))
+            .or_else(|| self.other_than(first, skip))
+    }
+
+    /// LeastRequest's second choice once its draws kept meeting `first` or skipped members: a
+    /// uniform pick among the others (of a tier of two or more).
+    fn other_than(&self, first: usize, skip: &impl Fn(usize) -> bool) -> Option<usize> {
+        let others = self.members.len() - 1;
+        let start = fastrand::usize(..others);
+        (0..others.min(SECOND_DRAWS))
+            .map(|step| {
+                let index = (start + step) % others;
+                let id = self.members[index] as usize;
+                if id == first {
+                    self.members[others] as usize
+                } else {
+                    id
+                }
+            })
+            .find(|&id| id != first && !skip(id))
     }
 
     /// Fallback once the policy kept meeting skipped members: the first available member from a
@@ -432,6 +481,14 @@ impl fmt::Debug for Balancer {
             .field("tiers (priority, members)", &tiers)
             .finish()
     }
+}
+
+/// Up to `draws` more weighted draws from `table`: the first that `takes` accepts. Out of line:
+/// the pick's first draw nearly always does.
+#[cold]
+#[inline(never)]
+fn draw_again(table: &AliasTable, draws: usize, takes: impl Fn(usize) -> bool) -> Option<usize> {
+    (0..draws).map(|_| table.draw()).find(|&id| takes(id))
 }
 
 #[cfg(test)]

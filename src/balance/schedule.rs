@@ -43,6 +43,7 @@ impl Schedule {
     }
 
     /// The member at the cursor, advancing it for the next request.
+    #[inline]
     pub(super) fn next(&self) -> usize {
         let step = self.cursor.0.fetch_add(1, Ordering::Relaxed);
         self.entries[step % self.entries.len()] as usize
@@ -51,6 +52,7 @@ impl Schedule {
     /// A member drawn in proportion to its weight, without touching the cursor: a uniform draw
     /// over the cycle. Used to replace a skipped entry so that its share goes to the others in
     /// proportion to their weights, rather than all to whichever member follows it in the cycle.
+    #[inline]
     pub(super) fn sample(&self) -> usize {
         self.entries[fastrand::usize(..self.entries.len())] as usize
     }
