@@ -330,14 +330,61 @@ pub enum PickKind {
 #[derive(Debug)]
 pub struct Pick<'a> {
     pub target: &'a TargetRuntime,
-    pub kind: PickKind,
-    trial: Option<Trial<'a>>,
+    /// One byte beside the target, so that a pick is a pair of scalars and returns in two
+    /// registers; the target holds the health whose trial a drop ends.
+    hold: Hold,
 }
 
-impl Pick<'_> {
+/// How a [`Pick`] chose its target, and whether it holds the target's half-open trial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Available,
+    /// Available, as its one trial after an ejection: ended when the pick is dropped.
+    Trial,
+    Panic,
+}
+
+impl<'a> Pick<'a> {
+    fn open(target: &'a TargetRuntime) -> Pick<'a> {
+        Pick {
+            target,
+            hold: Hold::Available,
+        }
+    }
+
+    fn trial(target: &'a TargetRuntime, trial: Trial<'a>) -> Pick<'a> {
+        trial.hand_over();
+        Pick {
+            target,
+            hold: Hold::Trial,
+        }
+    }
+
+    fn panic(target: &'a TargetRuntime) -> Pick<'a> {
+        Pick {
+            target,
+            hold: Hold::Panic,
+        }
+    }
+
+    pub fn kind(&self) -> PickKind {
+        match self.hold {
+            Hold::Available | Hold::Trial => PickKind::Available,
+            Hold::Panic => PickKind::Panic,
+        }
+    }
+
     /// The request is the target's one trial after an ejection.
     pub fn is_trial(&self) -> bool {
-        self.trial.is_some()
+        self.hold == Hold::Trial
+    }
+}
+
+impl Drop for Pick<'_> {
+    fn drop(&mut self) {
+        if self.hold == Hold::Trial {
+            self.target.health.end_trial();
+        }
     }
 }
 
@@ -355,6 +402,7 @@ impl ServiceRuntime {
     /// is in flight, and the pick that chooses it carries the trial. Panic picks ignore
     /// ejection and so trials too: when nothing is available the target in a trial is as good
     /// a choice as an ejected one, and such a pick holds no trial.
+    #[inline]
     pub fn pick(
         &self,
         skip: impl Fn(&TargetRuntime) -> bool,
@@ -373,27 +421,22 @@ impl ServiceRuntime {
         skip: impl Fn(&TargetRuntime) -> bool,
     ) -> Option<Pick<'_>> {
         let target = self.session_target(id, subset)?;
-        let clock = lazy_clock();
-        if skip(target) || !target.health.is_available(&clock) {
+        let clock = LazyClock::default();
+        if skip(target) || !target.health.is_available(|| clock.now()) {
             return None;
         }
-        let trial = match target.health.admit(&clock) {
-            Admission::Open => None,
-            Admission::Trial(trial) => Some(trial),
-            Admission::Refused => return None,
-        };
-        Some(Pick {
-            target,
-            kind: PickKind::Available,
-            trial,
-        })
+        match target.health.admit(|| clock.now()) {
+            Admission::Open => Some(Pick::open(target)),
+            Admission::Trial(trial) => Some(Pick::trial(target, trial)),
+            Admission::Refused => None,
+        }
     }
 
     /// Whether the target a session cookie names would take the session now (in rotation or
     /// draining, of `subset` when given, available), without claiming anything.
     pub fn takes_session(&self, id: Id, subset: Option<&Subset>) -> bool {
         self.session_target(id, subset)
-            .is_some_and(|target| target.health.is_available(lazy_clock()))
+            .is_some_and(|target| target.health.is_available(unix_ms))
     }
 
     /// The target with this id among those a session may reach: in rotation or draining, and
@@ -453,18 +496,18 @@ impl ServiceRuntime {
                 factor_percent,
                 in_flight: self.counters.in_flight.load(Ordering::Relaxed),
             });
-        self.pick_by(subset, Choice::Hashed(hash, bound), skip, allow_panic)
+        self.pick_by(subset, ByHash(hash, bound), skip, allow_panic)
     }
 
     /// Whether some target (of `subset`, when given) is available now. Moves no cursor.
     pub fn has_available(&self, subset: Option<&Subset>) -> bool {
-        let clock = lazy_clock();
+        let clock = LazyClock::default();
         let (balancer, members) = self.members(subset);
         balancer
             .pick_random(|index| {
                 !self.targets[target_index(members, index)]
                     .health
-                    .is_available(&clock)
+                    .is_available(|| clock.now())
             })
             .is_some()
     }
@@ -477,13 +520,14 @@ impl ServiceRuntime {
     }
 
     /// [`ServiceRuntime::pick`] among the targets of `subset` (all targets when None).
+    #[inline]
     pub fn pick_in(
         &self,
         subset: Option<&Subset>,
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
-        self.pick_by(subset, Choice::Policy, skip, allow_panic)
+        self.pick_by(subset, ByPolicy, skip, allow_panic)
     }
 
     /// A pick by `choice` among the targets of `subset` (all when None): an available target,
@@ -493,10 +537,11 @@ impl ServiceRuntime {
     /// Without a subset, a zone split in force narrows the pick to the zone's targets first; when
     /// none of them is available (the control task has not looked since), the pick is over
     /// every zone, as without locality. A subset's pick ignores locality.
+    #[inline]
     fn pick_by(
         &self,
         subset: Option<&Subset>,
-        choice: Choice,
+        choice: impl Choice,
         skip: impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
@@ -518,78 +563,170 @@ impl ServiceRuntime {
     }
 
     /// A pick by `choice` among `members` (all targets when None) through their `balancer`.
+    ///
+    /// Straight-line for the common case (an available target, no ejection met); the rest is
+    /// out of line, so that the compiler hoists nothing of it into every pick.
     fn pick_among(
         &self,
         balancer: &Balancer,
         members: Option<&[u32]>,
-        choice: Choice,
+        choice: impl Choice,
         skip: &impl Fn(&TargetRuntime) -> bool,
         allow_panic: bool,
     ) -> Option<Pick<'_>> {
-        let clock = lazy_clock();
-        let target_at = |index: usize| &self.targets[target_index(members, index)];
-        let available = |index: usize| {
-            let target = target_at(index);
-            !skip(target) && target.health.is_available(&clock)
+        let candidates = Candidates {
+            targets: &self.targets,
+            members,
+            skip,
         };
-        for _ in 0..TRIAL_RACES {
-            let chosen = match choice {
-                Choice::Policy => balancer.pick(|index| !available(index)),
-                Choice::Hashed(hash, bound) => {
-                    balancer.pick_hashed(hash, bound, |index| !available(index))
+        let clock = LazyClock::default();
+        let chosen = candidates.choose(balancer, choice, &clock);
+        // The balancer returns only a target `available` passed, and `available` reads the
+        // clock for every target with an ejection recorded. Unread, the chosen target had none
+        // when the pick looked: no trial to claim, and `admit` would only load the same word
+        // again. (Ejected since, it goes as a request picked a moment earlier would.)
+        match chosen {
+            Some(index) if !clock.was_read() => Some(Pick::open(candidates.at(index))),
+            _ => self.pick_past_gate(candidates, balancer, choice, chosen, &clock, allow_panic),
+        }
+    }
+
+    /// The rest of [`ServiceRuntime::pick_among`] after its first choice (`chosen`), when that
+    /// met an ejection or found nothing: the gate lets the request through to the chosen target,
+    /// as its trial when it is half-open; a trial lost to a concurrent request picks again, up
+    /// to [`TRIAL_RACES`] picks in all. When they find nothing, a panic pick if allowed.
+    #[cold]
+    #[inline(never)]
+    fn pick_past_gate<'t>(
+        &self,
+        candidates: Candidates<'t, '_, impl Fn(&TargetRuntime) -> bool>,
+        balancer: &Balancer,
+        choice: impl Choice,
+        mut chosen: Option<usize>,
+        clock: &LazyClock,
+        allow_panic: bool,
+    ) -> Option<Pick<'t>> {
+        let mut picks = 1;
+        while let Some(index) = chosen {
+            let target = candidates.at(index);
+            match target.health.admit(|| clock.now()) {
+                Admission::Open => return Some(Pick::open(target)),
+                Admission::Trial(trial) => return Some(Pick::trial(target, trial)),
+                Admission::Refused if picks == TRIAL_RACES => break,
+                Admission::Refused => {
+                    picks += 1;
+                    chosen = candidates.choose(balancer, choice, clock);
                 }
-            };
-            let Some(index) = chosen else {
-                break;
-            };
-            let target = target_at(index);
-            let trial = match target.health.admit(&clock) {
-                Admission::Open => None,
-                Admission::Trial(trial) => Some(trial),
-                Admission::Refused => continue,
-            };
-            return Some(Pick {
-                target,
-                kind: PickKind::Available,
-                trial,
-            });
+            }
         }
         if !allow_panic {
             return None;
         }
-        let skipped = |index: usize| skip(target_at(index));
-        // A hashed panic pick keeps the key's order, as its ordinary pick does.
-        let index = match choice {
-            Choice::Policy => balancer.pick_random(skipped),
-            Choice::Hashed(hash, _) => balancer.pick_hashed(hash, None, skipped),
-        }?;
+        let skipped = |index: usize| (candidates.skip)(candidates.at(index));
+        let index = choice.choose_in_panic(balancer, skipped)?;
         self.counters.panic_picks.fetch_add(1, Ordering::Relaxed);
-        Some(Pick {
-            target: target_at(index),
-            kind: PickKind::Panic,
-            trial: None,
+        Some(Pick::panic(candidates.at(index)))
+    }
+}
+
+/// The targets a pick chooses among, by the numbers their balancer gives them.
+struct Candidates<'t, 'c, S> {
+    targets: &'t [TargetRuntime],
+    /// The targets' indices by balancer member (None: the same numbers).
+    members: Option<&'c [u32]>,
+    /// Targets this request may not have (already tried).
+    skip: &'c S,
+}
+
+impl<S> Clone for Candidates<'_, '_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for Candidates<'_, '_, S> {}
+
+impl<'t, S: Fn(&TargetRuntime) -> bool> Candidates<'t, '_, S> {
+    fn at(self, index: usize) -> &'t TargetRuntime {
+        &self.targets[target_index(self.members, index)]
+    }
+
+    /// One balancer pick by `choice` of a target not skipped and available now.
+    #[inline]
+    fn choose(self, balancer: &Balancer, choice: impl Choice, clock: &LazyClock) -> Option<usize> {
+        choice.choose(balancer, move |index: usize| {
+            let target = self.at(index);
+            (self.skip)(target) || !target.health.is_available(|| clock.now())
         })
     }
 }
 
-/// How [`ServiceRuntime::pick_by`] chooses among available targets.
+/// How [`ServiceRuntime::pick_by`] chooses among available targets: a type for each way, so
+/// that a policy's pick is compiled without the hashed one's code and state.
+trait Choice: Copy {
+    /// One member that `unavailable` does not rule out.
+    fn choose(self, balancer: &Balancer, unavailable: impl Fn(usize) -> bool) -> Option<usize>;
+
+    /// A panic pick: one member that `skipped` does not rule out, health and ejection ignored.
+    fn choose_in_panic(self, balancer: &Balancer, skipped: impl Fn(usize) -> bool)
+        -> Option<usize>;
+}
+
+/// The service's policy (round robin for a hashing policy without a key).
 #[derive(Clone, Copy)]
-enum Choice {
-    /// The service's policy (round robin for a hashing policy without a key).
-    Policy,
-    /// A consistent-hash pick for a key's hash, with the bounded load when configured.
-    Hashed(u64, Option<LoadBound>),
+struct ByPolicy;
+
+impl Choice for ByPolicy {
+    fn choose(self, balancer: &Balancer, unavailable: impl Fn(usize) -> bool) -> Option<usize> {
+        balancer.pick(unavailable)
+    }
+
+    /// Weighted random, so that panic picks do not bend the round-robin rotation.
+    fn choose_in_panic(
+        self,
+        balancer: &Balancer,
+        skipped: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        balancer.pick_random(skipped)
+    }
+}
+
+/// A consistent-hash pick for a key's hash, with the bounded load when configured.
+#[derive(Clone, Copy)]
+struct ByHash(u64, Option<LoadBound>);
+
+impl Choice for ByHash {
+    fn choose(self, balancer: &Balancer, unavailable: impl Fn(usize) -> bool) -> Option<usize> {
+        balancer.pick_hashed(self.0, self.1, unavailable)
+    }
+
+    /// The key's order, as its ordinary pick has, without the load bound.
+    fn choose_in_panic(
+        self,
+        balancer: &Balancer,
+        skipped: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        balancer.pick_hashed(self.0, None, skipped)
+    }
 }
 
 /// The wall clock in ms, read at most once per pick and only when some target has an
 /// ejection to compare with it.
-fn lazy_clock() -> impl Fn() -> u64 {
-    let now_ms = std::cell::Cell::new(0);
-    move || {
-        if now_ms.get() == 0 {
-            now_ms.set(unix_ms());
+#[derive(Default)]
+struct LazyClock(std::cell::Cell<u64>);
+
+impl LazyClock {
+    fn now(&self) -> u64 {
+        if self.0.get() == 0 {
+            self.0.set(unix_ms());
         }
-        now_ms.get()
+        self.0.get()
+    }
+
+    /// Whether [`LazyClock::now`] was called. Also false if it read 0 (a clock before 1970),
+    /// when no ejection has ended, so no target can be half-open.
+    fn was_read(&self) -> bool {
+        self.0.get() != 0
     }
 }
 
@@ -1699,7 +1836,7 @@ mod tests {
         for _ in 0..20 {
             let pick = runtime.pick(|_| false, true).unwrap();
             assert_eq!(
-                (pick.target.id, pick.kind),
+                (pick.target.id, pick.kind()),
                 (0, PickKind::Available),
                 "the other target takes every pick while the trial is in flight"
             );
@@ -1711,6 +1848,16 @@ mod tests {
             .find(|pick| pick.target.id == 1)
             .expect("a trial that ended without a verdict lets the next pick try");
         assert!(again.is_trial());
+    }
+
+    #[test]
+    fn a_pick_is_two_words_so_it_returns_in_registers() {
+        // The trial is a flag beside the target (whose health it ends), not a guard of its own:
+        // with one, `Option<Pick>` was three words and every pick returned it through memory.
+        assert_eq!(
+            std::mem::size_of::<Option<Pick<'_>>>(),
+            2 * std::mem::size_of::<usize>()
+        );
     }
 
     #[test]
@@ -1797,7 +1944,7 @@ mod tests {
             "a retry takes no panic pick"
         );
         let panic = runtime.pick(|_| false, true).unwrap();
-        assert_eq!((panic.target.id, panic.kind), (0, PickKind::Panic));
+        assert_eq!((panic.target.id, panic.kind()), (0, PickKind::Panic));
         assert!(!panic.is_trial());
         assert_eq!(runtime.counters.panic_picks.load(Ordering::Relaxed), 1);
     }

@@ -279,6 +279,13 @@ impl TargetHealth {
         }
     }
 
+    /// Lets the next request try. Only for the holder of a trial handed over by
+    /// [`Trial::hand_over`]; a [`Trial`] guard ends its own.
+    pub fn end_trial(&self) {
+        // Release pairs with the acquire in `admit`: this trial's verdict is visible to the next.
+        self.trial.store(false, Ordering::Release);
+    }
+
     /// A request it served succeeded: its failure window starts over, and a trial after an
     /// ejection restores it. A success that arrives while the ejection still runs (a request
     /// started before it) does not cut the ejection short.
@@ -406,9 +413,19 @@ pub struct Trial<'a> {
     health: &'a TargetHealth,
 }
 
+impl Trial<'_> {
+    /// Gives up the guard: the caller now ends the trial itself, with
+    /// [`TargetHealth::end_trial`], exactly once. A pick keeps its trial as a flag beside the
+    /// target, which holds its health, so that it stays two words and returns in registers.
+    pub fn hand_over(self) {
+        // Not a leak: the trial's end moves to the holder, which calls `end_trial` once.
+        let _handed_over = std::mem::ManuallyDrop::new(self);
+    }
+}
+
 impl Drop for Trial<'_> {
     fn drop(&mut self) {
-        self.health.trial.store(false, Ordering::Release);
+        self.health.end_trial();
     }
 }
 
