@@ -1522,6 +1522,23 @@ fn http1_tls_acceptor() -> tokio_rustls::TlsAcceptor {
     tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
+/// The TLS side of a connection an origin accepted. While `stall` is set the handshake waits
+/// for `handshakes` to open, and the connection is counted in `stalled`. None when the test
+/// ended first or the handshake failed.
+async fn tls_accept_unless_stalled(
+    acceptor: &tokio_rustls::TlsAcceptor,
+    stream: TcpStream,
+    stall: &std::sync::atomic::AtomicBool,
+    stalled: &AtomicU64,
+    handshakes: &mut tokio::sync::watch::Receiver<bool>,
+) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+    if stall.load(Ordering::SeqCst) {
+        stalled.fetch_add(1, Ordering::SeqCst);
+        handshakes.wait_for(|open| *open).await.ok()?;
+    }
+    acceptor.accept(stream).await.ok()
+}
+
 #[tokio::test]
 async fn an_https_request_whose_client_left_before_it_was_written_is_never_sent() {
     // Connections accepted while `stall` is set wait for `handshakes` before their TLS
@@ -1543,13 +1560,10 @@ async fn an_https_request_whose_client_left_before_it_was_written_is_never_sent(
             );
             let (mut handshakes, mut held) = (handshakes_seen.clone(), held_seen.clone());
             async move {
-                if stall.load(Ordering::SeqCst) {
-                    stalled.fetch_add(1, Ordering::SeqCst);
-                    if handshakes.wait_for(|open| *open).await.is_err() {
-                        return;
-                    }
-                }
-                let Ok(mut stream) = acceptor.accept(stream).await else {
+                let Some(mut stream) =
+                    tls_accept_unless_stalled(&acceptor, stream, &stall, &stalled, &mut handshakes)
+                        .await
+                else {
                     return;
                 };
                 let mut pending = Vec::new();
@@ -1669,13 +1683,15 @@ impl ClosingTlsOrigin {
                 );
                 let mut handshakes = handshakes_seen.clone();
                 async move {
-                    if stall.load(Ordering::SeqCst) {
-                        stalled.fetch_add(1, Ordering::SeqCst);
-                        if handshakes.wait_for(|open| *open).await.is_err() {
-                            return;
-                        }
-                    }
-                    let Ok(mut stream) = acceptor.accept(stream).await else {
+                    let Some(mut stream) = tls_accept_unless_stalled(
+                        &acceptor,
+                        stream,
+                        &stall,
+                        &stalled,
+                        &mut handshakes,
+                    )
+                    .await
+                    else {
                         return;
                     };
                     let mut pending = Vec::new();
