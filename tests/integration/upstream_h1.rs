@@ -1522,6 +1522,27 @@ fn http1_tls_acceptor() -> tokio_rustls::TlsAcceptor {
     tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
+/// A gateway sending every request to the origin at `address` as an `https` target (its
+/// certificate unverified), one attempt each, without ejection.
+async fn https_gateway_to(address: SocketAddr) -> TestGateway {
+    let gateway = TestGateway::start().await;
+    let service = gateway
+        .create(
+            "/api/v1/services",
+            json!({"name": "tls", "protocol": "https", "tls_verify": false,
+                   "ejection": false, "max_attempts": 1}),
+        )
+        .await;
+    gateway
+        .create(
+            &format!("/api/v1/services/{service}/targets"),
+            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
+        )
+        .await;
+    gateway.route_all_streaming_to(service).await;
+    gateway
+}
+
 /// The TLS side of a connection an origin accepted. While `stall` is set the handshake waits
 /// for `handshakes` to open, and the connection is counted in `stalled`. None when the test
 /// ended first or the handshake failed.
@@ -1581,21 +1602,7 @@ async fn an_https_request_whose_client_left_before_it_was_written_is_never_sent(
         })
         .await
     };
-    let gateway = TestGateway::start().await;
-    let service = gateway
-        .create(
-            "/api/v1/services",
-            json!({"name": "tls", "protocol": "https", "tls_verify": false,
-                   "ejection": false, "max_attempts": 1}),
-        )
-        .await;
-    gateway
-        .create(
-            &format!("/api/v1/services/{service}/targets"),
-            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
-        )
-        .await;
-    gateway.route_all_streaming_to(service).await;
+    let gateway = https_gateway_to(address).await;
     let seen = |path: &'static str| {
         let paths = paths.clone();
         move || {
@@ -1736,23 +1743,7 @@ impl ClosingTlsOrigin {
 
     /// A gateway sending every request to this origin as an `https` target, one attempt each.
     async fn gateway(&self) -> TestGateway {
-        let gateway = TestGateway::start().await;
-        let service = gateway
-            .create(
-                "/api/v1/services",
-                json!({"name": "tls", "protocol": "https", "tls_verify": false,
-                       "ejection": false, "max_attempts": 1}),
-            )
-            .await;
-        gateway
-            .create(
-                &format!("/api/v1/services/{service}/targets"),
-                json!({"host": self.address.ip().to_string(), "port": self.address.port(),
-                       "weight": 1}),
-            )
-            .await;
-        gateway.route_all_streaming_to(service).await;
-        gateway
+        https_gateway_to(self.address).await
     }
 
     /// A keep-alive client whose `/first` was answered, and the origin's side of the
