@@ -311,10 +311,14 @@ fn ok(body: &str) -> Vec<u8> {
 /// A gateway whose route `all` sends every request to the one plain target at `address`.
 /// Passive ejection is off, so a test's deliberate failures do not change later picks.
 async fn gateway_to_address(name: &str, address: SocketAddr) -> TestGateway {
+    gateway_to_target(json!({"name": name, "ejection": false}), address).await
+}
+
+/// A gateway whose route `all` sends every request to a service created from `service` (its
+/// JSON) with the one target at `address`.
+async fn gateway_to_target(service: serde_json::Value, address: SocketAddr) -> TestGateway {
     let gateway = TestGateway::start().await;
-    let service = gateway
-        .create("/api/v1/services", json!({"name": name, "ejection": false}))
-        .await;
+    let service = gateway.create("/api/v1/services", service).await;
     gateway
         .create(
             &format!("/api/v1/services/{service}/targets"),
@@ -1525,22 +1529,9 @@ fn http1_tls_acceptor() -> tokio_rustls::TlsAcceptor {
 /// A gateway sending every request to the origin at `address` as an `https` target (its
 /// certificate unverified), one attempt each, without ejection.
 async fn https_gateway_to(address: SocketAddr) -> TestGateway {
-    let gateway = TestGateway::start().await;
-    let service = gateway
-        .create(
-            "/api/v1/services",
-            json!({"name": "tls", "protocol": "https", "tls_verify": false,
-                   "ejection": false, "max_attempts": 1}),
-        )
-        .await;
-    gateway
-        .create(
-            &format!("/api/v1/services/{service}/targets"),
-            json!({"host": address.ip().to_string(), "port": address.port(), "weight": 1}),
-        )
-        .await;
-    gateway.route_all_streaming_to(service).await;
-    gateway
+    let service = json!({"name": "tls", "protocol": "https", "tls_verify": false,
+                         "ejection": false, "max_attempts": 1});
+    gateway_to_target(service, address).await
 }
 
 /// The TLS side of a connection an origin accepted. While `stall` is set the handshake waits
